@@ -1,0 +1,1 @@
+"""Data-parallel training experiments on Fashion-MNIST with Lightning and Hydra."""

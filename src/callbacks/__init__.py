@@ -1,0 +1,1 @@
+"""Callbacks that measure runs: epoch time and throughput, communication."""

@@ -1,0 +1,52 @@
+"""Wall time of each training epoch, validation excluded."""
+
+import time
+
+import torch
+from lightning import Callback, LightningModule, Trainer
+from lightning.pytorch.trainer.states import TrainerFn
+
+
+def _sync(device: torch.device) -> None:
+    """Wait for queued CUDA work so that wall time covers the kernels, not only their launch."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class EpochTimer(Callback):
+    """Logs `time/epoch_s` and `time/samples_per_s` once per training epoch.
+
+    Validation runs inside Lightning's training epoch; its time is measured and subtracted so
+    that the figure is comparable with a plain training loop and with the book's s/epoch.
+    """
+
+    def __init__(self) -> None:
+        self.epoch_times: list[float] = []
+        self._start = 0.0
+        self._paused_at: float | None = None
+        self._paused = 0.0
+        self._samples = 0
+
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        _sync(pl_module.device)
+        self._start, self._paused, self._paused_at, self._samples = time.perf_counter(), 0.0, None, 0
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
+        self._samples += len(batch[1]) * trainer.world_size
+
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking:
+            _sync(pl_module.device)
+            self._paused_at = time.perf_counter()
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._paused_at is not None:
+            self._paused += time.perf_counter() - self._paused_at
+            self._paused_at = None
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        _sync(pl_module.device)
+        seconds = time.perf_counter() - self._start - self._paused
+        self.epoch_times.append(seconds)
+        pl_module.log("time/epoch_s", seconds, rank_zero_only=True)
+        pl_module.log("time/samples_per_s", self._samples / seconds if seconds > 0 else 0.0, rank_zero_only=True)

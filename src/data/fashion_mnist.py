@@ -1,0 +1,158 @@
+"""Fashion-MNIST held in memory as uint8 tensors, sharded per process, batched by slicing."""
+
+import os
+from pathlib import Path
+
+import torch
+from lightning import LightningDataModule
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torchvision.datasets import FashionMNIST
+
+from src.errors import UsageError
+
+# Mean and standard deviation of the official training images' pixels (in [0, 1]).
+MEAN, STD = 0.2860, 0.3530
+RAW_FILES = [os.path.splitext(os.path.basename(url))[0] for url, _ in FashionMNIST.resources]
+
+
+class TensorImages(Dataset):
+    """Images as one uint8 tensor; `__getitems__` lets the DataLoader fetch a batch by slicing."""
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor) -> None:
+        self.images = images.unsqueeze(1) if images.dim() == 3 else images
+        self.labels = labels
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.images[index], self.labels[index]
+
+    def __getitems__(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        index = torch.as_tensor(indices)
+        return self.images[index], self.labels[index]
+
+
+def _keep_batch(batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """collate_fn for batches that `__getitems__` already built."""
+    return batch
+
+
+def per_process_batch(batch_size: int, world_size: int) -> int:
+    """The global batch split evenly over all processes."""
+    if batch_size < 1 or batch_size % world_size:
+        raise UsageError(
+            f"data.batch_size={batch_size} is the global batch and must be a positive multiple of the "
+            f"{world_size} processes (devices x num_nodes); try {max(world_size, batch_size // world_size * world_size)}"
+        )
+    return batch_size // world_size
+
+
+class FashionMNISTDataModule(LightningDataModule):
+    """Fashion-MNIST through torchvision: download when missing, parse the IDX files, keep them in memory.
+
+    Every split is served through a DistributedSampler, also on one process, so that a run on
+    N processes sees exactly the same global batches as a run on one: the union of the N
+    shards of batch k is batch k of the single-process run.
+    """
+
+    def __init__(
+        self,
+        root: str = "data",
+        batch_size: int = 256,
+        num_workers: int = 0,
+        val_size: int = 5000,
+        download: bool = True,
+        shuffle: bool = True,
+        seed: int = 42,
+    ) -> None:
+        super().__init__()
+        self.root = Path(root)
+        self.batch_size = batch_size
+        self.num_workers = num_workers
+        self.val_size = val_size
+        self.download = download
+        self.shuffle = shuffle
+        self.seed = seed
+        self.splits: dict[str, TensorImages] = {}
+
+    @property
+    def raw_folder(self) -> Path:
+        return self.root / "FashionMNIST" / "raw"
+
+    def missing_files(self) -> list[str]:
+        return [name for name in RAW_FILES if not (self.raw_folder / name).is_file()]
+
+    def prepare_data(self) -> None:
+        """Download into `root` when files are missing (runs once per node)."""
+        if not self.missing_files():
+            return
+        reason = "data.download=false"
+        if self.download:
+            try:
+                FashionMNIST(str(self.root), train=True, download=True)
+                FashionMNIST(str(self.root), train=False, download=True)
+                return
+            except Exception as error:  # torchvision raises RuntimeError/URLError/OSError when offline
+                reason = f"download failed: {str(error).splitlines()[0] if str(error) else type(error).__name__}"
+        raise UsageError(
+            f"data.root={self.root}: Fashion-MNIST not found in {self.raw_folder} ({reason}); expected "
+            f"{', '.join(RAW_FILES)}; point data.root=<folder holding FashionMNIST/raw> at a copy"
+        )
+
+    def _load(self, train: bool) -> FashionMNIST:
+        if self.missing_files():
+            self.prepare_data()
+        try:
+            return FashionMNIST(str(self.root), train=train, download=False)
+        except Exception as error:
+            raise UsageError(
+                f"data.root={self.root}: could not read the Fashion-MNIST files in {self.raw_folder} "
+                f"({type(error).__name__}: {error}); they look corrupt: delete them to download again, "
+                "or point data.root at a good copy"
+            ) from error
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.splits:
+            return
+        train = self._load(train=True)
+        test = self._load(train=False)
+        if not 0 <= self.val_size < len(train.targets):
+            raise UsageError(f"data.val_size={self.val_size} must be in [0, {len(train.targets) - 1}]")
+        order = torch.randperm(len(train.targets), generator=torch.Generator().manual_seed(self.seed))
+        val_idx, train_idx = order[: self.val_size], order[self.val_size :]
+        self.splits = {
+            "train": TensorImages(train.data[train_idx], train.targets[train_idx]),
+            "val": TensorImages(train.data[val_idx], train.targets[val_idx]),
+            "test": TensorImages(test.data, test.targets),
+        }
+
+    def _loader(self, split: str) -> DataLoader:
+        trainer = self.trainer
+        world_size = trainer.world_size if trainer else 1
+        rank = trainer.global_rank if trainer else 0
+        dataset = self.splits[split]
+        shuffle = self.shuffle and split == "train"
+        sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=self.seed)
+        return DataLoader(
+            dataset,
+            batch_size=per_process_batch(self.batch_size, world_size),
+            sampler=sampler,
+            collate_fn=_keep_batch,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader("train")
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader("val")
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader("test")
+
+    def on_after_batch_transfer(self, batch: tuple[torch.Tensor, torch.Tensor], dataloader_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Normalise on the device: a uint8 batch crosses the bus at a quarter of the float size."""
+        images, labels = batch
+        return images.float().div_(255).sub_(MEAN).div_(STD), labels

@@ -1,0 +1,5 @@
+"""The one exception type for mistakes a user can fix from the command line."""
+
+
+class UsageError(Exception):
+    """Bad option or missing input: shown as a single `error: ...` line, exit status 2."""

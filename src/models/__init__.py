@@ -1,0 +1,1 @@
+"""Networks (plain nn.Modules) and the LightningModule that trains them."""

@@ -1,0 +1,77 @@
+"""The LightningModule shared by every model, strategy and precision."""
+
+from typing import Any
+
+import torch
+from lightning import LightningModule
+from torch import nn
+from torchmetrics import MaxMetric
+from torchmetrics.classification import MulticlassAccuracy
+
+
+class Classifier(LightningModule):
+    """Trains any image classifier `net` with SGD and cross-entropy, as the book does.
+
+    Loss, accuracy and logging happen here, on the gathered logits of the whole
+    (per-process) batch, so a strategy only has to make `net`'s forward pass parallel.
+    """
+
+    def __init__(
+        self,
+        net: nn.Module,
+        lr: float = 0.1,
+        momentum: float = 0.0,
+        weight_decay: float = 0.0,
+        num_classes: int = 10,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters(ignore=["net"], logger=False)
+        self.net = net
+        self.loss = nn.CrossEntropyLoss()
+        self.train_acc = MulticlassAccuracy(num_classes, average="micro")
+        self.val_acc = MulticlassAccuracy(num_classes, average="micro")
+        self.test_acc = MulticlassAccuracy(num_classes, average="micro")
+        self.val_acc_best = MaxMetric()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def model_step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        x, y = batch
+        logits = self(x)
+        return self.loss(logits, y), logits, y
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss, logits, y = self.model_step(batch)
+        self.train_acc(logits, y)
+        self.log("train/loss", loss, on_step=True, on_epoch=True, prog_bar=True)
+        self.log("train/acc", self.train_acc, on_step=False, on_epoch=True, prog_bar=True)
+        return loss
+
+    def on_validation_epoch_start(self) -> None:
+        self.val_acc.reset()
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        loss, logits, y = self.model_step(batch)
+        self.val_acc(logits, y)
+        self.log("val/loss", loss, on_step=False, on_epoch=True, sync_dist=True)
+        self.log("val/acc", self.val_acc, on_step=False, on_epoch=True, prog_bar=True)
+
+    def on_validation_epoch_end(self) -> None:
+        if not self.trainer.sanity_checking:
+            self.val_acc_best(self.val_acc.compute())
+            self.log("val/acc_best", self.val_acc_best.compute(), sync_dist=True)
+
+    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        loss, logits, y = self.model_step(batch)
+        self.test_acc(logits, y)
+        self.log("test/loss", loss, on_step=False, on_epoch=True, sync_dist=True)
+        self.log("test/acc", self.test_acc, on_step=False, on_epoch=True)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(
+            self.parameters(),
+            lr=self.hparams.lr,
+            momentum=self.hparams.momentum,
+            weight_decay=self.hparams.weight_decay,
+        )

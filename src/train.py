@@ -1,0 +1,135 @@
+"""`python -m src.train`: compose the config, build the pieces, fit, test, log.
+
+    python -m src.train                                   # LeNet, one device
+    python -m src.train model=resnet18 strategy=ddp devices=4 precision=16-mixed
+    python -m src.train -m strategy=ddp,ddp_fp16 devices=1,2,4
+"""
+
+import logging
+import shutil
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import hydra
+import torch
+from hydra.utils import instantiate
+from lightning import Callback, Trainer, seed_everything
+from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.strategies import DDPStrategy, Strategy
+from omegaconf import DictConfig, OmegaConf
+from torch.utils.tensorboard.summary import hparams
+
+from src import checks
+from src.data.fashion_mnist import per_process_batch
+from src.errors import UsageError
+from src.models.module import Classifier
+
+log = logging.getLogger(__name__)
+
+# Scalars compared across runs in TensorBoard's HParams tab.
+HPARAM_METRICS = ("test/acc", "val/acc", "val/acc_best", "train/acc", "time/epoch_s", "time/samples_per_s")
+
+
+def processes_per_node(strategy: str | Strategy, devices: int) -> int:
+    """DDP runs one process per device; `auto` and dp run one process."""
+    if isinstance(strategy, DDPStrategy):
+        return devices
+    if strategy == "auto" and devices > 1:
+        raise UsageError(f"strategy=auto runs on one device, not devices={devices}; use strategy=ddp (or dp on GPUs)")
+    return 1
+
+
+def scalar_metrics(trainer: Trainer) -> dict[str, float]:
+    return {name: float(value) for name, value in trainer.callback_metrics.items() if value.numel() == 1}
+
+
+def run_hparams(cfg: DictConfig, trainer: Trainer) -> dict[str, Any]:
+    """The flat settings shown per run in TensorBoard's HParams tab."""
+    return {
+        "model": cfg.model_name, "strategy": cfg.strategy_name, "devices": cfg.devices, "num_nodes": cfg.num_nodes,
+        "world_size": trainer.world_size, "precision": str(cfg.precision), "precision_used": str(trainer.precision),
+        "accelerator": trainer.accelerator.__class__.__name__.replace("Accelerator", "").lower(),
+        "batch_size": cfg.data.batch_size, "lr": cfg.optim.lr, "momentum": cfg.optim.momentum,
+        "weight_decay": cfg.optim.weight_decay, "max_epochs": cfg.max_epochs, "seed": cfg.seed,
+        "sync_batchnorm": cfg.sync_batchnorm,
+    }
+
+
+def log_hparams(logger: TensorBoardLogger, params: dict[str, Any], metrics: dict[str, float]) -> None:
+    """Write the HParams summary pointing at scalars already logged, so no metric is written twice."""
+    writer = logger.experiment._get_file_writer()
+    for summary in hparams(params, {name: metrics[name] for name in HPARAM_METRICS if name in metrics}):
+        writer.add_summary(summary)
+    writer.flush()
+
+
+def train(cfg: DictConfig) -> dict[str, float]:
+    """Fit and test one configuration; returns the final metrics."""
+    output_dir = Path(cfg.output_dir)
+    accelerator = checks.resolve_accelerator(cfg.accelerator)
+    devices, num_nodes = checks.positive_int(cfg, "devices"), checks.positive_int(cfg, "num_nodes")
+    checks.check_devices(accelerator, devices)
+    precision = checks.resolve_precision(cfg.precision, accelerator)
+    trainer_args = OmegaConf.to_container(cfg.trainer, resolve=True)
+    checks.check_trainer_args(trainer_args)
+    ckpt_path = checks.resolve_ckpt_path(cfg.ckpt_path, output_dir)
+    strategy = instantiate(cfg.strategy, _convert_="all")
+    world_size = processes_per_node(strategy, devices) * num_nodes
+    per_process_batch(cfg.data.batch_size, world_size)
+
+    seed_everything(cfg.seed, workers=True, verbose=False)
+    datamodule = instantiate(cfg.data)
+    module = Classifier(instantiate(cfg.model.net), **cfg.optim)
+    callbacks: list[Callback] = [instantiate(c) for c in cfg.callbacks.values()]
+    logger = TensorBoardLogger(save_dir=str(output_dir), name="", version="", default_hp_metric=False)
+    trainer = Trainer(
+        accelerator=accelerator, devices=devices, num_nodes=num_nodes, strategy=strategy, precision=precision,
+        max_epochs=cfg.max_epochs, sync_batchnorm=cfg.sync_batchnorm, logger=logger, callbacks=callbacks,
+        default_root_dir=str(output_dir), use_distributed_sampler=False, **trainer_args,
+    )
+    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    metrics = scalar_metrics(trainer)
+    trainer.test(module, datamodule=datamodule, verbose=False)
+    metrics.update(scalar_metrics(trainer))
+    epoch_times = next((c.epoch_times for c in callbacks if hasattr(c, "epoch_times")), [])
+    if epoch_times:
+        metrics["time/epoch_s"] = statistics.median(epoch_times)
+    if trainer.is_global_zero:
+        log_hparams(logger, run_hparams(cfg, trainer), metrics)
+        log.info(
+            f"test/acc={metrics.get('test/acc', float('nan')):.4f} val/acc_best={metrics.get('val/acc_best', float('nan')):.4f} "
+            f"median epoch {metrics.get('time/epoch_s', float('nan')):.2f} s ({precision}, {world_size} process(es)) -> {output_dir}",
+        )
+    return metrics
+
+
+def remove_unfinished_run_dir(output_dir: Path) -> None:
+    """A run stopped by bad input leaves no folder that could pass for a result."""
+    if output_dir.is_dir() and all(p.name == ".hydra" or p.suffix == ".log" for p in output_dir.iterdir()):
+        shutil.rmtree(output_dir, ignore_errors=True)
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="train")
+def hydra_main(cfg: DictConfig) -> float | None:
+    try:
+        metrics = train(cfg)
+    except UsageError as error:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        remove_unfinished_run_dir(Path(cfg.output_dir))
+        sys.exit(2)
+    return metrics.get("test/acc")
+
+
+def main() -> None:
+    try:
+        checks.check_group_choices(sys.argv[1:])
+    except UsageError as error:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    hydra_main()
+
+
+if __name__ == "__main__":
+    main()
