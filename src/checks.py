@@ -1,6 +1,7 @@
 """Checks of user input, done once and early, each failing with one line that names the option."""
 
 import inspect
+import logging
 import typing
 from pathlib import Path
 
@@ -8,10 +9,12 @@ import lightning
 import torch
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from lightning.fabric.connector import _PRECISION_INPUT
+from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig
 
 from src.errors import UsageError
 
+log = logging.getLogger(__name__)
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 PRECISIONS = list(dict.fromkeys(str(p) for arg in typing.get_args(_PRECISION_INPUT) for p in typing.get_args(arg)))
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda")
@@ -24,14 +27,16 @@ def group_options(group: str) -> list[str]:
     return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
 
 
-def check_group_choices(args: list[str]) -> None:
-    """Reject `group=unknown` with one line, before Hydra prints its multi-line composition error."""
+def check_overrides(args: list[str]) -> None:
+    """Reject `group=unknown` and `trainer.unknown=...` in one line, before Hydra prints its multi-line error."""
     try:
         overrides = OverridesParser.create().parse_overrides([a for a in args if "=" in a and not a.startswith("-")])
     except Exception:
         return  # not ours to judge: Hydra reports syntax errors itself
     for override in overrides:
         group = override.key_or_group
+        if group.startswith("trainer.") and not override.is_delete():
+            check_trainer_args({group.removeprefix("trainer."): None})
         if override.is_delete() or not (CONF_DIR / group).is_dir() or group == "hydra":
             continue
         values = list(override.sweep_string_iterator()) if override.is_sweep_override() else [override.value()]
@@ -66,7 +71,8 @@ def resolve_precision(requested: object, accelerator: str) -> str:
     if precision not in PRECISIONS:
         raise UsageError(f"precision={precision} is not allowed; choose one of: {', '.join(PRECISIONS)}")
     if accelerator == "cpu" and precision in ("16", "16-mixed"):
-        print("precision=16-mixed needs a CUDA GPU; this CPU run uses bf16-mixed instead", flush=True)
+        if rank_zero_only.rank == 0:
+            log.warning(f"precision={precision} needs a CUDA GPU; this CPU run uses bf16-mixed instead")
         return "bf16-mixed"
     return precision
 

@@ -8,6 +8,7 @@
 import logging
 import shutil
 import statistics
+import warnings
 import sys
 from pathlib import Path
 from typing import Any
@@ -23,10 +24,13 @@ from torch.utils.tensorboard.summary import hparams
 
 from src import checks
 from src.data.fashion_mnist import per_process_batch
+from src.ddp_jobs import child_argv, is_launching_process, job_scope
 from src.errors import UsageError
 from src.models.module import Classifier
+from src.strategies.sync_batchnorm import SyncBatchNormPlugin
 
 log = logging.getLogger(__name__)
+warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")  # torch 2.14 vs Lightning 2.6
 
 # Scalars compared across runs in TensorBoard's HParams tab.
 HPARAM_METRICS = ("test/acc", "val/acc", "val/acc_best", "train/acc", "time/epoch_s", "time/samples_per_s")
@@ -81,18 +85,22 @@ def train(cfg: DictConfig) -> dict[str, float]:
 
     seed_everything(cfg.seed, workers=True, verbose=False)
     datamodule = instantiate(cfg.data)
+    if is_launching_process():  # fail on missing or corrupt data before any process is started
+        datamodule.prepare_data()
+        datamodule.setup()
     module = Classifier(instantiate(cfg.model.net), **cfg.optim)
     callbacks: list[Callback] = [instantiate(c) for c in cfg.callbacks.values()]
     logger = TensorBoardLogger(save_dir=str(output_dir), name="", version="", default_hp_metric=False)
     trainer = Trainer(
         accelerator=accelerator, devices=devices, num_nodes=num_nodes, strategy=strategy, precision=precision,
-        max_epochs=cfg.max_epochs, sync_batchnorm=cfg.sync_batchnorm, logger=logger, callbacks=callbacks,
+        max_epochs=cfg.max_epochs, plugins=[SyncBatchNormPlugin(cuda=accelerator == "gpu")] if cfg.sync_batchnorm else None, logger=logger, callbacks=callbacks,
         default_root_dir=str(output_dir), use_distributed_sampler=False, **trainer_args,
     )
-    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
-    metrics = scalar_metrics(trainer)
-    trainer.test(module, datamodule=datamodule, verbose=False)
-    metrics.update(scalar_metrics(trainer))
+    with job_scope():
+        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+        metrics = scalar_metrics(trainer)
+        trainer.test(module, datamodule=datamodule, verbose=False)
+        metrics.update(scalar_metrics(trainer))
     epoch_times = next((c.epoch_times for c in callbacks if hasattr(c, "epoch_times")), [])
     if epoch_times:
         metrics["time/epoch_s"] = statistics.median(epoch_times)
@@ -123,8 +131,9 @@ def hydra_main(cfg: DictConfig) -> float | None:
 
 
 def main() -> None:
+    sys.argv = child_argv(sys.argv)
     try:
-        checks.check_group_choices(sys.argv[1:])
+        checks.check_overrides(sys.argv[1:])
     except UsageError as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         sys.exit(2)

@@ -14,7 +14,7 @@ def _sync(device: torch.device) -> None:
 
 
 class EpochTimer(Callback):
-    """Logs `time/epoch_s` and `time/samples_per_s` once per training epoch.
+    """Logs `time/epoch_s` and `time/samples_per_s` once per training epoch, at the step val/acc uses.
 
     Validation runs inside Lightning's training epoch; its time is measured and subtracted so
     that the figure is comparable with a plain training loop and with the book's s/epoch.
@@ -48,5 +48,6 @@ class EpochTimer(Callback):
         _sync(pl_module.device)
         seconds = time.perf_counter() - self._start - self._paused
         self.epoch_times.append(seconds)
-        pl_module.log("time/epoch_s", seconds, rank_zero_only=True)
-        pl_module.log("time/samples_per_s", self._samples / seconds if seconds > 0 else 0.0, rank_zero_only=True)
+        if trainer.is_global_zero and trainer.logger is not None:
+            samples_per_s = self._samples / seconds if seconds > 0 else 0.0
+            trainer.logger.log_metrics({"time/epoch_s": seconds, "time/samples_per_s": samples_per_s}, step=trainer.global_step)

@@ -7,6 +7,7 @@ import torch
 from lightning import LightningDataModule
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from torchvision.datasets import FashionMNIST
+from torchvision.datasets.mnist import read_sn3_pascalvincent_tensor
 
 from src.errors import UsageError
 
@@ -107,10 +108,18 @@ class FashionMNISTDataModule(LightningDataModule):
             return FashionMNIST(str(self.root), train=train, download=False)
         except Exception as error:
             raise UsageError(
-                f"data.root={self.root}: could not read the Fashion-MNIST files in {self.raw_folder} "
-                f"({type(error).__name__}: {error}); they look corrupt: delete them to download again, "
-                "or point data.root at a good copy"
+                f"data.root={self.root}: {self._unreadable_file()} in {self.raw_folder} is corrupt "
+                f"({type(error).__name__}: {error}); delete it to download again, or point data.root at a good copy"
             ) from error
+
+    def _unreadable_file(self) -> str:
+        """Name the file torchvision cannot parse, so the error says which one to replace."""
+        for name in RAW_FILES:
+            try:
+                read_sn3_pascalvincent_tensor(str(self.raw_folder / name), strict=False)
+            except Exception:
+                return name
+        return "a file"
 
     def setup(self, stage: str | None = None) -> None:
         if self.splits:

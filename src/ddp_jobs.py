@@ -1,0 +1,68 @@
+"""DDP child processes that re-run exactly their own Hydra job, also inside a multirun sweep.
+
+Lightning's DDP starts ranks 1..N-1 by re-running the parent's command line. Under
+`python -m src.train -m ...` that command is the whole sweep, so each child would re-run
+every job, write stray sweep folders and pair with the right job only by luck. Here the
+parent, just before it launches its children, stores its job's own overrides and folder in
+the environment (which the children inherit), and a child rebuilds its argv from them.
+The parent also undoes, after each job, the environment and process group that Lightning
+leaves behind, so the next job of the sweep can have another number of devices.
+"""
+
+import json
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch.distributed as dist
+from hydra.core.hydra_config import HydraConfig
+
+JOB_ARGS = "DPTRAIN_JOB_ARGS"
+# Set in the parent by Lightning's launcher; left behind, they make the next job believe
+# that its processes were started by someone else.
+LAUNCHER_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", JOB_ARGS)
+
+
+def quote(value: str) -> str:
+    """Quote a value for Hydra's override grammar: sweep folders hold `=` and `,`."""
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def job_args() -> list[str]:
+    """The command-line arguments that re-create the current job in run mode, in its own folder."""
+    hydra_cfg = HydraConfig.get()
+    return [*hydra_cfg.overrides.task, f"hydra.run.dir={quote(hydra_cfg.runtime.output_dir)}", "hydra.output_subdir=null"]
+
+
+def child_argv(argv: list[str]) -> list[str]:
+    """argv for this process: the job's own arguments when it is a DDP child of a stored job."""
+    stored = os.environ.get(JOB_ARGS)
+    local_rank = os.environ.get("LOCAL_RANK", "0")
+    if stored is None or local_rank == "0":
+        return argv
+    return [argv[0], *json.loads(stored), f"hydra.job.name=train_ddp_process_{local_rank}"]
+
+
+def is_launching_process() -> bool:
+    """True in the process a person started; False in a DDP child or under torchrun/SLURM."""
+    return "LOCAL_RANK" not in os.environ
+
+
+@contextmanager
+def job_scope() -> Iterator[None]:
+    """Around one job in the launching process: export its arguments, then clean up after it."""
+    if not (is_launching_process() and HydraConfig.initialized()):
+        yield
+        return
+    saved = {name: os.environ.get(name) for name in LAUNCHER_ENV}
+    os.environ[JOB_ARGS] = json.dumps(job_args())
+    try:
+        yield
+    finally:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value

@@ -1,0 +1,81 @@
+"""Shared test helpers: run the real command line, read TensorBoard scalars, write tiny IDX files."""
+
+import gzip
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+REPO = Path(__file__).resolve().parent.parent
+# The offline copy beside the checkout (see the README); FASHION_MNIST_ROOT points elsewhere.
+DATA_ROOT = Path(os.environ.get("FASHION_MNIST_ROOT", REPO.parent / "shared" / "data")).resolve()
+# Keeps command-line tests small: one short epoch, few batches, no progress bar.
+QUICK = [
+    f"data.root={DATA_ROOT}",
+    "max_epochs=1",
+    "trainer.limit_train_batches=4",
+    "trainer.limit_val_batches=2",
+    "trainer.limit_test_batches=2",
+    "trainer.enable_progress_bar=false",
+    "trainer.enable_model_summary=false",
+]
+
+
+def run_cli(module: str, *args: str, timeout: float = 300, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    """Run `python -m <module> <args>` as a user would, capturing its output."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    for name in ("LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR", "NODE_RANK", "DPTRAIN_JOB_ARGS"):
+        env.pop(name, None)
+    return subprocess.run(
+        [sys.executable, "-m", module, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def train(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    result = run_cli("src.train", *args, timeout=timeout)
+    return result
+
+
+def scalars(run_dir: Path) -> dict[str, list[float]]:
+    """Every scalar series logged in a run folder (all event files in it, not below)."""
+    accumulator = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    accumulator.Reload()
+    return {tag: [event.value for event in accumulator.Scalars(tag)] for tag in accumulator.Tags()["scalars"]}
+
+
+def write_idx(path: Path, array: np.ndarray, compress: bool = False) -> None:
+    """IDX format as Fashion-MNIST ships it: magic (0, 0, dtype 0x08, ndim), big-endian sizes, bytes."""
+    header = struct.pack(">BBBB", 0, 0, 0x08, array.ndim) + struct.pack(f">{array.ndim}I", *array.shape)
+    data = header + array.astype(np.uint8).tobytes()
+    path.write_bytes(gzip.compress(data) if compress else data)
+
+
+def write_tiny_fashion_mnist(root: Path, n_train: int = 64, n_test: int = 32, seed: int = 0) -> Path:
+    """Four tiny IDX files in torchvision's layout, with labels the images encode (pixel 0 = label)."""
+    rng = np.random.default_rng(seed)
+    raw = root / "FashionMNIST" / "raw"
+    raw.mkdir(parents=True, exist_ok=True)
+    for prefix, n in (("train", n_train), ("t10k", n_test)):
+        labels = rng.integers(0, 10, n)
+        images = rng.integers(0, 256, (n, 28, 28))
+        images[:, 0, 0] = labels
+        write_idx(raw / f"{prefix}-images-idx3-ubyte", images)
+        write_idx(raw / f"{prefix}-labels-idx1-ubyte", labels)
+    return root
+
+
+def hparams(run_dir: Path) -> dict[str, object]:
+    """The hyperparameters of a run's HParams summary, as TensorBoard's HParams tab reads them."""
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    accumulator = EventAccumulator(str(run_dir), size_guidance={"tensors": 0})
+    accumulator.Reload()
+    for content in accumulator.PluginTagToContent("hparams").values():
+        data = plugin_data_pb2.HParamsPluginData.FromString(content)
+        if data.HasField("session_start_info"):
+            return {k: v.WhichOneof("kind") and getattr(v, v.WhichOneof("kind")) for k, v in data.session_start_info.hparams.items()}
+    return {}

@@ -1,0 +1,124 @@
+"""The real command line, in subprocesses, as a user runs it."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import QUICK, hparams, scalars, train, write_tiny_fashion_mnist
+
+INTERFACE_SCALARS = {"train/loss", "train/acc", "val/acc", "test/acc", "time/epoch_s", "time/samples_per_s"}
+
+
+def assert_finished_run(result, run_dir: Path) -> dict[str, list[float]]:
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "test/acc=" in result.stdout
+    series = scalars(run_dir)
+    assert INTERFACE_SCALARS <= set(series), sorted(series)
+    assert all(v > 0 for v in series["time/epoch_s"] + series["time/samples_per_s"])
+    assert (run_dir / ".hydra" / "config.yaml").is_file()
+    assert (run_dir / "checkpoints" / "last.ckpt").is_file()
+    assert any(p.name.startswith("best-") for p in (run_dir / "checkpoints").iterdir())
+    return series
+
+
+def test_single_device_run_logs_every_interface_scalar(tmp_path, data_root):
+    run_dir = tmp_path / "run"
+    result = train(*QUICK, f"hydra.run.dir={run_dir}")
+    assert_finished_run(result, run_dir)
+    params = hparams(run_dir)
+    assert params["model"] == "lenet" and params["strategy"] == "auto" and params["world_size"] == 1
+    assert params["precision_used"] == "32-true"
+
+
+def test_ddp_on_two_cpu_processes_writes_one_run_folder(tmp_path, data_root):
+    run_dir = tmp_path / "run"
+    result = train(*QUICK, "strategy=ddp", "devices=2", f"hydra.run.dir={run_dir}")
+    assert_finished_run(result, run_dir)
+    assert hparams(run_dir)["world_size"] == 2
+    assert (run_dir / "train_ddp_process_1.log").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["run"]
+    assert len(list(run_dir.glob("events.out.tfevents.*"))) >= 1
+    # Only rank 0 writes TensorBoard files: every event file comes from one process id.
+    assert len({p.name.split(".")[4] for p in run_dir.glob("events.out.tfevents.*")}) == 1
+
+
+@pytest.mark.slow
+def test_ddp_on_four_cpu_processes(tmp_path, data_root):
+    run_dir = tmp_path / "run"
+    result = train(*QUICK, "strategy=ddp", "devices=4", "model=lenet", f"hydra.run.dir={run_dir}", timeout=600)
+    assert_finished_run(result, run_dir)
+    assert hparams(run_dir)["world_size"] == 4
+
+
+def test_16_mixed_on_cpu_says_so_and_records_bf16(tmp_path, data_root):
+    run_dir = tmp_path / "run"
+    result = train(*QUICK, "precision=16-mixed", f"hydra.run.dir={run_dir}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    notes = [line for line in result.stdout.splitlines() if "needs a CUDA GPU" in line]
+    assert len(notes) == 1 and "uses bf16-mixed" in notes[0]
+    assert "needs a CUDA GPU" in (run_dir / "train.log").read_text()
+    params = hparams(run_dir)
+    assert params["precision"] == "16-mixed" and params["precision_used"] == "bf16-mixed"
+
+
+def test_resume_from_last_checkpoint_continues_where_it_stopped(tmp_path, data_root):
+    run_dir = tmp_path / "run"
+    first = train(*QUICK, f"hydra.run.dir={run_dir}")
+    assert first.returncode == 0, first.stderr[-3000:]
+    steps_first = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)["global_step"]
+    second = train(*QUICK, "max_epochs=2", "ckpt_path=last", f"hydra.run.dir={run_dir}")
+    assert second.returncode == 0, second.stderr[-3000:]
+    state = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)
+    assert state["epoch"] == 1 and state["global_step"] == 2 * steps_first
+    # One epoch timed by each run: the resumed run trained only the missing epoch.
+    assert len(scalars(run_dir)["time/epoch_s"]) == 2
+
+
+BAD_INPUTS = {
+    "unknown model": (["model=vgg"], "model=vgg is not an option; choose one of: lenet, resnet18"),
+    "unknown strategy in a sweep": (["-m", "strategy=ddp,bogus"], "strategy=bogus is not an option"),
+    "devices below 1": (["devices=0"], "devices=0 is not allowed"),
+    "batch not divisible": (["strategy=ddp", "devices=2", "data.batch_size=255"], "data.batch_size=255"),
+    "unsupported precision": (["precision=8-mixed"], "precision=8-mixed is not allowed; choose one of:"),
+    "unknown trainer argument": (["trainer.epochs=3"], "trainer.epochs is not a lightning.Trainer argument"),
+    "resume without checkpoint": (["ckpt_path=last"], "ckpt_path=last: no checkpoint"),
+    "strategy auto on two devices": (["devices=2"], "strategy=auto runs on one device"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS)
+def test_bad_input_fails_with_one_line_and_no_run_folder(tmp_path, data_root, case):
+    args, message = BAD_INPUTS[case]
+    run_dir = tmp_path / "run"
+    result = train(*QUICK, f"hydra.run.dir={run_dir}", f"hydra.sweep.dir={tmp_path / 'sweep'}", *args)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert lines[-1].startswith("error: ") and message in lines[-1]
+    assert "Traceback" not in result.stderr
+    assert not run_dir.exists() and not (tmp_path / "sweep").exists()
+
+
+@pytest.mark.parametrize("damage", ["missing", "corrupt"])
+def test_bad_data_fails_with_one_line_and_no_run_folder(tmp_path, damage):
+    root = write_tiny_fashion_mnist(tmp_path / "data")
+    images = root / "FashionMNIST" / "raw" / "train-images-idx3-ubyte"
+    images.unlink() if damage == "missing" else images.write_bytes(b"\0\0\x08\x03" + b"\1" * 64)
+    run_dir = tmp_path / "run"
+    result = train(*QUICK, f"data.root={root}", "data.download=false", "data.val_size=8", f"hydra.run.dir={run_dir}")
+    assert result.returncode == 2
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: data.root=") and ("not found" if damage == "missing" else "corrupt") in last
+    assert "train-images-idx3-ubyte" in last and not run_dir.exists()
+
+
+@pytest.mark.slow
+def test_lenet_learns_on_the_real_data(tmp_path, data_root):
+    run_dir = tmp_path / "run"
+    result = train(
+        f"data.root={data_root}", "max_epochs=1", "data.batch_size=64", "trainer.limit_train_batches=300",
+        "optim.lr=0.1", "optim.momentum=0.9", "trainer.enable_progress_bar=false", f"hydra.run.dir={run_dir}",
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert scalars(run_dir)["test/acc"][-1] >= 0.70

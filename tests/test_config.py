@@ -1,0 +1,71 @@
+"""Every config group option composes, and instantiates into the object it names."""
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import instantiate
+from lightning.pytorch.strategies import Strategy
+from omegaconf import OmegaConf
+
+from src.checks import CONF_DIR, group_options
+from src.models.module import Classifier
+
+
+def composed(*overrides: str):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("train", overrides=list(overrides), return_hydra_config=True)
+    HydraConfig.instance().set_config(cfg)
+    return cfg
+
+
+@pytest.mark.parametrize("model", group_options("model"))
+def test_model_options_build_a_ten_class_network(model):
+    import torch
+
+    cfg = composed(f"model={model}")
+    module = Classifier(instantiate(cfg.model.net), **cfg.optim)
+    assert module(torch.zeros(2, 1, 28, 28)).shape == (2, 10)
+    assert cfg.model_name == model
+
+
+@pytest.mark.parametrize("strategy", group_options("strategy"))
+def test_strategy_options_instantiate(strategy):
+    cfg = composed(f"strategy={strategy}")
+    built = instantiate(cfg.strategy, _convert_="all")
+    assert built == "auto" if strategy == "auto" else isinstance(built, Strategy)
+    assert cfg.strategy_name == strategy
+
+
+@pytest.mark.parametrize("data", group_options("data"))
+def test_data_options_instantiate_with_a_global_batch(data):
+    cfg = composed(f"data={data}", "data.batch_size=96")
+    assert instantiate(cfg.data).batch_size == 96
+
+
+def test_experiment_recipes_set_the_books_settings():
+    def settings(recipe: str) -> tuple:
+        cfg = composed(f"experiment={recipe}")
+        return cfg.model_name, cfg.optim.lr, cfg.data.batch_size, cfg.max_epochs
+
+    assert settings("d2l_lenet") == ("lenet", 0.2, 256, 10)
+    assert settings("d2l_resnet18") == ("resnet18", 0.1, 256, 10)
+    assert set(group_options("experiment")) >= {"d2l_lenet", "d2l_resnet18"}
+
+
+def test_command_line_overrides_win_over_recipes():
+    cfg = composed("experiment=d2l_lenet", "optim.lr=0.05", "max_epochs=3")
+    assert (cfg.optim.lr, cfg.max_epochs) == (0.05, 3)
+
+
+def test_top_level_interface_keys_exist():
+    cfg = composed()
+    for key in ("devices", "accelerator", "num_nodes", "precision", "max_epochs", "seed", "ckpt_path",
+                "data.batch_size", "data.root", "data.num_workers", "optim.lr", "optim.momentum",
+                "optim.weight_decay", "trainer.limit_train_batches", "trainer.accumulate_grad_batches"):
+        assert OmegaConf.select(cfg, key, throw_on_missing=True) is not None or key in ("ckpt_path", "trainer.limit_train_batches")
+
+
+def test_run_folder_is_named_after_model_strategy_devices_and_precision():
+    cfg = composed("model=resnet18", "strategy=ddp", "devices=4", "precision=16-mixed")
+    assert cfg.run_name == "resnet18_ddp_4dev_16-mixed"
+    assert cfg.run_name in cfg.hydra.run.dir

@@ -1,0 +1,149 @@
+import struct
+
+import pytest
+import torch
+from torchvision.datasets import FashionMNIST
+
+from src.data.fashion_mnist import MEAN, RAW_FILES, STD, FashionMNISTDataModule, TensorImages, per_process_batch
+from src.errors import UsageError
+from tests.helpers import write_idx, write_tiny_fashion_mnist
+
+
+def loader_batches(dm: FashionMNISTDataModule, split: str, world_size: int, rank: int) -> list:
+    class FakeTrainer:  # the two attributes the data module reads from Lightning's Trainer
+        pass
+
+    trainer = FakeTrainer()
+    trainer.world_size, trainer.global_rank = world_size, rank
+    dm.trainer = trainer
+    return list(getattr(dm, f"{split}_dataloader")())
+
+
+def test_tiny_idx_files_are_parsed_by_torchvision_and_kept_as_uint8(tmp_path):
+    write_tiny_fashion_mnist(tmp_path, n_train=64, n_test=32)
+    dm = FashionMNISTDataModule(root=str(tmp_path), batch_size=16, val_size=8, download=False)
+    dm.setup()
+    assert {k: len(v) for k, v in dm.splits.items()} == {"train": 56, "val": 8, "test": 32}
+    for split in dm.splits.values():
+        assert split.images.dtype == torch.uint8 and split.images.shape[1:] == (1, 28, 28)
+        assert torch.equal(split.images[:, 0, 0, 0].long(), split.labels)  # pixel 0 encodes the label
+
+
+def test_batches_are_sliced_and_normalised_on_transfer(tmp_path):
+    write_tiny_fashion_mnist(tmp_path)
+    dm = FashionMNISTDataModule(root=str(tmp_path), batch_size=16, val_size=8, download=False)
+    dm.setup()
+    images, labels = loader_batches(dm, "test", 1, 0)[0]
+    assert images.dtype == torch.uint8 and images.shape == (16, 1, 28, 28) and labels.shape == (16,)
+    x, y = dm.on_after_batch_transfer((images, labels), 0)
+    assert torch.allclose(x, (images.float() / 255 - MEAN) / STD) and torch.equal(y, labels)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_shards_of_each_global_batch_add_up_to_the_single_process_batch(tmp_path, world_size):
+    write_tiny_fashion_mnist(tmp_path, n_train=72, n_test=8)
+    kwargs = dict(root=str(tmp_path), batch_size=16, val_size=8, download=False, seed=3)
+    single = FashionMNISTDataModule(**kwargs)
+    single.setup()
+    reference = loader_batches(single, "train", 1, 0)
+    shards = []
+    for rank in range(world_size):
+        dm = FashionMNISTDataModule(**kwargs)
+        dm.setup()
+        shards.append(loader_batches(dm, "train", world_size, rank))
+    assert all(len(s) == len(reference) for s in shards)
+    for k, (images, labels) in enumerate(reference):
+        per_rank = [shards[r][k] for r in range(world_size)]
+        assert all(len(b[1]) == 16 // world_size for b in per_rank)
+        merged = torch.cat([b[0] for b in per_rank])
+        # Same images in the global batch, whichever process holds which.
+        assert sorted(map(bytes, merged.flatten(1).numpy())) == sorted(map(bytes, images.flatten(1).numpy()))
+
+
+def test_each_process_reads_only_its_own_shard(tmp_path):
+    write_tiny_fashion_mnist(tmp_path, n_train=72, n_test=8)
+    seen = []
+    for rank in range(2):
+        dm = FashionMNISTDataModule(root=str(tmp_path), batch_size=8, val_size=8, download=False)
+        dm.setup()
+        seen.append({bytes(img.numpy()) for b in loader_batches(dm, "train", 2, rank) for img in b[0]})
+    assert len(seen[0]) == len(seen[1]) == 32 and not seen[0] & seen[1]
+
+
+def test_global_batch_must_divide_by_the_processes():
+    assert per_process_batch(256, 4) == 64
+    with pytest.raises(UsageError, match=r"data.batch_size=10 .* 4 processes"):
+        per_process_batch(10, 4)
+
+
+def test_missing_data_names_folder_and_files(tmp_path):
+    dm = FashionMNISTDataModule(root=str(tmp_path / "empty"), download=False)
+    with pytest.raises(UsageError) as error:
+        dm.prepare_data()
+    message = str(error.value)
+    assert "\n" not in message and "data.root=" in message and str(tmp_path / "empty") in message
+    assert all(name in message for name in RAW_FILES)
+
+
+def test_download_uses_torchvision_and_a_failed_download_is_one_clear_line(tmp_path, monkeypatch):
+    calls = []
+
+    def offline_download(self):
+        calls.append(self.root)
+        raise RuntimeError("Error downloading train-images-idx3-ubyte.gz")
+
+    monkeypatch.setattr(FashionMNIST, "download", offline_download)
+    dm = FashionMNISTDataModule(root=str(tmp_path), download=True)
+    with pytest.raises(UsageError, match="download failed: Error downloading") as error:
+        dm.prepare_data()
+    assert calls and "\n" not in str(error.value)
+
+
+def test_download_fills_a_missing_root(tmp_path, monkeypatch):
+    def fake_download(self):  # stands in for the network: writes what the mirror would deliver
+        write_tiny_fashion_mnist(tmp_path)
+
+    monkeypatch.setattr(FashionMNIST, "download", fake_download)
+    dm = FashionMNISTDataModule(root=str(tmp_path), batch_size=8, val_size=8)
+    assert dm.missing_files() == RAW_FILES
+    dm.prepare_data()
+    dm.setup()
+    assert len(dm.splits["test"]) == 32
+
+
+def test_corrupt_file_is_one_clear_line(tmp_path):
+    write_tiny_fashion_mnist(tmp_path)
+    raw = tmp_path / "FashionMNIST" / "raw" / "train-images-idx3-ubyte"
+    raw.write_bytes(raw.read_bytes()[:1000])  # truncated download
+    dm = FashionMNISTDataModule(root=str(tmp_path), download=False)
+    with pytest.raises(UsageError, match="corrupt") as error:
+        dm.setup()
+    assert "\n" not in str(error.value)
+
+
+def test_wrong_magic_number_is_reported_as_corrupt(tmp_path):
+    write_tiny_fashion_mnist(tmp_path)
+    write_idx(tmp_path / "FashionMNIST" / "raw" / "t10k-labels-idx1-ubyte", torch.zeros(4, 2, 2).numpy())
+    with pytest.raises(UsageError, match="corrupt"):
+        FashionMNISTDataModule(root=str(tmp_path), download=False).setup()
+
+
+def test_real_copy_matches_its_idx_headers(data_root):
+    dm = FashionMNISTDataModule(root=str(data_root), download=False, val_size=5000)
+    dm.setup()
+    raw = data_root / "FashionMNIST" / "raw"
+    n_train = struct.unpack(">I", (raw / "train-labels-idx1-ubyte").read_bytes()[4:8])[0]
+    n_test = struct.unpack(">I", (raw / "t10k-labels-idx1-ubyte").read_bytes()[4:8])[0]
+    assert len(dm.splits["train"]) + len(dm.splits["val"]) == n_train and len(dm.splits["val"]) == 5000
+    assert len(dm.splits["test"]) == n_test
+    assert torch.bincount(dm.splits["test"].labels, minlength=10).min() > 0
+    pixels = dm.splits["train"].images.float() / 255
+    assert pixels.mean().item() == pytest.approx(MEAN, abs=0.01) and pixels.std().item() == pytest.approx(STD, abs=0.01)
+
+
+def test_tensor_images_fetch_one_item_or_a_batch():
+    data = TensorImages(torch.arange(4 * 28 * 28, dtype=torch.uint8).reshape(4, 28, 28), torch.arange(4))
+    image, label = data[2]
+    batch, labels = data.__getitems__([3, 1])
+    assert image.shape == (1, 28, 28) and label == 2
+    assert batch.shape == (2, 1, 28, 28) and labels.tolist() == [3, 1]
