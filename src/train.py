@@ -15,6 +15,8 @@ from typing import Any
 
 import hydra
 import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from hydra.utils import instantiate
 from lightning import Callback, Trainer, seed_everything
 from lightning.pytorch.loggers import TensorBoardLogger
@@ -27,9 +29,11 @@ from src.data.fashion_mnist import per_process_batch
 from src.ddp_jobs import child_argv, is_launching_process, job_scope
 from src.errors import UsageError
 from src.models.module import Classifier
+from src.naming import register_resolvers
 from src.strategies.sync_batchnorm import SyncBatchNormPlugin
 
 log = logging.getLogger(__name__)
+register_resolvers()
 warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")  # torch 2.14 vs Lightning 2.6
 
 # Scalars compared across runs in TensorBoard's HParams tab.
@@ -119,6 +123,10 @@ def remove_unfinished_run_dir(output_dir: Path) -> None:
         shutil.rmtree(output_dir, ignore_errors=True)
 
 
+# Sweep jobs stopped by bad input: the sweep goes on, and exits non-zero at its end.
+failed_jobs: list[str] = []
+
+
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
 def hydra_main(cfg: DictConfig) -> float | None:
     try:
@@ -126,7 +134,10 @@ def hydra_main(cfg: DictConfig) -> float | None:
     except UsageError as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         remove_unfinished_run_dir(Path(cfg.output_dir))
-        sys.exit(2)
+        if HydraConfig.get().mode != RunMode.MULTIRUN:
+            sys.exit(2)
+        failed_jobs.append(" ".join(HydraConfig.get().overrides.task))
+        return None
     return metrics.get("test/acc")
 
 
@@ -138,6 +149,9 @@ def main() -> None:
         print(f"error: {error}", file=sys.stderr, flush=True)
         sys.exit(2)
     hydra_main()
+    if failed_jobs:
+        print(f"error: {len(failed_jobs)} sweep job(s) failed: {' | '.join(failed_jobs)}", file=sys.stderr, flush=True)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

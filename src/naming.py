@@ -1,0 +1,27 @@
+"""Names of sweep job folders, so that TensorBoard's run list reads as the sweep."""
+
+import sys
+
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from omegaconf import OmegaConf
+
+
+def swept_keys(args: list[str]) -> list[str]:
+    """Keys given several values on the command line (`devices=1,2,4`), in the order typed."""
+    try:
+        overrides = OverridesParser.create().parse_overrides([a for a in args if "=" in a and not a.startswith("-")])
+    except Exception:
+        return []
+    return [o.key_or_group for o in overrides if o.is_sweep_override()]
+
+
+def sweep_job_dirname(job_overrides: list[str], job_num: int) -> str:
+    """`strategy=ddp,devices=2` from the job's own values of the swept keys; the job number if none."""
+    values = dict(item.split("=", 1) for item in job_overrides if "=" in item)
+    parts = [f"{key}={values[key]}" for key in swept_keys(sys.argv[1:]) if key in values]
+    return ",".join(parts) if parts else f"job{job_num}"
+
+
+def register_resolvers() -> None:
+    if not OmegaConf.has_resolver("sweep_job_dirname"):
+        OmegaConf.register_new_resolver("sweep_job_dirname", lambda overrides, num: sweep_job_dirname(list(overrides), num))
