@@ -37,7 +37,7 @@ def check_overrides(args: list[str]) -> None:
         group = override.key_or_group
         if group.startswith("trainer.") and not override.is_delete():
             check_trainer_args({group.removeprefix("trainer."): None})
-        if override.is_delete() or not (CONF_DIR / group).is_dir() or group == "hydra":
+        if override.is_delete() or not (CONF_DIR / group).is_dir() or group.split("/")[0] == "hydra":
             continue
         values = list(override.sweep_string_iterator()) if override.is_sweep_override() else [override.value()]
         allowed = group_options(group)

@@ -10,6 +10,7 @@ leaves behind, so the next job of the sweep can have another number of devices.
 """
 
 import json
+from datetime import datetime
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -34,13 +35,38 @@ def job_args() -> list[str]:
     return [*hydra_cfg.overrides.task, f"hydra.run.dir={quote(hydra_cfg.runtime.output_dir)}", "hydra.output_subdir=null"]
 
 
+def external_rank() -> str | None:
+    """The global rank given by torchrun or SLURM, which start every process themselves."""
+    return os.environ.get("RANK") or os.environ.get("SLURM_PROCID")
+
+
 def child_argv(argv: list[str]) -> list[str]:
-    """argv for this process: the job's own arguments when it is a DDP child of a stored job."""
+    """argv for this process, so that only one process per run writes the config and `train.log`.
+
+    A DDP child of a stored job gets the job's own arguments; a non-zero rank started by
+    torchrun or SLURM keeps its arguments but writes no config and logs under its own name.
+    """
     stored = os.environ.get(JOB_ARGS)
     local_rank = os.environ.get("LOCAL_RANK", "0")
-    if stored is None or local_rank == "0":
-        return argv
-    return [argv[0], *json.loads(stored), f"hydra.job.name=train_ddp_process_{local_rank}"]
+    if stored is not None and local_rank != "0":
+        return [argv[0], *json.loads(stored), f"hydra.job.name=train_ddp_process_{local_rank}"]
+    rank = external_rank()
+    if stored is None and rank not in (None, "0"):
+        return [*argv, "hydra.output_subdir=null", f"hydra.job.name=train_rank_{rank}"]
+    return argv
+
+
+def run_stamp() -> str:
+    """The run folder's stamp, the same in every process of a run started by torchrun or SLURM.
+
+    Processes on several nodes start at slightly different times, so a clock reading would
+    give each its own folder; the launcher's run id names the run instead.
+    """
+    if os.environ.get("TORCHELASTIC_RUN_ID"):
+        return f"torchrun-{os.environ['TORCHELASTIC_RUN_ID']}"
+    if os.environ.get("SLURM_JOB_ID"):
+        return f"slurm-{os.environ['SLURM_JOB_ID']}"
+    return datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
 
 
 def is_launching_process() -> bool:

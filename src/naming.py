@@ -1,9 +1,12 @@
-"""Names of sweep job folders, so that TensorBoard's run list reads as the sweep."""
+"""Names of run and sweep-job folders, so that TensorBoard's run list reads as the runs."""
 
 import sys
+from pathlib import Path
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
+
+from src.ddp_jobs import run_stamp
 
 
 def swept_keys(args: list[str]) -> list[str]:
@@ -15,13 +18,29 @@ def swept_keys(args: list[str]) -> list[str]:
     return [o.key_or_group for o in overrides if o.is_sweep_override()]
 
 
-def sweep_job_dirname(job_overrides: list[str], job_num: int) -> str:
+def sweep_args(sweep_dir: str) -> list[str]:
+    """The sweep's command-line overrides, from the `multirun.yaml` Hydra writes before any job starts.
+
+    Read from the file rather than sys.argv, because a launcher such as submitit runs each job
+    in a worker whose argv is its own.
+    """
+    saved = Path(sweep_dir) / "multirun.yaml"
+    if saved.is_file():
+        return list(OmegaConf.load(saved).hydra.overrides.task)
+    return sys.argv[1:]
+
+
+def sweep_job_dirname(job_overrides: list[str], job_num: int, sweep_dir: str) -> str:
     """`strategy=ddp,devices=2` from the job's own values of the swept keys; the job number if none."""
     values = dict(item.split("=", 1) for item in job_overrides if "=" in item)
-    parts = [f"{key}={values[key]}" for key in swept_keys(sys.argv[1:]) if key in values]
+    parts = [f"{key}={values[key]}" for key in swept_keys(sweep_args(sweep_dir)) if key in values]
     return ",".join(parts) if parts else f"job{job_num}"
 
 
 def register_resolvers() -> None:
+    if not OmegaConf.has_resolver("run_stamp"):
+        OmegaConf.register_new_resolver("run_stamp", run_stamp, use_cache=True)
     if not OmegaConf.has_resolver("sweep_job_dirname"):
-        OmegaConf.register_new_resolver("sweep_job_dirname", lambda overrides, num: sweep_job_dirname(list(overrides), num))
+        OmegaConf.register_new_resolver(
+            "sweep_job_dirname", lambda overrides, num, sweep_dir: sweep_job_dirname(list(overrides), num, sweep_dir)
+        )

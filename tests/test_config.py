@@ -9,6 +9,9 @@ from omegaconf import OmegaConf
 
 from src.checks import CONF_DIR, group_options
 from src.models.module import Classifier
+from src.naming import register_resolvers
+
+register_resolvers()
 
 
 def composed(*overrides: str):

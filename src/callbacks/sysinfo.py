@@ -1,0 +1,29 @@
+"""The machine a run ran on, kept beside its results, and a warning when the run's settings fit it badly."""
+
+import logging
+
+from lightning import Callback, LightningModule, Trainer
+from lightning.pytorch.accelerators import CUDAAccelerator
+
+from src import sysinfo
+
+log = logging.getLogger(__name__)
+
+
+class SystemInfoLogger(Callback):
+    """At fit start, on global rank 0: `python -m src.sysinfo`'s report as TensorBoard text `system`,
+    and one log line per `sysinfo.precision_warnings` hit (e.g. 16-mixed on a GPU without fp16 tensor cores)."""
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not trainer.is_global_zero:
+            return
+        info = sysinfo.collect()
+        report = "```\n" + sysinfo.format_report(info) + "\n```"
+        for logger in trainer.loggers:
+            experiment = getattr(logger, "experiment", None)
+            if hasattr(experiment, "add_text"):
+                experiment.add_text("system", report)
+        accelerator = "gpu" if isinstance(trainer.accelerator, CUDAAccelerator) else "cpu"
+        processes_per_node = trainer.world_size // trainer.num_nodes
+        for warning in sysinfo.precision_warnings(info, str(trainer.precision), accelerator, processes_per_node):
+            log.warning(warning)

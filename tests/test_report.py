@@ -1,0 +1,189 @@
+"""`python -m src.report` and the sweep callback: on a real two-run sweep, on synthetic runs whose numbers
+are known, and on bad input."""
+
+import csv
+import statistics
+from pathlib import Path
+
+import pytest
+from matplotlib.image import imread
+from omegaconf import OmegaConf
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch.utils.tensorboard import SummaryWriter
+from torch.utils.tensorboard.summary import hparams as hparams_summary
+
+from src.report import COLUMNS, FILES, collect_runs, markdown_table, read_run
+from tests.helpers import DATA_ROOT, hparams, run_cli, scalars, train
+
+SWEEP = [
+    f"data.root={DATA_ROOT}", "max_epochs=2", "data.batch_size=64", "trainer.limit_train_batches=4",
+    "trainer.limit_val_batches=2", "trainer.limit_test_batches=2", "trainer.enable_progress_bar=false",
+    "trainer.enable_model_summary=false", "trainer.log_every_n_steps=1",
+]
+
+
+def read_csv(path: Path) -> list[dict[str, str]]:
+    with path.open(newline="") as file:
+        rows = list(csv.reader(file))
+    assert rows[0] == list(COLUMNS)
+    return [dict(zip(rows[0], row)) for row in rows[1:]]
+
+
+def assert_nothing_written(result, *folders: Path) -> None:
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    for folder in folders:
+        assert not folder.exists() or not any(name in {p.name for p in folder.iterdir()} for name in FILES)
+
+
+# ---- a real sweep: LeNet under DDP on 1 and 2 processes, with the report callback registered ----
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory, data_root) -> Path:
+    folder = tmp_path_factory.mktemp("sweep")
+    result = train("-m", "model=lenet", "strategy=ddp", "devices=1,2", *SWEEP, f"hydra.sweep.dir={folder}",
+                   "++hydra.callbacks.report._target_=src.report.SweepReport")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return folder
+
+
+@pytest.mark.slow
+def test_sweep_callback_writes_the_report_and_a_tensorboard_table(sweep):
+    for name in FILES:
+        assert (sweep / name).is_file(), name
+    rows = read_csv(sweep / "report.csv")
+    assert sorted(int(r["devices"]) for r in rows) == [1, 2]
+    events = EventAccumulator(str(sweep / "report"), size_guidance={"tensors": 0})
+    events.Reload()
+    [text] = events.Tensors("report/text_summary")
+    assert text.tensor_proto.string_val[0].decode() == markdown_table(collect_runs(sweep))
+
+
+@pytest.mark.slow
+def test_cli_report_matches_the_runs_event_files(sweep, tmp_path):
+    out = tmp_path / "report"
+    result = run_cli("src.report", str(sweep), "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    rows = {row["run"]: row for row in read_csv(out / "report.csv")}
+    run_dirs = [p.parent.parent for p in sweep.glob("*/.hydra/config.yaml")]
+    assert set(rows) == {d.name for d in run_dirs} and len(rows) == 2
+
+    epoch_s = {}
+    for run_dir in run_dirs:
+        row, logged = rows[run_dir.name], scalars(run_dir)
+        config = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
+        assert (row["model"], row["strategy"]) == ("lenet", "ddp")
+        assert (int(row["devices"]), int(row["num_nodes"])) == (config.devices, config.num_nodes)
+        assert row["precision"] == hparams(run_dir)["precision_used"]
+        assert float(row["test_acc"]) == pytest.approx(logged["test/acc"][-1])
+        assert float(row["epoch_s"]) == pytest.approx(statistics.median(logged["time/epoch_s"]))
+        assert float(row["samples_per_s"]) == pytest.approx(statistics.median(logged["time/samples_per_s"]))
+        assert float(row["comm_bytes_per_step"]) == pytest.approx(statistics.median(logged["comm/bytes_per_step"]))
+        epoch_s[config.devices] = float(row["epoch_s"])
+    speedups = {int(r["devices"]): float(r["speedup"]) for r in rows.values()}
+    assert speedups[1] == pytest.approx(1.0)
+    assert speedups[2] == pytest.approx(epoch_s[1] / epoch_s[2])
+
+    for name in ("val_acc.png", "epoch_time.png"):
+        height, width, _ = imread(out / name).shape
+        assert height > 100 and width > 100
+    markdown = (out / "report.md").read_text()
+    assert all(name in markdown for name in rows) and "](val_acc.png)" in markdown
+    assert not (out / "report").exists()  # TensorBoard text is the callback's, not the CLI's
+
+
+# ---- synthetic runs: the numbers are ours, so the arithmetic can be checked exactly ----
+
+def write_run(folder: Path, config: dict, series: dict[str, list[float]], params: dict | None = None) -> Path:
+    (folder / ".hydra").mkdir(parents=True)
+    OmegaConf.save(OmegaConf.create(config), folder / ".hydra" / "config.yaml")
+    with SummaryWriter(log_dir=str(folder)) as writer:
+        for tag, values in series.items():
+            for step, value in enumerate(values):
+                writer.add_scalar(tag, value, step)
+        if params:
+            for summary in hparams_summary(params, {}):
+                writer.file_writer.add_summary(summary)
+    return folder
+
+
+def config(strategy: str, devices: int, num_nodes: int = 1, precision: str = "32") -> dict:
+    return {"model_name": "resnet18", "strategy_name": strategy, "devices": devices, "num_nodes": num_nodes,
+            "precision": precision}
+
+
+TIMES = {"one": [3.0, 5.0, 4.0], "four": [1.0, 2.0, 1.5, 9.0], "fp32": [2.0, 2.5], "dp": [7.0]}
+COMM = [100.0, 400.0, 200.0]
+
+
+@pytest.fixture
+def synthetic(tmp_path) -> Path:
+    root = tmp_path / "outputs"
+    write_run(root / "one", config("ddp", 1, precision="16-mixed"),
+              {"time/epoch_s": TIMES["one"], "test/acc": [0.5, 0.7]}, {"precision_used": "bf16-mixed"})
+    write_run(root / "deep" / "er" / "four", config("ddp", 2, num_nodes=2, precision="16-mixed"),
+              {"time/epoch_s": TIMES["four"], "comm/bytes_per_step": COMM}, {"precision_used": "bf16-mixed"})
+    write_run(root / "fp32", config("ddp", 4), {"time/epoch_s": TIMES["fp32"]}, {"precision_used": "32-true"})
+    write_run(root / "dp", config("dp", 2), {"time/epoch_s": TIMES["dp"]})
+    (root / "config_only" / ".hydra").mkdir(parents=True)
+    (root / "config_only" / ".hydra" / "config.yaml").write_text("devices: 1\n")
+    with SummaryWriter(log_dir=str(root / "events_only")) as writer:
+        writer.add_scalar("time/epoch_s", 1.0, 0)
+    return root
+
+
+def test_synthetic_runs_give_known_medians_and_speedups(synthetic, tmp_path):
+    result = run_cli("src.report", str(synthetic), "--out", str(tmp_path / "out"))
+    assert result.returncode == 0, result.stderr
+    rows = {row["run"]: row for row in read_csv(tmp_path / "out" / "report.csv")}
+    assert set(rows) == {"one", "deep/er/four", "fp32", "dp"}  # config-only and events-only folders are no runs
+
+    one, four = rows["one"], rows["deep/er/four"]
+    assert one["precision"] == four["precision"] == "bf16-mixed"  # what ran, not what was asked for
+    assert rows["dp"]["precision"] == "32"  # no HParams summary: the config's value
+    assert float(one["epoch_s"]) == statistics.median(TIMES["one"])
+    assert float(one["test_acc"]) == pytest.approx(0.7)
+    assert float(one["speedup"]) == 1.0
+    assert float(four["speedup"]) == pytest.approx(statistics.median(TIMES["one"]) / statistics.median(TIMES["four"]))
+    assert float(four["comm_bytes_per_step"]) == statistics.median(COMM)
+    assert (four["devices"], four["num_nodes"]) == ("2", "2")
+    # No one-device run of the same strategy and precision: no speed-up, and empty cells stay empty.
+    assert rows["fp32"]["speedup"] == rows["dp"]["speedup"] == ""
+    assert one["comm_bytes_per_step"] == one["samples_per_s"] == ""
+
+
+def test_val_acc_is_placed_at_the_epoch_lightning_logged(tmp_path):
+    run = write_run(tmp_path / "run", config("auto", 1), {})
+    with SummaryWriter(log_dir=str(run)) as writer:
+        for epoch, (step, acc) in enumerate([(9, 0.4), (19, 0.6), (29, 0.7)]):
+            writer.add_scalar("val/acc", acc, step)
+            writer.add_scalar("epoch", epoch, step)
+    assert read_run(run, tmp_path).val_acc == [(1, pytest.approx(0.4)), (2, pytest.approx(0.6)), (3, pytest.approx(0.7))]
+
+
+def test_missing_folder_is_one_error_line(tmp_path):
+    out = tmp_path / "out"
+    assert_nothing_written(run_cli("src.report", str(tmp_path / "nowhere"), "--out", str(out)), out)
+    assert not out.exists()
+
+
+def test_folder_without_runs_is_one_error_line_and_writes_nothing(synthetic):
+    empty = synthetic / "config_only"
+    assert_nothing_written(run_cli("src.report", str(empty)), empty)
+    assert_nothing_written(run_cli("src.report", str(synthetic / "events_only")), synthetic / "events_only")
+
+
+def test_out_that_is_a_file_and_missing_argument_are_one_error_line(synthetic, tmp_path):
+    target = tmp_path / "taken"
+    target.write_text("x")
+    assert_nothing_written(run_cli("src.report", str(synthetic), "--out", str(target)), synthetic)
+    assert target.read_text() == "x"
+    assert_nothing_written(run_cli("src.report"))
+
+
+def test_unreadable_run_config_is_one_error_line_and_writes_nothing(synthetic):
+    (synthetic / "one" / ".hydra" / "config.yaml").write_text("devices: [\n")
+    result = run_cli("src.report", str(synthetic))
+    assert_nothing_written(result, synthetic)
+    assert str(synthetic / "one") in result.stderr

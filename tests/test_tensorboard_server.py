@@ -1,0 +1,109 @@
+"""A real TensorBoard server on two real runs: every run, scalar and text the project logs is served."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from src.report import find_run_dirs
+from tests.helpers import DATA_ROOT, train
+
+TENSORBOARD = Path(sys.executable).parent / "tensorboard"
+SCALARS = ("train/loss", "train/acc", "val/acc", "test/acc", "time/epoch_s", "time/samples_per_s")
+DDP_SCALARS = ("comm/bytes_per_step", "comm/compression_ratio", "comm/hook_ms")
+READY_S = 90
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def get(base: str, path: str, **query: str):
+    url = f"{base}{path}" + (f"?{urllib.parse.urlencode(query)}" if query else "")
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return json.loads(response.read())
+
+
+@pytest.fixture(scope="module")
+def logdir(tmp_path_factory, data_root) -> Path:
+    folder = tmp_path_factory.mktemp("tb")
+    result = train(
+        "-m", "model=lenet", "strategy=ddp", "devices=1,2", f"data.root={DATA_ROOT}", "max_epochs=2",
+        "data.batch_size=64", "trainer.limit_train_batches=3", "trainer.limit_val_batches=1",
+        "trainer.limit_test_batches=1", "trainer.enable_progress_bar=false", "trainer.log_every_n_steps=1",
+        f"hydra.sweep.dir={folder}", "++hydra.callbacks.report._target_=src.report.SweepReport",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return folder
+
+
+@pytest.fixture(scope="module")
+def server(logdir):
+    """Base URL of a TensorBoard bound to 127.0.0.1 that has loaded every run; killed afterwards."""
+    port = free_port()
+    process = subprocess.Popen(
+        [str(TENSORBOARD), "--logdir", str(logdir), "--host", "127.0.0.1", "--port", str(port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+    expected = {d.relative_to(logdir).as_posix() for d in find_run_dirs(logdir)} | {"report"}
+    try:
+        deadline = time.monotonic() + READY_S
+        while True:
+            assert process.poll() is None, f"tensorboard exited: {process.stderr.read()[-2000:]}"
+            try:
+                if expected <= set(get(base, "/data/runs")):
+                    break
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            assert time.monotonic() < deadline, f"tensorboard not ready with {sorted(expected)} after {READY_S} s"
+            time.sleep(0.5)
+        yield base
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)  # its own session: the server and any data server it started
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+@pytest.mark.slow
+def test_every_run_and_scalar_is_served(server, logdir):
+    run_dirs = find_run_dirs(logdir)
+    assert len(run_dirs) == 2
+    served_runs = set(get(server, "/data/runs"))
+    tags = get(server, "/data/plugin/scalars/tags")
+    for run_dir in run_dirs:
+        run = run_dir.relative_to(logdir).as_posix()
+        assert run in served_runs
+        events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+        events.Reload()
+        logged = set(events.Tags()["scalars"])
+        assert set(SCALARS + DDP_SCALARS) <= logged, sorted(set(SCALARS + DDP_SCALARS) - logged)
+        assert set(tags[run]) == logged
+        for tag in SCALARS + DDP_SCALARS:
+            served = get(server, "/data/plugin/scalars/scalars", run=run, tag=tag)
+            assert [(step, value) for _, step, value in served] == [
+                (e.step, pytest.approx(e.value)) for e in events.Scalars(tag)
+            ]
+
+
+@pytest.mark.slow
+def test_system_report_and_sweep_table_are_served_as_text(server, logdir):
+    tags = get(server, "/data/plugin/text/tags")
+    assert tags["report"] == ["report/text_summary"]  # torch's SummaryWriter.add_text names it so
+    for run_dir in find_run_dirs(logdir):
+        assert "system/text_summary" in tags[run_dir.relative_to(logdir).as_posix()]

@@ -1,0 +1,46 @@
+"""Two nodes on one machine: two torchrun launchers meeting at a c10d rendezvous on 127.0.0.1."""
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import QUICK, REPO, hparams, scalars
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_torchrun_nodes_train_one_run_with_world_size_nodes_times_devices(tmp_path, data_root):
+    outputs = tmp_path / "outputs"
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT")}
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2",
+        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=twonodes",
+        "-m", "src.train", "strategy=ddp", "devices=2", "num_nodes=2", *QUICK,
+        f"hydra.run.dir={outputs}/runs/${{run_stamp:}}_${{run_name}}",
+    ]
+    nodes = [subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for _ in range(2)]
+    try:
+        logs = [node.communicate(timeout=600)[0] for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    assert [node.returncode for node in nodes] == [0, 0], "\n".join(log[-3000:] for log in logs)
+
+    runs = list((outputs / "runs").iterdir())
+    assert [run.name for run in runs] == ["torchrun-twonodes_lenet_ddp_2dev_32"]
+    run = runs[0]
+    assert hparams(run)["world_size"] == 4 and hparams(run)["num_nodes"] == 2
+    assert {"train/loss", "val/acc", "test/acc", "time/epoch_s"} <= set(scalars(run))
+    # Rank 0 alone writes the config and train.log; the other three ranks log under their own names.
+    assert (run / ".hydra" / "config.yaml").is_file()
+    assert sorted(p.name for p in run.glob("*.log")) == ["train.log", "train_rank_1.log", "train_rank_2.log", "train_rank_3.log"]
+    assert sum("test/acc=" in log for log in logs) == 1
