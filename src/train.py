@@ -30,6 +30,7 @@ from src.ddp_jobs import child_argv, is_launching_process, job_scope
 from src.errors import UsageError
 from src.models.module import Classifier
 from src.naming import register_resolvers
+from src.optim import optimizer_args
 from src.strategies.sync_batchnorm import SyncBatchNormPlugin
 
 log = logging.getLogger(__name__)
@@ -53,13 +54,14 @@ def scalar_metrics(trainer: Trainer) -> dict[str, float]:
     return {name: float(value) for name, value in trainer.callback_metrics.items() if value.numel() == 1}
 
 
-def run_hparams(cfg: DictConfig, trainer: Trainer) -> dict[str, Any]:
+def run_hparams(cfg: DictConfig, trainer: Trainer, module: Classifier) -> dict[str, Any]:
     """The flat settings shown per run in TensorBoard's HParams tab."""
     return {
         "model": cfg.model_name, "strategy": cfg.strategy_name, "devices": cfg.devices, "num_nodes": cfg.num_nodes,
         "world_size": trainer.world_size, "precision": str(cfg.precision), "precision_used": str(trainer.precision),
         "accelerator": trainer.accelerator.__class__.__name__.replace("Accelerator", "").lower(),
-        "batch_size": cfg.data.batch_size, "lr": cfg.optim.lr, "momentum": cfg.optim.momentum,
+        "batch_size": cfg.data.batch_size, "lr": cfg.optim.lr, "lr_scaling": cfg.optim.lr_scaling,
+        "lr_used": module.hparams.lr, "momentum": cfg.optim.momentum,
         "weight_decay": cfg.optim.weight_decay, "max_epochs": cfg.max_epochs, "seed": cfg.seed,
         "sync_batchnorm": cfg.sync_batchnorm,
     }
@@ -92,12 +94,13 @@ def train(cfg: DictConfig) -> dict[str, float]:
     if is_launching_process():  # fail on missing or corrupt data before any process is started
         datamodule.prepare_data()
         datamodule.setup()
-    module = Classifier(instantiate(cfg.model.net), **cfg.optim)
+    module = Classifier(instantiate(cfg.model.net), **optimizer_args(cfg.optim, cfg.data.batch_size))
     callbacks: list[Callback] = [instantiate(c) for c in cfg.callbacks.values()]
     logger = TensorBoardLogger(save_dir=str(output_dir), name="", version="", default_hp_metric=False)
     trainer = Trainer(
         accelerator=accelerator, devices=devices, num_nodes=num_nodes, strategy=strategy, precision=precision,
-        max_epochs=cfg.max_epochs, plugins=[SyncBatchNormPlugin(cuda=accelerator == "gpu")] if cfg.sync_batchnorm else None, logger=logger, callbacks=callbacks,
+        max_epochs=cfg.max_epochs, logger=logger, callbacks=callbacks,
+        plugins=[SyncBatchNormPlugin(cuda=accelerator == "gpu")] if cfg.sync_batchnorm else None,
         default_root_dir=str(output_dir), use_distributed_sampler=False, **trainer_args,
     )
     with job_scope():
@@ -109,7 +112,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     if epoch_times:
         metrics["time/epoch_s"] = statistics.median(epoch_times)
     if trainer.is_global_zero:
-        log_hparams(logger, run_hparams(cfg, trainer), metrics)
+        log_hparams(logger, run_hparams(cfg, trainer, module), metrics)
         log.info(
             f"test/acc={metrics.get('test/acc', float('nan')):.4f} val/acc_best={metrics.get('val/acc_best', float('nan')):.4f} "
             f"median epoch {metrics.get('time/epoch_s', float('nan')):.2f} s ({precision}, {world_size} process(es)) -> {output_dir}",

@@ -51,6 +51,17 @@ def test_ddp_on_four_cpu_processes(tmp_path, data_root):
     assert hparams(run_dir)["world_size"] == 4
 
 
+def test_linear_lr_scaling_grows_the_rate_with_the_global_batch(tmp_path, data_root):
+    run_dir = tmp_path / "run"
+    result = train(*QUICK, "strategy=ddp", "devices=2", "data.batch_size=128", "optim.lr=0.2",
+                   "optim.lr_scaling=linear", "optim.base_batch_size=32", f"hydra.run.dir={run_dir}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    params = hparams(run_dir)
+    assert params["lr"] == pytest.approx(0.2) and params["lr_used"] == pytest.approx(0.2 * 128 / 32)
+    state = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)
+    assert state["optimizer_states"][0]["param_groups"][0]["lr"] == pytest.approx(0.8)
+
+
 def test_16_mixed_on_cpu_says_so_and_records_bf16(tmp_path, data_root):
     run_dir = tmp_path / "run"
     result = train(*QUICK, "precision=16-mixed", f"hydra.run.dir={run_dir}")
@@ -84,6 +95,7 @@ BAD_INPUTS = {
     "unknown trainer argument": (["trainer.epochs=3"], "trainer.epochs is not a lightning.Trainer argument"),
     "resume without checkpoint": (["ckpt_path=last"], "ckpt_path=last: no checkpoint"),
     "strategy auto on two devices": (["devices=2"], "strategy=auto runs on one device"),
+    "unknown lr scaling": (["optim.lr_scaling=sqrt"], "optim.lr_scaling=sqrt is not an option; choose one of: none, linear"),
 }
 
 

@@ -9,6 +9,7 @@ from omegaconf import OmegaConf
 
 from src.checks import CONF_DIR, group_options
 from src.models.module import Classifier
+from src.optim import optimizer_args
 from src.naming import register_resolvers
 
 register_resolvers()
@@ -26,7 +27,7 @@ def test_model_options_build_a_ten_class_network(model):
     import torch
 
     cfg = composed(f"model={model}")
-    module = Classifier(instantiate(cfg.model.net), **cfg.optim)
+    module = Classifier(instantiate(cfg.model.net), **optimizer_args(cfg.optim, cfg.data.batch_size))
     assert module(torch.zeros(2, 1, 28, 28)).shape == (2, 10)
     assert cfg.model_name == model
 

@@ -35,6 +35,8 @@ def test_sweep_over_strategy_and_devices_runs_each_job_in_its_own_folder(tmp_pat
     assert snapshot(REPO / "outputs") == outputs_before
     assert not (REPO / "lightning_logs").exists()
     assert result.stdout.count("test/acc=") == len(jobs)
+    # The sweep writes its report when it ends: one row per job.
+    assert (sweep / "report.md").is_file() and len((sweep / "report.csv").read_text().splitlines()) == len(jobs) + 1
 
 
 @pytest.mark.slow

@@ -1,0 +1,149 @@
+"""AllReduceBatchNorm against BatchNorm on the whole batch, in a real 2-process gloo group on CPU."""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from src.strategies.sync_batchnorm import AllReduceBatchNorm, SyncBatchNormPlugin
+
+WORLD = 2
+STEPS = 3
+LR = 0.1
+# float64 leaves only rounding: anything above this is a wrong formula, not noise.
+TOL = dict(rtol=1e-9, atol=1e-11)
+
+
+def bn_net() -> nn.Module:
+    """BatchNorm over images (2d) and over features (1d), one with momentum, one with the cumulative average."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
+        nn.Linear(4 * 6 * 6, 6), nn.BatchNorm1d(6, momentum=None), nn.ReLU(), nn.Linear(6, 3),
+    ).double()
+
+
+def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1)
+    # Offsets far from 0 make a variance formula that cancels digits visible.
+    return [(torch.randn(10, 1, 8, 8, generator=generator, dtype=torch.float64) * 3 + 50,
+             torch.randint(0, 3, (10,), generator=generator)) for _ in range(STEPS)]
+
+
+def shard(tensor: torch.Tensor, rank: int) -> torch.Tensor:
+    """Uneven shards (4 and 6 of 10) to check that each process's count is weighted."""
+    return tensor[:4] if rank == 0 else tensor[4:]
+
+
+def train(net: nn.Module, rank: int | None) -> dict[str, object]:
+    """SGD on the summed loss / global batch; `rank` None is one process on the whole batch."""
+    outputs, input_grads = [], []
+    for x, y in batches():
+        if rank is not None:
+            x, y = shard(x, rank), shard(y, rank)
+        x = x.clone().requires_grad_()
+        out = net(x)
+        nn.functional.cross_entropy(out, y, reduction="sum").div(10).backward()
+        for p in net.parameters():
+            if rank is not None:
+                dist.all_reduce(p.grad)
+            p.data -= LR * p.grad
+            p.grad = None
+        outputs.append(out.detach())
+        input_grads.append(x.grad)
+    net.eval()
+    x_eval = batches()[0][0] if rank is None else shard(batches()[0][0], rank)
+    return {"outputs": outputs, "input_grads": input_grads, "eval": net(x_eval).detach(), "state": net.state_dict()}
+
+
+def far_from_zero() -> torch.Tensor:
+    """float32 activations whose mean is 1000 standard deviations away from 0."""
+    return torch.randn(10, 3, 5, 5, generator=torch.Generator().manual_seed(2)) + 1000
+
+
+def _worker(rank: int, store: str, results: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
+    try:
+        result = train(AllReduceBatchNorm.convert(bn_net()), rank)
+        result["float32"] = AllReduceBatchNorm(3)(shard(far_from_zero(), rank)).detach()
+        torch.save(result, f"{results}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory) -> list[dict[str, object]]:
+    folder = tmp_path_factory.mktemp("gloo")
+    mp.spawn(_worker, args=(str(folder / "store"), str(folder / "result")), nprocs=WORLD)
+    return [torch.load(folder / f"result.{rank}", weights_only=False) for rank in range(WORLD)]
+
+
+def test_forward_and_input_gradients_equal_batchnorm_on_the_whole_batch(two_processes):
+    one = train(bn_net(), None)
+    for step in range(STEPS):
+        torch.testing.assert_close(torch.cat([r["outputs"][step] for r in two_processes]), one["outputs"][step], **TOL)
+        torch.testing.assert_close(torch.cat([r["input_grads"][step] for r in two_processes]), one["input_grads"][step], **TOL)
+
+
+def test_parameters_and_running_statistics_after_training_equal_one_process(two_processes):
+    one = train(bn_net(), None)
+    for result in two_processes:
+        assert result["state"].keys() == one["state"].keys()
+        for key, value in one["state"].items():
+            torch.testing.assert_close(result["state"][key], value, **TOL, msg=key)
+    assert one["state"]["5.num_batches_tracked"] == STEPS
+
+
+def test_eval_uses_the_synchronised_running_statistics(two_processes):
+    one = train(bn_net(), None)
+    torch.testing.assert_close(torch.cat([r["eval"] for r in two_processes]), one["eval"], **TOL)
+
+
+def test_float32_statistics_keep_their_digits_far_from_zero(two_processes):
+    exact = nn.functional.batch_norm(far_from_zero().double(), None, None, training=True, eps=1e-5)
+    torch.testing.assert_close(torch.cat([r["float32"] for r in two_processes]).double(), exact, rtol=0, atol=1e-3)
+
+
+def test_per_process_statistics_would_differ():
+    """The same shards through plain BatchNorm give other outputs: the check above has teeth."""
+    x, _ = batches()[0]
+    net = bn_net()
+    whole = net(x)
+    per_shard = torch.cat([net(shard(x, rank)) for rank in range(WORLD)])
+    assert (whole - per_shard).abs().max() > 1e-3
+
+
+def test_without_a_process_group_it_is_plain_batchnorm():
+    plain = bn_net()
+    converted = AllReduceBatchNorm.convert(copy.deepcopy(plain))
+    x, y = batches()[0]
+    for net in (plain, converted):
+        nn.functional.cross_entropy(net(x), y).backward()
+    for (name, a), b in zip(plain.named_parameters(), converted.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=0, msg=name)
+    torch.testing.assert_close(converted.state_dict(), plain.state_dict(), rtol=0, atol=0)
+
+
+def test_cpu_plugin_converts_in_place_of_the_same_tensors_and_reverts():
+    net = bn_net()
+    before = {name: p for name, p in net.named_parameters()}
+    state = copy.deepcopy(net.state_dict())
+    synced = SyncBatchNormPlugin(cuda=False).apply(net)
+    layers = [m for m in synced.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    assert [type(m) for m in layers] == [AllReduceBatchNorm, AllReduceBatchNorm]
+    assert all(p is before[name] for name, p in synced.named_parameters()), "the optimizer keeps working on them"
+    torch.testing.assert_close(synced.state_dict(), state, rtol=0, atol=0)
+    reverted = SyncBatchNormPlugin(cuda=False).revert(synced)
+    assert not any(isinstance(m, (AllReduceBatchNorm, nn.SyncBatchNorm)) for m in reverted.modules())
+    assert sum(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in reverted.modules()) == 2
+    torch.testing.assert_close(reverted.state_dict(), state, rtol=0, atol=0)
+
+
+def test_cuda_plugin_keeps_torchs_syncbatchnorm():
+    synced = SyncBatchNormPlugin(cuda=True).apply(bn_net())
+    layers = [m for m in synced.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    assert [type(m) for m in layers] == [nn.SyncBatchNorm, nn.SyncBatchNorm]
+    assert not any(isinstance(m, nn.SyncBatchNorm) for m in SyncBatchNormPlugin(cuda=True).revert(synced).modules())
