@@ -43,7 +43,7 @@ class Classifier(LightningModule):
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss, logits, y = self.model_step(batch)
-        self.train_acc(logits, y)
+        self.train_acc.update(logits, y)
         self.log("train/loss", loss, on_step=False, on_epoch=True, prog_bar=True, sync_dist=True)
         self.log("train/acc", self.train_acc, on_step=False, on_epoch=True, prog_bar=True)
         return loss
@@ -53,7 +53,7 @@ class Classifier(LightningModule):
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         loss, logits, y = self.model_step(batch)
-        self.val_acc(logits, y)
+        self.val_acc.update(logits, y)
         self.log("val/loss", loss, on_step=False, on_epoch=True, sync_dist=True)
         self.log("val/acc", self.val_acc, on_step=False, on_epoch=True, prog_bar=True)
 
@@ -64,7 +64,7 @@ class Classifier(LightningModule):
 
     def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         loss, logits, y = self.model_step(batch)
-        self.test_acc(logits, y)
+        self.test_acc.update(logits, y)
         self.log("test/loss", loss, on_step=False, on_epoch=True, sync_dist=True)
         self.log("test/acc", self.test_acc, on_step=False, on_epoch=True)
 
