@@ -80,6 +80,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     output_dir = Path(cfg.output_dir)
     accelerator = checks.resolve_accelerator(cfg.accelerator)
     devices, num_nodes = checks.positive_int(cfg, "devices"), checks.positive_int(cfg, "num_nodes")
+    checks.positive_int(cfg, "max_epochs")
     checks.check_devices(accelerator, devices)
     precision = checks.resolve_precision(cfg.precision, accelerator)
     trainer_args = OmegaConf.to_container(cfg.trainer, resolve=True)

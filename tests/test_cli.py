@@ -90,6 +90,7 @@ BAD_INPUTS = {
     "unknown model": (["model=vgg"], "model=vgg is not an option; choose one of: lenet, resnet18"),
     "unknown strategy in a sweep": (["-m", "strategy=ddp,bogus"], "strategy=bogus is not an option"),
     "devices below 1": (["devices=0"], "devices=0 is not allowed"),
+    "epochs not a number": (["max_epochs=x"], "max_epochs=x is not allowed; max_epochs must be a whole number"),
     "batch not divisible": (["strategy=ddp", "devices=2", "data.batch_size=255"], "data.batch_size=255"),
     "unsupported precision": (["precision=8-mixed"], "precision=8-mixed is not allowed; choose one of:"),
     "unknown trainer argument": (["trainer.epochs=3"], "trainer.epochs is not a lightning.Trainer argument"),

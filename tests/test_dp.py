@@ -59,6 +59,15 @@ def test_sync_batchnorm_over_several_gpus_is_a_usage_error():
         strategy.check_devices()
 
 
+def test_cli_dp_on_one_cpu_device_trains_and_logs(tmp_path, data_root):
+    run_dir = tmp_path / "run"
+    result = train(*QUICK, "strategy=dp", "devices=1", f"hydra.run.dir={run_dir}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    params = hparams(run_dir)
+    assert (params["strategy"], params["world_size"]) == ("dp", 1)
+    assert (run_dir / "checkpoints" / "last.ckpt").is_file()
+
+
 def test_cli_dp_on_two_cpu_devices_fails_with_one_line(tmp_path, data_root):
     run_dir = tmp_path / "run"
     result = train(*QUICK, "strategy=dp", "devices=2", "accelerator=cpu", f"hydra.run.dir={run_dir}")

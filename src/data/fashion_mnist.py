@@ -95,7 +95,8 @@ class FashionMNISTDataModule(LightningDataModule):
                 FashionMNIST(str(self.root), train=False, download=True)
                 return
             except Exception as error:  # torchvision raises RuntimeError/URLError/OSError when offline
-                reason = f"download failed: {str(error).splitlines()[0] if str(error) else type(error).__name__}"
+                first_line = str(error).splitlines()[0].rstrip(" :") if str(error) else type(error).__name__
+                reason = f"download failed: {first_line}"
         raise UsageError(
             f"data.root={self.root}: Fashion-MNIST not found in {self.raw_folder} ({reason}); expected "
             f"{', '.join(RAW_FILES)}; point data.root=<folder holding FashionMNIST/raw> at a copy"
