@@ -21,6 +21,7 @@ from hydra.utils import instantiate
 from lightning import Callback, Trainer, seed_everything
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.strategies import DDPStrategy, Strategy
+from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.tensorboard.summary import hparams
 
@@ -96,6 +97,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
         datamodule.prepare_data()
         datamodule.setup()
     module = Classifier(instantiate(cfg.model.net), **optimizer_args(cfg.optim, cfg.data.batch_size))
+    if rank_zero_only.rank == 0:  # every interpolation resolved: what this run really used
+        OmegaConf.save(cfg, output_dir / "config.yaml", resolve=True)
     callbacks: list[Callback] = [instantiate(c) for c in cfg.callbacks.values()]
     logger = TensorBoardLogger(save_dir=str(output_dir), name="", version="", default_hp_metric=False)
     trainer = Trainer(

@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from tests.helpers import QUICK, hparams, scalars, train, write_tiny_fashion_mnist
 
@@ -17,6 +18,8 @@ def assert_finished_run(result, run_dir: Path) -> dict[str, list[float]]:
     assert INTERFACE_SCALARS <= set(series), sorted(series)
     assert all(v > 0 for v in series["time/epoch_s"] + series["time/samples_per_s"])
     assert (run_dir / ".hydra" / "config.yaml").is_file()
+    resolved = OmegaConf.load(run_dir / "config.yaml")
+    assert "${" not in OmegaConf.to_yaml(resolved) and resolved.output_dir == str(run_dir)
     assert (run_dir / "checkpoints" / "last.ckpt").is_file()
     assert any(p.name.startswith("best-") for p in (run_dir / "checkpoints").iterdir())
     return series
