@@ -126,7 +126,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
 
 def remove_unfinished_run_dir(output_dir: Path) -> None:
     """A run stopped by bad input leaves no folder that could pass for a result."""
-    if output_dir.is_dir() and all(p.name == ".hydra" or p.suffix == ".log" for p in output_dir.iterdir()):
+    settings_only = (".hydra", "config.yaml")
+    if output_dir.is_dir() and all(p.name in settings_only or p.suffix == ".log" for p in output_dir.iterdir()):
         shutil.rmtree(output_dir, ignore_errors=True)
 
 
