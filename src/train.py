@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import hydra
-import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from hydra.utils import instantiate

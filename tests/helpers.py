@@ -2,6 +2,7 @@
 
 import gzip
 import os
+import socket
 import struct
 import subprocess
 import sys
@@ -9,6 +10,8 @@ from pathlib import Path
 
 import numpy as np
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from src.ddp_jobs import LAUNCHER_ENV
 
 REPO = Path(__file__).resolve().parent.parent
 # The offline copy beside the checkout (see the README); FASHION_MNIST_ROOT points elsewhere.
@@ -25,19 +28,27 @@ QUICK = [
 ]
 
 
+def user_env() -> dict[str, str]:
+    """This environment without the rank variables a launcher sets, as in a user's fresh shell."""
+    env = {name: value for name, value in os.environ.items() if name not in (*LAUNCHER_ENV, "RANK")}
+    return {**env, "PYTHONUNBUFFERED": "1"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def run_cli(module: str, *args: str, timeout: float = 300, cwd: Path = REPO) -> subprocess.CompletedProcess:
     """Run `python -m <module> <args>` as a user would, capturing its output."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    for name in ("LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR", "NODE_RANK", "DPTRAIN_JOB_ARGS"):
-        env.pop(name, None)
     return subprocess.run(
-        [sys.executable, "-m", module, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", module, *args], cwd=cwd, env=user_env(), capture_output=True, text=True, timeout=timeout
     )
 
 
 def train(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    result = run_cli("src.train", *args, timeout=timeout)
-    return result
+    return run_cli("src.train", *args, timeout=timeout)
 
 
 def scalars(run_dir: Path) -> dict[str, list[float]]:

@@ -3,7 +3,6 @@
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,18 +15,12 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from src.report import find_run_dirs
-from tests.helpers import DATA_ROOT, train
+from tests.helpers import DATA_ROOT, free_port, train
 
 TENSORBOARD = Path(sys.executable).parent / "tensorboard"
 SCALARS = ("train/loss", "train/acc", "val/acc", "test/acc", "time/epoch_s", "time/samples_per_s")
 DDP_SCALARS = ("comm/bytes_per_step", "comm/compression_ratio", "comm/hook_ms")
 READY_S = 90
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def get(base: str, path: str, **query: str):

@@ -1,32 +1,23 @@
 """Two nodes on one machine: two torchrun launchers meeting at a c10d rendezvous on 127.0.0.1."""
 
-import os
-import socket
 import subprocess
 import sys
 
 import pytest
 
-from tests.helpers import QUICK, REPO, hparams, scalars
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.helpers import QUICK, REPO, free_port, hparams, scalars, user_env
 
 
 @pytest.mark.slow
 def test_two_torchrun_nodes_train_one_run_with_world_size_nodes_times_devices(tmp_path, data_root):
     outputs = tmp_path / "outputs"
-    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT")}
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2",
         "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=twonodes",
         "-m", "src.train", "strategy=ddp", "devices=2", "num_nodes=2", *QUICK,
         f"hydra.run.dir={outputs}/runs/${{run_stamp:}}_${{run_name}}",
     ]
-    nodes = [subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    nodes = [subprocess.Popen(command, cwd=REPO, env=user_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for _ in range(2)]
     try:
         logs = [node.communicate(timeout=600)[0] for node in nodes]
