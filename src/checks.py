@@ -89,14 +89,3 @@ def check_trainer_args(trainer_cfg: dict) -> None:
             raise UsageError(f"trainer.{key} is set by the top-level key; use {key}=... instead")
         if key not in known:
             raise UsageError(f"trainer.{key} is not a lightning.Trainer argument")
-
-
-def resolve_ckpt_path(ckpt_path: str | None, output_dir: Path) -> str | None:
-    """`last` means the run folder's checkpoints/last.ckpt, which must exist."""
-    if ckpt_path is None:
-        return None
-    path = output_dir / "checkpoints" / "last.ckpt" if str(ckpt_path) == "last" else Path(str(ckpt_path))
-    if not path.is_file():
-        hint = "; name the run folder with hydra.run.dir=<run folder>" if str(ckpt_path) == "last" else ""
-        raise UsageError(f"ckpt_path={ckpt_path}: no checkpoint at {path}{hint}")
-    return str(path)

@@ -6,7 +6,10 @@ from pathlib import Path
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
-from src.ddp_jobs import run_stamp
+from src.ddp_jobs import external_rank, run_stamp
+
+# Folders this process has claimed, by the name asked for: Hydra may resolve a folder name more than once.
+_claimed: dict[str, str] = {}
 
 
 def swept_keys(args: list[str]) -> list[str]:
@@ -37,9 +40,36 @@ def sweep_job_dirname(job_overrides: list[str], job_num: int, sweep_dir: str) ->
     return ",".join(parts) if parts else f"job{job_num}"
 
 
+def claim_dir(path: str) -> str:
+    """`path`, or `path-2`, `path-3`, ... if taken: created here, atomically, so that two runs
+    started in the same second never share a folder.
+
+    Processes started by torchrun or SLURM all name the same folder after the launcher's run id
+    (see `run_stamp`), so there the name is used as it is: a restarted run finds its own folder.
+    """
+    if external_rank() is not None:
+        return path
+    if path in _claimed:
+        return _claimed[path]
+    candidate, number = Path(path), 1
+    while True:
+        try:
+            candidate.mkdir(parents=True)
+            break
+        except FileExistsError:
+            number += 1
+            candidate = Path(f"{path}-{number}")
+        except OSError:
+            return path  # not creatable: reported in one line where the folder is checked
+    _claimed[path] = str(candidate)
+    return str(candidate)
+
+
 def register_resolvers() -> None:
     if not OmegaConf.has_resolver("run_stamp"):
         OmegaConf.register_new_resolver("run_stamp", run_stamp, use_cache=True)
+    if not OmegaConf.has_resolver("claim_dir"):
+        OmegaConf.register_new_resolver("claim_dir", claim_dir, use_cache=True)
     if not OmegaConf.has_resolver("sweep_job_dirname"):
         OmegaConf.register_new_resolver(
             "sweep_job_dirname", lambda overrides, num, sweep_dir: sweep_job_dirname(list(overrides), num, sweep_dir)

@@ -22,9 +22,11 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.strategies import DDPStrategy, Strategy
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
+from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 from torch.utils.tensorboard.summary import hparams
 
 from src import checks
+from src.checkpoints import AtomicCheckpointIO, resolve_ckpt_path, saved_step
 from src.data.fashion_mnist import per_process_batch
 from src.ddp_jobs import child_argv, is_launching_process, job_scope
 from src.errors import UsageError
@@ -75,8 +77,36 @@ def log_hparams(logger: TensorBoardLogger, params: dict[str, Any], metrics: dict
     writer.flush()
 
 
+def has_hparams(run_dir: Path) -> bool:
+    """Whether an earlier part of this run (before a resume) already wrote the HParams summary."""
+    for events in run_dir.glob("events.out.tfevents.*"):
+        for event in EventFileLoader(str(events)).Load():
+            if any(value.metadata.plugin_data.plugin_name == "hparams" for value in event.summary.value):
+                return True
+    return False
+
+
+def resumed_step(ckpt_path: Path | None, run_dir: Path) -> int | None:
+    """Resuming in its own folder, a run hides the TensorBoard points its earlier part logged after
+    the checkpoint (TensorBoard's purge step), so no step appears twice. Lightning logs optimizer
+    step n at TensorBoard step n - 1, so the first point after a checkpoint at step s is at s."""
+    if ckpt_path is None or ckpt_path.parent.parent.resolve() != run_dir.resolve():
+        return None
+    return saved_step(ckpt_path)
+
+
+def route_lightning_logs() -> None:
+    """Send Lightning's messages through the root logger (Hydra's console and `train.log`) instead of
+    the console handlers Lightning installs for itself when imported."""
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric", "torchmetrics"):
+        logging.getLogger(name).handlers.clear()
+        logging.getLogger(name).propagate = True
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(lambda record: "litlogger" not in record.getMessage())
+
+
 def train(cfg: DictConfig) -> dict[str, float]:
     """Fit and test one configuration; returns the final metrics."""
+    route_lightning_logs()
     output_dir = Path(cfg.output_dir)
     accelerator = checks.resolve_accelerator(cfg.accelerator)
     devices, num_nodes = checks.positive_int(cfg, "devices"), checks.positive_int(cfg, "num_nodes")
@@ -85,7 +115,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     precision = checks.resolve_precision(cfg.precision, accelerator)
     trainer_args = OmegaConf.to_container(cfg.trainer, resolve=True)
     checks.check_trainer_args(trainer_args)
-    ckpt_path = checks.resolve_ckpt_path(cfg.ckpt_path, output_dir)
+    ckpt_path = resolve_ckpt_path(cfg.ckpt_path, output_dir)
     strategy = instantiate(cfg.strategy, _convert_="all")
     world_size = processes_per_node(strategy, devices) * num_nodes
     per_process_batch(cfg.data.batch_size, world_size)
@@ -99,22 +129,25 @@ def train(cfg: DictConfig) -> dict[str, float]:
     if rank_zero_only.rank == 0:  # every interpolation resolved: what this run really used
         OmegaConf.save(cfg, output_dir / "config.yaml", resolve=True)
     callbacks: list[Callback] = [instantiate(c) for c in cfg.callbacks.values()]
-    logger = TensorBoardLogger(save_dir=str(output_dir), name="", version="", default_hp_metric=False)
+    logger = TensorBoardLogger(save_dir=str(output_dir), name="", version="", default_hp_metric=False,
+                               purge_step=resumed_step(ckpt_path, output_dir))
+    plugins: list[Any] = [AtomicCheckpointIO()]
+    if cfg.sync_batchnorm:
+        plugins.append(SyncBatchNormPlugin(cuda=accelerator == "gpu"))
     trainer = Trainer(
         accelerator=accelerator, devices=devices, num_nodes=num_nodes, strategy=strategy, precision=precision,
-        max_epochs=cfg.max_epochs, logger=logger, callbacks=callbacks,
-        plugins=[SyncBatchNormPlugin(cuda=accelerator == "gpu")] if cfg.sync_batchnorm else None,
+        max_epochs=cfg.max_epochs, logger=logger, callbacks=callbacks, plugins=plugins,
         default_root_dir=str(output_dir), use_distributed_sampler=False, **trainer_args,
     )
     with job_scope():
-        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+        trainer.fit(module, datamodule=datamodule, ckpt_path=None if ckpt_path is None else str(ckpt_path))
         metrics = scalar_metrics(trainer)
         trainer.test(module, datamodule=datamodule, verbose=False)
         metrics.update(scalar_metrics(trainer))
     epoch_times = next((c.epoch_times for c in callbacks if hasattr(c, "epoch_times")), [])
     if epoch_times:
         metrics["time/epoch_s"] = statistics.median(epoch_times)
-    if trainer.is_global_zero:
+    if trainer.is_global_zero and not has_hparams(output_dir):  # a resumed run keeps its folder's one record
         log_hparams(logger, run_hparams(cfg, trainer, module), metrics)
         log.info(
             f"test/acc={metrics.get('test/acc', float('nan')):.4f} val/acc_best={metrics.get('val/acc_best', float('nan')):.4f} "

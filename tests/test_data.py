@@ -147,3 +147,55 @@ def test_tensor_images_fetch_one_item_or_a_batch():
     batch, labels = data.__getitems__([3, 1])
     assert image.shape == (1, 28, 28) and label == 2
     assert batch.shape == (2, 1, 28, 28) and labels.tolist() == [3, 1]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("split", ["val", "test"])
+def test_evaluation_shards_hold_every_image_exactly_once(tmp_path, world_size, split):
+    write_tiny_fashion_mnist(tmp_path, n_train=64, n_test=31)  # 31 and 9 divide by none of 2, 3, 4
+    seen = []
+    for rank in range(world_size):
+        dm = FashionMNISTDataModule(root=str(tmp_path), batch_size=12, val_size=9, download=False)
+        dm.setup()
+        seen += [bytes(img.numpy()) for b in loader_batches(dm, split, world_size, rank) for img in b[0]]
+    expected = [bytes(img.numpy()) for img in dm.splits[split].images]
+    assert sorted(seen) == sorted(expected)
+
+
+def test_resumed_loader_continues_mid_epoch_with_the_same_batches(tmp_path):
+    """A loader restored from `state_dict()` yields what remained of the epoch, on any world size."""
+    write_tiny_fashion_mnist(tmp_path, n_train=72, n_test=8)
+    kwargs = dict(root=str(tmp_path), batch_size=8, val_size=8, download=False, seed=5)
+
+    def loader(world_size: int, rank: int):
+        dm = FashionMNISTDataModule(**kwargs)
+        dm.setup()
+        loader_batches(dm, "train", world_size, rank)  # attaches the fake trainer
+        return dm.train_dataloader()
+
+    unbroken = loader(1, 0)
+    unbroken.sampler.set_epoch(1)
+    reference = [labels for _, labels in unbroken]
+
+    first = loader(1, 0)
+    first.sampler.set_epoch(1)
+    iterator = iter(first)
+    [next(iterator) for _ in range(3)]
+    state = first.state_dict()
+    assert state == {"epoch": 1, "batches_seen": 3}
+
+    shards = []
+    for rank in range(2):  # resumed on two processes: each shard continues at the same global batch
+        resumed = loader(2, rank)
+        resumed.load_state_dict(state)
+        resumed.sampler.set_epoch(1)
+        shards.append([labels for _, labels in resumed])
+        assert resumed.state_dict() == {"epoch": 1, "batches_seen": len(reference)}
+    assert len(shards[0]) == len(reference) - 3
+    for k, labels in enumerate(reference[3:]):
+        assert sorted(torch.cat([shards[0][k], shards[1][k]]).tolist()) == sorted(labels.tolist())
+
+    next_epoch = loader(1, 0)
+    next_epoch.load_state_dict(state)
+    next_epoch.sampler.set_epoch(2)  # a checkpoint of epoch 1 does not shorten epoch 2
+    assert len(list(next_epoch)) == len(reference)

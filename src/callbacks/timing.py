@@ -1,10 +1,13 @@
 """Wall time of each training epoch, validation excluded."""
 
+import logging
 import time
 
 import torch
 from lightning import Callback, LightningModule, Trainer
 from lightning.pytorch.trainer.states import TrainerFn
+
+log = logging.getLogger(__name__)
 
 
 def _sync(device: torch.device) -> None:
@@ -27,6 +30,10 @@ class EpochTimer(Callback):
         self._paused = 0.0
         self._samples = 0
 
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """A run resumed mid-epoch gets no `on_train_epoch_start`: its epoch is timed from here."""
+        self.on_train_epoch_start(trainer, pl_module)
+
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         _sync(pl_module.device)
         self._start, self._paused, self._paused_at, self._samples = time.perf_counter(), 0.0, None, 0
@@ -48,6 +55,13 @@ class EpochTimer(Callback):
         _sync(pl_module.device)
         seconds = time.perf_counter() - self._start - self._paused
         self.epoch_times.append(seconds)
+        samples_per_s = self._samples / seconds if seconds > 0 else 0.0
         if trainer.is_global_zero and trainer.logger is not None:
-            samples_per_s = self._samples / seconds if seconds > 0 else 0.0
-            trainer.logger.log_metrics({"time/epoch_s": seconds, "time/samples_per_s": samples_per_s}, step=trainer.global_step)
+            # The step Lightning gives the epoch's other scalars (train/loss, val/acc): that of its last batch.
+            step = trainer.global_step - 1
+            trainer.logger.log_metrics({"time/epoch_s": seconds, "time/samples_per_s": samples_per_s}, step=step)
+        if trainer.is_global_zero:  # the line to grep in train.log, written as each epoch ends
+            shown = {k: float(v) for k, v in trainer.callback_metrics.items() if k in ("train/loss", "train/acc", "val/acc")}
+            metrics = " ".join(f"{k}={v:.4f}" for k, v in shown.items())
+            log.info(f"epoch {trainer.current_epoch + 1}/{trainer.max_epochs} step {trainer.global_step}: {metrics} "
+                     f"{seconds:.2f} s {samples_per_s:.0f} images/s")

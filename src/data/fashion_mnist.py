@@ -1,10 +1,13 @@
 """Fashion-MNIST held in memory as uint8 tensors, sharded per process, batched by slicing."""
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from lightning import LightningDataModule
+from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from torchvision.datasets import FashionMNIST
 from torchvision.datasets.mnist import read_sn3_pascalvincent_tensor
@@ -39,6 +42,56 @@ def _keep_batch(batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor,
     return batch
 
 
+class ResumableSampler(DistributedSampler):
+    """A DistributedSampler that can start an epoch part-way through, where a checkpoint left it."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.resume_at: tuple[int, int] | None = None  # (epoch, samples of this process already seen)
+
+    def __iter__(self) -> Iterator[int]:
+        indices = list(super().__iter__())
+        if self.resume_at is not None:
+            epoch, seen = self.resume_at
+            self.resume_at = None
+            if epoch == self.epoch:
+                indices = indices[seen:]
+        return iter(indices)
+
+
+class ResumableLoader(DataLoader):
+    """A DataLoader whose position in the epoch is part of every checkpoint, so that a run resumed
+    from a mid-epoch checkpoint sees exactly the batches an unbroken run would have seen.
+
+    Lightning saves `state_dict()` with the fit loop and calls `load_state_dict()` on resume. The
+    count is global batches, the same on any number of processes, so a checkpoint resumes under
+    another world size too.
+    """
+
+    sampler: ResumableSampler
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.epoch = 0
+        self.batches_seen = 0
+
+    def __iter__(self) -> Iterator[Any]:
+        # A generator: nothing runs until the first batch is asked for, after Lightning has set
+        # the sampler's epoch.
+        resume = self.sampler.resume_at
+        skipped = resume[1] // self.batch_size if resume and resume[0] == self.sampler.epoch else 0
+        self.epoch, self.batches_seen = self.sampler.epoch, skipped
+        for batch in super().__iter__():
+            self.batches_seen += 1
+            yield batch
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "batches_seen": self.batches_seen}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.sampler.resume_at = (state["epoch"], state["batches_seen"] * self.batch_size)
+
+
 def per_process_batch(batch_size: int, world_size: int) -> int:
     """The global batch split evenly over all processes."""
     if batch_size < 1 or batch_size % world_size:
@@ -52,9 +105,10 @@ def per_process_batch(batch_size: int, world_size: int) -> int:
 class FashionMNISTDataModule(LightningDataModule):
     """Fashion-MNIST through torchvision: download when missing, parse the IDX files, keep them in memory.
 
-    Every split is served through a DistributedSampler, also on one process, so that a run on
+    Every split is served through a distributed sampler, also on one process, so that a run on
     N processes sees exactly the same global batches as a run on one: the union of the N
-    shards of batch k is batch k of the single-process run.
+    shards of batch k is batch k of the single-process run. Validation and test shards are not
+    padded, so accuracy counts each image once on any number of processes.
     """
 
     def __init__(
@@ -138,13 +192,19 @@ class FashionMNISTDataModule(LightningDataModule):
         }
 
     def _loader(self, split: str) -> DataLoader:
+        """Training shards are padded to equal length (DDP needs the same number of steps on every
+        process); validation and test shards are not, so that every image counts exactly once."""
         trainer = self.trainer
         world_size = trainer.world_size if trainer else 1
         rank = trainer.global_rank if trainer else 0
         dataset = self.splits[split]
-        shuffle = self.shuffle and split == "train"
-        sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=self.seed)
-        return DataLoader(
+        if split == "train":
+            sampler = ResumableSampler(dataset, num_replicas=world_size, rank=rank, shuffle=self.shuffle, seed=self.seed)
+            loader_class = ResumableLoader
+        else:
+            sampler = UnrepeatedDistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=False)
+            loader_class = DataLoader
+        return loader_class(
             dataset,
             batch_size=per_process_batch(self.batch_size, world_size),
             sampler=sampler,

@@ -5,7 +5,7 @@ from typing import Any
 import torch
 from lightning import LightningModule
 from torch import nn
-from torchmetrics import MaxMetric
+from torchmetrics import MaxMetric, MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 
@@ -31,7 +31,12 @@ class Classifier(LightningModule):
         self.train_acc = MulticlassAccuracy(num_classes, average="micro")
         self.val_acc = MulticlassAccuracy(num_classes, average="micro")
         self.test_acc = MulticlassAccuracy(num_classes, average="micro")
+        # Loss means weighted by images, so that processes holding one image more or less than the
+        # others (unpadded evaluation shards) count each image once.
+        self.val_loss = MeanMetric()
+        self.test_loss = MeanMetric()
         self.val_acc_best = MaxMetric()
+        self.val_acc_best.persistent(True)  # in checkpoints, so that a resumed run remembers its best epoch
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
@@ -50,11 +55,13 @@ class Classifier(LightningModule):
 
     def on_validation_epoch_start(self) -> None:
         self.val_acc.reset()
+        self.val_loss.reset()
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         loss, logits, y = self.model_step(batch)
         self.val_acc.update(logits, y)
-        self.log("val/loss", loss, on_step=False, on_epoch=True, sync_dist=True)
+        self.val_loss.update(loss, weight=len(y))
+        self.log("val/loss", self.val_loss, on_step=False, on_epoch=True)
         self.log("val/acc", self.val_acc, on_step=False, on_epoch=True, prog_bar=True)
 
     def on_validation_epoch_end(self) -> None:
@@ -65,7 +72,8 @@ class Classifier(LightningModule):
     def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         loss, logits, y = self.model_step(batch)
         self.test_acc.update(logits, y)
-        self.log("test/loss", loss, on_step=False, on_epoch=True, sync_dist=True)
+        self.test_loss.update(loss, weight=len(y))
+        self.log("test/loss", self.test_loss, on_step=False, on_epoch=True)
         self.log("test/acc", self.test_acc, on_step=False, on_epoch=True)
 
     def configure_optimizers(self) -> Any:

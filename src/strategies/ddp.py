@@ -6,6 +6,7 @@ registers torch's plain `allreduce_hook`, which reduces exactly as DDP's built-i
 """
 
 import math
+import os
 from datetime import timedelta
 from typing import Any
 
@@ -14,6 +15,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.distributed.rendezvous import _create_c10d_store
 from torch.nn.parallel import DistributedDataParallel
 
 from src.errors import UsageError
@@ -106,6 +108,26 @@ class CommHookDDPStrategy(DDPStrategy):
         self.check_options()
         self._timeout = timedelta(seconds=self.timeout_s)
         super()._configure_launcher()
+
+    def setup_distributed(self) -> None:
+        """Under torchrun, every restart attempt of the group meets under keys of its own.
+
+        torchrun's c10d rendezvous lends its workers the launcher's store, which outlives a
+        restart; the default process group's keys in it still hold the addresses of the dead
+        attempt, and gloo's connect then fails. A prefix per attempt keeps the attempts apart.
+        """
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+        if attempt is not None and not dist.is_initialized():
+            self.set_world_ranks()
+            env = self.cluster_environment
+            assert env is not None
+            rank, world_size = env.global_rank(), env.world_size()
+            store = _create_c10d_store(env.main_address, env.main_port, rank, world_size, self._timeout)
+            dist.init_process_group(
+                self._get_process_group_backend(), store=dist.PrefixStore(f"attempt_{attempt}", store),
+                rank=rank, world_size=world_size, timeout=self._timeout,
+            )
+        super().setup_distributed()
 
     def _setup_model(self, model: nn.Module) -> DistributedDataParallel:
         self._ddp_kwargs["bucket_cap_mb"] = self.ddp_bucket_cap_mb(model)

@@ -1,0 +1,85 @@
+"""Where a run's checkpoints live, how they are written, and which one `ckpt_path` resumes.
+
+A run folder's `checkpoints/` holds:
+
+- `last.ckpt`: the end of the last finished epoch, rewritten after every epoch;
+- `step.ckpt`: with `checkpoint.every_n_train_steps=N`, the newest mid-epoch state, every N steps;
+- `best-epoch<k>.ckpt`: the epoch with the best `val/acc`.
+"""
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+from src.errors import UsageError
+
+RESUMABLE = ("last.ckpt", "step.ckpt")  # in order of preference when both hold the same step
+CKPT_WORDS = ("last", "auto")
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Writes a checkpoint beside its final name, then renames it into place.
+
+    Lightning's own save goes through a temporary file in /tmp and a move, which is a copy when
+    /tmp is another filesystem: a run killed during that copy would leave a truncated `last.ckpt`.
+    """
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+        with open(partial, "wb") as file:
+            torch.save(checkpoint, file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(partial, path)
+
+
+def saved_step(path: Path) -> int:
+    """The optimizer step a checkpoint was saved at, read without loading its tensors."""
+    return int(torch.load(path, map_location="cpu", weights_only=False, mmap=True)["global_step"])
+
+
+def newest_checkpoint(run_dir: Path) -> Path | None:
+    """The resumable checkpoint of `run_dir` saved at the latest step; `last.ckpt` on a tie."""
+    found = [path for name in RESUMABLE if (path := run_dir / "checkpoints" / name).is_file()]
+    return max(found, key=saved_step, default=None)  # max keeps the first of equal steps
+
+
+def has_checkpoints(run_dir: Path) -> bool:
+    folder = run_dir / "checkpoints"
+    return folder.is_dir() and any(folder.glob("*.ckpt"))
+
+
+def resolve_ckpt_path(ckpt_path: str | None, run_dir: Path) -> Path | None:
+    """The checkpoint a run starts from.
+
+    - null: none; a run folder that already holds checkpoints is not overwritten by a new run;
+    - `last`: the newest of the run folder's `last.ckpt` and `step.ckpt`, which must exist;
+    - `auto`: the same if there is one, else a fresh start (for launchers that restart a run);
+    - a file: that checkpoint.
+    """
+    if ckpt_path is None:
+        if has_checkpoints(run_dir):
+            raise UsageError(
+                f"hydra.run.dir={run_dir} already holds a run's checkpoints; resume it with ckpt_path=last "
+                "(or ckpt_path=auto), or leave hydra.run.dir out to start a new run in a new folder"
+            )
+        return None
+    value = str(ckpt_path)
+    if value in CKPT_WORDS:
+        newest = newest_checkpoint(run_dir)
+        if newest is None and value == "last":
+            raise UsageError(
+                f"ckpt_path=last: no checkpoint in {run_dir / 'checkpoints'} (looked for {' and '.join(RESUMABLE)}); "
+                "name the run folder with hydra.run.dir=<run folder>"
+            )
+        return newest
+    path = Path(value)
+    if not path.is_file():
+        raise UsageError(f"ckpt_path={value}: no checkpoint at {path}; give a .ckpt file, `last` or `auto`")
+    return path

@@ -1,0 +1,23 @@
+"""Evaluation counts every image once, on any number of processes."""
+
+import pytest
+
+from tests.helpers import QUICK, scalars, train
+
+
+@pytest.mark.slow
+def test_test_accuracy_on_three_processes_equals_one_process(tmp_path, data_root):
+    trained = tmp_path / "trained"
+    assert train(*QUICK, "trainer.limit_train_batches=20", f"hydra.run.dir={trained}").returncode == 0
+    checkpoint = trained / "checkpoints" / "last.ckpt"
+    results = {}
+    for devices in (1, 3):
+        run_dir = tmp_path / f"devices{devices}"
+        # The checkpoint has done its one epoch: fit has nothing left, and test scores its weights
+        # on all 10,000 test images (255 per batch: 85 per process on 3).
+        result = train(*QUICK, f"ckpt_path={checkpoint}", "strategy=ddp", f"devices={devices}", "data.batch_size=255",
+                       "trainer.limit_test_batches=1.0", f"hydra.run.dir={run_dir}", timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+        results[devices] = scalars(run_dir)["test/acc"][-1]
+    assert results[3] == results[1]
+    assert round(results[1] * 10_000) == pytest.approx(results[1] * 10_000, abs=1e-3), "a count out of 10,000 images"

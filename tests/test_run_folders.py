@@ -1,0 +1,42 @@
+"""Every run gets a folder of its own, also when two start in the same second."""
+
+import subprocess
+import sys
+
+from omegaconf import OmegaConf
+
+from src import naming
+from tests.helpers import QUICK, scalars, user_env
+
+
+def test_claiming_a_taken_folder_name_gives_the_next_free_one(tmp_path, monkeypatch):
+    monkeypatch.setattr(naming, "_claimed", {})
+    base = str(tmp_path / "runs" / "2026-01-01_00-00-00_lenet_auto_1dev_32")
+    first = naming.claim_dir(base)
+    assert naming.claim_dir(base) == first, "one process asking twice keeps its folder"
+    monkeypatch.setattr(naming, "_claimed", {})  # as another process would
+    second = naming.claim_dir(base)
+    assert (first, second) == (base, f"{base}-2")
+    assert (tmp_path / "runs").is_dir() and sorted(p.name for p in (tmp_path / "runs").iterdir()) == [
+        "2026-01-01_00-00-00_lenet_auto_1dev_32", "2026-01-01_00-00-00_lenet_auto_1dev_32-2"]
+
+
+def test_torchrun_ranks_share_the_folder_named_after_the_run_id(tmp_path, monkeypatch):
+    monkeypatch.setattr(naming, "_claimed", {})
+    monkeypatch.setenv("RANK", "1")
+    base = str(tmp_path / "torchrun-job7_lenet_ddp_2dev_32")
+    assert naming.claim_dir(base) == base and not (tmp_path / "torchrun-job7_lenet_ddp_2dev_32").exists()
+
+
+def test_two_runs_started_at_once_write_two_folders(tmp_path, data_root):
+    command = [sys.executable, "-m", "src.train", *QUICK]
+    runs = [subprocess.Popen(command, cwd=tmp_path, env=user_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for _ in range(2)]
+    outputs = [run.communicate(timeout=300) for run in runs]
+    assert [run.returncode for run in runs] == [0, 0], [err[-2000:] for _, err in outputs]
+    folders = sorted((tmp_path / "outputs" / "runs").iterdir())
+    assert len(folders) == 2
+    for folder in folders:
+        assert OmegaConf.load(folder / "config.yaml").output_dir == str(folder)
+        assert len(scalars(folder)["test/acc"]) == 1, "one run's results per folder"
+        assert {p.name for p in (folder / "checkpoints").iterdir()} >= {"last.ckpt"}
