@@ -24,7 +24,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.tensorboard.summary import hparams
 
-from src import checks
+from src import checks, stopping
 from src.data.fashion_mnist import per_process_batch
 from src.ddp_jobs import child_argv, is_launching_process, job_scope
 from src.errors import UsageError
@@ -106,6 +106,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
         plugins=[SyncBatchNormPlugin(cuda=accelerator == "gpu")] if cfg.sync_batchnorm else None,
         default_root_dir=str(output_dir), use_distributed_sampler=False, **trainer_args,
     )
+    stopping.attach(trainer)
     with job_scope():
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
         metrics = scalar_metrics(trainer)
@@ -137,7 +138,8 @@ failed_jobs: list[str] = []
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
 def hydra_main(cfg: DictConfig) -> float | None:
     try:
-        metrics = train(cfg)
+        with stopping.stop_cleanly():
+            metrics = train(cfg)
     except UsageError as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         remove_unfinished_run_dir(Path(cfg.output_dir))
@@ -150,12 +152,14 @@ def hydra_main(cfg: DictConfig) -> float | None:
 
 def main() -> None:
     sys.argv = child_argv(sys.argv)
+    stopping.install()
     try:
         checks.check_overrides(sys.argv[1:])
     except UsageError as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         sys.exit(2)
-    hydra_main()
+    with stopping.stop_cleanly():  # a signal outside a job: while Hydra starts, between sweep jobs
+        hydra_main()
     if failed_jobs:
         print(f"error: {len(failed_jobs)} sweep job(s) failed: {' | '.join(failed_jobs)}", file=sys.stderr, flush=True)
         sys.exit(2)
