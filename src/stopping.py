@@ -302,13 +302,15 @@ def attach(trainer: Trainer) -> None:
 
 
 def _collective_failure(error: BaseException) -> str | None:
-    """The first line of a collective's error (lost peer, timeout) in `error` or its causes, else None."""
+    """The first line of a collective's error (lost peer, timeout) in `error` or its causes, else None.
+
+    torch raises these as RuntimeError (DistBackendError, or a RuntimeError from a DDP hook's future)."""
     seen: set[int] = set()
     current: BaseException | None = error
     while current is not None and id(current) not in seen:
         seen.add(id(current))
         text = str(current)
-        if isinstance(current, dist.DistError) or any(mark in text for mark in COLLECTIVE_ERROR_MARKS):
+        if isinstance(current, dist.DistError) or (isinstance(current, RuntimeError) and any(m in text for m in COLLECTIVE_ERROR_MARKS)):
             return next((line.strip() for line in text.splitlines() if line.strip()), type(current).__name__)
         current = current.__cause__ or current.__context__
     return None

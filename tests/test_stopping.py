@@ -134,7 +134,6 @@ def assert_last_checkpoint_kept(error_line: str, run_dir: Path) -> None:
     assert torch.load(last, weights_only=False)["epoch"] <= epoch
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name", ["SIGTERM", "SIGINT", "SIGHUP"])
 def test_signal_stops_one_process(tmp_path, data_root, name):
     signum = getattr(signal, name)
@@ -184,7 +183,6 @@ def test_stuck_rank_stops_the_run_after_the_collective_timeout(tmp_path, data_ro
     assert run.elapsed > STUCK_TIMEOUT_S - 1
 
 
-@pytest.mark.slow
 def test_signal_stops_the_whole_sweep(tmp_path, data_root):
     sweep = tmp_path / "sweep"
     with Run(sweep, "-m", *LONG, "seed=1,2", f"hydra.sweep.dir={sweep}") as run:
