@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 from torch.utils.tensorboard.summary import hparams
 
-from src import checks
+from src import checks, stopping
 from src.checkpoints import AtomicCheckpointIO, resolve_ckpt_path, saved_step
 from src.data.fashion_mnist import per_process_batch
 from src.ddp_jobs import child_argv, is_launching_process, job_scope
@@ -139,6 +139,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
         max_epochs=cfg.max_epochs, logger=logger, callbacks=callbacks, plugins=plugins,
         default_root_dir=str(output_dir), use_distributed_sampler=False, **trainer_args,
     )
+    stopping.attach(trainer)
     with job_scope():
         trainer.fit(module, datamodule=datamodule, ckpt_path=None if ckpt_path is None else str(ckpt_path))
         metrics = scalar_metrics(trainer)
@@ -170,7 +171,8 @@ failed_jobs: list[str] = []
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
 def hydra_main(cfg: DictConfig) -> float | None:
     try:
-        metrics = train(cfg)
+        with stopping.stop_cleanly():
+            metrics = train(cfg)
     except UsageError as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         remove_unfinished_run_dir(Path(cfg.output_dir))
@@ -183,12 +185,14 @@ def hydra_main(cfg: DictConfig) -> float | None:
 
 def main() -> None:
     sys.argv = child_argv(sys.argv)
+    stopping.install()
     try:
         checks.check_overrides(sys.argv[1:])
     except UsageError as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         sys.exit(2)
-    hydra_main()
+    with stopping.stop_cleanly():  # a signal outside a job: while Hydra starts, between sweep jobs
+        hydra_main()
     if failed_jobs:
         print(f"error: {len(failed_jobs)} sweep job(s) failed: {' | '.join(failed_jobs)}", file=sys.stderr, flush=True)
         sys.exit(2)

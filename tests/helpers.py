@@ -85,7 +85,11 @@ def hparams(run_dir: Path) -> dict[str, object]:
 
     accumulator = EventAccumulator(str(run_dir), size_guidance={"tensors": 0})
     accumulator.Reload()
-    for content in accumulator.PluginTagToContent("hparams").values():
+    try:
+        contents = accumulator.PluginTagToContent("hparams").values()
+    except KeyError:  # no HParams summary at all, e.g. a stopped run
+        return {}
+    for content in contents:
         data = plugin_data_pb2.HParamsPluginData.FromString(content)
         if data.HasField("session_start_info"):
             return {k: v.WhichOneof("kind") and getattr(v, v.WhichOneof("kind")) for k, v in data.session_start_info.hparams.items()}

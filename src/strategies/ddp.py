@@ -54,7 +54,7 @@ class CommHookDDPStrategy(DDPStrategy):
         hook: str = "none",
         powersgd_rank: int = 1,
         start_powersgd_iter: int = 10,
-        timeout_s: float = 1800,
+        timeout_s: float = 300,
         process_group_backend: str | None = None,
         bucket_cap_mb: float | None = None,
         gradient_as_bucket_view: bool = False,
@@ -91,8 +91,8 @@ class CommHookDDPStrategy(DDPStrategy):
                 f"strategy.start_powersgd_iter={self.start_powersgd_iter} is not allowed; it must be a whole number of "
                 "at least 2 (PowerSGD's error feedback needs plain all-reduce steps first)"
             )
-        if not _is_number(self.timeout_s) or self.timeout_s <= 0:
-            raise UsageError(f"strategy.timeout_s={self.timeout_s} is not allowed; it must be a number of seconds above 0")
+        if not _is_number(self.timeout_s) or not math.isfinite(self.timeout_s) or self.timeout_s <= 0:
+            raise UsageError(f"strategy.timeout_s={self.timeout_s} is not allowed; it must be a finite number of seconds above 0")
         if self.bucket_cap_mb is not None and (not _is_number(self.bucket_cap_mb) or self.bucket_cap_mb <= 0):
             raise UsageError(f"strategy.bucket_cap_mb={self.bucket_cap_mb} is not allowed; it must be null or a number of MiB above 0")
         for key in ("gradient_as_bucket_view", "static_graph", "find_unused_parameters"):
@@ -164,7 +164,7 @@ class CommHookDDPStrategy(DDPStrategy):
     def _register_ddp_hooks(self) -> None:
         """Register on every device type; Lightning's own method registers on CUDA only."""
         assert isinstance(self.model, DistributedDataParallel)
-        group = dist.new_group()
+        group = dist.new_group(timeout=self._timeout)  # new_group's own default is 30 min
         state, hook = self.build_hook(group)
         self.comm_meter = CommMeter(group)
         self.model.register_comm_hook(state, self.comm_meter.wrap(hook))
