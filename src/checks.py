@@ -148,14 +148,15 @@ def unknown_key_message(key: str, known: set[str], choice: str = "") -> str:
     """Name the unknown key, the closest known one, and the keys beside it."""
     parent, _, name = key.rpartition(".")
     siblings = sorted(k.rpartition(".")[2] for k in known if k.rpartition(".")[0] == parent and not k.endswith("_target_"))
-    initials = [s for s in siblings if s == "".join(word[:1] for word in name.split("_"))]  # learning_rate -> lr
-    close = initials or difflib.get_close_matches(name, siblings, n=1, cutoff=0.6)
-    if not close and "." in key:
-        close = [k for k in difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.8)]
-    hint = f"; did you mean {f'{parent}.{close[0]}' if parent and close[0] in siblings else close[0]}?" if close else ""
+    abbreviation = "".join(word[:1] for word in name.split("_"))  # learning_rate -> lr
+    close = [s for s in siblings if s == abbreviation] or difflib.get_close_matches(name, siblings, n=1, cutoff=0.6)
+    if close:
+        suggestion = f"{parent}.{close[0]}" if parent else close[0]
+    else:  # a misspelled parent, e.g. optm.lr
+        suggestion = next(iter(difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.8)), "")
+    message = f"{key} is not a known key" + (f" of {choice}" if choice else "") + (f"; did you mean {suggestion}?" if suggestion else "")
     where = f"{parent}'s keys" if parent else "top-level keys"
-    unknown = f"{key} is not a known key" + (f" of {choice}" if choice else "")
-    return f"{unknown}{hint} ({where}: {', '.join(siblings)})" if siblings else f"{unknown}{hint}"
+    return f"{message} ({where}: {', '.join(siblings)})" if siblings else message
 
 
 def check_run_dir(args: list[str]) -> None:
@@ -168,9 +169,8 @@ def check_run_dir(args: list[str]) -> None:
     else:
         hydra_defaults = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "hydra" / "default.yaml"), resolve=False)
         folder = str(hydra_defaults["sweep" if multirun else "run"]["dir"])
-    # Only the part before the first interpolation is known now: check its folder.
-    fixed = Path(folder.split("${")[0]) if "${" not in folder else Path(folder.split("${")[0] + "x").parent
-    existing = fixed
+    # Only the part before the first interpolation is known now: check the folder it names.
+    existing = Path(folder.split("${")[0] + "x").parent if "${" in folder else Path(folder)
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
     if not existing.is_dir():
