@@ -40,8 +40,12 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
 
 def saved_step(path: Path) -> int:
-    """The optimizer step a checkpoint was saved at, read without loading its tensors."""
-    return int(torch.load(path, map_location="cpu", weights_only=False, mmap=True)["global_step"])
+    """The optimizer step a checkpoint was saved at, read without loading its tensors; -1 for a file
+    that is no Lightning checkpoint (`checks.check_checkpoint` says what is wrong with it)."""
+    try:
+        return int(torch.load(path, map_location="cpu", weights_only=False, mmap=True)["global_step"])
+    except Exception:
+        return -1
 
 
 def newest_checkpoint(run_dir: Path) -> Path | None:

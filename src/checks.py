@@ -1,49 +1,248 @@
-"""Checks of user input, done once and early, each failing with one line that names the option."""
+"""Checks of user input, done once and early, each failing with one line that names the option.
 
+The rules for values live in `src/schema.py`; this module applies them to the composed config
+(`check_config`), to the command line before Hydra composes it (`check_overrides`, `check_run_dir`)
+and to what a run is asked to resume from (`check_checkpoint`).
+"""
+
+import difflib
+import fnmatch
+import importlib.util
 import inspect
+import itertools
 import logging
-import typing
+import re
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import lightning
 import torch
+from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from lightning.fabric.connector import _PRECISION_INPUT
+from hydra.core.override_parser.types import Override
+from hydra.errors import OverrideParseException
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_only
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
+from src.ddp_jobs import external_rank
 from src.errors import UsageError
+from src.schema import ACCELERATORS, PRECISIONS, SCHEMA, shown
 
 log = logging.getLogger(__name__)
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
-PRECISIONS = list(dict.fromkeys(str(p) for arg in typing.get_args(_PRECISION_INPUT) for p in typing.get_args(arg)))
-ACCELERATORS = ("auto", "cpu", "gpu", "cuda")
+TRAINER_ARGS = set(inspect.signature(lightning.Trainer.__init__).parameters) - {"self"}
 # Trainer arguments that the top-level keys own; `trainer.<name>` may not set them.
 OWNED_BY_TOP_LEVEL = {"accelerator", "strategy", "devices", "num_nodes", "precision", "logger", "callbacks",
                       "max_epochs", "sync_batchnorm", "default_root_dir", "use_distributed_sampler", "plugins"}
+# Keys computed from other settings; typing them would make the run's records disagree with it.
+DERIVED = {"model_name": "model=<option>", "strategy_name": "strategy=<option>", "output_dir": "hydra.run.dir=<folder>"}
 
 
 def group_options(group: str) -> list[str]:
     return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
 
 
-def check_overrides(args: list[str]) -> None:
-    """Reject `group=unknown` and `trainer.unknown=...` in one line, before Hydra prints its multi-line error."""
-    try:
-        overrides = OverridesParser.create().parse_overrides([a for a in args if "=" in a and not a.startswith("-")])
-    except Exception:
-        return  # not ours to judge: Hydra reports syntax errors itself
-    for override in overrides:
-        group = override.key_or_group
-        if group.startswith("trainer.") and not override.is_delete():
-            check_trainer_args({group.removeprefix("trainer."): None})
-        if override.is_delete() or not (CONF_DIR / group).is_dir() or group.split("/")[0] == "hydra":
+def not_allowed(key: str, value: Any, allowed: str) -> UsageError:
+    return UsageError(f"{key}={shown(value)} is not allowed; {allowed}")
+
+
+# --- the command line, before Hydra composes it -------------------------------------------------------------
+
+
+def parse_overrides(args: list[str]) -> list[Override]:
+    """The overrides among `args`, each in Hydra's grammar."""
+    parser = OverridesParser.create()
+    overrides = []
+    for arg in args:
+        if arg.startswith("-") or not ("=" in arg or arg.startswith("~")):
             continue
-        values = list(override.sweep_string_iterator()) if override.is_sweep_override() else [override.value()]
-        allowed = group_options(group)
-        for value in values:
+        try:
+            overrides += parser.parse_overrides([arg])
+        except OverrideParseException as error:
+            reason = next(line for line in str(error).splitlines() if not line.startswith("Error parsing"))
+            raise UsageError(f"{arg} is not allowed; it must follow Hydra's override grammar ({reason}); quote odd values: key='...'") from None
+    return overrides
+
+
+def is_hydra(key: str) -> bool:
+    """Hydra's own settings (`hydra.run.dir`, `hydra/launcher=slurm`): Hydra checks those."""
+    return re.split(r"[./]", key)[0] == "hydra"
+
+
+def is_group(key: str) -> bool:
+    return (CONF_DIR / key).is_dir() and not is_hydra(key)
+
+
+def override_values(override: Override) -> list[Any]:
+    return list(override.sweep_string_iterator()) if override.is_sweep_override() else [override.value()]
+
+
+def check_overrides(args: list[str]) -> None:
+    """Reject unknown group options and unknown keys in one line, before Hydra prints its multi-line error."""
+    overrides = parse_overrides(args)
+    for override in overrides:
+        if override.is_delete() and is_group(override.key_or_group) and override.key_or_group != "experiment":
+            raise UsageError(f"~{override.key_or_group} is not allowed; choose {override.key_or_group}=<option> instead")
+    groups = [o for o in overrides if is_group(o.key_or_group) and not o.is_delete()]
+    for override in groups:
+        allowed = group_options(override.key_or_group)
+        for value in override_values(override):
             if value is not None and str(value) not in allowed:
-                raise UsageError(f"{group}={value} is not an option; choose one of: {', '.join(allowed)}")
+                raise UsageError(f"{override.key_or_group}={value} is not an option; choose one of: {', '.join(allowed)}")
+    values = [o for o in overrides if not is_group(o.key_or_group) and not is_hydra(o.key_or_group)]
+    if not values:
+        return
+    # Each combination of the group choices (a sweep may have several) has its own keys.
+    choices = [[f"{o.key_or_group}={shown(v)}" for v in override_values(o)] for o in groups]
+    for combination in itertools.product(*choices):
+        known = config_keys(list(combination))
+        for override in values:
+            check_override_key(override, known, [c for c in combination if c.split("=")[0] == override.key_or_group.split(".")[0]])
+
+
+def config_keys(group_choices: list[str]) -> set[str]:
+    """Every key, inner nodes included, of the config composed from these group choices alone."""
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = compose("train", overrides=group_choices)
+    except Exception as error:
+        raise UsageError(f"{' '.join(group_choices)}: {str(error).splitlines()[0]}") from None
+    return set(flatten(OmegaConf.to_container(cfg, resolve=False), nodes=True))
+
+
+def flatten(tree: Any, prefix: str = "", nodes: bool = False) -> dict[str, Any]:
+    """`{"a": {"b": 1}}` as `{"a.b": 1}` (and `"a"` too with `nodes`); lists and empty dicts are values."""
+    if not isinstance(tree, dict) or not tree:
+        return {prefix: tree} if prefix else {}
+    flat: dict[str, Any] = {prefix: tree} if prefix and nodes else {}
+    for key, value in tree.items():
+        flat.update(flatten(value, f"{prefix}.{key}" if prefix else str(key), nodes))
+    return flat
+
+
+def check_override_key(override: Override, known: set[str], choice: list[str]) -> None:
+    """`choice`: the group option typed for this key's group, if any (`strategy=auto` for `strategy.hook`)."""
+    key = override.key_or_group
+    if key.startswith("trainer."):
+        check_trainer_args({key.removeprefix("trainer."): None})
+    if key in DERIVED:
+        raise UsageError(f"{key} is derived from the other settings; set {DERIVED[key]} instead")
+    if override.is_add() and is_new_callback(key, known):
+        return  # +callbacks.<new name>._target_=... and its arguments: a callback the config does not have
+    if key.endswith("._target_") or key == "_target_":
+        group = key.split(".")[0]
+        raise UsageError(f"{key} is set by the config group; choose {group}=<option> (a file under conf/{group}/)")
+    if key not in known:
+        raise UsageError(unknown_key_message(key, known, choice[0] if choice else ""))
+    if override.is_add():
+        raise UsageError(f"+{key}: {key} is already in the config; set it with {key}=...")
+    if override.is_delete() and not (re.fullmatch(r"callbacks\.\w+", key) or key.startswith("trainer.")):
+        raise UsageError(f"~{key}: only a callback (~callbacks.<name>) or a trainer argument can be removed; set {key}=... instead")
+
+
+def is_new_callback(key: str, known: set[str]) -> bool:
+    parts = key.split(".")
+    return len(parts) == 3 and parts[0] == "callbacks" and not any(k.startswith(f"callbacks.{parts[1]}.") for k in known)
+
+
+def unknown_key_message(key: str, known: set[str], choice: str = "") -> str:
+    """Name the unknown key, the closest known one, and the keys beside it."""
+    parent, _, name = key.rpartition(".")
+    siblings = sorted(k.rpartition(".")[2] for k in known if k.rpartition(".")[0] == parent and not k.endswith("_target_"))
+    abbreviation = "".join(word[:1] for word in name.split("_"))  # learning_rate -> lr
+    close = [s for s in siblings if s == abbreviation] or difflib.get_close_matches(name, siblings, n=1, cutoff=0.6)
+    if close:
+        suggestion = f"{parent}.{close[0]}" if parent else close[0]
+    else:  # a misspelled parent, e.g. optm.lr
+        suggestion = next(iter(difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.8)), "")
+    message = f"{key} is not a known key" + (f" of {choice}" if choice else "") + (f"; did you mean {suggestion}?" if suggestion else "")
+    where = f"{parent}'s keys" if parent else "top-level keys"
+    return f"{message} ({where}: {', '.join(siblings)})" if siblings else message
+
+
+def check_run_dir(args: list[str]) -> None:
+    """The run (or sweep) folder must be creatable; Hydra creates it before the task and fails with a traceback."""
+    multirun = "-m" in args or "--multirun" in args
+    key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    given = [o.value() for o in parse_overrides(args) if o.key_or_group == key and not o.is_sweep_override()]
+    if given:
+        folder = str(given[-1])
+    else:
+        hydra_defaults = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "hydra" / "default.yaml"), resolve=False)
+        folder = str(hydra_defaults["sweep" if multirun else "run"]["dir"])
+    folder = re.sub(r"^\$\{claim_dir:(.*)\}$", r"\1", folder)  # the folder that claim_dir creates
+    # Only the part before the first interpolation is known now: check the folder it names.
+    existing = Path(folder.split("${")[0] + "x").parent if "${" in folder else Path(folder)
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise not_allowed(key, folder, f"it must be a folder that can be created, and {existing} is a file")
+    try:
+        Path(tempfile.mkdtemp(dir=existing, prefix=".write-test-")).rmdir()
+    except OSError as error:
+        raise not_allowed(key, folder, f"it must be a folder that can be created, and {existing} is not writable ({error.strerror})") from None
+
+
+# --- the composed config -------------------------------------------------------------------------------------
+
+
+def rule_for(key: str):
+    return next((rule for pattern, rule in SCHEMA.items() if fnmatch.fnmatchcase(key, pattern)), None)
+
+
+def check_config(cfg: DictConfig) -> None:
+    """Every key known and every value in its range (see src/schema.py), then the rules across keys."""
+    try:
+        nodes = {key: cfg[key] for key in cfg if key != "hydra"}
+        values = flatten({k: OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v for k, v in nodes.items()})
+    except OmegaConfBaseException as error:
+        first_line = str(error).splitlines()[0]
+        raise UsageError(f"{getattr(error, 'full_key', '') or 'config'}: {first_line}") from None
+    for key, value in values.items():
+        rule = rule_for(key)
+        if rule is None:
+            raise UsageError(unknown_key_message(key, {k for k in values if rule_for(k)}))
+        if not rule.test(value):
+            raise not_allowed(key, value, f"{key} must be {rule.allowed}")
+    check_trainer_args(values_under(values, "trainer"))
+    check_across_keys(cfg, values)
+
+
+def values_under(values: dict[str, Any], group: str) -> dict[str, Any]:
+    return {k.split(".", 1)[1]: v for k, v in values.items() if k.startswith(group + ".")}
+
+
+def check_across_keys(cfg: DictConfig, values: dict[str, Any]) -> None:
+    """Rules that tie one key to another, or to how the processes were started."""
+    if values["num_nodes"] > 1 and external_rank() is None:
+        raise not_allowed(
+            "num_nodes", values["num_nodes"],
+            "more than one node needs one process per node started by torchrun or SLURM (see docs/cluster.md); "
+            "on this machine alone use num_nodes=1",
+        )
+    min_epochs = values.get("trainer.min_epochs")
+    if min_epochs is not None and min_epochs > values["max_epochs"]:
+        raise not_allowed("trainer.min_epochs", min_epochs, f"it must be at most max_epochs={values['max_epochs']}")
+    for name, callback in cfg.callbacks.items():
+        target = callback.get("_target_")
+        if not target:
+            raise UsageError(f"callbacks.{name} has no _target_; a new callback needs +callbacks.{name}._target_=<module.Class>")
+        module_name = str(target).rpartition(".")[0]
+        if not module_name or importlib.util.find_spec(module_name.split(".")[0]) is None:
+            raise not_allowed(f"callbacks.{name}._target_", target, "it must name a class of an importable module")
+    checkpoints = [name for name, c in cfg.callbacks.items() if c.get("_target_", "").endswith(ModelCheckpoint.__name__)]
+    if values.get("trainer.enable_checkpointing") is False and checkpoints:
+        raise not_allowed(
+            "trainer.enable_checkpointing", False,
+            "it must be null or true while checkpoint callbacks are set; remove them with "
+            + " ".join(f"~callbacks.{name}" for name in checkpoints),
+        )
 
 
 def positive_int(cfg: DictConfig, key: str) -> int:
@@ -70,6 +269,8 @@ def resolve_precision(requested: object, accelerator: str) -> str:
     precision = str(requested)
     if precision not in PRECISIONS:
         raise UsageError(f"precision={precision} is not allowed; choose one of: {', '.join(PRECISIONS)}")
+    if precision.startswith("transformer-engine") and (accelerator != "gpu" or not importlib.util.find_spec("transformer_engine")):
+        raise UsageError(f"precision={precision} is not allowed here; it needs a CUDA GPU and the transformer_engine package")
     if accelerator == "cpu" and precision in ("16", "16-mixed"):
         if rank_zero_only.rank == 0:
             log.warning(f"precision={precision} needs a CUDA GPU; this CPU run uses bf16-mixed instead")
@@ -83,9 +284,53 @@ def check_devices(accelerator: str, devices: int) -> None:
 
 
 def check_trainer_args(trainer_cfg: dict) -> None:
-    known = set(inspect.signature(lightning.Trainer.__init__).parameters) - {"self"}
     for key in trainer_cfg:
         if key in OWNED_BY_TOP_LEVEL:
             raise UsageError(f"trainer.{key} is set by the top-level key; use {key}=... instead")
-        if key not in known:
+        if key not in TRAINER_ARGS:
             raise UsageError(f"trainer.{key} is not a lightning.Trainer argument")
+
+
+@contextmanager
+def trainer_input_errors() -> Iterator[None]:
+    """Lightning's own refusals of a Trainer argument that only the data can judge, as one line.
+
+    E.g. `trainer.val_check_interval=500` with 4 training batches, or a `limit_train_batches`
+    fraction that leaves no batch. Only errors that name a Trainer argument are translated.
+    """
+    try:
+        yield
+    except (MisconfigurationException, ValueError) as error:
+        named = [name for name in re.findall(r"`(?:Trainer\()?(\w+)", str(error)) if name in TRAINER_ARGS]
+        if not named:
+            raise
+        raise UsageError(f"trainer.{named[0]}: {' '.join(str(error).split())}") from error
+
+
+# --- what a run resumes from ---------------------------------------------------------------------------------
+
+
+def check_checkpoint(path: Path | None, given: object, module: torch.nn.Module, model_name: str) -> None:
+    """A checkpoint to resume must be a Lightning checkpoint of this very model, known before training starts."""
+    if path is None:
+        return
+    try:  # Lightning unpickles the same file right after; this only reads it earlier
+        state = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as error:
+        reason = f"{type(error).__name__}: {str(error).splitlines()[0]}" if str(error) else type(error).__name__
+        raise not_allowed("ckpt_path", given, f"{path} is not a checkpoint file ({reason})") from None
+    weights = state.get("state_dict") if isinstance(state, dict) else None
+    if not isinstance(weights, dict):
+        raise not_allowed("ckpt_path", given, f"{path} is not a Lightning checkpoint (it holds no state_dict)")
+    expected = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+    found = {k: tuple(v.shape) for k, v in weights.items() if isinstance(v, torch.Tensor)}
+    if expected == found:
+        return
+    differences = [f"{k} {found[k]} here {expected[k]}" for k in expected.keys() & found.keys() if expected[k] != found[k]]
+    differences += [f"{k} missing" for k in expected.keys() - found.keys()]
+    differences += [f"{k} not in model={model_name}" for k in found.keys() - expected.keys()]
+    raise not_allowed(
+        "ckpt_path", given,
+        f"it holds another model than model={model_name} ({len(differences)} weights differ, e.g. {sorted(differences)[0]}); "
+        "resume with the model it was trained with",
+    )

@@ -57,6 +57,8 @@ def claim_dir(path: str) -> str:
             candidate.mkdir(parents=True)
             break
         except FileExistsError:
+            if not candidate.exists():  # a parent is a file: no name below it can be created
+                return path
             number += 1
             candidate = Path(f"{path}-{number}")
         except OSError:

@@ -29,7 +29,7 @@ from src import checks, stopping
 from src.checkpoints import AtomicCheckpointIO, resolve_ckpt_path, saved_step
 from src.data.fashion_mnist import per_process_batch
 from src.ddp_jobs import child_argv, is_launching_process, job_scope
-from src.errors import UsageError
+from src.errors import TrainingDiverged, UsageError
 from src.models.module import Classifier
 from src.naming import register_resolvers
 from src.optim import optimizer_args
@@ -92,7 +92,8 @@ def resumed_step(ckpt_path: Path | None, run_dir: Path) -> int | None:
     step n at TensorBoard step n - 1, so the first point after a checkpoint at step s is at s."""
     if ckpt_path is None or ckpt_path.parent.parent.resolve() != run_dir.resolve():
         return None
-    return saved_step(ckpt_path)
+    step = saved_step(ckpt_path)
+    return step if step >= 0 else None
 
 
 def route_lightning_logs() -> None:
@@ -107,6 +108,7 @@ def route_lightning_logs() -> None:
 def train(cfg: DictConfig) -> dict[str, float]:
     """Fit and test one configuration; returns the final metrics."""
     route_lightning_logs()
+    checks.check_config(cfg)
     output_dir = Path(cfg.output_dir)
     accelerator = checks.resolve_accelerator(cfg.accelerator)
     devices, num_nodes = checks.positive_int(cfg, "devices"), checks.positive_int(cfg, "num_nodes")
@@ -126,6 +128,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
         datamodule.prepare_data()
         datamodule.setup()
     module = Classifier(instantiate(cfg.model.net), **optimizer_args(cfg.optim, cfg.data.batch_size))
+    checks.check_checkpoint(ckpt_path, cfg.ckpt_path, module, cfg.model_name)
     if rank_zero_only.rank == 0:  # every interpolation resolved: what this run really used
         OmegaConf.save(cfg, output_dir / "config.yaml", resolve=True)
     callbacks: list[Callback] = [instantiate(c) for c in cfg.callbacks.values()]
@@ -140,7 +143,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
         default_root_dir=str(output_dir), use_distributed_sampler=False, **trainer_args,
     )
     stopping.attach(trainer)
-    with job_scope():
+    with job_scope(), checks.trainer_input_errors():
         trainer.fit(module, datamodule=datamodule, ckpt_path=None if ckpt_path is None else str(ckpt_path))
         metrics = scalar_metrics(trainer)
         trainer.test(module, datamodule=datamodule, verbose=False)
@@ -157,28 +160,40 @@ def train(cfg: DictConfig) -> dict[str, float]:
     return metrics
 
 
-def remove_unfinished_run_dir(output_dir: Path) -> None:
-    """A run stopped by bad input leaves no folder that could pass for a result."""
-    settings_only = (".hydra", "config.yaml")
-    if output_dir.is_dir() and all(p.name in settings_only or p.suffix == ".log" for p in output_dir.iterdir()):
-        shutil.rmtree(output_dir, ignore_errors=True)
+def holds_only_settings(output_dir: Path) -> bool:
+    """True for a folder with nothing but Hydra's settings and logs: no checkpoint, no TensorBoard run."""
+    settings = (".hydra", "config.yaml")
+    return output_dir.is_dir() and all(p.name in settings or p.suffix == ".log" for p in output_dir.iterdir())
 
 
-# Sweep jobs stopped by bad input: the sweep goes on, and exits non-zero at its end.
-failed_jobs: list[str] = []
+def report_failure(error: UsageError | TrainingDiverged, output_dir: Path, new_folder: bool) -> int:
+    """One `error:` line from the first process, and no folder that could pass for a result; the exit status.
+
+    Only a folder this run started is removed: a resumed run's folder keeps its checkpoints.
+    """
+    if rank_zero_only.rank == 0:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        if new_folder:
+            shutil.rmtree(output_dir, ignore_errors=True)
+    return 2 if isinstance(error, UsageError) else 1
+
+
+# Sweep jobs stopped by bad input or a diverged loss, with their exit status: the sweep goes on,
+# and exits non-zero at its end.
+failed_jobs: dict[str, int] = {}
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
 def hydra_main(cfg: DictConfig) -> float | None:
+    new_folder = holds_only_settings(Path(cfg.output_dir))
     try:
         with stopping.stop_cleanly():
             metrics = train(cfg)
-    except UsageError as error:
-        print(f"error: {error}", file=sys.stderr, flush=True)
-        remove_unfinished_run_dir(Path(cfg.output_dir))
+    except (UsageError, TrainingDiverged) as error:
+        status = report_failure(error, Path(cfg.output_dir), new_folder)
         if HydraConfig.get().mode != RunMode.MULTIRUN:
-            sys.exit(2)
-        failed_jobs.append(" ".join(HydraConfig.get().overrides.task))
+            sys.exit(status)
+        failed_jobs[" ".join(HydraConfig.get().overrides.task)] = status
         return None
     return metrics.get("test/acc")
 
@@ -188,14 +203,16 @@ def main() -> None:
     stopping.install()
     try:
         checks.check_overrides(sys.argv[1:])
+        checks.check_run_dir(sys.argv[1:])
     except UsageError as error:
-        print(f"error: {error}", file=sys.stderr, flush=True)
+        if rank_zero_only.rank == 0:  # under torchrun every process checks the same command line
+            print(f"error: {error}", file=sys.stderr, flush=True)
         sys.exit(2)
     with stopping.stop_cleanly():  # a signal outside a job: while Hydra starts, between sweep jobs
         hydra_main()
     if failed_jobs:
         print(f"error: {len(failed_jobs)} sweep job(s) failed: {' | '.join(failed_jobs)}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        sys.exit(max(failed_jobs.values()))
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@ import struct
 
 import pytest
 import torch
+from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
 from torchvision.datasets import FashionMNIST
 
 from src.data.fashion_mnist import MEAN, RAW_FILES, STD, FashionMNISTDataModule, TensorImages, per_process_batch
@@ -9,12 +10,12 @@ from src.errors import UsageError
 from tests.helpers import write_idx, write_tiny_fashion_mnist
 
 
-def loader_batches(dm: FashionMNISTDataModule, split: str, world_size: int, rank: int) -> list:
-    class FakeTrainer:  # the two attributes the data module reads from Lightning's Trainer
+def loader_batches(dm: FashionMNISTDataModule, split: str, world_size: int, rank: int, precision: Precision | None = None) -> list:
+    class FakeTrainer:  # the three attributes the data module reads from Lightning's Trainer
         pass
 
     trainer = FakeTrainer()
-    trainer.world_size, trainer.global_rank = world_size, rank
+    trainer.world_size, trainer.global_rank, trainer.precision_plugin = world_size, rank, precision or Precision()
     dm.trainer = trainer
     return list(getattr(dm, f"{split}_dataloader")())
 
@@ -37,6 +38,16 @@ def test_batches_are_sliced_and_normalised_on_transfer(tmp_path):
     assert images.dtype == torch.uint8 and images.shape == (16, 1, 28, 28) and labels.shape == (16,)
     x, y = dm.on_after_batch_transfer((images, labels), 0)
     assert torch.allclose(x, (images.float() / 255 - MEAN) / STD) and torch.equal(y, labels)
+
+
+@pytest.mark.parametrize(("plugin", "dtype"), [(DoublePrecision(), torch.float64), (HalfPrecision("bf16-true"), torch.bfloat16),
+                                               (MixedPrecision("bf16-mixed", "cpu"), torch.float32)])
+def test_batches_get_the_input_dtype_of_the_precision(tmp_path, plugin, dtype):
+    write_tiny_fashion_mnist(tmp_path)
+    dm = FashionMNISTDataModule(root=str(tmp_path), batch_size=16, val_size=8, download=False)
+    dm.setup()
+    batch = loader_batches(dm, "test", 1, 0, plugin)[0]
+    assert dm.on_after_batch_transfer(batch, 0)[0].dtype == dtype
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

@@ -182,7 +182,10 @@ class FashionMNISTDataModule(LightningDataModule):
         train = self._load(train=True)
         test = self._load(train=False)
         if not 0 <= self.val_size < len(train.targets):
-            raise UsageError(f"data.val_size={self.val_size} must be in [0, {len(train.targets) - 1}]")
+            raise UsageError(
+                f"data.val_size={self.val_size} is not allowed; data.val_size must be a whole number from 0 to "
+                f"{len(train.targets) - 1} (the training images less one)"
+            )
         order = torch.randperm(len(train.targets), generator=torch.Generator().manual_seed(self.seed))
         val_idx, train_idx = order[: self.val_size], order[self.val_size :]
         self.splits = {
@@ -223,6 +226,11 @@ class FashionMNISTDataModule(LightningDataModule):
         return self._loader("test")
 
     def on_after_batch_transfer(self, batch: tuple[torch.Tensor, torch.Tensor], dataloader_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Normalise on the device: a uint8 batch crosses the bus at a quarter of the float size."""
+        """Normalise on the device: a uint8 batch crosses the bus at a quarter of the float size.
+
+        The images get the dtype the precision plugin gives inputs (float64 for `precision=64`,
+        float16 for `16-true`): Lightning converts inputs before this hook, while they are uint8.
+        """
         images, labels = batch
-        return images.float().div_(255).sub_(MEAN).div_(STD), labels
+        dtype = self.trainer.precision_plugin.convert_input(torch.zeros(())).dtype if self.trainer else torch.float32
+        return images.to(dtype).div_(255).sub_(MEAN).div_(STD), labels

@@ -1,0 +1,80 @@
+"""Stop a run whose training loss became nan or inf, before it writes a checkpoint or a result."""
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning import Callback, LightningModule, Trainer
+from lightning.pytorch.trainer.states import TrainerFn
+
+from src.errors import TrainingDiverged
+
+
+class FiniteLossCheck(Callback):
+    """Raises `TrainingDiverged` naming the first step whose `train/loss` was not finite.
+
+    Each step records, on the device and without waiting for it, the first non-finite loss and its
+    step. The record is read (one device sync, and across DDP processes one all-gather) every
+    `every_n_steps` steps, before validation, at the end of each epoch and at every step a
+    checkpoint callback saves on (`every_n_train_steps`): Lightning runs ModelCheckpoint callbacks
+    last, so no checkpoint of a diverged model is written. `every_n_steps=None` reads every step
+    in one CPU process, where it costs nothing, and every `trainer.log_every_n_steps` steps on a
+    GPU or across processes, where a read is a device sync or a collective.
+    """
+
+    def __init__(self, every_n_steps: int | None = None) -> None:
+        self.every_n_steps = every_n_steps
+        self._interval = 1
+        self._step = 0
+        self._first: torch.Tensor | None = None  # [step, epoch, loss] of the first bad step; step -1: none yet
+        self._saving_every: list[int] = []  # the step intervals of checkpoint callbacks
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        device = pl_module.device
+        cheap = device.type == "cpu" and trainer.world_size == 1
+        self._interval = self.every_n_steps or (1 if cheap else trainer.log_every_n_steps)
+        self._saving_every = [n for c in trainer.checkpoint_callbacks if (n := getattr(c, "_every_n_train_steps", 0)) > 0]
+        dtype = torch.float32 if device.type == "mps" else torch.float64
+        self._first = torch.tensor([-1.0, -1.0, 0.0], dtype=dtype, device=device)
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        self._step = trainer.global_step
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
+        if self._first is None or not isinstance(loss, torch.Tensor):
+            return
+        first = self._first  # updated in place with Python scalars as kernel arguments: no host-device copy
+        new = (first[0] < 0) & ~torch.isfinite(loss.detach()).all()
+        first[2] = torch.where(new, loss.detach().to(first.dtype), first[2])
+        first[1].masked_fill_(new, trainer.current_epoch)
+        first[0].masked_fill_(new, self._step)
+        if (batch_idx + 1) % self._interval == 0 or any(trainer.global_step % n == 0 for n in self._saving_every):
+            self.check(trainer)
+
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking:
+            self.check(trainer)
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.check(trainer)
+
+    def check(self, trainer: Trainer) -> None:
+        """Raise in every process at once when any process saw a non-finite loss."""
+        if self._first is None:
+            return
+        records = self._first
+        if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
+            gathered = [torch.empty_like(self._first) for _ in range(trainer.world_size)]
+            dist.all_gather(gathered, self._first)
+            records = torch.stack(gathered)
+        bad = [row for row in records.reshape(-1, 3).tolist() if row[0] >= 0]
+        if not bad:
+            return
+        step, epoch, loss = min(bad)
+        lr = trainer.optimizers[0].param_groups[0]["lr"] if trainer.optimizers else float("nan")
+        raise TrainingDiverged(
+            f"train/loss is {loss} at step {int(step)} (epoch {int(epoch)}) with learning rate {lr:g}; "
+            "lower optim.lr, or clip gradients with trainer.gradient_clip_val"
+        )

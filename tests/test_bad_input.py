@@ -1,0 +1,365 @@
+"""Every input a user can type is checked: one `error: ...` line naming the option, exit status 2, no run folder.
+
+The range rules are tested in-process on the composed config; the command line is tested once
+per way a run can fail (before Hydra, in `train()`, when the Trainer takes the strategy, when
+the checkpoint is read, inside Lightning's fit, and a loss that diverges).
+"""
+
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import instantiate
+from lightning import LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from omegaconf import open_dict
+from torch.utils.data import DataLoader, TensorDataset
+
+from src import checks
+from src.checks import CONF_DIR, check_checkpoint, check_config, check_overrides, check_run_dir, group_options
+from src.callbacks.finite_loss import FiniteLossCheck
+from src.checkpoints import resolve_ckpt_path
+from src.errors import TrainingDiverged, UsageError
+from src.models.module import Classifier
+from src.naming import register_resolvers
+from tests.helpers import QUICK, hparams, train
+
+register_resolvers()
+
+
+def composed(*overrides: str):
+    """The config a run with these overrides gets, as `train()` sees it."""
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("train", overrides=list(overrides), return_hydra_config=True)
+    with open_dict(cfg):
+        cfg.hydra.runtime.output_dir = "/tmp/run"
+    HydraConfig.instance().set_config(cfg)
+    return cfg
+
+
+def refused(check, *args) -> str:
+    with pytest.raises(UsageError) as caught:
+        check(*args)
+    message = str(caught.value)
+    assert "\n" not in message
+    return message
+
+
+# --- the composed config, in-process ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("group", ["model", "strategy", "experiment", "data"])
+def test_every_shipped_option_passes_the_checks(group):
+    for option in group_options(group):
+        check_config(composed(f"{group}={option}"))
+
+
+OUT_OF_RANGE = {
+    "optim.lr=-0.1": "optim.lr must be a number above 0",
+    "optim.lr=0": "optim.lr must be a number above 0",
+    "optim.lr=inf": "optim.lr must be a number above 0",
+    "optim.momentum=-0.5": "optim.momentum must be a number at least 0 and below 1",
+    "optim.momentum=1": "optim.momentum must be a number at least 0 and below 1",
+    "optim.weight_decay=-1e-4": "optim.weight_decay must be a number at least 0",
+    "optim.base_batch_size=0": "optim.base_batch_size must be a whole number of at least 1",
+    "data.num_workers=-1": "data.num_workers must be a whole number of at least 0",
+    "data.batch_size=0": "data.batch_size must be a whole number of at least 1",
+    "data.batch_size=64.5": "data.batch_size must be a whole number",
+    "data.val_size=-1": "data.val_size must be a whole number of at least 0",
+    "data.val_size=ten": "data.val_size must be a whole number",
+    "data.download=yes": "data.download must be one of: true, false",
+    "data.shuffle=1": "data.shuffle must be one of: true, false",
+    "data.root=3": "data.root must be a non-empty string",
+    "seed=abc": "seed must be a whole number from 0 to 4294967295",
+    "seed=-1": "seed must be a whole number from 0 to 4294967295",
+    "seed=4294967296": "seed must be a whole number from 0 to 4294967295",
+    "sync_batchnorm=maybe": "sync_batchnorm must be one of: true, false",
+    "num_nodes=0": "num_nodes must be a whole number of at least 1",
+    "devices=0": "devices must be a whole number of at least 1",
+    "max_epochs=x": "max_epochs must be a whole number of at least 1",
+    "precision=8-mixed": "precision must be one of: 64, 32, 16,",
+    "accelerator=tpu": "accelerator must be one of: auto, cpu, gpu, cuda",
+    "optim.lr_scaling=sqrt": "optim.lr_scaling must be one of: none, linear",
+    "ckpt_path=''": "ckpt_path must be null, or a non-empty string",
+    "model.net.num_classes=5": "Fashion-MNIST has 10 classes",
+    "trainer.limit_train_batches=0": "trainer.limit_train_batches must be null, or a whole number of at least 1",
+    "trainer.limit_train_batches=-1": "trainer.limit_train_batches must be null",
+    "trainer.limit_train_batches=0.0": "a fraction in (0, 1]",
+    "trainer.limit_train_batches=1.5": "a fraction in (0, 1]",
+    "trainer.limit_val_batches=-1": "trainer.limit_val_batches must be null, or a whole number of at least 0",
+    "trainer.limit_test_batches=0": "trainer.limit_test_batches must be null, or a whole number of at least 1",
+    "trainer.log_every_n_steps=0": "trainer.log_every_n_steps must be null, or a whole number of at least 1",
+    "trainer.accumulate_grad_batches=0": "trainer.accumulate_grad_batches must be a whole number of at least 1",
+    "trainer.check_val_every_n_epoch=0": "trainer.check_val_every_n_epoch must be null, or a whole number of at least 1",
+    "trainer.max_steps=0": "trainer.max_steps must be -1 (no limit), or a whole number of at least 1",
+    "trainer.max_steps=-2": "trainer.max_steps must be -1 (no limit)",
+    "trainer.min_steps=-1": "trainer.min_steps must be null, or a whole number of at least 0",
+    "trainer.gradient_clip_val=-1": "trainer.gradient_clip_val must be null, or a number at least 0",
+    "trainer.gradient_clip_algorithm=max": "trainer.gradient_clip_algorithm must be null, or one of: norm, value",
+    "trainer.val_check_interval=0": "trainer.val_check_interval must be null, or a whole number of at least 1",
+    "trainer.val_check_interval=2.0": "a fraction in (0, 1]",
+    "trainer.num_sanity_val_steps=-2": "trainer.num_sanity_val_steps must be null, or a whole number of at least -1",
+    "trainer.fast_dev_run=true": "trainer.fast_dev_run must be false",
+    "trainer.fast_dev_run=3": "trainer.fast_dev_run must be false",
+    "trainer.barebones=true": "trainer.barebones must be false",
+    "trainer.max_time=1h": "trainer.max_time must be null, or a duration DD:HH:MM:SS above zero",
+    "trainer.max_time=00:00:00:00": "a duration DD:HH:MM:SS above zero",
+    "trainer.enable_progress_bar=no": "trainer.enable_progress_bar must be null, or one of: true, false",
+    "trainer.deterministic=always": "trainer.deterministic must be null, or one of: true, false, or warn",
+    "trainer.profiler=fancy": "trainer.profiler must be null, or one of: simple, advanced, pytorch",
+    "trainer.inference_mode=1": "trainer.inference_mode must be one of: true, false",
+    "trainer.reload_dataloaders_every_n_epochs=-1": "a whole number of at least 0",
+    "trainer.overfit_batches=-1": "trainer.overfit_batches must be a whole number of at least 0",
+    "callbacks.best_checkpoint.monitor=val/accuracy": "callbacks.best_checkpoint.monitor must be one of: val/acc",
+    "callbacks.best_checkpoint.mode=maximum": "callbacks.best_checkpoint.mode must be one of: min, max",
+    "checkpoint.every_n_train_steps=-1": "checkpoint.every_n_train_steps must be a whole number of at least 0",
+    # rules across keys
+    "trainer.min_epochs=20": "it must be at most max_epochs=10",
+    "trainer.enable_checkpointing=false": "remove them with ~callbacks.best_checkpoint ~callbacks.last_checkpoint",
+    "num_nodes=2": "torchrun or SLURM (see docs/cluster.md)",
+}
+
+
+@pytest.mark.parametrize("override", OUT_OF_RANGE)
+def test_out_of_range_values_are_refused_naming_the_key(override):
+    message = refused(check_config, composed(override))
+    key = override.split("=")[0]
+    assert message.startswith(f"{key}=") and " is not allowed; " in message
+    assert OUT_OF_RANGE[override] in message
+
+
+ACCEPTED = [
+    "optim.lr=1e-5", "optim.momentum=0.99", "optim.weight_decay=0", "seed=0", "seed=4294967295",
+    "data.val_size=0", "data.num_workers=2", "precision=64", "trainer.limit_train_batches=1",
+    "trainer.limit_train_batches=0.5", "trainer.limit_train_batches=1.0", "trainer.limit_val_batches=0",
+    "trainer.max_steps=-1", "trainer.max_steps=100", "trainer.max_time=00:01:30:00", "trainer.num_sanity_val_steps=-1",
+    "trainer.gradient_clip_val=0", "trainer.gradient_clip_val=0.5", "trainer.gradient_clip_algorithm=value",
+    "trainer.val_check_interval=0.25", "trainer.val_check_interval=20", "trainer.check_val_every_n_epoch=null",
+    "trainer.deterministic=warn", "trainer.profiler=simple", "trainer.min_epochs=10", "trainer.overfit_batches=0.1",
+]
+
+
+@pytest.mark.parametrize("override", ACCEPTED)
+def test_values_in_range_pass(override):
+    check_config(composed(override))
+
+
+def test_more_than_one_node_is_fine_under_a_launcher(monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    check_config(composed("num_nodes=2", "strategy=ddp"))
+
+
+# --- keys and groups on the command line, before Hydra ---------------------------------------------------
+
+UNKNOWN_KEYS = {
+    "+unknown_key=1": "unknown_key is not a known key (top-level keys: accelerator,",
+    "++unknown=1": "unknown is not a known key",
+    "unknown_key=1": "unknown_key is not a known key",
+    "optim.learning_rate=0.1": "optim.learning_rate is not a known key; did you mean optim.lr?",
+    "data.batchsize=64": "data.batchsize is not a known key; did you mean data.batch_size?",
+    "+optim.nesterov=true": "optim.nesterov is not a known key",
+    "callbacks.best_checkpoint.monitr=val/acc": "did you mean callbacks.best_checkpoint.monitor?",
+    "trainer.epochs=3": "trainer.epochs is not a lightning.Trainer argument",
+    "trainer.max_epochs=3": "trainer.max_epochs is set by the top-level key; use max_epochs=... instead",
+    "+optim.lr=0.1": "+optim.lr: optim.lr is already in the config; set it with optim.lr=...",
+    "~optim.momentum": "~optim.momentum: only a callback (~callbacks.<name>) or a trainer argument can be removed",
+    "~model": "~model is not allowed; choose model=<option> instead",
+    "output_dir=/tmp/x": "output_dir is derived from the other settings; set hydra.run.dir=<folder> instead",
+    "model.net._target_=torch.nn.Identity": "model.net._target_ is set by the config group; choose model=<option>",
+    "optim.lr=[": "optim.lr=[ is not allowed; it must follow Hydra's override grammar",
+}
+
+
+@pytest.mark.parametrize("override", UNKNOWN_KEYS)
+def test_unknown_keys_are_refused_with_the_closest_known_key(override):
+    assert UNKNOWN_KEYS[override] in refused(check_overrides, [override])
+
+
+def test_a_key_is_checked_against_each_swept_group_option():
+    check_overrides(["-m", "strategy=ddp,ddp_fp16", "strategy.powersgd_rank=2"])
+    message = refused(check_overrides, ["-m", "strategy=ddp,auto", "strategy.hook=fp16"])
+    assert message.startswith("strategy.hook is not a known key of strategy=auto")
+
+
+def test_a_new_callback_needs_its_target():
+    assert refused(check_config, composed("+callbacks.extra.logging_interval=step")).startswith(
+        "callbacks.extra has no _target_; a new callback needs +callbacks.extra._target_=")
+    assert refused(check_config, composed("+callbacks.extra._target_=nowhere.Callback")).startswith(
+        "callbacks.extra._target_=nowhere.Callback is not allowed; it must name a class of an importable module")
+
+
+@pytest.mark.parametrize("args", [["~callbacks.comm"], ["hydra/launcher=basic"], ["trainer.overfit_batches=2"],
+                                  ["+callbacks.lr._target_=lightning.pytorch.callbacks.LearningRateMonitor",
+                                   "+callbacks.lr.logging_interval=step"],
+                                  ["experiment=d2l_lenet", "optim.lr=0.3"], ["++trainer.max_steps=5"]])
+def test_known_keys_pass(args):
+    check_overrides(args)
+
+
+# --- the run folder ----------------------------------------------------------------------------------------
+
+
+def test_a_run_folder_that_cannot_be_created_is_refused(tmp_path, monkeypatch):
+    assert "/proc is not writable" in refused(check_run_dir, ["hydra.run.dir=/proc/nope/run"])
+    (tmp_path / "file").write_text("x")
+    message = refused(check_run_dir, [f"hydra.run.dir={tmp_path}/file/run"])
+    assert message.startswith(f"hydra.run.dir={tmp_path}/file/run is not allowed") and "is a file" in message
+    assert "hydra.sweep.dir=" in refused(check_run_dir, ["-m", f"hydra.sweep.dir={tmp_path}/file/sweep"])
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "outputs").write_text("not a folder")  # the default location, outputs/runs/..., is unusable
+    assert refused(check_run_dir, []).startswith("hydra.run.dir=outputs/runs/${run_stamp:}")
+    check_run_dir([f"hydra.run.dir={tmp_path}/new/run"])
+    assert not (tmp_path / "new").exists()
+
+
+# --- checkpoints -------------------------------------------------------------------------------------------
+
+
+def lenet_checkpoint(path: Path) -> Path:
+    """A Lightning-shaped checkpoint holding a LeNet classifier's weights."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    module = Classifier(instantiate(composed("model=lenet").model.net))
+    torch.save({"state_dict": module.state_dict(), "epoch": 0, "global_step": 4}, path)
+    return path
+
+
+def test_a_checkpoint_must_be_one_of_this_model(tmp_path):
+    resnet = Classifier(instantiate(composed("model=resnet18").model.net))
+    lenet = Classifier(instantiate(composed("model=lenet").model.net))
+    text, empty = tmp_path / "notes.txt", tmp_path / "empty.ckpt"
+    text.write_text("hello, this is not a checkpoint\n")
+    empty.write_bytes(b"")
+    for path in (text, empty):
+        message = refused(check_checkpoint, str(path), str(path), lenet, "lenet")
+        assert message.startswith(f"ckpt_path={path} is not allowed; {path} is not a checkpoint file")
+    torch.save({"weights": 1}, tmp_path / "other.ckpt")
+    assert "holds no state_dict" in refused(check_checkpoint, str(tmp_path / "other.ckpt"), "x", lenet, "lenet")
+    ckpt = str(lenet_checkpoint(tmp_path / "lenet.ckpt"))
+    message = refused(check_checkpoint, ckpt, ckpt, resnet, "resnet18")
+    assert "it holds another model than model=resnet18" in message
+    check_checkpoint(ckpt, ckpt, lenet, "lenet")
+
+
+# --- the command line, one subprocess per way a run fails ----------------------------------------------------
+
+BAD_INPUTS = {
+    "unknown model": (["model=vgg"], "model=vgg is not an option; choose one of: lenet, resnet18"),
+    "unknown strategy in a sweep": (["-m", "strategy=ddp,bogus"], "strategy=bogus is not an option"),
+    "misspelled key": (["optim.learning_rate=0.1"], "optim.learning_rate is not a known key; did you mean optim.lr?"),
+    "run folder below /proc": (["hydra.run.dir=/proc/nope/run"], "hydra.run.dir=/proc/nope/run is not allowed"),
+    "negative learning rate": (["optim.lr=-0.1"], "optim.lr=-0.1 is not allowed; optim.lr must be a number above 0"),
+    "batch not divisible": (["strategy=ddp", "devices=2", "data.batch_size=255"], "data.batch_size=255"),
+    "strategy knob": (["strategy=ddp", "strategy.hook=zip"], "strategy.hook=zip is not an option"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS)
+def test_bad_input_fails_with_one_line_and_no_run_folder(tmp_path, data_root, case):
+    args, message = BAD_INPUTS[case]
+    run_dir = tmp_path / "run"
+    result = train(*QUICK, f"hydra.run.dir={run_dir}", f"hydra.sweep.dir={tmp_path / 'sweep'}", *args)
+    assert result.returncode == 2, result.stderr[-3000:]
+    lines = result.stderr.strip().splitlines()
+    assert lines[-1].startswith("error: ") and message in lines[-1]
+    assert "Traceback" not in result.stderr and len([line for line in lines if line.startswith("error: ")]) == 1
+    assert not run_dir.exists() and not (tmp_path / "sweep").exists()
+
+
+def test_auto_strategy_on_two_devices_and_a_missing_checkpoint_are_refused(tmp_path):
+    from src.train import processes_per_node
+
+    assert "strategy=auto runs on one device" in refused(processes_per_node, "auto", 2)
+    assert "ckpt_path=last: no checkpoint" in refused(resolve_ckpt_path, "last", tmp_path)
+
+
+def test_a_resumed_run_keeps_its_folder_when_its_input_is_bad(tmp_path, data_root):
+    run_dir = tmp_path / "run"
+    checkpoint = lenet_checkpoint(run_dir / "checkpoints" / "last.ckpt")
+    result = train(*QUICK, f"hydra.run.dir={run_dir}", "ckpt_path=last", "model=resnet18")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1].startswith("error: ckpt_path=last is not allowed; it holds another model")
+    assert checkpoint.is_file()
+
+
+@pytest.mark.slow
+def test_lightning_refusals_inside_ddp_fit_give_one_line(tmp_path, data_root):
+    """`val_check_interval` above the batches is refused by Lightning in every DDP process: one line, no folder."""
+    run_dir = tmp_path / "run"
+    result = train(*QUICK, "strategy=ddp", "devices=2", "trainer.val_check_interval=50", f"hydra.run.dir={run_dir}")
+    assert result.returncode == 2, result.stderr[-3000:]
+    lines = result.stderr.strip().splitlines()
+    assert lines[-1].startswith("error: trainer.val_check_interval: `val_check_interval` (50) must be less than")
+    assert "Traceback" not in result.stderr and len([line for line in lines if line.startswith("error: ")]) == 1
+    assert not run_dir.exists()
+
+
+# --- runs that train -----------------------------------------------------------------------------------------
+
+
+def test_a_diverging_loss_stops_the_run_naming_step_and_rate(tmp_path, data_root):
+    run_dir = tmp_path / "run"
+    result = train(*QUICK, "optim.lr=1e30", f"hydra.run.dir={run_dir}")
+    assert result.returncode == 1, result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: train/loss is nan at step ") and "(epoch 0) with learning rate 1e+30; lower optim.lr" in last
+    assert "Traceback" not in result.stderr and "test/acc=" not in result.stdout
+    assert not run_dir.exists()
+
+
+@pytest.mark.slow
+def test_a_diverging_loss_under_ddp_stops_every_process_with_one_line(tmp_path, data_root):
+    run_dir = tmp_path / "run"
+    result = train(*QUICK, "strategy=ddp", "devices=2", "optim.lr=1e30", f"hydra.run.dir={run_dir}")
+    assert result.returncode == 1, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith("error: train/loss is nan at step ")
+    assert "Traceback" not in result.stderr and not run_dir.exists()
+
+
+def test_precision_64_trains_end_to_end(tmp_path, data_root):
+    run_dir = tmp_path / "run"
+    result = train(*QUICK, "precision=64", "data.batch_size=32", "trainer.limit_train_batches=2", f"hydra.run.dir={run_dir}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert hparams(run_dir)["precision_used"] == "64-true"
+    weights = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
+    assert weights["net.0.weight"].dtype == torch.float64
+
+
+def test_every_trainer_argument_has_a_rule():
+    """A Trainer argument without a rule in src/schema.py would be refused as unknown."""
+    for name in checks.TRAINER_ARGS - checks.OWNED_BY_TOP_LEVEL:
+        assert checks.rule_for(f"trainer.{name}") is not None, name
+
+
+class DivergesAt(LightningModule):
+    """A tiny regression whose loss is nan from batch `bad_batch` on (16 batches an epoch)."""
+
+    def __init__(self, bad_batch: int) -> None:
+        super().__init__()
+        self.bad_batch = bad_batch
+        self.layer = torch.nn.Linear(2, 1)
+
+    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+        loss = self.layer(batch[0]).pow(2).mean()
+        return loss * float("nan") if batch_idx >= self.bad_batch else loss
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(TensorDataset(torch.ones(32, 2)), batch_size=2)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+@pytest.mark.parametrize(("bad_batch", "every_n_steps", "stopped_after"), [(4, 1, 5), (4, 3, 6), (15, 100, 16)])
+def test_the_first_bad_step_is_named_before_a_checkpoint_is_written(tmp_path, bad_batch, every_n_steps, stopped_after):
+    """Read every few steps, as on a GPU, the record still names the first bad step; read at the
+    latest at epoch end, before the checkpoint callback saves the epoch."""
+    callbacks = [ModelCheckpoint(dirpath=tmp_path / "checkpoints"), FiniteLossCheck(every_n_steps=every_n_steps)]
+    trainer = Trainer(accelerator="cpu", max_epochs=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                      callbacks=callbacks, default_root_dir=tmp_path)
+    with pytest.raises(TrainingDiverged, match=rf"^train/loss is nan at step {bad_batch} \(epoch 0\) with learning rate 0.01; "):
+        trainer.fit(DivergesAt(bad_batch))
+    assert trainer.global_step == stopped_after
+    assert not (tmp_path / "checkpoints").exists()
