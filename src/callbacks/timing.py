@@ -60,8 +60,9 @@ class EpochTimer(Callback):
             # The step Lightning gives the epoch's other scalars (train/loss, val/acc): that of its last batch.
             step = trainer.global_step - 1
             trainer.logger.log_metrics({"time/epoch_s": seconds, "time/samples_per_s": samples_per_s}, step=step)
+        # Every process reads the metrics: reading them reduces the epoch's train/loss across processes.
+        shown = {k: float(v) for k, v in trainer.callback_metrics.items() if k in ("train/loss", "train/acc", "val/acc")}
         if trainer.is_global_zero:  # the line to grep in train.log, written as each epoch ends
-            shown = {k: float(v) for k, v in trainer.callback_metrics.items() if k in ("train/loss", "train/acc", "val/acc")}
             metrics = " ".join(f"{k}={v:.4f}" for k, v in shown.items())
             log.info(f"epoch {trainer.current_epoch + 1}/{trainer.max_epochs} step {trainer.global_step}: {metrics} "
                      f"{seconds:.2f} s {samples_per_s:.0f} images/s")
