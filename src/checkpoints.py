@@ -87,3 +87,18 @@ def resolve_ckpt_path(ckpt_path: str | None, run_dir: Path) -> Path | None:
     if not path.is_file():
         raise UsageError(f"ckpt_path={value}: no checkpoint at {path}; give a .ckpt file, `last` or `auto`")
     return path
+
+
+def checkpoint_to_evaluate(ckpt_path: str | None) -> Path:
+    """A checkpoint file, or a run folder standing for its newest resumable checkpoint."""
+    if ckpt_path is None:
+        raise UsageError("ckpt_path is required: give a .ckpt file or a run folder, e.g. ckpt_path=outputs/runs/<run>")
+    path = Path(str(ckpt_path))
+    if path.is_dir():
+        newest = newest_checkpoint(path)
+        if newest is None:
+            raise UsageError(f"ckpt_path={ckpt_path}: no checkpoint in {path / 'checkpoints'} (looked for {' and '.join(RESUMABLE)})")
+        return newest
+    if not path.is_file():
+        raise UsageError(f"ckpt_path={ckpt_path}: no checkpoint at {path}; give a .ckpt file or a run folder")
+    return path

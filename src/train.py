@@ -6,16 +6,13 @@
 """
 
 import logging
-import shutil
 import statistics
 import warnings
-import sys
 from pathlib import Path
 from typing import Any
 
 import hydra
-from hydra.core.hydra_config import HydraConfig
-from hydra.types import RunMode
+import torch
 from hydra.utils import instantiate
 from lightning import Callback, Trainer, seed_everything
 from lightning.pytorch.loggers import TensorBoardLogger
@@ -25,11 +22,11 @@ from omegaconf import DictConfig, OmegaConf
 from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 from torch.utils.tensorboard.summary import hparams
 
-from src import checks, stopping
-from src.checkpoints import AtomicCheckpointIO, resolve_ckpt_path, saved_step
+from src import checks, cli, stopping
+from src.checkpoints import AtomicCheckpointIO, checkpoint_to_evaluate, resolve_ckpt_path, saved_step
 from src.data.fashion_mnist import per_process_batch
-from src.ddp_jobs import child_argv, is_launching_process, job_scope
-from src.errors import TrainingDiverged, UsageError
+from src.ddp_jobs import is_launching_process, job_scope
+from src.errors import UsageError
 from src.models.module import Classifier
 from src.naming import register_resolvers
 from src.optim import optimizer_args
@@ -65,7 +62,7 @@ def run_hparams(cfg: DictConfig, trainer: Trainer, module: Classifier) -> dict[s
         "batch_size": cfg.data.batch_size, "lr": cfg.optim.lr, "lr_scaling": cfg.optim.lr_scaling,
         "lr_used": module.hparams.lr, "momentum": cfg.optim.momentum,
         "weight_decay": cfg.optim.weight_decay, "max_epochs": cfg.max_epochs, "seed": cfg.seed,
-        "sync_batchnorm": cfg.sync_batchnorm,
+        "sync_batchnorm": cfg.sync_batchnorm, "ckpt_path": str(cfg.ckpt_path or ""),
     }
 
 
@@ -105,8 +102,8 @@ def route_lightning_logs() -> None:
     logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(lambda record: "litlogger" not in record.getMessage())
 
 
-def train(cfg: DictConfig) -> dict[str, float]:
-    """Fit and test one configuration; returns the final metrics."""
+def run(cfg: DictConfig, fit: bool = True) -> dict[str, float]:
+    """Fit (unless `fit` is false) and test one configuration; returns the final metrics."""
     route_lightning_logs()
     checks.check_config(cfg)
     output_dir = Path(cfg.output_dir)
@@ -117,7 +114,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     precision = checks.resolve_precision(cfg.precision, accelerator)
     trainer_args = OmegaConf.to_container(cfg.trainer, resolve=True)
     checks.check_trainer_args(trainer_args)
-    ckpt_path = resolve_ckpt_path(cfg.ckpt_path, output_dir)
+    ckpt_path = resolve_ckpt_path(cfg.ckpt_path, output_dir) if fit else checkpoint_to_evaluate(cfg.ckpt_path)
     strategy = instantiate(cfg.strategy, _convert_="all")
     world_size = processes_per_node(strategy, devices) * num_nodes
     per_process_batch(cfg.data.batch_size, world_size)
@@ -144,75 +141,46 @@ def train(cfg: DictConfig) -> dict[str, float]:
     )
     stopping.attach(trainer)
     with job_scope(), checks.trainer_input_errors():
-        trainer.fit(module, datamodule=datamodule, ckpt_path=None if ckpt_path is None else str(ckpt_path))
-        metrics = scalar_metrics(trainer)
+        metrics: dict[str, float] = {}
+        if fit:
+            trainer.fit(module, datamodule=datamodule, ckpt_path=None if ckpt_path is None else str(ckpt_path))
+            metrics = scalar_metrics(trainer)
+        if not fit:  # the weights alone: the training run's callbacks and loops have nothing to do here
+            module.load_state_dict(torch.load(ckpt_path, map_location="cpu", weights_only=True)["state_dict"])
         trainer.test(module, datamodule=datamodule, verbose=False)
         metrics.update(scalar_metrics(trainer))
     epoch_times = next((c.epoch_times for c in callbacks if hasattr(c, "epoch_times")), [])
     if epoch_times:
         metrics["time/epoch_s"] = statistics.median(epoch_times)
-    if trainer.is_global_zero and not has_hparams(output_dir):  # a resumed run keeps its folder's one record
-        log_hparams(logger, run_hparams(cfg, trainer, module), metrics)
-        log.info(
-            f"test/acc={metrics.get('test/acc', float('nan')):.4f} val/acc_best={metrics.get('val/acc_best', float('nan')):.4f} "
-            f"median epoch {metrics.get('time/epoch_s', float('nan')):.2f} s ({precision}, {world_size} process(es)) -> {output_dir}",
-        )
+    if trainer.is_global_zero:
+        if not has_hparams(output_dir):  # a resumed run keeps its folder's one record
+            log_hparams(logger, run_hparams(cfg, trainer, module), metrics)
+        log.info(result_line(metrics, fit, f"{precision}, {world_size} process(es)", ckpt_path, output_dir))
     return metrics
 
 
-def holds_only_settings(output_dir: Path) -> bool:
-    """True for a folder with nothing but Hydra's settings and logs: no checkpoint, no TensorBoard run."""
-    settings = (".hydra", "config.yaml")
-    return output_dir.is_dir() and all(p.name in settings or p.suffix == ".log" for p in output_dir.iterdir())
+def train(cfg: DictConfig) -> dict[str, float]:
+    return run(cfg, fit=True)
 
 
-def report_failure(error: UsageError | TrainingDiverged, output_dir: Path, new_folder: bool) -> int:
-    """One `error:` line from the first process, and no folder that could pass for a result; the exit status.
+def result_line(metrics: dict[str, float], fit: bool, how: str, ckpt_path: Path | None, output_dir: Path) -> str:
+    """The one line a run ends with: what a person greps for."""
+    def shown(name: str) -> str:
+        return f"{name}={metrics.get(name, float('nan')):.4f}"
 
-    Only a folder this run started is removed: a resumed run's folder keeps its checkpoints.
-    """
-    if rank_zero_only.rank == 0:
-        print(f"error: {error}", file=sys.stderr, flush=True)
-        if new_folder:
-            shutil.rmtree(output_dir, ignore_errors=True)
-    return 2 if isinstance(error, UsageError) else 1
-
-
-# Sweep jobs stopped by bad input or a diverged loss, with their exit status: the sweep goes on,
-# and exits non-zero at its end.
-failed_jobs: dict[str, int] = {}
+    if fit:
+        return (f"{shown('test/acc')} {shown('val/acc_best')} median epoch {metrics.get('time/epoch_s', float('nan')):.2f} s "
+                f"({how}) -> {output_dir}")
+    return f"{shown('test/acc')} {shown('test/loss')} ({how}) of {ckpt_path} -> {output_dir}"
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
 def hydra_main(cfg: DictConfig) -> float | None:
-    new_folder = holds_only_settings(Path(cfg.output_dir))
-    try:
-        with stopping.stop_cleanly():
-            metrics = train(cfg)
-    except (UsageError, TrainingDiverged) as error:
-        status = report_failure(error, Path(cfg.output_dir), new_folder)
-        if HydraConfig.get().mode != RunMode.MULTIRUN:
-            sys.exit(status)
-        failed_jobs[" ".join(HydraConfig.get().overrides.task)] = status
-        return None
-    return metrics.get("test/acc")
+    return cli.run_job(train, cfg)
 
 
 def main() -> None:
-    sys.argv = child_argv(sys.argv)
-    stopping.install()
-    try:
-        checks.check_overrides(sys.argv[1:])
-        checks.check_run_dir(sys.argv[1:])
-    except UsageError as error:
-        if rank_zero_only.rank == 0:  # under torchrun every process checks the same command line
-            print(f"error: {error}", file=sys.stderr, flush=True)
-        sys.exit(2)
-    with stopping.stop_cleanly():  # a signal outside a job: while Hydra starts, between sweep jobs
-        hydra_main()
-    if failed_jobs:
-        print(f"error: {len(failed_jobs)} sweep job(s) failed: {' | '.join(failed_jobs)}", file=sys.stderr, flush=True)
-        sys.exit(max(failed_jobs.values()))
+    cli.run_entry(hydra_main)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,62 @@
+"""`python -m src.eval`: a saved model's test accuracy and loss, on any strategy and number of processes."""
+
+import pytest
+
+from src.eval import with_checkpoint_model
+from tests.helpers import QUICK, hparams, run_cli, scalars, train
+
+SCORE = [f"data.root={QUICK[0].split('=', 1)[1]}", "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, data_root):
+    run_dir = tmp_path_factory.mktemp("trained") / "run"
+    result = train(*QUICK, "trainer.limit_train_batches=20", "trainer.limit_test_batches=1.0", f"hydra.run.dir={run_dir}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return run_dir
+
+
+def evaluate(tmp_path, *args: str):
+    run_dir = tmp_path / "eval"
+    result = run_cli("src.eval", *SCORE, *args, f"hydra.run.dir={run_dir}", timeout=600)
+    return result, run_dir
+
+
+def test_eval_scores_a_checkpoint_as_the_training_run_did_without_training(tmp_path, trained):
+    result, run_dir = evaluate(tmp_path, f"ckpt_path={trained / 'checkpoints' / 'last.ckpt'}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    series = scalars(run_dir)
+    assert series["test/acc"] == scalars(trained)["test/acc"], "the same weights on the same 10,000 images"
+    assert "train/loss" not in series and not (run_dir / "checkpoints").exists()
+    lines = [line for line in result.stdout.splitlines() if "test/acc=" in line]
+    assert len(lines) == 1 and f"test/acc={series['test/acc'][0]:.4f} test/loss=" in lines[0]
+    assert hparams(run_dir)["ckpt_path"].endswith("last.ckpt")
+
+
+@pytest.mark.slow
+def test_eval_on_two_ddp_processes_gives_the_same_score_from_a_run_folder(tmp_path, trained):
+    result, run_dir = evaluate(tmp_path, f"ckpt_path={trained}", "strategy=ddp", "devices=2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert scalars(run_dir)["test/acc"] == scalars(trained)["test/acc"]
+    assert hparams(run_dir)["world_size"] == 2
+
+
+@pytest.mark.parametrize("args, message", [
+    ([], "error: ckpt_path is required"),
+    (["ckpt_path=/nonexistent.ckpt"], "error: ckpt_path=/nonexistent.ckpt: no checkpoint at /nonexistent.ckpt"),
+])
+def test_eval_without_a_checkpoint_is_one_line(tmp_path, args, message):
+    result, run_dir = evaluate(tmp_path, *args)
+    assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].startswith(message)
+    assert "Traceback" not in result.stderr and not run_dir.exists()
+
+
+def test_eval_takes_the_model_of_the_checkpoints_run(tmp_path):
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "config.yaml").write_text("model_name: resnet18\n")
+    ckpt = run_dir / "checkpoints" / "last.ckpt"
+    assert with_checkpoint_model([f"ckpt_path={ckpt}"]) == [f"ckpt_path={ckpt}", "model=resnet18"]
+    assert with_checkpoint_model([f"ckpt_path={run_dir}"])[-1] == "model=resnet18"
+    assert with_checkpoint_model([f"ckpt_path={ckpt}", "model=lenet"]) == [f"ckpt_path={ckpt}", "model=lenet"]
+    assert with_checkpoint_model([f"ckpt_path={tmp_path / 'elsewhere.ckpt'}"]) == [f"ckpt_path={tmp_path / 'elsewhere.ckpt'}"]
