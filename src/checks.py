@@ -176,7 +176,7 @@ def check_run_dir(args: list[str]) -> None:
     else:
         hydra_defaults = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "hydra" / "default.yaml"), resolve=False)
         folder = str(hydra_defaults["sweep" if multirun else "run"]["dir"])
-    folder = re.sub(r"^\$\{claim_dir:(.*)\}$", r"\1", folder)  # the folder that claim_dir creates
+    folder = re.sub(r"^\$\{claim_dir:(.*?)(,sweep)?\}$", r"\1", folder)  # the folder that claim_dir creates
     # Only the part before the first interpolation is known now: check the folder it names.
     existing = Path(folder.split("${")[0] + "x").parent if "${" in folder else Path(folder)
     while not existing.exists() and existing != existing.parent:

@@ -3,7 +3,9 @@
 import sys
 from pathlib import Path
 
+from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.types import RunMode
 from omegaconf import OmegaConf
 
 from src.ddp_jobs import external_rank, run_stamp
@@ -40,15 +42,17 @@ def sweep_job_dirname(job_overrides: list[str], job_num: int, sweep_dir: str) ->
     return ",".join(parts) if parts else f"job{job_num}"
 
 
-def claim_dir(path: str) -> str:
-    """`path`, or `path-2`, `path-3`, ... if taken: created here, atomically, so that two runs
-    started in the same second never share a folder.
+def claim_dir(path: str, kind: str = "run") -> str:
+    """`path`, or `path-2`, `path-3`, ... if taken: created here, atomically, so that two runs (or
+    sweeps, `kind=sweep`) started in the same second never share a folder.
 
     Processes started by torchrun or SLURM all name the same folder after the launcher's run id
     (see `run_stamp`), so there the name is used as it is: a restarted run finds its own folder.
     """
     if external_rank() is not None:
         return path
+    if kind == "run" and HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+        return path  # a sweep job lives in the sweep's folder; Lightning still reads hydra.run.dir
     if path in _claimed:
         return _claimed[path]
     candidate, number = Path(path), 1

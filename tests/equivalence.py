@@ -6,6 +6,7 @@ from typing import Any
 import torch
 
 BATCHNORM_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
+METRIC_STATES = ("val_acc_best.",)  # the Classifier's metric kept in checkpoints
 
 
 def checkpoint(run_dir: Path) -> dict[str, Any]:
@@ -13,7 +14,8 @@ def checkpoint(run_dir: Path) -> dict[str, Any]:
 
 
 def parameters(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {k: v for k, v in state_dict.items() if not k.endswith(BATCHNORM_BUFFERS)}
+    """The network's trained weights: not BatchNorm's buffers, nor the metric states saved beside them."""
+    return {k: v for k, v in state_dict.items() if not k.startswith(METRIC_STATES) and not k.endswith(BATCHNORM_BUFFERS)}
 
 
 def running_stats(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

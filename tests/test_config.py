@@ -72,4 +72,5 @@ def test_top_level_interface_keys_exist():
 def test_run_folder_is_named_after_model_strategy_devices_and_precision():
     cfg = composed("model=resnet18", "strategy=ddp", "devices=4", "precision=16-mixed")
     assert cfg.run_name == "resnet18_ddp_4dev_16-mixed"
-    assert cfg.run_name in cfg.hydra.run.dir
+    run_dir = OmegaConf.to_container(cfg.hydra.run, resolve=False)["dir"]  # resolving it would claim the folder
+    assert run_dir == "${claim_dir:outputs/runs/${run_stamp:}_${run_name}}"

@@ -64,8 +64,8 @@ def unbroken(tmp_path_factory, data_root):
 
 def test_last_checkpoint_is_the_last_finished_epoch_even_without_improvement(tmp_path, data_root):
     run_dir = tmp_path / "run"
-    # lr 0: val/acc never improves after the first epoch, which used to freeze last.ckpt at epoch 0.
-    result = train(*QUICK, "max_epochs=3", "optim.lr=0", f"hydra.run.dir={run_dir}")
+    # lr 1e-12: val/acc never improves after the first epoch, which used to freeze last.ckpt at epoch 0.
+    result = train(*QUICK, "max_epochs=3", "optim.lr=1e-12", f"hydra.run.dir={run_dir}")
     assert result.returncode == 0, result.stderr[-3000:]
     state = load(run_dir / "checkpoints" / "last.ckpt")
     assert (state["epoch"], state["global_step"]) == (2, 12)

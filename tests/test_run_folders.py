@@ -40,3 +40,18 @@ def test_two_runs_started_at_once_write_two_folders(tmp_path, data_root):
         assert OmegaConf.load(folder / "config.yaml").output_dir == str(folder)
         assert len(scalars(folder)["test/acc"]) == 1, "one run's results per folder"
         assert {p.name for p in (folder / "checkpoints").iterdir()} >= {"last.ckpt"}
+
+
+def test_a_sweep_job_claims_no_run_folder_but_a_sweep_claims_its_own(tmp_path, monkeypatch):
+    """In a sweep, Lightning reads hydra.run.dir to start DDP children; that must not create a folder."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    monkeypatch.setattr(naming, "_claimed", {})
+    monkeypatch.setattr(HydraConfig, "initialized", staticmethod(lambda: True))
+    monkeypatch.setattr(HydraConfig, "get", staticmethod(lambda: type("C", (), {"mode": RunMode.MULTIRUN})()))
+    run, sweep = str(tmp_path / "runs" / "r"), str(tmp_path / "multirun" / "s")
+    assert naming.claim_dir(run) == run and not (tmp_path / "runs").exists()
+    assert naming.claim_dir(sweep, "sweep") == sweep and (tmp_path / "multirun" / "s").is_dir()
+    monkeypatch.setattr(naming, "_claimed", {})
+    assert naming.claim_dir(sweep, "sweep") == f"{sweep}-2"
