@@ -91,6 +91,21 @@ def test_hook_runs_on_cpu_and_its_bytes_are_counted(train, hook: str) -> None:
     assert ratio == pytest.approx([PARAMS * 4 / e for e in expected], rel=1e-6)
 
 
+DDP_TIMINGS = ("comm/backward_compute_ms", "comm/backward_comm_ms", "comm/overlap_ms", "comm/overlap_frac")
+HOOK_FIGURES = ("comm/bytes_per_step", "comm/compression_ratio", "comm/hook_ms", "comm/buckets_per_step")
+
+
+def test_ddp_backward_timings_and_epoch_means_are_logged(train) -> None:
+    logged = scalars(train("none"))
+    for name in DDP_TIMINGS:  # every step but the last: DDP files a step's timings in the next forward pass
+        assert len(logged[name]) == BATCHES - 1, name
+    assert all(ms > 0 for ms in logged["comm/backward_compute_ms"] + logged["comm/backward_comm_ms"])
+    assert all(0 <= overlap <= comm for overlap, comm in zip(logged["comm/overlap_ms"], logged["comm/backward_comm_ms"]))
+    assert all(0 <= share <= 1 for share in logged["comm/overlap_frac"])
+    for name in (*HOOK_FIGURES, *DDP_TIMINGS):
+        assert logged[f"{name}_epoch"] == [pytest.approx(sum(logged[name]) / len(logged[name]), rel=1e-5)], name
+
+
 def test_accumulation_skips_the_all_reduce(train) -> None:
     plain, accumulated = scalars(train("none")), scalars(train("none", accumulate=2))
     # The same batches make half as many optimizer steps, each sending the full gradients once.

@@ -10,11 +10,26 @@ gradients send nothing and fold into the next step):
   completion of the future it returned (compression, all-reduces and decompression, including
   any wait for the other ranks); buckets may overlap each other and the backward pass.
 - `comm/buckets_per_step`: hook calls, one per DDP bucket reduced.
+
+What DDP itself measured of the step's backward pass (its runtime logging data, recorded for
+every step here rather than DDP's default sample of the first ten and every hundredth):
+
+- `comm/backward_compute_ms`: from the start of the backward pass to the last gradient ready;
+- `comm/backward_comm_ms`: from the first bucket's all-reduce launched to the last one done;
+- `comm/overlap_ms`: the part of backward_comm_ms spent while gradients were still computed;
+- `comm/overlap_frac`: overlap_ms / backward_comm_ms, the share of communication hidden.
+
+DDP files a step's timings during the next step's forward pass, so they are read there and
+logged at the step they belong to; the run's very last step has none.
+
+Every `comm/` scalar is also logged once per epoch as its mean over the epoch's steps,
+`comm/<name>_epoch`, so a run shorter than `trainer.log_every_n_steps` steps still shows it.
 """
 
 from typing import Any
 
 from lightning import Callback, LightningModule, Trainer
+from torch.nn.parallel import DistributedDataParallel
 
 from src.strategies.comm import CommMeter
 
@@ -25,12 +40,19 @@ class CommLogger(Callback):
     def __init__(self) -> None:
         self._meter: CommMeter | None = None
         self._last_step = 0
+        self._ddp: DistributedDataParallel | None = None
+        self._ddp_iteration = -1
+        self._epoch_values: dict[str, list[float]] = {}
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._meter = getattr(trainer.strategy, "comm_meter", None)
         self._last_step = trainer.global_step
         if self._meter is not None:
             self._meter.take()  # drop anything sent before training (none is expected)
+        self._ddp = trainer.strategy.model if isinstance(trainer.strategy.model, DistributedDataParallel) else None
+        self._ddp_iteration = -1
+        if self._ddp is not None:
+            self._ddp._set_ddp_runtime_logging_sample_rate(1)  # record every step's timings, not a sample
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self._meter is None or trainer.global_step == self._last_step:
@@ -46,6 +68,44 @@ class CommLogger(Callback):
             ("comm/buckets_per_step", float(step.buckets)),
         ):
             pl_module.log(name, value, on_step=True, on_epoch=False, rank_zero_only=True)
+            self._epoch_values.setdefault(name, []).append(value)
+
+    def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: Any) -> None:
+        """After this step's forward pass: DDP has just filed the previous step's timings."""
+        timings = self.ddp_timings()
+        if not timings:
+            return
+        for name, value in timings.items():
+            self._epoch_values.setdefault(name, []).append(value)
+        step = trainer.global_step - 1  # the previous optimizer step's TensorBoard step, as Lightning numbers it
+        if trainer.is_global_zero and trainer.logger is not None and trainer.global_step % trainer.log_every_n_steps == 0:
+            trainer.logger.log_metrics(timings, step=step)
+
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._epoch_values = {}
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        for name, values in self._epoch_values.items():
+            pl_module.log(f"{name}_epoch", sum(values) / len(values), on_step=False, on_epoch=True, rank_zero_only=True)
+
+    def ddp_timings(self) -> dict[str, float]:
+        """The last recorded step's backward compute, communication and their overlap (ms); {} if none is new."""
+        if self._ddp is None:
+            return {}
+        data = self._ddp._get_ddp_logging_data()
+        if "backward_comm_time" not in data or data.get("iteration", -1) == self._ddp_iteration:
+            return {}
+        self._ddp_iteration = data["iteration"]
+        compute, comm, overlap = (
+            data[key] / 1e6 for key in ("backward_compute_time", "backward_comm_time", "backward_compute_comm_overlap_time")
+        )
+        return {
+            "comm/backward_compute_ms": compute,
+            "comm/backward_comm_ms": comm,
+            "comm/overlap_ms": overlap,
+            "comm/overlap_frac": overlap / comm if comm > 0 else 0.0,
+        }
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._meter = None
+        self._ddp = None
