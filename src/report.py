@@ -26,6 +26,7 @@ from tensorboard.backend.event_processing import event_accumulator
 from tensorboard.plugins.hparams import plugin_data_pb2
 
 from src.errors import UsageError
+from src.loggers import EPOCH_TAG
 
 log = logging.getLogger(__name__)
 
@@ -101,8 +102,10 @@ def read_run(run_dir: Path, root: Path) -> Run:
     def values(tag: str) -> list[float]:
         return [e.value for e in events.Scalars(tag)] if tag in tags else []
 
-    # Lightning logs `epoch` at the step of every epoch-end metric, which turns val/acc steps into epochs.
-    epoch_at_step = {int(e.step): int(e.value) for e in events.Scalars("epoch")} if "epoch" in tags else {}
+    # Lightning logs its epoch counter at the step of every epoch-end metric, which turns val/acc
+    # steps into epochs (`trainer/epoch`; `epoch` in runs written before it was renamed).
+    epoch_tag = next((tag for tag in (EPOCH_TAG, "epoch") if tag in tags), None)
+    epoch_at_step = {int(e.step): int(e.value) for e in events.Scalars(epoch_tag)} if epoch_tag else {}
     val_acc = [
         (epoch_at_step.get(e.step, index) + 1, e.value)
         for index, e in enumerate(events.Scalars("val/acc") if "val/acc" in tags else [])

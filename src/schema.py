@@ -166,6 +166,10 @@ SCHEMA: dict[str, Rule] = {
     "trainer.fast_dev_run": one_of(False, why="for a short run use max_epochs=1 trainer.limit_train_batches=<n>"),
     "trainer.barebones": one_of(False, why="barebones turns off the logging and checkpoints of every run"),
     "trainer.model_registry": one_of(None, why="the model registry needs the litmodels package"),
+    # conf/logger
+    "logger._target_": TEXT,
+    "logger.save_dir": TEXT,
+    "logger.*": ANY,
     # conf/callbacks
     "callbacks.*._target_": TEXT,
     "callbacks.*_checkpoint.dirpath": TEXT,

@@ -54,10 +54,14 @@ def scalar_metrics(trainer: Trainer) -> dict[str, float]:
 
 
 def run_hparams(cfg: DictConfig, trainer: Trainer, module: Classifier) -> dict[str, Any]:
-    """The flat settings shown per run in TensorBoard's HParams tab."""
+    """The flat settings shown per run in TensorBoard's HParams tab.
+
+    TensorBoard shows the first few of them before any is ticked: model, strategy, devices and
+    precision come first.
+    """
     return {
-        "model": cfg.model_name, "strategy": cfg.strategy_name, "devices": cfg.devices, "num_nodes": cfg.num_nodes,
-        "world_size": trainer.world_size, "precision": str(cfg.precision), "precision_used": str(trainer.precision),
+        "model": cfg.model_name, "strategy": cfg.strategy_name, "devices": cfg.devices, "precision": str(cfg.precision),
+        "num_nodes": cfg.num_nodes, "world_size": trainer.world_size, "precision_used": str(trainer.precision),
         "accelerator": trainer.accelerator.__class__.__name__.replace("Accelerator", "").lower(),
         "batch_size": cfg.data.batch_size, "lr": cfg.optim.lr, "lr_scaling": cfg.optim.lr_scaling,
         "lr_used": module.hparams.lr, "momentum": cfg.optim.momentum,
@@ -129,8 +133,7 @@ def run(cfg: DictConfig, fit: bool = True) -> dict[str, float]:
     if rank_zero_only.rank == 0:  # every interpolation resolved: what this run really used
         OmegaConf.save(cfg, output_dir / "config.yaml", resolve=True)
     callbacks: list[Callback] = [instantiate(c) for c in cfg.callbacks.values()]
-    logger = TensorBoardLogger(save_dir=str(output_dir), name="", version="", default_hp_metric=False,
-                               purge_step=resumed_step(ckpt_path, output_dir))
+    logger = instantiate(cfg.logger, purge_step=resumed_step(ckpt_path, output_dir))
     plugins: list[Any] = [AtomicCheckpointIO()]
     if cfg.sync_batchnorm:
         plugins.append(SyncBatchNormPlugin(cuda=accelerator == "gpu"))

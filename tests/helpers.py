@@ -94,3 +94,16 @@ def hparams(run_dir: Path) -> dict[str, object]:
         if data.HasField("session_start_info"):
             return {k: v.WhichOneof("kind") and getattr(v, v.WhichOneof("kind")) for k, v in data.session_start_info.hparams.items()}
     return {}
+
+
+def hparams_order(run_dir: Path) -> list[str]:
+    """The hyperparameters in the order of the run's HParams experiment, the order TensorBoard shows them in."""
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    accumulator = EventAccumulator(str(run_dir), size_guidance={"tensors": 0})
+    accumulator.Reload()
+    for content in accumulator.PluginTagToContent("hparams").values():
+        data = plugin_data_pb2.HParamsPluginData.FromString(content)
+        if data.HasField("experiment"):
+            return [info.name for info in data.experiment.hparam_infos]
+    return []

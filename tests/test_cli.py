@@ -6,7 +6,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from tests.helpers import QUICK, hparams, scalars, train, write_tiny_fashion_mnist
+from tests.helpers import QUICK, hparams, hparams_order, scalars, train, write_tiny_fashion_mnist
 
 INTERFACE_SCALARS = {"train/loss", "train/acc", "val/acc", "test/acc", "time/epoch_s", "time/samples_per_s"}
 
@@ -32,6 +32,8 @@ def test_single_device_run_logs_every_interface_scalar(tmp_path, data_root):
     params = hparams(run_dir)
     assert params["model"] == "lenet" and params["strategy"] == "auto" and params["world_size"] == 1
     assert params["precision_used"] == "32-true"
+    assert hparams_order(run_dir)[:4] == ["model", "strategy", "devices", "precision"], "the columns shown by default"
+    assert "epoch" not in scalars(run_dir) and "trainer/epoch" in scalars(run_dir), "the epoch counter has a group of its own"
 
 
 def test_ddp_on_two_cpu_processes_writes_one_run_folder(tmp_path, data_root):

@@ -153,12 +153,13 @@ def test_synthetic_runs_give_known_medians_and_speedups(synthetic, tmp_path):
     assert one["comm_bytes_per_step"] == one["samples_per_s"] == ""
 
 
-def test_val_acc_is_placed_at_the_epoch_lightning_logged(tmp_path):
+@pytest.mark.parametrize("epoch_tag", ["trainer/epoch", "epoch"])  # runs written before the rename too
+def test_val_acc_is_placed_at_the_epoch_lightning_logged(tmp_path, epoch_tag):
     run = write_run(tmp_path / "run", config("auto", 1), {})
     with SummaryWriter(log_dir=str(run)) as writer:
         for epoch, (step, acc) in enumerate([(9, 0.4), (19, 0.6), (29, 0.7)]):
             writer.add_scalar("val/acc", acc, step)
-            writer.add_scalar("epoch", epoch, step)
+            writer.add_scalar(epoch_tag, epoch, step)
     assert read_run(run, tmp_path).val_acc == [(1, pytest.approx(0.4)), (2, pytest.approx(0.6)), (3, pytest.approx(0.7))]
 
 

@@ -40,8 +40,8 @@ def steps(run_dir: Path) -> dict[str, list[int]]:
 
 def assert_same_tensorboard_steps(run: Path, reference: Path) -> None:
     ours, theirs = steps(run), steps(reference)
-    for tag, series in ours.items():  # Lightning's own `epoch` counter is logged with train and val alike
-        assert tag == "epoch" or len(series) == len(set(series)), f"{tag} has a step twice: {series}"
+    for tag, series in ours.items():  # Lightning's own epoch counter is logged with train and val alike
+        assert tag == "trainer/epoch" or len(series) == len(set(series)), f"{tag} has a step twice: {series}"
     assert ours == theirs
 
 
