@@ -439,6 +439,8 @@ def stop_cleanly() -> Iterator[None]:
         stop = _cause(error)
         if stop is not None:
             _finish(stop)
+        if os.environ.get(LAUNCHER_PID):  # a DDP child on its way out: the launcher's SIGTERM must not break its exit
+            _state.reporting = True
         if _children():
             _stop_children(signal.SIGTERM)
         _state.trainer = None
