@@ -245,13 +245,6 @@ def check_across_keys(cfg: DictConfig, values: dict[str, Any]) -> None:
         )
 
 
-def positive_int(cfg: DictConfig, key: str) -> int:
-    value = cfg[key]
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise UsageError(f"{key}={value} is not allowed; {key} must be a whole number of at least 1")
-    return value
-
-
 def resolve_accelerator(requested: str) -> str:
     """`auto` becomes `gpu` when CUDA is there, else `cpu`; asking for a missing GPU is an error."""
     requested = str(requested)

@@ -106,18 +106,18 @@ def route_lightning_logs() -> None:
     logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(lambda record: "litlogger" not in record.getMessage())
 
 
+route_lightning_logs()  # once: Lightning installed its handlers when it was imported, above
+
+
 def run(cfg: DictConfig, fit: bool = True) -> dict[str, float]:
     """Fit (unless `fit` is false) and test one configuration; returns the final metrics."""
-    route_lightning_logs()
     checks.check_config(cfg)
     output_dir = Path(cfg.output_dir)
     accelerator = checks.resolve_accelerator(cfg.accelerator)
-    devices, num_nodes = checks.positive_int(cfg, "devices"), checks.positive_int(cfg, "num_nodes")
-    checks.positive_int(cfg, "max_epochs")
+    devices, num_nodes = cfg.devices, cfg.num_nodes  # in range: check_config
     checks.check_devices(accelerator, devices)
     precision = checks.resolve_precision(cfg.precision, accelerator)
     trainer_args = OmegaConf.to_container(cfg.trainer, resolve=True)
-    checks.check_trainer_args(trainer_args)
     ckpt_path = resolve_ckpt_path(cfg.ckpt_path, output_dir) if fit else checkpoint_to_evaluate(cfg.ckpt_path)
     strategy = instantiate(cfg.strategy, _convert_="all")
     world_size = processes_per_node(strategy, devices) * num_nodes
@@ -133,7 +133,8 @@ def run(cfg: DictConfig, fit: bool = True) -> dict[str, float]:
     if rank_zero_only.rank == 0:  # every interpolation resolved: what this run really used
         OmegaConf.save(cfg, output_dir / "config.yaml", resolve=True)
     callbacks: list[Callback] = [instantiate(c) for c in cfg.callbacks.values()]
-    logger = instantiate(cfg.logger, purge_step=resumed_step(ckpt_path, output_dir))
+    purge_step = resumed_step(ckpt_path, output_dir)
+    logger = instantiate(cfg.logger, purge_step=purge_step)
     plugins: list[Any] = [AtomicCheckpointIO()]
     if cfg.sync_batchnorm:
         plugins.append(SyncBatchNormPlugin(cuda=accelerator == "gpu"))
@@ -148,7 +149,7 @@ def run(cfg: DictConfig, fit: bool = True) -> dict[str, float]:
         if fit:
             trainer.fit(module, datamodule=datamodule, ckpt_path=None if ckpt_path is None else str(ckpt_path))
             metrics = scalar_metrics(trainer)
-        if not fit:  # the weights alone: the training run's callbacks and loops have nothing to do here
+        else:  # the weights alone: the training run's callbacks and loops have nothing to do here
             module.load_state_dict(torch.load(ckpt_path, map_location="cpu", weights_only=True)["state_dict"])
         trainer.test(module, datamodule=datamodule, verbose=False)
         metrics.update(scalar_metrics(trainer))
@@ -156,7 +157,7 @@ def run(cfg: DictConfig, fit: bool = True) -> dict[str, float]:
     if epoch_times:
         metrics["time/epoch_s"] = statistics.median(epoch_times)
     if trainer.is_global_zero:
-        if not has_hparams(output_dir):  # a resumed run keeps its folder's one record
+        if purge_step is None or not has_hparams(output_dir):  # a run resumed in its folder keeps the one record
             log_hparams(logger, run_hparams(cfg, trainer, module), metrics)
         log.info(result_line(metrics, fit, f"{precision}, {world_size} process(es)", ckpt_path, output_dir))
     return metrics

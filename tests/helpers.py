@@ -79,8 +79,8 @@ def write_tiny_fashion_mnist(root: Path, n_train: int = 64, n_test: int = 32, se
     return root
 
 
-def hparams(run_dir: Path) -> dict[str, object]:
-    """The hyperparameters of a run's HParams summary, as TensorBoard's HParams tab reads them."""
+def hparams_plugin_data(run_dir: Path) -> list:
+    """The HParams plugin's records of a run folder, as TensorBoard's HParams tab reads them."""
     from tensorboard.plugins.hparams import plugin_data_pb2
 
     accumulator = EventAccumulator(str(run_dir), size_guidance={"tensors": 0})
@@ -88,9 +88,13 @@ def hparams(run_dir: Path) -> dict[str, object]:
     try:
         contents = accumulator.PluginTagToContent("hparams").values()
     except KeyError:  # no HParams summary at all, e.g. a stopped run
-        return {}
-    for content in contents:
-        data = plugin_data_pb2.HParamsPluginData.FromString(content)
+        return []
+    return [plugin_data_pb2.HParamsPluginData.FromString(content) for content in contents]
+
+
+def hparams(run_dir: Path) -> dict[str, object]:
+    """The hyperparameters of a run's HParams summary; {} when it has none."""
+    for data in hparams_plugin_data(run_dir):
         if data.HasField("session_start_info"):
             return {k: v.WhichOneof("kind") and getattr(v, v.WhichOneof("kind")) for k, v in data.session_start_info.hparams.items()}
     return {}
@@ -98,12 +102,7 @@ def hparams(run_dir: Path) -> dict[str, object]:
 
 def hparams_order(run_dir: Path) -> list[str]:
     """The hyperparameters in the order of the run's HParams experiment, the order TensorBoard shows them in."""
-    from tensorboard.plugins.hparams import plugin_data_pb2
-
-    accumulator = EventAccumulator(str(run_dir), size_guidance={"tensors": 0})
-    accumulator.Reload()
-    for content in accumulator.PluginTagToContent("hparams").values():
-        data = plugin_data_pb2.HParamsPluginData.FromString(content)
+    for data in hparams_plugin_data(run_dir):
         if data.HasField("experiment"):
             return [info.name for info in data.experiment.hparam_infos]
     return []

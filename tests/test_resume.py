@@ -45,6 +45,12 @@ def assert_same_tensorboard_steps(run: Path, reference: Path) -> None:
     assert ours == theirs
 
 
+def assert_matches_unbroken(run: Path, reference: Path) -> None:
+    """A broken and resumed run ended exactly where the unbroken one did, and TensorBoard shows it so."""
+    assert_same_weights(run, reference)
+    assert_same_tensorboard_steps(run, reference)
+
+
 @pytest.fixture(scope="module")
 def unbroken(tmp_path_factory, data_root):
     """Unbroken reference runs, one per process count, shared by the tests below."""
@@ -95,9 +101,7 @@ def test_a_run_killed_mid_epoch_resumes_to_the_unbroken_weights(tmp_path, unbrok
 
     resumed = train(*LONGER, *args, checkpointing, "ckpt_path=last", f"hydra.run.dir={run_dir}", timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    reference = unbroken(*args)
-    assert_same_weights(run_dir, reference)
-    assert_same_tensorboard_steps(run_dir, reference)
+    assert_matches_unbroken(run_dir, unbroken(*args))
 
 
 @pytest.mark.slow
@@ -115,9 +119,7 @@ def test_torchrun_restart_resumes_from_the_run_folder(tmp_path, unbroken):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "local_rank: 1" in result.stderr, "the worker was killed and the group restarted"
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["best-epoch2.ckpt", "last.ckpt", "step.ckpt"]
-    reference = unbroken(*args)
-    assert_same_weights(run_dir, reference)
-    assert_same_tensorboard_steps(run_dir, reference)
+    assert_matches_unbroken(run_dir, unbroken(*args))
 
 
 @pytest.mark.slow
