@@ -133,7 +133,7 @@ def run(cfg: DictConfig, fit: bool = True) -> dict[str, float]:
     if rank_zero_only.rank == 0:  # every interpolation resolved: what this run really used
         OmegaConf.save(cfg, output_dir / "config.yaml", resolve=True)
     callbacks: list[Callback] = [instantiate(c) for c in cfg.callbacks.values()]
-    purge_step = resumed_step(ckpt_path, output_dir)
+    purge_step = resumed_step(ckpt_path, output_dir) if fit else None  # scoring a checkpoint hides nothing
     logger = instantiate(cfg.logger, purge_step=purge_step)
     plugins: list[Any] = [AtomicCheckpointIO()]
     if cfg.sync_batchnorm:

@@ -1,5 +1,7 @@
 """`python -m src.eval`: a saved model's test accuracy and loss, on any strategy and number of processes."""
 
+import shutil
+
 import pytest
 
 from src.eval import with_checkpoint_model
@@ -39,6 +41,16 @@ def test_eval_on_two_ddp_processes_gives_the_same_score_from_a_run_folder(tmp_pa
     assert result.returncode == 0, result.stderr[-3000:]
     assert scalars(run_dir)["test/acc"] == scalars(trained)["test/acc"]
     assert hparams(run_dir)["world_size"] == 2
+
+
+def test_eval_into_the_training_folder_hides_none_of_its_points(tmp_path, trained):
+    run_dir = tmp_path / "copy"
+    shutil.copytree(trained, run_dir)
+    before = scalars(run_dir)
+    result = run_cli("src.eval", *SCORE, f"ckpt_path={run_dir / 'checkpoints' / 'last.ckpt'}", f"hydra.run.dir={run_dir}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    after = scalars(run_dir)
+    assert all(after[tag][: len(values)] == values for tag, values in before.items())
 
 
 @pytest.mark.parametrize("args, message", [
