@@ -32,6 +32,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from src.ddp_jobs import external_rank
 from src.errors import UsageError
+from src.fast_path import auto_precision
 from src.schema import ACCELERATORS, PRECISIONS, SCHEMA, shown
 
 log = logging.getLogger(__name__)
@@ -226,6 +227,9 @@ def check_across_keys(cfg: DictConfig, values: dict[str, Any]) -> None:
             "more than one node needs one process per node started by torchrun or SLURM (see docs/cluster.md); "
             "on this machine alone use num_nodes=1",
         )
+    if values["compile"] and str(cfg.strategy.get("_target_", "")).endswith(".DataParallelStrategy"):
+        raise not_allowed("compile", True, "nn.DataParallel copies the network each step and would drop the compiled "
+                                           "code; use compile=false with strategy=dp, or strategy=ddp")
     min_epochs = values.get("trainer.min_epochs")
     if min_epochs is not None and min_epochs > values["max_epochs"]:
         raise not_allowed("trainer.min_epochs", min_epochs, f"it must be at most max_epochs={values['max_epochs']}")
@@ -258,8 +262,11 @@ def resolve_accelerator(requested: str) -> str:
 
 
 def resolve_precision(requested: object, accelerator: str) -> str:
-    """The precision Lightning will really use: fp16 autocast exists only on CUDA, so CPU gets bf16."""
+    """The precision Lightning will really use: `auto` picks by hardware (src/fast_path.py); fp16
+    autocast exists only on CUDA, so CPU gets bf16."""
     precision = str(requested)
+    if precision == "auto":
+        return auto_precision(accelerator)
     if precision not in PRECISIONS:
         raise UsageError(f"precision={precision} is not allowed; choose one of: {', '.join(PRECISIONS)}")
     if precision.startswith("transformer-engine") and (accelerator != "gpu" or not importlib.util.find_spec("transformer_engine")):

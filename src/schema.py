@@ -15,7 +15,7 @@ from typing import Any
 
 from lightning.fabric.connector import _PRECISION_INPUT
 
-PRECISIONS = list(dict.fromkeys(str(p) for arg in typing.get_args(_PRECISION_INPUT) for p in typing.get_args(arg)))
+PRECISIONS = ["auto", *dict.fromkeys(str(p) for arg in typing.get_args(_PRECISION_INPUT) for p in typing.get_args(arg))]
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda")
 SEED_MAX = 2**32 - 1  # Lightning's seed_everything takes what numpy does: 0 .. 2**32 - 1
 # What the Classifier logs, so what a checkpoint callback can watch.
@@ -106,6 +106,8 @@ SCHEMA: dict[str, Rule] = {
     "num_nodes": whole(1),
     "precision": PRECISION,
     "sync_batchnorm": BOOL,
+    "channels_last": BOOL,
+    "compile": BOOL,
     "max_epochs": whole(1),
     "seed": whole(0, SEED_MAX),
     "ckpt_path": NULL | TEXT,  # a file, `last` or `auto`; src/checkpoints.py says whether it exists
@@ -128,7 +130,6 @@ SCHEMA: dict[str, Rule] = {
     "data._target_": TEXT,
     "data.root": TEXT,
     "data.batch_size": whole(1),
-    "data.num_workers": whole(0),
     "data.val_size": whole(0),  # its upper bound, the training images less one, is checked when the data is read
     "data.download": BOOL,
     "data.shuffle": BOOL,

@@ -27,6 +27,7 @@ from src.checkpoints import AtomicCheckpointIO, checkpoint_to_evaluate, resolve_
 from src.data.fashion_mnist import per_process_batch
 from src.ddp_jobs import is_launching_process, job_scope
 from src.errors import UsageError
+from src.fast_path import cudnn_benchmark, speed_up
 from src.models.module import Classifier
 from src.naming import register_resolvers
 from src.optim import optimizer_args
@@ -66,7 +67,8 @@ def run_hparams(cfg: DictConfig, trainer: Trainer, module: Classifier) -> dict[s
         "batch_size": cfg.data.batch_size, "lr": cfg.optim.lr, "lr_scaling": cfg.optim.lr_scaling,
         "lr_used": module.hparams.lr, "momentum": cfg.optim.momentum,
         "weight_decay": cfg.optim.weight_decay, "max_epochs": cfg.max_epochs, "seed": cfg.seed,
-        "sync_batchnorm": cfg.sync_batchnorm, "ckpt_path": str(cfg.ckpt_path or ""),
+        "sync_batchnorm": cfg.sync_batchnorm, "channels_last": cfg.channels_last, "compile": cfg.compile,
+        "ckpt_path": str(cfg.ckpt_path or ""),
     }
 
 
@@ -118,6 +120,7 @@ def run(cfg: DictConfig, fit: bool = True) -> dict[str, float]:
     checks.check_devices(accelerator, devices)
     precision = checks.resolve_precision(cfg.precision, accelerator)
     trainer_args = OmegaConf.to_container(cfg.trainer, resolve=True)
+    trainer_args["benchmark"] = cudnn_benchmark(trainer_args["benchmark"], trainer_args["deterministic"])
     ckpt_path = resolve_ckpt_path(cfg.ckpt_path, output_dir) if fit else checkpoint_to_evaluate(cfg.ckpt_path)
     strategy = instantiate(cfg.strategy, _convert_="all")
     world_size = processes_per_node(strategy, devices) * num_nodes
@@ -128,7 +131,8 @@ def run(cfg: DictConfig, fit: bool = True) -> dict[str, float]:
     if is_launching_process():  # fail on missing or corrupt data before any process is started
         datamodule.prepare_data()
         datamodule.setup()
-    module = Classifier(instantiate(cfg.model.net), **optimizer_args(cfg.optim, cfg.data.batch_size))
+    net = speed_up(instantiate(cfg.model.net), channels_last=cfg.channels_last, compile=cfg.compile)
+    module = Classifier(net, **optimizer_args(cfg.optim, cfg.data.batch_size))
     checks.check_checkpoint(ckpt_path, cfg.ckpt_path, module, cfg.model_name)
     if rank_zero_only.rank == 0:  # every interpolation resolved: what this run really used
         OmegaConf.save(cfg, output_dir / "config.yaml", resolve=True)

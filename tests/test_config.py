@@ -64,7 +64,7 @@ def test_command_line_overrides_win_over_recipes():
 def test_top_level_interface_keys_exist():
     cfg = composed()
     for key in ("devices", "accelerator", "num_nodes", "precision", "max_epochs", "seed", "ckpt_path",
-                "data.batch_size", "data.root", "data.num_workers", "optim.lr", "optim.momentum",
+                "data.batch_size", "data.root", "optim.lr", "optim.momentum",
                 "optim.weight_decay", "trainer.limit_train_batches", "trainer.accumulate_grad_batches"):
         assert OmegaConf.select(cfg, key, throw_on_missing=True) is not None or key in ("ckpt_path", "trainer.limit_train_batches")
 

@@ -1,21 +1,26 @@
 import struct
+from types import SimpleNamespace
 
 import pytest
 import torch
 from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
+from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
+from torch.utils.data import DistributedSampler
 from torchvision.datasets import FashionMNIST
 
-from src.data.fashion_mnist import MEAN, RAW_FILES, STD, FashionMNISTDataModule, TensorImages, per_process_batch
+from src.data.fashion_mnist import MEAN, RAW_FILES, STD, FashionMNISTDataModule, ShardOrder, TensorImages, per_process_batch
 from src.errors import UsageError
 from tests.helpers import write_idx, write_tiny_fashion_mnist
 
 
-def loader_batches(dm: FashionMNISTDataModule, split: str, world_size: int, rank: int, precision: Precision | None = None) -> list:
-    class FakeTrainer:  # the three attributes the data module reads from Lightning's Trainer
+def loader_batches(dm: FashionMNISTDataModule, split: str, world_size: int, rank: int, precision: Precision | None = None,
+                   device: str = "cpu") -> list:
+    class FakeTrainer:  # the attributes the data module reads from Lightning's Trainer
         pass
 
     trainer = FakeTrainer()
     trainer.world_size, trainer.global_rank, trainer.precision_plugin = world_size, rank, precision or Precision()
+    trainer.strategy = SimpleNamespace(root_device=torch.device(device))
     dm.trainer = trainer
     return list(getattr(dm, f"{split}_dataloader")())
 
@@ -155,7 +160,7 @@ def test_real_copy_matches_its_idx_headers(data_root):
 def test_tensor_images_fetch_one_item_or_a_batch():
     data = TensorImages(torch.arange(4 * 28 * 28, dtype=torch.uint8).reshape(4, 28, 28), torch.arange(4))
     image, label = data[2]
-    batch, labels = data.__getitems__([3, 1])
+    batch, labels = data[[3, 1]]
     assert image.shape == (1, 28, 28) and label == 2
     assert batch.shape == (2, 1, 28, 28) and labels.tolist() == [3, 1]
 
@@ -210,3 +215,44 @@ def test_resumed_loader_continues_mid_epoch_with_the_same_batches(tmp_path):
     next_epoch.load_state_dict(state)
     next_epoch.sampler.set_epoch(2)  # a checkpoint of epoch 1 does not shorten epoch 2
     assert len(list(next_epoch)) == len(reference)
+
+
+@pytest.mark.parametrize(("size", "world_size"), [(72, 1), (72, 4), (31, 2), (31, 3), (5, 4)])
+def test_shard_order_is_the_order_of_the_distributed_samplers(size, world_size):
+    """The device-side order visits the same indices, in the same order, as torch's DistributedSampler
+    (training) and Lightning's UnrepeatedDistributedSampler (evaluation) did."""
+    dataset = range(size)
+    for rank in range(world_size):
+        for epoch in (0, 3):
+            sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=7)
+            sampler.set_epoch(epoch)
+            order = ShardOrder(size, rank, world_size, shuffle=True, seed=7, pad=True)
+            order.set_epoch(epoch)
+            assert order.indices().tolist() == list(sampler) and len(order) == len(sampler)
+        unrepeated = UnrepeatedDistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=False)
+        order = ShardOrder(size, rank, world_size)
+        assert order.indices().tolist() == list(unrepeated) and len(order) == len(unrepeated)
+
+
+def test_loader_keeps_the_split_on_the_device_and_gathers_batches_there(tmp_path):
+    write_tiny_fashion_mnist(tmp_path)
+    dm = FashionMNISTDataModule(root=str(tmp_path), batch_size=16, val_size=8, download=False)
+    dm.setup()
+    loader_batches(dm, "train", 1, 0)
+    loader = dm.train_dataloader()
+    images, labels = next(iter(loader))
+    assert images.device == loader.images.device == torch.device("cpu")
+    # A view of neither the split nor the host tensors: a gather into a fresh batch.
+    assert images.data_ptr() != loader.images.data_ptr() and len(labels) == 16
+    assert loader.images.data_ptr() == dm.splits["train"].images.data_ptr()  # on the CPU the split is not copied
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_split_moves_once_and_batches_are_gathered_there(tmp_path):
+    write_tiny_fashion_mnist(tmp_path)
+    dm = FashionMNISTDataModule(root=str(tmp_path), batch_size=16, val_size=8, download=False)
+    dm.setup()
+    on_gpu = loader_batches(dm, "train", 1, 0, device="cuda:0")
+    on_cpu = loader_batches(dm, "train", 1, 0)
+    assert all(x.is_cuda and y.is_cuda for x, y in on_gpu)
+    assert all(torch.equal(a.cpu(), b) for (a, _), (b, _) in zip(on_gpu, on_cpu))  # the same batches as on the CPU

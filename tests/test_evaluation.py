@@ -15,7 +15,8 @@ def test_test_accuracy_on_three_processes_equals_one_process(tmp_path, data_root
         run_dir = tmp_path / f"devices{devices}"
         # The checkpoint has done its one epoch: fit has nothing left, and test scores its weights
         # on all 10,000 test images (255 per batch: 85 per process on 3).
-        result = train(*QUICK, f"ckpt_path={checkpoint}", "strategy=ddp", f"devices={devices}", "data.batch_size=255",
+        # fp32: bf16 convolutions round differently at another batch size and may flip a borderline image.
+        result = train(*QUICK, f"ckpt_path={checkpoint}", "strategy=ddp", f"devices={devices}", "data.batch_size=255", "precision=32",
                        "trainer.limit_test_batches=1.0", f"hydra.run.dir={run_dir}", timeout=600)
         assert result.returncode == 0, result.stderr[-3000:]
         results[devices] = scalars(run_dir)["test/acc"][-1]

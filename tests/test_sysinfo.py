@@ -95,7 +95,14 @@ def test_cpu_run_with_more_processes_than_cores_is_warned(monkeypatch):
     assert sysinfo.precision_warnings(info, "32-true", "cpu", processes=cores) == []
     [warning] = sysinfo.precision_warnings(info, "32-true", "cpu", processes=cores + 1)
     assert f"{cores + 1} DDP processes on {cores} CPU cores" in warning
-    assert info["recommended_precision"] == "32" and "no CUDA GPU" in info["precision_reason"]
+    assert info["recommended_precision"] == ("bf16-mixed" if info["cpu_bf16"] else "32")
+    assert "no CUDA GPU" in info["precision_reason"]
+
+
+@pytest.mark.parametrize(("cpu_bf16", "expected"), [(True, "bf16-mixed"), (False, "32")])
+def test_without_gpus_bf16_is_recommended_only_where_the_cpu_has_it(cpu_bf16, expected):
+    precision, reason = sysinfo.recommend_precision([], cpu_bf16)
+    assert precision == expected and ("has native bf16" if cpu_bf16 else "lacks native bf16") in reason
 
 
 def test_nvlink_from_nvidia_smi(monkeypatch):

@@ -1,14 +1,15 @@
-"""Fashion-MNIST held in memory as uint8 tensors, sharded per process, batched by slicing."""
+"""Fashion-MNIST held on the training device as uint8 tensors, sharded per process, batched by gathering there."""
 
+import math
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from lightning import LightningDataModule
-from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import Dataset
 from torchvision.datasets import FashionMNIST
 from torchvision.datasets.mnist import read_sn3_pascalvincent_tensor
 
@@ -20,7 +21,7 @@ RAW_FILES = [os.path.splitext(os.path.basename(url))[0] for url, _ in FashionMNI
 
 
 class TensorImages(Dataset):
-    """Images as one uint8 tensor; `__getitems__` lets the DataLoader fetch a batch by slicing."""
+    """Images and labels of one split as two tensors (uint8 images, N x 1 x 28 x 28)."""
 
     def __init__(self, images: torch.Tensor, labels: torch.Tensor) -> None:
         self.images = images.unsqueeze(1) if images.dim() == 3 else images
@@ -29,67 +30,88 @@ class TensorImages(Dataset):
     def __len__(self) -> int:
         return len(self.labels)
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.images[index], self.labels[index]
-
-    def __getitems__(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        index = torch.as_tensor(indices)
+    def __getitem__(self, index: Any) -> tuple[torch.Tensor, torch.Tensor]:
         return self.images[index], self.labels[index]
 
 
-def _keep_batch(batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """collate_fn for batches that `__getitems__` already built."""
-    return batch
+@dataclass
+class ShardOrder:
+    """The order in which one process visits its shard of a split, epoch by epoch.
 
-
-class ResumableSampler(DistributedSampler):
-    """A DistributedSampler that can start an epoch part-way through, where a checkpoint left it."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.resume_at: tuple[int, int] | None = None  # (epoch, samples of this process already seen)
-
-    def __iter__(self) -> Iterator[int]:
-        indices = list(super().__iter__())
-        if self.resume_at is not None:
-            epoch, seen = self.resume_at
-            self.resume_at = None
-            if epoch == self.epoch:
-                indices = indices[seen:]
-        return iter(indices)
-
-
-class ResumableLoader(DataLoader):
-    """A DataLoader whose position in the epoch is part of every checkpoint, so that a run resumed
-    from a mid-epoch checkpoint sees exactly the batches an unbroken run would have seen.
-
-    Lightning saves `state_dict()` with the fit loop and calls `load_state_dict()` on resume. The
-    count is global batches, the same on any number of processes, so a checkpoint resumes under
-    another world size too.
+    The same indices, in the same order, as torch's `DistributedSampler` (training: shuffled per
+    epoch from `seed + epoch`, padded by repeating the start so that every process takes as many
+    steps) or Lightning's `UnrepeatedDistributedSampler` (evaluation: in order, unpadded, so that
+    every image counts once), but as one tensor per epoch instead of a Python list.
     """
 
-    sampler: ResumableSampler
+    size: int
+    rank: int = 0
+    world_size: int = 1
+    shuffle: bool = False
+    seed: int = 0
+    pad: bool = False
+    epoch: int = 0
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.epoch = 0
-        self.batches_seen = 0
+    def set_epoch(self, epoch: int) -> None:
+        """Lightning calls this on `loader.sampler` before each training epoch."""
+        self.epoch = epoch
 
-    def __iter__(self) -> Iterator[Any]:
+    def __len__(self) -> int:
+        return math.ceil(self.size / self.world_size) if self.pad else len(range(self.rank, self.size, self.world_size))
+
+    def indices(self) -> torch.Tensor:
+        if self.shuffle:
+            order = torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed + self.epoch))
+        else:
+            order = torch.arange(self.size)
+        if self.pad:
+            total = len(self) * self.world_size
+            order = order.repeat(math.ceil(total / self.size))[:total]
+        return order[self.rank :: self.world_size]
+
+
+class DeviceLoader:
+    """Batches of one process's shard, gathered from a split that already sits on the training device.
+
+    The split crosses to the device once. Each epoch, its order is one tensor copied there; each
+    batch is then one gather on the device: no per-batch work on the host, no worker processes.
+
+    Its position in the epoch is part of every checkpoint (Lightning saves `state_dict()` with the
+    fit loop and calls `load_state_dict()` on resume), counted in global batches, the same on any
+    number of processes, so a mid-epoch checkpoint resumes with exactly the batches an unbroken run
+    would have seen, under another world size too.
+    """
+
+    batch_sampler = None  # Lightning looks for one beside `sampler`, as on a DataLoader
+
+    def __init__(self, split: TensorImages, sampler: ShardOrder, batch_size: int, device: torch.device) -> None:
+        self.images, self.labels = split.images.to(device), split.labels.to(device)
+        self.sampler, self.batch_size, self.device = sampler, batch_size, device
+        self.epoch = self.batches_seen = 0
+        self.resume_at: tuple[int, int] | None = None  # (epoch, global batches already seen)
+
+    def __len__(self) -> int:
+        return math.ceil(len(self.sampler) / self.batch_size)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         # A generator: nothing runs until the first batch is asked for, after Lightning has set
         # the sampler's epoch.
-        resume = self.sampler.resume_at
-        skipped = resume[1] // self.batch_size if resume and resume[0] == self.sampler.epoch else 0
-        self.epoch, self.batches_seen = self.sampler.epoch, skipped
-        for batch in super().__iter__():
+        epoch, skipped = self.sampler.epoch, 0
+        if self.resume_at is not None and self.resume_at[0] == epoch:
+            skipped = self.resume_at[1]
+        self.resume_at = None
+        self.epoch, self.batches_seen = epoch, skipped
+        indices = self.sampler.indices().to(self.device, non_blocking=True)
+        for start in range(skipped * self.batch_size, len(indices), self.batch_size):
+            batch = indices[start : start + self.batch_size]
             self.batches_seen += 1
-            yield batch
+            yield self.images[batch], self.labels[batch]
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "batches_seen": self.batches_seen}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        self.sampler.resume_at = (state["epoch"], state["batches_seen"] * self.batch_size)
+        self.resume_at = (state["epoch"], state["batches_seen"])
 
 
 def per_process_batch(batch_size: int, world_size: int) -> int:
@@ -103,9 +125,10 @@ def per_process_batch(batch_size: int, world_size: int) -> int:
 
 
 class FashionMNISTDataModule(LightningDataModule):
-    """Fashion-MNIST through torchvision: download when missing, parse the IDX files, keep them in memory.
+    """Fashion-MNIST through torchvision: download when missing, parse the IDX files, serve each split
+    from the training device.
 
-    Every split is served through a distributed sampler, also on one process, so that a run on
+    Every split is served in a distributed sampler's order, also on one process, so that a run on
     N processes sees exactly the same global batches as a run on one: the union of the N
     shards of batch k is batch k of the single-process run. Validation and test shards are not
     padded, so accuracy counts each image once on any number of processes.
@@ -115,7 +138,6 @@ class FashionMNISTDataModule(LightningDataModule):
         self,
         root: str = "data",
         batch_size: int = 256,
-        num_workers: int = 0,
         val_size: int = 5000,
         download: bool = True,
         shuffle: bool = True,
@@ -124,7 +146,6 @@ class FashionMNISTDataModule(LightningDataModule):
         super().__init__()
         self.root = Path(root)
         self.batch_size = batch_size
-        self.num_workers = num_workers
         self.val_size = val_size
         self.download = download
         self.shuffle = shuffle
@@ -194,39 +215,29 @@ class FashionMNISTDataModule(LightningDataModule):
             "test": TensorImages(test.data, test.targets),
         }
 
-    def _loader(self, split: str) -> DataLoader:
+    def _loader(self, split: str) -> DeviceLoader:
         """Training shards are padded to equal length (DDP needs the same number of steps on every
         process); validation and test shards are not, so that every image counts exactly once."""
         trainer = self.trainer
         world_size = trainer.world_size if trainer else 1
         rank = trainer.global_rank if trainer else 0
+        device = trainer.strategy.root_device if trainer else torch.device("cpu")
         dataset = self.splits[split]
-        if split == "train":
-            sampler = ResumableSampler(dataset, num_replicas=world_size, rank=rank, shuffle=self.shuffle, seed=self.seed)
-            loader_class = ResumableLoader
-        else:
-            sampler = UnrepeatedDistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=False)
-            loader_class = DataLoader
-        return loader_class(
-            dataset,
-            batch_size=per_process_batch(self.batch_size, world_size),
-            sampler=sampler,
-            collate_fn=_keep_batch,
-            num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0,
-        )
+        train = split == "train"
+        order = ShardOrder(len(dataset), rank, world_size, shuffle=train and self.shuffle, seed=self.seed, pad=train)
+        return DeviceLoader(dataset, order, per_process_batch(self.batch_size, world_size), device)
 
-    def train_dataloader(self) -> DataLoader:
+    def train_dataloader(self) -> DeviceLoader:
         return self._loader("train")
 
-    def val_dataloader(self) -> DataLoader:
+    def val_dataloader(self) -> DeviceLoader:
         return self._loader("val")
 
-    def test_dataloader(self) -> DataLoader:
+    def test_dataloader(self) -> DeviceLoader:
         return self._loader("test")
 
     def on_after_batch_transfer(self, batch: tuple[torch.Tensor, torch.Tensor], dataloader_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Normalise on the device: a uint8 batch crosses the bus at a quarter of the float size.
+        """Normalise on the device, where the uint8 split already sits (a quarter of the float size).
 
         The images get the dtype the precision plugin gives inputs (float64 for `precision=64`,
         float16 for `16-true`): Lightning converts inputs before this hook, while they are uint8.

@@ -28,9 +28,11 @@ class Classifier(LightningModule):
         self.save_hyperparameters(ignore=["net"], logger=False)
         self.net = net
         self.loss = nn.CrossEntropyLoss()
-        self.train_acc = MulticlassAccuracy(num_classes, average="micro")
-        self.val_acc = MulticlassAccuracy(num_classes, average="micro")
-        self.test_acc = MulticlassAccuracy(num_classes, average="micro")
+        # No per-batch checks of the labels (the data module's come from validated files): on a GPU
+        # they would wait for the device at every step.
+        self.train_acc = MulticlassAccuracy(num_classes, average="micro", validate_args=False)
+        self.val_acc = MulticlassAccuracy(num_classes, average="micro", validate_args=False)
+        self.test_acc = MulticlassAccuracy(num_classes, average="micro", validate_args=False)
         # Loss means weighted by images, so that processes holding one image more or less than the
         # others (unpadded evaluation shards) count each image once.
         self.val_loss = MeanMetric()
