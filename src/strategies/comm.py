@@ -110,7 +110,7 @@ def _nbytes(tensors: Any) -> int:
 # The collectives a CountingBackend forwards (torch's Python names for them, as c10d calls a Python
 # backend), each with the position of the argument holding what this process passes in; None: nothing.
 SENT_ARGUMENT: dict[str, int | None] = {
-    "allreduce": 0, "allreduce_coalesced": 0, "allreduce_sparse": 0, "reduce": 0, "broadcast": 0,
+    "allreduce": 0, "allreduce_coalesced": 0, "reduce": 0, "broadcast": 0,
     "allgather": 1, "allgather_coalesced": 1, "all_gather_single": 1, "all_gather_single_coalesced": 1, "gather": 1,
     "scatter": 1, "reduce_scatter": 1, "reduce_scatter_single": 1, "reduce_scatter_single_coalesced": 1,
     "alltoall": 1, "all_to_all_single": 1, "send": 0, "recv": None, "barrier": None,
@@ -145,7 +145,7 @@ def _forwarding(name: str, sent_argument: int | None) -> Callable[..., Any]:
         self.meter.count_collective(_nbytes(args[sent_argument]) if sent_argument is not None else 0)
         return getattr(self.inner, name)(*args)
 
-    collective.__name__ = collective.__qualname__ = name
+    collective.__name__, collective.__qualname__ = name, f"CountingBackend.{name}"
     return collective
 
 
