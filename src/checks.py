@@ -26,11 +26,10 @@ from hydra.core.override_parser.types import Override
 from hydra.errors import OverrideParseException
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from src.ddp_jobs import external_rank
+from src.ddp_jobs import external_rank, is_rank_zero
 from src.errors import UsageError
 from src.fast_path import auto_precision
 from src.schema import ACCELERATORS, PRECISIONS, SCHEMA, shown
@@ -272,7 +271,7 @@ def resolve_precision(requested: object, accelerator: str) -> str:
     if precision.startswith("transformer-engine") and (accelerator != "gpu" or not importlib.util.find_spec("transformer_engine")):
         raise UsageError(f"precision={precision} is not allowed here; it needs a CUDA GPU and the transformer_engine package")
     if accelerator == "cpu" and precision in ("16", "16-mixed"):
-        if rank_zero_only.rank == 0:
+        if is_rank_zero():
             log.warning(f"precision={precision} needs a CUDA GPU; this CPU run uses bf16-mixed instead")
         return "bf16-mixed"
     return precision

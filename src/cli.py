@@ -13,11 +13,10 @@ from pathlib import Path
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig
 
 from src import checks, stopping
-from src.ddp_jobs import child_argv
+from src.ddp_jobs import child_argv, is_rank_zero
 from src.errors import TrainingDiverged, UsageError
 
 # Sweep jobs stopped by bad input or a diverged loss, with their exit status.
@@ -35,7 +34,7 @@ def report_failure(error: UsageError | TrainingDiverged, output_dir: Path, new_f
 
     Only a folder this run started is removed: a resumed run's folder keeps its checkpoints.
     """
-    if rank_zero_only.rank == 0:
+    if is_rank_zero():
         print(f"error: {error}", file=sys.stderr, flush=True)
         if new_folder:
             shutil.rmtree(output_dir, ignore_errors=True)
@@ -65,7 +64,7 @@ def run_entry(hydra_main: Callable[[], object]) -> None:
         checks.check_overrides(sys.argv[1:])
         checks.check_run_dir(sys.argv[1:])
     except UsageError as error:
-        if rank_zero_only.rank == 0:  # under torchrun every process checks the same command line
+        if is_rank_zero():  # under torchrun every process checks the same command line
             print(f"error: {error}", file=sys.stderr, flush=True)
         sys.exit(2)
     with stopping.stop_cleanly():  # a signal outside a job: while Hydra starts, between sweep jobs

@@ -17,6 +17,7 @@ from contextlib import contextmanager
 
 import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
+from lightning.pytorch.utilities import rank_zero_only
 
 JOB_ARGS = "DPTRAIN_JOB_ARGS"
 # Set in the parent by Lightning's launcher; left behind, they make the next job believe
@@ -33,6 +34,19 @@ def job_args() -> list[str]:
     """The command-line arguments that re-create the current job in run mode, in its own folder."""
     hydra_cfg = HydraConfig.get()
     return [*hydra_cfg.overrides.task, f"hydra.run.dir={quote(hydra_cfg.runtime.output_dir)}", "hydra.output_subdir=null"]
+
+
+def is_rank_zero() -> bool:
+    """True in the run's first process (global rank 0), the one that speaks and writes for the run.
+
+    The one place to ask "am I rank zero" where no Trainer is at hand: entry points, config
+    checks, the config file, error reports, signal handling. It reads Lightning's own record of
+    the rank, taken from the launcher's environment (RANK, LOCAL_RANK, SLURM_PROCID) at import and
+    set to the global rank once the strategy knows it, so it agrees with Lightning's
+    `rank_zero_only` functions. Where a trainer is at hand (callbacks, after `Trainer.fit`), ask
+    Lightning's `trainer.is_global_zero` instead.
+    """
+    return rank_zero_only.rank == 0
 
 
 def external_rank() -> str | None:

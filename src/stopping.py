@@ -35,7 +35,8 @@ from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import rank_zero_only
+
+from src.ddp_jobs import is_rank_zero
 
 STOP_SIGNALS: tuple[int, ...] = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP") if hasattr(signal, name))
 # Set by the launcher for the DDP children it starts: their parent, which they must not outlive.
@@ -361,7 +362,7 @@ def _cause(error: BaseException) -> Stop | None:
 def _speaks(stop: Stop) -> bool:
     """Rank 0 speaks for the run. Another rank speaks only of a failed collective, and only when no
     launcher can: there is none (torchrun, SLURM), or it is stopped."""
-    if rank_zero_only.rank == 0:
+    if is_rank_zero():
         return True
     if stop.signum is not None:
         return False

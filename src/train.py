@@ -17,7 +17,6 @@ from hydra.utils import instantiate
 from lightning import Callback, Trainer, seed_everything
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.strategies import DDPStrategy, Strategy
-from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 from torch.utils.tensorboard.summary import hparams
@@ -25,7 +24,7 @@ from torch.utils.tensorboard.summary import hparams
 from src import checks, cli, stopping
 from src.checkpoints import AtomicCheckpointIO, checkpoint_to_evaluate, resolve_ckpt_path, saved_step
 from src.data.fashion_mnist import per_process_batch
-from src.ddp_jobs import is_launching_process, job_scope
+from src.ddp_jobs import is_launching_process, is_rank_zero, job_scope
 from src.errors import UsageError
 from src.fast_path import cudnn_benchmark, speed_up
 from src.models.module import Classifier
@@ -134,7 +133,7 @@ def run(cfg: DictConfig, fit: bool = True) -> dict[str, float]:
     net = speed_up(instantiate(cfg.model.net), channels_last=cfg.channels_last, compile=cfg.compile)
     module = Classifier(net, **optimizer_args(cfg.optim, cfg.data.batch_size))
     checks.check_checkpoint(ckpt_path, cfg.ckpt_path, module, cfg.model_name)
-    if rank_zero_only.rank == 0:  # every interpolation resolved: what this run really used
+    if is_rank_zero():  # every interpolation resolved: what this run really used
         OmegaConf.save(cfg, output_dir / "config.yaml", resolve=True)
     callbacks: list[Callback] = [instantiate(c) for c in cfg.callbacks.values()]
     purge_step = resumed_step(ckpt_path, output_dir) if fit else None  # scoring a checkpoint hides nothing

@@ -4,8 +4,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import OmegaConf
 
+from src.cli import report_failure
+from src.errors import UsageError
 from tests.helpers import QUICK, hparams, hparams_order, scalars, train, write_tiny_fashion_mnist
 
 INTERFACE_SCALARS = {"train/loss", "train/acc", "val/acc", "test/acc", "time/epoch_s", "time/samples_per_s"}
@@ -118,3 +121,14 @@ def test_lenet_learns_on_the_real_data(tmp_path, data_root):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert scalars(run_dir)["test/acc"][-1] >= 0.70
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_only_rank_zero_reports_a_failure_and_removes_the_new_folder(tmp_path, monkeypatch, capsys, rank):
+    monkeypatch.setattr(rank_zero_only, "rank", rank)  # Lightning's record of the rank, which is_rank_zero reads
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    assert report_failure(UsageError("optim.lr=-1 is not allowed"), run_dir, new_folder=True) == 2
+    said = capsys.readouterr().err
+    assert said == ("error: optim.lr=-1 is not allowed\n" if rank == 0 else "")
+    assert run_dir.exists() == (rank != 0)

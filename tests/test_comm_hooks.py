@@ -1,19 +1,33 @@
 """DDP communication hooks on CPU: registered, counted, compressing as claimed, checked early.
 
 Each training test runs the real CLI as 2 gloo processes with LeNet for a few steps; runs are
-shared within the module, so the file costs six short trainings.
+shared within the module, so the file costs six short trainings. The counting itself is tested
+in 2 spawned gloo processes: every collective API on the hook's group, and a Lightning training
+whose hook issues collectives the way no wrapper of `torch.distributed.all_reduce` would see.
 """
 
+import os
+from datetime import timedelta
 from functools import cache
 from pathlib import Path
 
+import lightning
 import pytest
 import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.multiprocessing as mp
+from torch import nn
+
+# torch's own all_reduce, bound at import: a wrapper put in place of dist.all_reduce later would never see calls
+# made through this name.
+from torch.distributed import all_reduce as all_reduce_imported_by_name
 
 from src.errors import UsageError
 from src.models.lenet import LeNet
+from src.strategies.comm import CommMeter
 from src.strategies.ddp import HOOKS, CommHookDDPStrategy, one_bucket_cap_mb
-from tests.helpers import scalars, train as run_train
+from tests.helpers import free_port, scalars, train as run_train
 
 BATCHES = 4  # training batches per run: one optimizer step each, unless accumulating
 WARMUP = 2  # plain all-reduce steps before PowerSGD compresses
@@ -186,3 +200,145 @@ def test_powersgd_still_learns(tmp_path: Path, data_root: Path) -> None:
     assert accuracy["ddp"] > 0.8  # the baseline learned, so the comparison means something
     assert accuracy["powersgd"] >= accuracy["ddp"] - 0.02, accuracy
     assert max(scalars(tmp_path / "powersgd")["comm/compression_ratio"]) > 20  # it really compressed
+
+
+# ---------------------------------------------------------------- the counting, in 2 spawned gloo processes
+
+WORLD = 2
+FLOAT = 4
+GROUP_TIMEOUT = timedelta(seconds=123)
+
+
+def _measure(meter: CommMeter, issue) -> tuple[int, int]:
+    """(bytes, collectives) the meter counted for what `issue` sent."""
+    meter.take()
+    issue()
+    step = meter.take()
+    return step.bytes_sent, step.collectives
+
+
+def _every_api_worker(rank: int, store: str, results: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
+    try:
+        meter = CommMeter()
+        group = meter.new_group("gloo", timeout=GROUP_TIMEOUT)
+        ones = torch.ones(10)
+
+        def then_all_reduce() -> None:  # as PowerSGD does: the second all-reduce from the first one's future callback
+            first = dist.all_reduce(torch.ones(2), group=group, async_op=True).get_future()
+            first.then(lambda _: dist.all_reduce(torch.ones(8), group=group, async_op=True).get_future().wait()).wait()
+
+        counted = {
+            "dist.all_reduce": _measure(meter, lambda: dist.all_reduce(ones, group=group)),
+            "imported by name": _measure(meter, lambda: all_reduce_imported_by_name(torch.ones(10), group=group)),
+            "group.allreduce": _measure(meter, lambda: group.allreduce([torch.ones(10)]).wait()),
+            "all_reduce_coalesced": _measure(
+                meter, lambda: dist.all_reduce_coalesced([torch.ones(4), torch.ones(6)], group=group)),
+            "functional all_reduce": _measure(
+                meter, lambda: funcol.wait_tensor(funcol.all_reduce(torch.ones(10), "sum", group))),
+            "from a future callback": _measure(meter, then_all_reduce),
+            "all_gather_into_tensor": _measure(
+                meter, lambda: dist.all_gather_into_tensor(torch.empty(10 * WORLD), torch.ones(10), group=group)),
+            "broadcast": _measure(meter, lambda: dist.broadcast(torch.ones(10), src=0, group=group)),
+            "barrier": _measure(meter, lambda: dist.barrier(group=group)),
+            "default group": _measure(meter, lambda: dist.all_reduce(torch.ones(10))),
+        }
+        torch.save({
+            "counted": counted,
+            "all_reduce_sum": ones.tolist(),
+            "timeout": group._get_backend(torch.device("cpu")).options._timeout,
+            "all_reduce_untouched": dist.all_reduce is all_reduce_imported_by_name,
+        }, f"{results}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_every_collective_on_the_hooks_group_is_counted_whatever_issued_it(tmp_path: Path) -> None:
+    mp.spawn(_every_api_worker, args=(str(tmp_path / "store"), str(tmp_path / "result")), nprocs=WORLD)
+    for rank in range(WORLD):
+        result = torch.load(tmp_path / f"result.{rank}", weights_only=False)
+        assert result["counted"] == {
+            "dist.all_reduce": (10 * FLOAT, 1),
+            # The next four never went through torch.distributed.all_reduce, so a wrapper of it never saw them:
+            "imported by name": (10 * FLOAT, 1),
+            "group.allreduce": (10 * FLOAT, 1),
+            "all_reduce_coalesced": (10 * FLOAT, 1),
+            "functional all_reduce": (10 * FLOAT, 1),
+            "from a future callback": ((2 + 8) * FLOAT, 2),
+            "all_gather_into_tensor": (10 * FLOAT, 1),  # what this process passes in, not what it gets back
+            "broadcast": (10 * FLOAT, 1),
+            "barrier": (0, 1),
+            "default group": (0, 0),  # other groups are not the hook's
+        }, rank
+        assert result["all_reduce_sum"] == [float(WORLD)] * 10  # the real backend did reduce
+        assert result["timeout"] == GROUP_TIMEOUT  # the group's timeout reached the real backend
+        assert result["all_reduce_untouched"]
+
+
+EXTRA_FLOATS = (3, 5)  # the extra all-reduces the training test's hook issues per bucket
+
+
+class ExtraCollectivesStrategy(CommHookDDPStrategy):
+    """The named hook, preceded in every call by two all-reduces that no wrapper of dist.all_reduce would see."""
+
+    def build_hook(self, group: dist.ProcessGroup):
+        state, hook = super().build_hook(group)
+
+        def with_extras(state, bucket):
+            group.allreduce([torch.zeros(EXTRA_FLOATS[0])]).wait()
+            all_reduce_imported_by_name(torch.zeros(EXTRA_FLOATS[1]), group=group)
+            return hook(state, bucket)
+
+        return state, with_extras
+
+
+class TinyModel(lightning.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(8, 4)
+
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch).square().mean()
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.randn(16, 8), batch_size=4)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class RecordSteps(lightning.Callback):
+    """What the strategy's meter counted in each step, and whether dist.all_reduce is still torch's own."""
+
+    def __init__(self) -> None:
+        self.steps = []
+        self.untouched = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.untouched.append(dist.all_reduce is all_reduce_imported_by_name)
+        self.steps.append(trainer.strategy.comm_meter.take())
+
+
+def _training_worker(rank: int, port: int, results: str) -> None:
+    # As a launcher would start it, so that Lightning joins these processes instead of starting its own.
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(WORLD))
+    record = RecordSteps()
+    trainer = lightning.Trainer(
+        accelerator="cpu", devices=WORLD, strategy=ExtraCollectivesStrategy(hook="none", timeout_s=60), max_steps=3,
+        callbacks=[record], logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(TinyModel())
+    torch.save({"steps": record.steps, "untouched": record.untouched}, f"{results}.{rank}")
+
+
+def test_training_counts_collectives_a_wrapper_of_all_reduce_missed_and_leaves_it_alone(tmp_path: Path) -> None:
+    mp.spawn(_training_worker, args=(free_port(), str(tmp_path / "result")), nprocs=WORLD)
+    params = sum(p.numel() for p in TinyModel().parameters())
+    for rank in range(WORLD):
+        result = torch.load(tmp_path / f"result.{rank}", weights_only=False)
+        assert result["untouched"] == [True] * 3
+        steps = result["steps"]
+        assert [s.buckets for s in steps] == [1] * 3
+        # The gradients, plus both extra all-reduces: 3 collectives per step.
+        assert [(s.bytes_sent, s.collectives) for s in steps] == [((params + sum(EXTRA_FLOATS)) * FLOAT, 3)] * 3

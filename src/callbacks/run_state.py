@@ -7,7 +7,6 @@ from typing import Any
 import numpy as np
 import torch
 from lightning import Callback, LightningModule, Trainer
-from lightning.pytorch.utilities import rank_zero_only
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +44,7 @@ class RunState(Callback):
 
     def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         saved = checkpoint.get("world_size")
-        if saved is not None and saved != trainer.world_size and rank_zero_only.rank == 0:
+        if saved is not None and saved != trainer.world_size and trainer.is_global_zero:
             log.info(
                 f"resuming a checkpoint of {saved} process(es) on {trainer.world_size}: the global batches are the "
                 f"same (data.batch_size is split over the processes); BatchNorm statistics are per process"

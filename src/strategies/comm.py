@@ -1,34 +1,50 @@
-"""Measures what a DDP communication hook really sends, by counting the collectives it issues.
+"""Measures what a DDP communication hook really sends, by counting the collectives on its process group.
 
-The hook gets a process group of its own, so every `torch.distributed.all_reduce` on that group
-is the hook's: counting them counts exactly what it sends, including the all-reduces that
-PowerSGD issues from future callbacks on the backend's threads (hence the lock).
+The hook gets a process group of its own, made by `CommMeter.new_group`. That group's c10d
+backend is a `CountingBackend`: a backend written in Python (torch's `Backend.register_backend`
+extension point, registered here as `counted_gloo` or `counted_nccl`) that holds the real
+backend, built by torch's own creator for it from the same store, ranks and timeout, and hands
+every collective on to it after counting the bytes this process passes in. Every collective on
+the group reaches the backend, whatever issued it: `dist.all_reduce` (however it was imported),
+`all_reduce_coalesced`, `group.allreduce`, functional collectives, or PowerSGD's all-reduces
+from future callbacks on the backend's threads (hence the lock). A collective the backend does
+not forward fails with torch's "does not support" error instead of going uncounted. Nothing
+process-wide is replaced, and other groups never see the counter.
+
+The group itself is a plain torch `ProcessGroup`, so torch's dispatch to its backend, its name
+and its registration stay torch's own; only the backend is ours. The Work objects the real
+backend returns pass through, so `wait()` and `get_future()` behave as on a plain gloo or NCCL
+group, and the timeout is the real backend's own. Building the real backend with torch's
+creator reads torch's backend registry (`Backend._plugins`, as of torch 2.14): the same code
+for gloo, NCCL and MPI, and the real backend gets exactly the options a plain group would.
 """
 
-import functools
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import Backend as C10dBackend
 
 Hook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
 
 FP32_BYTES = 4
+COUNTED_PREFIX = "counted_"
 
 
 @dataclass(frozen=True)
 class StepComm:
     """One process's gradient communication between two optimizer steps."""
 
-    bytes_sent: int = 0  # payload of every all-reduce the hook issued
+    bytes_sent: int = 0  # payload of every collective on the hook's group
     fp32_bytes: int = 0  # the same buckets' gradients as fp32
     hook_s: float = 0.0  # sum over buckets of the time from the hook's call to its future completing
     buckets: int = 0  # hook calls, one per DDP bucket that was reduced
-    collectives: int = 0  # all-reduce calls
+    collectives: int = 0  # collective calls on the hook's group
 
     @property
     def compression_ratio(self) -> float:
@@ -38,12 +54,16 @@ class StepComm:
 class CommMeter:
     """Counts the bytes and time of one DDP hook that owns its process group."""
 
-    def __init__(self, group: dist.ProcessGroup) -> None:
-        self.group = group
+    def __init__(self) -> None:
         self._lock = threading.Lock()
         self._step = StepComm()
-        self._original: Callable[..., Any] | None = None
-        self._counting: Callable[..., Any] | None = None
+
+    def new_group(self, backend: str, timeout: timedelta) -> dist.ProcessGroup:
+        """A process group of all ranks over `backend` (gloo, nccl, mpi) whose every collective this meter counts.
+
+        Like `dist.new_group`, every rank must call it, in the same order as its other groups.
+        """
+        return dist.new_group(backend=register_counted_backend(backend), timeout=timeout, pg_options=self)
 
     def wrap(self, hook: Hook) -> Hook:
         """The hook, timed from its call until its future completes."""
@@ -61,24 +81,9 @@ class CommMeter:
 
         return measured
 
-    def start(self) -> None:
-        """Route `torch.distributed.all_reduce` through the counter until `stop`."""
-        original = dist.all_reduce
-
-        @functools.wraps(original)
-        def counting(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            group = kwargs.get("group", args[1] if len(args) > 1 else None)
-            if group is self.group:
-                self._add(bytes_sent=tensor.numel() * tensor.element_size(), collectives=1)
-            return original(tensor, *args, **kwargs)
-
-        self._original, self._counting = original, counting
-        dist.all_reduce = counting
-
-    def stop(self) -> None:
-        if self._original is not None and dist.all_reduce is self._counting:
-            dist.all_reduce = self._original
-        self._original = self._counting = None
+    def count_collective(self, bytes_sent: int) -> None:
+        """One collective on the group, passing `bytes_sent` bytes in; called by its backend, on any thread."""
+        self._add(bytes_sent=bytes_sent, collectives=1)
 
     def take(self) -> StepComm:
         """What was counted since the last call."""
@@ -93,3 +98,76 @@ class CommMeter:
                 s.bytes_sent + bytes_sent, s.fp32_bytes + fp32_bytes, s.hook_s + hook_s,
                 s.buckets + buckets, s.collectives + collectives,
             )
+
+
+def _nbytes(tensors: Any) -> int:
+    """Bytes of a tensor or of every tensor in a (nested) list of them."""
+    if isinstance(tensors, torch.Tensor):
+        return tensors.numel() * tensors.element_size()
+    return sum(_nbytes(t) for t in tensors)
+
+
+# The collectives a CountingBackend forwards (torch's Python names for them, as c10d calls a Python
+# backend), each with the position of the argument holding what this process passes in; None: nothing.
+SENT_ARGUMENT: dict[str, int | None] = {
+    "allreduce": 0, "allreduce_coalesced": 0, "reduce": 0, "broadcast": 0,
+    "allgather": 1, "allgather_coalesced": 1, "all_gather_single": 1, "all_gather_single_coalesced": 1, "gather": 1,
+    "scatter": 1, "reduce_scatter": 1, "reduce_scatter_single": 1, "reduce_scatter_single_coalesced": 1,
+    "alltoall": 1, "all_to_all_single": 1, "send": 0, "recv": None, "barrier": None,
+}
+
+
+class CountingBackend(C10dBackend):
+    """A c10d backend that counts each collective's bytes with a CommMeter, then hands it to the real backend."""
+
+    def __init__(self, inner: C10dBackend, meter: CommMeter, name: str) -> None:
+        super().__init__(inner.rank(), inner.size())
+        self.inner = inner
+        self.meter = meter
+        self._name = name
+
+    @property
+    def options(self) -> Any:
+        return self.inner.options  # the real backend's, timeout included
+
+    def getBackendName(self) -> str:  # noqa: N802 (the name c10d calls)
+        return self._name
+
+    def shutdown(self) -> None:
+        self.inner.shutdown()
+
+    def abort(self) -> None:
+        self.inner.abort()
+
+
+def _forwarding(name: str, sent_argument: int | None) -> Callable[..., Any]:
+    def collective(self: CountingBackend, *args: Any) -> Any:
+        self.meter.count_collective(_nbytes(args[sent_argument]) if sent_argument is not None else 0)
+        return getattr(self.inner, name)(*args)
+
+    collective.__name__, collective.__qualname__ = name, f"CountingBackend.{name}"
+    return collective
+
+
+for _name, _argument in SENT_ARGUMENT.items():
+    setattr(CountingBackend, _name, _forwarding(_name, _argument))
+
+
+def register_counted_backend(backend: str) -> str:
+    """Register `counted_<backend>`, the counting wrapper of a built-in backend, once; returns its name.
+
+    Its creator builds the real backend with torch's own creator for `backend` (so the timeout,
+    the group's name and NCCL's communicator splitting are as on a plain group) and wraps it. The
+    group's `pg_options` is the CommMeter that counts; the real backend gets its default options.
+    """
+    name = COUNTED_PREFIX + backend
+    if name.upper() in dist.Backend._plugins:
+        return name
+    dist.Backend._ensure_backend_registered(backend)  # torch registers its built-in backends on first use
+    real = dist.Backend._plugins[backend.upper()]
+
+    def create(opts: Any, meter: CommMeter) -> CountingBackend:
+        return CountingBackend(real.creator_fn(opts, None), meter, name)
+
+    dist.Backend.register_backend(name, create, extended_api=True, devices=dist.Backend.backend_capability[backend])
+    return name

@@ -1,7 +1,7 @@
 """DDP with gradient compression picked by name: fp16, bf16 or PowerSGD communication hooks.
 
 Lightning registers communication hooks only on CUDA; this strategy registers them on every
-device, on a process group of their own so that `CommMeter` can count what they send. `none`
+device, on a process group of their own whose backend counts what they send (`CommMeter`). `none`
 registers torch's plain `allreduce_hook`, which reduces exactly as DDP's built-in all-reduce does.
 """
 
@@ -164,14 +164,8 @@ class CommHookDDPStrategy(DDPStrategy):
     def _register_ddp_hooks(self) -> None:
         """Register on every device type; Lightning's own method registers on CUDA only."""
         assert isinstance(self.model, DistributedDataParallel)
-        group = dist.new_group(timeout=self._timeout)  # new_group's own default is 30 min
+        self.comm_meter = CommMeter()
+        # The hook's own group, over the run's backend, counted by the meter; new_group's own default timeout is 30 min.
+        group = self.comm_meter.new_group(self._get_process_group_backend(), timeout=self._timeout)
         state, hook = self.build_hook(group)
-        self.comm_meter = CommMeter(group)
         self.model.register_comm_hook(state, self.comm_meter.wrap(hook))
-        self.comm_meter.start()
-
-    def teardown(self) -> None:
-        if self.comm_meter is not None:
-            self.comm_meter.stop()
-            self.comm_meter = None
-        super().teardown()
