@@ -50,7 +50,7 @@ def test_defaults_are_the_fast_path(tmp_path):
     result = train(*QUICK, f"hydra.run.dir={run_dir}")
     assert result.returncode == 0, result.stderr[-3000:]
     params = hparams(run_dir)
-    assert params["precision"] == "auto" and params["channels_last"] is True and params["compile"] is False
+    assert params["precision"] == "auto" and params["channels_last"] == 1 and params["compile"] == 0  # TensorBoard keeps bools as numbers
     assert params["precision_used"] == fast_path.auto_precision("cpu").replace("32", "32-true")
 
 
@@ -59,7 +59,7 @@ def test_compile_trains_and_keeps_the_checkpoint_keys(tmp_path):
     run_dir = tmp_path / "run"
     result = train(*QUICK, "compile=true", "trainer.limit_train_batches=2", f"hydra.run.dir={run_dir}", timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert hparams(run_dir)["compile"] is True
+    assert hparams(run_dir)["compile"] == 1
     state = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)["state_dict"]
     net_keys = {k.removeprefix("net.") for k in state if k.startswith("net.")}
     assert net_keys == set(LeNet().state_dict())  # no `_orig_mod.`: the checkpoint loads into a plain LeNet
