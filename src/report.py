@@ -4,7 +4,8 @@
     python -m src.report outputs --out /tmp/report                 # every run ever made
 
 A run folder is one holding `.hydra/config.yaml` and TensorBoard event files. Writes `report.md`,
-`report.csv`, `val_acc.png` and `epoch_time.png`. `SweepReport` does the same when a sweep ends.
+`report.csv`, `val_acc.png` and `epoch_time.png`, and the predicted scaling of `src.scaling`
+(`scaling.*`, also shown in report.md). `SweepReport` does the same when a sweep ends.
 """
 
 import argparse
@@ -228,7 +229,7 @@ def plot_epoch_time(runs: list[Run], path: Path) -> None:
     _save(figure, path)
 
 
-def markdown_report(runs: list[Run], root: Path) -> str:
+def markdown_report(runs: list[Run], root: Path, scaling: str = "") -> str:
     return "\n".join([
         f"# Report: {root}", "",
         f"{len(runs)} run(s). Epoch times exclude validation. Speed-up is the median epoch time of the run on one "
@@ -237,7 +238,19 @@ def markdown_report(runs: list[Run], root: Path) -> str:
         markdown_table(runs), "",
         "![validation accuracy per epoch](val_acc.png)", "",
         "![median epoch time against devices](epoch_time.png)", "",
+        *(["# Predicted scaling (scaling.md, `python -m src.scaling`)", "", scaling, ""] if scaling else []),
     ])
+
+
+def scaling_section(root: Path, out: Path) -> str:
+    """The predicted scaling of the same runs (also written to scaling.*); empty when no run can be modelled."""
+    from src.scaling import load_probe, write_scaling  # it imports this module
+
+    try:
+        return write_scaling(root, out, load_probe(root / "probe.json"))
+    except UsageError as error:
+        log.info(f"no scaling prediction: {error}")
+        return ""
 
 
 def write_report(root: Path, out: Path | None = None) -> list[Run]:
@@ -247,7 +260,8 @@ def write_report(root: Path, out: Path | None = None) -> list[Run]:
         raise UsageError(f"--out {out}: is a file, not a folder")
     runs = collect_runs(root)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "report.md").write_text(markdown_report(runs, root))
+    scaling = scaling_section(root, out)
+    (out / "report.md").write_text(markdown_report(runs, root, scaling))
     write_csv(runs, out / "report.csv")
     plot_val_acc(runs, out / "val_acc.png")
     plot_epoch_time(runs, out / "epoch_time.png")
