@@ -50,7 +50,7 @@ def refused(check, *args) -> str:
 # --- the composed config, in-process ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("group", ["model", "strategy", "experiment", "data"])
+@pytest.mark.parametrize("group", ["model", "optim", "strategy", "experiment", "data", "debug"])
 def test_every_shipped_option_passes_the_checks(group):
     for option in group_options(group):
         check_config(composed(f"{group}={option}"))
@@ -175,6 +175,8 @@ UNKNOWN_KEYS = {
     "model.net._target_=torch.nn.Identity": "model.net._target_ is set by the config group; choose model=<option>",
     "optim._target_=torch.optim.Adam": "optim._target_ is set by the config group; choose optim=<option>",
     "optim=rmsprop": "optim=rmsprop is not an option; choose one of: adam, sgd",
+    "debug=slow": "debug=slow is not an option; choose one of: quick",
+    "~debug": "~debug is not allowed; choose debug=<option> instead",
     "optim.lr=[": "optim.lr=[ is not allowed; it must follow Hydra's override grammar",
 }
 
@@ -182,6 +184,16 @@ UNKNOWN_KEYS = {
 @pytest.mark.parametrize("override", UNKNOWN_KEYS)
 def test_unknown_keys_are_refused_with_the_closest_known_key(override):
     assert UNKNOWN_KEYS[override] in refused(check_overrides, [override])
+
+
+def test_keys_are_still_checked_under_debug_quick():
+    check_overrides(["debug=quick", "trainer.limit_train_batches=10", "max_epochs=2"])
+    assert refused(check_overrides, ["debug=quick", "trainer.limit_train_batchs=10"]) == (
+        "trainer.limit_train_batchs is not a lightning.Trainer argument")
+    assert "data.batchsize is not a known key; did you mean data.batch_size?" in refused(
+        check_overrides, ["debug=quick", "data.batchsize=64"])
+    assert refused(check_config, composed("debug=quick", "trainer.limit_train_batches=0")).startswith(
+        "trainer.limit_train_batches=0 is not allowed")
 
 
 def test_a_key_is_checked_against_each_swept_group_option():

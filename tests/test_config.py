@@ -95,3 +95,13 @@ def test_run_folder_is_named_after_model_strategy_devices_and_precision():
     assert cfg.run_name == "resnet18_ddp_4dev_16-mixed"
     run_dir = OmegaConf.to_container(cfg.hydra.run, resolve=False)["dir"]  # resolving it would claim the folder
     assert run_dir == "${claim_dir:outputs/runs/${run_stamp:}_${run_name}}"
+
+
+def test_debug_quick_shrinks_a_run_and_the_command_line_still_wins():
+    full, quick = composed(), composed("debug=quick")
+    assert (full.max_epochs, full.trainer.limit_train_batches) == (10, None)
+    assert (quick.max_epochs, quick.trainer.limit_train_batches, quick.trainer.enable_progress_bar) == (1, 4, False)
+    assert "debug" not in quick, "a global package: it sets existing keys and adds none"
+    again = composed("debug=quick", "max_epochs=3", "trainer.limit_train_batches=20")
+    assert (again.max_epochs, again.trainer.limit_train_batches, again.trainer.limit_val_batches) == (3, 20, 2)
+    assert composed("experiment=d2l_lenet", "debug=quick").max_epochs == 1, "debug comes after a recipe"
