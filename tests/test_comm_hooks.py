@@ -186,3 +186,15 @@ def test_powersgd_still_learns(tmp_path: Path, data_root: Path) -> None:
     assert accuracy["ddp"] > 0.8  # the baseline learned, so the comparison means something
     assert accuracy["powersgd"] >= accuracy["ddp"] - 0.02, accuracy
     assert max(scalars(tmp_path / "powersgd")["comm/compression_ratio"]) > 20  # it really compressed
+
+
+def test_a_hook_of_your_own_is_named_by_its_import_path() -> None:
+    from src.strategies.ddp import import_hook
+    from tests.examples.hooks import fp16_allreduce_hook
+
+    strategy = CommHookDDPStrategy(hook="tests.examples.hooks.fp16_allreduce_hook")
+    strategy.check_options()
+    assert strategy.build_hook(None)[1] is fp16_allreduce_hook
+    assert import_hook("tests.examples.hooks.missing") is None and import_hook("no_such_module.hook") is None
+    with pytest.raises(UsageError, match="^strategy.hook=os.sep is not an option; .* or the import path of a hook function"):
+        CommHookDDPStrategy(hook="os.sep").check_options()
