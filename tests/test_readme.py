@@ -109,7 +109,7 @@ def test_a_readme_train_command_runs_as_written(checkout, command):
     lines = [line for line in result.stdout.splitlines() if re.search(RESULT, line)]
     new = set((checkout / "outputs").glob("*/*")) - before
     if " -m " in f" {command.split('src.train', 1)[1]} ":  # a sweep: one result line per job, then its report
-        jobs = [p for sweep in new for p in sweep.iterdir() if p.is_dir()]
+        jobs = [p for sweep in new for p in sweep.iterdir() if (p / "config.yaml").is_file()]
         assert len(lines) == len(jobs) > 1 and all((sweep / "report.md").is_file() for sweep in new)
     else:
         assert len(lines) == 1 and len(new) == 1
