@@ -21,9 +21,12 @@ from typing import Any
 import lightning
 import torch
 from hydra import compose, initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
-from hydra.errors import OverrideParseException
+from hydra.errors import InstantiationException, OverrideParseException
+from hydra.utils import instantiate
+from lightning import LightningModule
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
@@ -44,8 +47,25 @@ OWNED_BY_TOP_LEVEL = {"accelerator", "strategy", "devices", "num_nodes", "precis
 DERIVED = {"model_name": "model=<option>", "strategy_name": "strategy=<option>", "output_dir": "hydra.run.dir=<folder>"}
 
 
-def group_options(group: str) -> list[str]:
-    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+def group_options(group: str, dirs: tuple[Path, ...] = (CONF_DIR,)) -> list[str]:
+    """The options of a config group: its files in conf/ and in the folders of `hydra.searchpath`."""
+    return sorted({p.stem for folder in dirs for p in (folder / group).glob("*.yaml")})
+
+
+def config_dirs(overrides: list[Override]) -> tuple[Path, ...]:
+    """conf/ and the folders that `hydra.searchpath=[file://<folder>,pkg://<package>]` adds to it."""
+    dirs = [CONF_DIR]
+    for override in overrides:
+        if override.key_or_group != "hydra.searchpath" or override.is_sweep_override():
+            continue
+        value = override.value()
+        for entry in map(str, value if isinstance(value, list) else [value]):
+            if entry.startswith("file://"):
+                dirs.append(Path(entry.removeprefix("file://")))
+            elif entry.startswith("pkg://"):
+                spec = importlib.util.find_spec(entry.removeprefix("pkg://").replace("/", "."))
+                dirs += [Path(p) for p in (spec.submodule_search_locations or [])] if spec else []
+    return tuple(dirs)
 
 
 def not_allowed(key: str, value: Any, allowed: str) -> UsageError:
@@ -75,8 +95,8 @@ def is_hydra(key: str) -> bool:
     return re.split(r"[./]", key)[0] == "hydra"
 
 
-def is_group(key: str) -> bool:
-    return (CONF_DIR / key).is_dir() and not is_hydra(key)
+def is_group(key: str, dirs: tuple[Path, ...] = (CONF_DIR,)) -> bool:
+    return any((folder / key).is_dir() for folder in dirs) and not is_hydra(key)
 
 
 def override_values(override: Override) -> list[Any]:
@@ -86,28 +106,31 @@ def override_values(override: Override) -> list[Any]:
 def check_overrides(args: list[str]) -> None:
     """Reject unknown group options and unknown keys in one line, before Hydra prints its multi-line error."""
     overrides = parse_overrides(args)
+    dirs = config_dirs(overrides)
+    search = [o.input_line for o in overrides if o.key_or_group == "hydra.searchpath" and o.input_line]
     for override in overrides:
-        if override.is_delete() and is_group(override.key_or_group) and override.key_or_group != "experiment":
+        if override.is_delete() and is_group(override.key_or_group, dirs) and override.key_or_group != "experiment":
             raise UsageError(f"~{override.key_or_group} is not allowed; choose {override.key_or_group}=<option> instead")
-    groups = [o for o in overrides if is_group(o.key_or_group) and not o.is_delete()]
+    groups = [o for o in overrides if is_group(o.key_or_group, dirs) and not o.is_delete()]
     for override in groups:
-        allowed = group_options(override.key_or_group)
+        allowed = group_options(override.key_or_group, dirs)
         for value in override_values(override):
             if value is not None and str(value) not in allowed:
                 raise UsageError(f"{override.key_or_group}={value} is not an option; choose one of: {', '.join(allowed)}")
-    values = [o for o in overrides if not is_group(o.key_or_group) and not is_hydra(o.key_or_group)]
+    values = [o for o in overrides if not is_group(o.key_or_group, dirs) and not is_hydra(o.key_or_group)]
     if not values:
         return
     # Each combination of the group choices (a sweep may have several) has its own keys.
     choices = [[f"{o.key_or_group}={shown(v)}" for v in override_values(o)] for o in groups]
     for combination in itertools.product(*choices):
-        known = config_keys(list(combination))
+        known = config_keys([*combination, *search])
         for override in values:
             check_override_key(override, known, [c for c in combination if c.split("=")[0] == override.key_or_group.split(".")[0]])
 
 
 def config_keys(group_choices: list[str]) -> set[str]:
-    """Every key, inner nodes included, of the config composed from these group choices alone."""
+    """Every key, inner nodes included, of the config composed from these group choices alone
+    (and `hydra.searchpath`, which may add options)."""
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             cfg = compose("train", overrides=group_choices)
@@ -229,6 +252,11 @@ def check_across_keys(cfg: DictConfig, values: dict[str, Any]) -> None:
     if values["compile"] and str(cfg.strategy.get("_target_", "")).endswith(".DataParallelStrategy"):
         raise not_allowed("compile", True, "nn.DataParallel copies the network each step and would drop the compiled "
                                            "code; use compile=false with strategy=dp, or strategy=ddp")
+    for key, value in values.items():  # e.g. model.net.num_classes: the output layer must fit the labels
+        name = key.rpartition(".")[2]
+        if key.startswith("model.") and name in ("num_classes", "in_channels") and f"data.{name}" in values:
+            if value != values[f"data.{name}"]:
+                raise not_allowed(key, value, f"it must equal data.{name}={shown(values[f'data.{name}'])}, what data={data_choice()} holds")
     min_epochs = values.get("trainer.min_epochs")
     if min_epochs is not None and min_epochs > values["max_epochs"]:
         raise not_allowed("trainer.min_epochs", min_epochs, f"it must be at most max_epochs={values['max_epochs']}")
@@ -246,6 +274,12 @@ def check_across_keys(cfg: DictConfig, values: dict[str, Any]) -> None:
             "it must be null or true while checkpoint callbacks are set; remove them with "
             + " ".join(f"~callbacks.{name}" for name in checkpoints),
         )
+
+
+def data_choice() -> str:
+    """The data option of this run (`fashion_mnist`), for messages."""
+    choices = HydraConfig.get().runtime.choices if HydraConfig.initialized() else {}
+    return str(choices.get("data", "<option>"))
 
 
 def resolve_accelerator(requested: str) -> str:
@@ -304,6 +338,25 @@ def trainer_input_errors() -> Iterator[None]:
         if not named:
             raise
         raise UsageError(f"trainer.{named[0]}: {' '.join(str(error).split())}") from error
+
+
+# --- the objects the config names -----------------------------------------------------------------------------
+
+
+def instantiate_model(model_cfg: DictConfig, optimizer: Any) -> LightningModule:
+    """The LightningModule that `model=<option>` names, given the run's optimizer partial.
+
+    A model file whose class cannot be found or refuses its arguments fails with one line
+    naming Hydra's reason, instead of a traceback.
+    """
+    try:
+        module = instantiate(model_cfg, optimizer=optimizer)
+    except InstantiationException as error:
+        raise UsageError(f"model: {' '.join(str(error).split())}") from None
+    if not isinstance(module, LightningModule):
+        raise not_allowed("model._target_", model_cfg.get("_target_"),
+                          "it must name a LightningModule, e.g. src.models.module.Classifier with the network under model.net")
+    return module
 
 
 # --- what a run resumes from ---------------------------------------------------------------------------------

@@ -31,9 +31,13 @@ def quote(value: str) -> str:
 
 
 def job_args() -> list[str]:
-    """The command-line arguments that re-create the current job in run mode, in its own folder."""
+    """The command-line arguments that re-create the current job in run mode, in its own folder.
+
+    `hydra.searchpath` goes along: the job's group options may live in a folder it adds.
+    """
     hydra_cfg = HydraConfig.get()
-    return [*hydra_cfg.overrides.task, f"hydra.run.dir={quote(hydra_cfg.runtime.output_dir)}", "hydra.output_subdir=null"]
+    searchpath = [o for o in hydra_cfg.overrides.hydra if o.split("=", 1)[0].lstrip("+") == "hydra.searchpath"]
+    return [*searchpath, *hydra_cfg.overrides.task, f"hydra.run.dir={quote(hydra_cfg.runtime.output_dir)}", "hydra.output_subdir=null"]
 
 
 def is_rank_zero() -> bool:

@@ -116,17 +116,24 @@ SCHEMA: dict[str, Rule] = {
     "strategy_name": TEXT,
     "run_name": TEXT,
     "output_dir": TEXT,
+    # conf/optim: a partial of an optimizer class; the keys below are checked here, the class checks
+    # the rest of its arguments when src/optim.py builds it once before the run starts
+    "optim._target_": TEXT,
+    "optim._partial_": one_of(True, why="the Classifier calls the optimizer with its parameters"),
     "optim.lr": number(0, lo_open=True),
     "optim.momentum": number(0, 1, hi_open=True),  # 1 would keep every past gradient forever
     "optim.weight_decay": number(0),
     "optim.lr_scaling": one_of("none", "linear"),
     "optim.base_batch_size": whole(1),
-    # conf/model
-    "model.net._target_": TEXT,
-    "model.net.num_classes": one_of(10, why="Fashion-MNIST has 10 classes"),
-    "model.net.in_channels": one_of(1, why="Fashion-MNIST images are grayscale"),
-    "model.net.*": ANY,
+    "optim.*": ANY,
+    # conf/model: a LightningModule and its parts; num_classes and in_channels must be the data's
+    # (checks.check_across_keys), the objects check their other arguments when built
+    "model._target_": TEXT,
+    "model.*._target_": TEXT,
+    "model.*": ANY,
     # conf/data
+    "data.num_classes": whole(2),
+    "data.in_channels": whole(1),
     "data._target_": TEXT,
     "data.root": TEXT,
     "data.batch_size": whole(1),
@@ -134,6 +141,7 @@ SCHEMA: dict[str, Rule] = {
     "data.download": BOOL,
     "data.shuffle": BOOL,
     "data.seed": whole(0, SEED_MAX),
+    "data.*": ANY,  # a new data module's own arguments, which it checks itself
     # conf/strategy: the strategy object checks its own options
     "strategy.*": ANY,
     # conf/trainer: lightning.Trainer's arguments

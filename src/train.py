@@ -27,9 +27,8 @@ from src.data.fashion_mnist import per_process_batch
 from src.ddp_jobs import is_launching_process, is_rank_zero, job_scope
 from src.errors import UsageError
 from src.fast_path import cudnn_benchmark, speed_up
-from src.models.module import Classifier
 from src.naming import register_resolvers
-from src.optim import optimizer_args
+from src.optim import build_optimizer, check_optimizer
 from src.strategies.sync_batchnorm import SyncBatchNormPlugin
 
 log = logging.getLogger(__name__)
@@ -53,19 +52,21 @@ def scalar_metrics(trainer: Trainer) -> dict[str, float]:
     return {name: float(value) for name, value in trainer.callback_metrics.items() if value.numel() == 1}
 
 
-def run_hparams(cfg: DictConfig, trainer: Trainer, module: Classifier) -> dict[str, Any]:
+def run_hparams(cfg: DictConfig, trainer: Trainer, lr_used: float) -> dict[str, Any]:
     """The flat settings shown per run in TensorBoard's HParams tab.
 
     TensorBoard shows the first few of them before any is ticked: model, strategy, devices and
-    precision come first.
+    precision come first. The optimizer's own arguments follow its class name, whichever it is.
     """
+    optim = {k: v for k, v in OmegaConf.to_container(cfg.optim, resolve=True).items() if not k.startswith("_")}
     return {
         "model": cfg.model_name, "strategy": cfg.strategy_name, "devices": cfg.devices, "precision": str(cfg.precision),
         "num_nodes": cfg.num_nodes, "world_size": trainer.world_size, "precision_used": str(trainer.precision),
         "accelerator": trainer.accelerator.__class__.__name__.replace("Accelerator", "").lower(),
-        "batch_size": cfg.data.batch_size, "lr": cfg.optim.lr, "lr_scaling": cfg.optim.lr_scaling,
-        "lr_used": module.hparams.lr, "momentum": cfg.optim.momentum,
-        "weight_decay": cfg.optim.weight_decay, "max_epochs": cfg.max_epochs, "seed": cfg.seed,
+        "batch_size": cfg.data.batch_size, "optimizer": str(cfg.optim._target_).rpartition(".")[2],
+        "lr": optim.pop("lr"), "lr_scaling": optim.pop("lr_scaling", "none"), "lr_used": lr_used,
+        **{k: v if isinstance(v, (bool, int, float, str)) else str(v) for k, v in optim.items()},
+        "max_epochs": cfg.max_epochs, "seed": cfg.seed,
         "sync_batchnorm": cfg.sync_batchnorm, "channels_last": cfg.channels_last, "compile": cfg.compile,
         "ckpt_path": str(cfg.ckpt_path or ""),
     }
@@ -130,8 +131,10 @@ def run(cfg: DictConfig, fit: bool = True) -> dict[str, float]:
     if is_launching_process():  # fail on missing or corrupt data before any process is started
         datamodule.prepare_data()
         datamodule.setup()
-    net = speed_up(instantiate(cfg.model.net), channels_last=cfg.channels_last, compile=cfg.compile)
-    module = Classifier(net, **optimizer_args(cfg.optim, cfg.data.batch_size))
+    optimizer = build_optimizer(cfg.optim, cfg.data.batch_size)
+    module = checks.instantiate_model(cfg.model, optimizer)
+    speed_up(module.net, channels_last=cfg.channels_last, compile=cfg.compile)
+    check_optimizer(optimizer, module.parameters())
     checks.check_checkpoint(ckpt_path, cfg.ckpt_path, module, cfg.model_name)
     if is_rank_zero():  # every interpolation resolved: what this run really used
         OmegaConf.save(cfg, output_dir / "config.yaml", resolve=True)
@@ -161,7 +164,7 @@ def run(cfg: DictConfig, fit: bool = True) -> dict[str, float]:
         metrics["time/epoch_s"] = statistics.median(epoch_times)
     if trainer.is_global_zero:
         if purge_step is None or not has_hparams(output_dir):  # a run resumed in its folder keeps the one record
-            log_hparams(logger, run_hparams(cfg, trainer, module), metrics)
+            log_hparams(logger, run_hparams(cfg, trainer, optimizer.keywords["lr"]), metrics)
         log.info(result_line(metrics, fit, f"{precision}, {world_size} process(es)", ckpt_path, output_dir))
     return metrics
 

@@ -50,7 +50,7 @@ def refused(check, *args) -> str:
 # --- the composed config, in-process ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("group", ["model", "strategy", "experiment", "data"])
+@pytest.mark.parametrize("group", ["model", "optim", "strategy", "experiment", "data", "debug"])
 def test_every_shipped_option_passes_the_checks(group):
     for option in group_options(group):
         check_config(composed(f"{group}={option}"))
@@ -82,7 +82,12 @@ OUT_OF_RANGE = {
     "accelerator=tpu": "accelerator must be one of: auto, cpu, gpu, cuda",
     "optim.lr_scaling=sqrt": "optim.lr_scaling must be one of: none, linear",
     "ckpt_path=''": "ckpt_path must be null, or a non-empty string",
-    "model.net.num_classes=5": "Fashion-MNIST has 10 classes",
+    "model.net.num_classes=5": "it must equal data.num_classes=10, what data=fashion_mnist holds",
+    "model.num_classes=5": "it must equal data.num_classes=10",
+    "model.net.in_channels=3": "it must equal data.in_channels=1",
+    "data.num_classes=1": "data.num_classes must be a whole number of at least 2",
+    "data.in_channels=0": "data.in_channels must be a whole number of at least 1",
+    "optim._partial_=false": "optim._partial_ must be true (the Classifier calls the optimizer with its parameters)",
     "trainer.limit_train_batches=0": "trainer.limit_train_batches must be null, or a whole number of at least 1",
     "trainer.limit_train_batches=-1": "trainer.limit_train_batches must be null",
     "trainer.limit_train_batches=0.0": "a fraction in (0, 1]",
@@ -167,6 +172,10 @@ UNKNOWN_KEYS = {
     "~model": "~model is not allowed; choose model=<option> instead",
     "output_dir=/tmp/x": "output_dir is derived from the other settings; set hydra.run.dir=<folder> instead",
     "model.net._target_=torch.nn.Identity": "model.net._target_ is set by the config group; choose model=<option>",
+    "optim._target_=torch.optim.Adam": "optim._target_ is set by the config group; choose optim=<option>",
+    "optim=rmsprop": "optim=rmsprop is not an option; choose one of: adam, sgd",
+    "debug=slow": "debug=slow is not an option; choose one of: quick",
+    "~debug": "~debug is not allowed; choose debug=<option> instead",
     "optim.lr=[": "optim.lr=[ is not allowed; it must follow Hydra's override grammar",
 }
 
@@ -174,6 +183,16 @@ UNKNOWN_KEYS = {
 @pytest.mark.parametrize("override", UNKNOWN_KEYS)
 def test_unknown_keys_are_refused_with_the_closest_known_key(override):
     assert UNKNOWN_KEYS[override] in refused(check_overrides, [override])
+
+
+def test_keys_are_still_checked_under_debug_quick():
+    check_overrides(["debug=quick", "trainer.limit_train_batches=10", "max_epochs=2"])
+    assert refused(check_overrides, ["debug=quick", "trainer.limit_train_batchs=10"]) == (
+        "trainer.limit_train_batchs is not a lightning.Trainer argument")
+    assert "data.batchsize is not a known key; did you mean data.batch_size?" in refused(
+        check_overrides, ["debug=quick", "data.batchsize=64"])
+    assert refused(check_config, composed("debug=quick", "trainer.limit_train_batches=0")).startswith(
+        "trainer.limit_train_batches=0 is not allowed")
 
 
 def test_a_key_is_checked_against_each_swept_group_option():
@@ -211,6 +230,19 @@ def test_a_run_folder_that_cannot_be_created_is_refused(tmp_path, monkeypatch):
     assert refused(check_run_dir, []).startswith("hydra.run.dir=outputs/runs/${run_stamp:}")
     check_run_dir([f"hydra.run.dir={tmp_path}/new/run"])
     assert not (tmp_path / "new").exists()
+
+
+def test_a_model_config_that_cannot_be_built_is_one_line():
+    cfg = composed("model=lenet")
+    with open_dict(cfg):
+        cfg.model.net.depth = 3
+    message = refused(checks.instantiate_model, cfg.model, None)
+    assert message.startswith("model: Error in call to target 'src.models.lenet.LeNet'") and "depth" in message
+    cfg = composed("model=lenet")
+    with open_dict(cfg):
+        cfg.model._target_ = "torch.nn.Identity"
+    assert refused(checks.instantiate_model, cfg.model, None).startswith(
+        "model._target_=torch.nn.Identity is not allowed; it must name a LightningModule")
 
 
 # --- checkpoints -------------------------------------------------------------------------------------------
@@ -251,6 +283,8 @@ BAD_INPUTS = {
     "negative learning rate": (["optim.lr=-0.1"], "optim.lr=-0.1 is not allowed; optim.lr must be a number above 0"),
     "batch not divisible": (["strategy=ddp", "devices=2", "data.batch_size=255"], "data.batch_size=255"),
     "strategy knob": (["strategy=ddp", "strategy.hook=zip"], "strategy.hook=zip is not an option"),
+    "classes the data lacks": (["data.num_classes=5"], "data.num_classes=5 is not allowed; Fashion-MNIST has 10 classes"),
+    "optimizer argument": (["optim=adam", "optim.betas=[0.9,1.5]"], "optim: Adam refuses its arguments (Invalid beta parameter"),
 }
 
 

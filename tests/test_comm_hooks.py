@@ -342,3 +342,15 @@ def test_training_counts_collectives_a_wrapper_of_all_reduce_missed_and_leaves_i
         assert [s.buckets for s in steps] == [1] * 3
         # The gradients, plus both extra all-reduces: 3 collectives per step.
         assert [(s.bytes_sent, s.collectives) for s in steps] == [((params + sum(EXTRA_FLOATS)) * FLOAT, 3)] * 3
+
+
+def test_a_hook_of_your_own_is_named_by_its_import_path() -> None:
+    from src.strategies.ddp import import_hook
+    from tests.examples.hooks import fp16_allreduce_hook
+
+    strategy = CommHookDDPStrategy(hook="tests.examples.hooks.fp16_allreduce_hook")
+    strategy.check_options()
+    assert strategy.build_hook(None)[1] is fp16_allreduce_hook
+    assert import_hook("tests.examples.hooks.missing") is None and import_hook("no_such_module.hook") is None
+    with pytest.raises(UsageError, match="^strategy.hook=os.sep is not an option; .* or the import path of a hook function"):
+        CommHookDDPStrategy(hook="os.sep").check_options()

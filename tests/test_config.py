@@ -7,10 +7,10 @@ from hydra.utils import instantiate
 from lightning.pytorch.strategies import Strategy
 from omegaconf import OmegaConf
 
-from src.checks import CONF_DIR, group_options
+from src.checks import CONF_DIR, group_options, instantiate_model
 from src.models.module import Classifier
-from src.optim import optimizer_args
 from src.naming import register_resolvers
+from src.optim import build_optimizer
 
 register_resolvers()
 
@@ -27,9 +27,30 @@ def test_model_options_build_a_ten_class_network(model):
     import torch
 
     cfg = composed(f"model={model}")
-    module = Classifier(instantiate(cfg.model.net), **optimizer_args(cfg.optim, cfg.data.batch_size))
+    module = instantiate_model(cfg.model, build_optimizer(cfg.optim, cfg.data.batch_size))
+    assert isinstance(module, Classifier)
     assert module(torch.zeros(2, 1, 28, 28)).shape == (2, 10)
     assert cfg.model_name == model
+
+
+@pytest.mark.parametrize("model", group_options("model"))
+def test_model_options_take_classes_and_channels_from_the_data_config(model):
+    import torch
+
+    cfg = composed(f"model={model}", "data.num_classes=7", "data.in_channels=3")
+    module = instantiate_model(cfg.model, build_optimizer(cfg.optim, cfg.data.batch_size))
+    assert module(torch.zeros(2, 3, 28, 28)).shape == (2, 7)
+    assert module.train_acc.num_classes == 7
+
+
+@pytest.mark.parametrize("optim", group_options("optim"))
+def test_optim_options_build_the_optimizer_they_name(optim):
+    cfg = composed("model=lenet", f"optim={optim}", "optim.lr_scaling=linear", "data.batch_size=512")
+    module = instantiate_model(cfg.model, build_optimizer(cfg.optim, cfg.data.batch_size))
+    optimizer = module.configure_optimizers()
+    assert type(optimizer).__name__ == cfg.optim._target_.rpartition(".")[2]
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(cfg.optim.lr * 2), "scaled: 512 / base 256"
+    assert {"sgd", "adam"} <= set(group_options("optim"))
 
 
 @pytest.mark.parametrize("strategy", group_options("strategy"))
@@ -74,3 +95,13 @@ def test_run_folder_is_named_after_model_strategy_devices_and_precision():
     assert cfg.run_name == "resnet18_ddp_4dev_16-mixed"
     run_dir = OmegaConf.to_container(cfg.hydra.run, resolve=False)["dir"]  # resolving it would claim the folder
     assert run_dir == "${claim_dir:outputs/runs/${run_stamp:}_${run_name}}"
+
+
+def test_debug_quick_shrinks_a_run_and_the_command_line_still_wins():
+    full, quick = composed(), composed("debug=quick")
+    assert (full.max_epochs, full.trainer.limit_train_batches) == (10, None)
+    assert (quick.max_epochs, quick.trainer.limit_train_batches, quick.trainer.enable_progress_bar) == (1, 4, False)
+    assert "debug" not in quick, "a global package: it sets existing keys and adds none"
+    again = composed("debug=quick", "max_epochs=3", "trainer.limit_train_batches=20")
+    assert (again.max_epochs, again.trainer.limit_train_batches, again.trainer.limit_val_batches) == (3, 20, 2)
+    assert composed("experiment=d2l_lenet", "debug=quick").max_epochs == 1, "debug comes after a recipe"

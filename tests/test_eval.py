@@ -5,9 +5,9 @@ import shutil
 import pytest
 
 from src.eval import with_checkpoint_model
-from tests.helpers import QUICK, hparams, run_cli, scalars, train
+from tests.helpers import DATA_ROOT, QUICK, hparams, run_cli, scalars, train
 
-SCORE = [f"data.root={QUICK[0].split('=', 1)[1]}", "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false"]
+SCORE = [f"data.root={DATA_ROOT}", "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false"]
 
 
 @pytest.fixture(scope="module")

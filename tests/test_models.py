@@ -60,3 +60,11 @@ def test_resnet18_keeps_spatial_size_until_the_second_stage():
     net = resnet18()
     x = net.relu(net.bn1(net.conv1(torch.zeros(1, 1, 28, 28))))
     assert net.layer1(net.maxpool(x)).shape[-2:] == (28, 28)
+
+
+@pytest.mark.parametrize("build", [LeNet, resnet18])
+def test_networks_take_the_input_channels_and_classes_of_the_data(build):
+    net = build(num_classes=7, in_channels=3)
+    assert net(torch.zeros(2, 3, 28, 28)).shape == (2, 7)
+    with pytest.raises(RuntimeError, match="channels"):
+        net(torch.zeros(2, 1, 28, 28))

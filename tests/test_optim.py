@@ -5,7 +5,7 @@ from omegaconf import OmegaConf
 from src.errors import UsageError
 from src.models.lenet import LeNet
 from src.models.module import Classifier
-from src.optim import LR_SCALINGS, optimizer_args, scaled_lr
+from src.optim import LR_SCALINGS, build_optimizer, check_optimizer, optimizer_config, scaled_lr
 
 
 @pytest.mark.parametrize("global_batch", [32, 256, 1024])
@@ -38,20 +38,50 @@ def test_bad_base_batch_size_is_a_usage_error(bad):
         scaled_lr(0.1, 256, "linear", bad)
 
 
-def test_optimizer_args_consume_the_scaling_keys_of_the_config():
-    optim = OmegaConf.create({"lr": 0.1, "momentum": 0.9, "weight_decay": 5e-4, "lr_scaling": "linear", "base_batch_size": 128})
-    args = optimizer_args(optim, global_batch=512)
-    assert args == {"lr": pytest.approx(0.4), "momentum": 0.9, "weight_decay": 5e-4}
+SGD = {"_target_": "torch.optim.SGD", "_partial_": True}
+
+
+def test_optimizer_config_consumes_the_scaling_keys_of_the_config():
+    optim = OmegaConf.create({**SGD, "lr": 0.1, "momentum": 0.9, "weight_decay": 5e-4, "lr_scaling": "linear", "base_batch_size": 128})
+    args = optimizer_config(optim, global_batch=512)
+    assert args == {**SGD, "lr": pytest.approx(0.4), "momentum": 0.9, "weight_decay": 5e-4}
     assert optim.lr == 0.1, "the config itself is left as it is"
 
 
-def test_optimizer_args_without_scaling_keys_leave_lr_alone():
-    assert optimizer_args({"lr": 0.1, "momentum": 0.0, "weight_decay": 0.0}, global_batch=4096)["lr"] == 0.1
+def test_optimizer_config_without_scaling_keys_leaves_lr_alone():
+    assert optimizer_config({**SGD, "lr": 0.1, "momentum": 0.0}, global_batch=4096)["lr"] == 0.1
 
 
 def test_the_classifier_optimizer_uses_the_scaled_lr():
-    args = optimizer_args({"lr": 0.05, "momentum": 0.9, "weight_decay": 0.0, "lr_scaling": "linear"}, global_batch=1024)
-    optimizer = Classifier(LeNet(), **args).configure_optimizers()
+    optim = {**SGD, "lr": 0.05, "momentum": 0.9, "weight_decay": 0.0, "lr_scaling": "linear"}
+    optimizer = Classifier(LeNet(), optimizer=build_optimizer(optim, global_batch=1024)).configure_optimizers()
     assert isinstance(optimizer, torch.optim.SGD)
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.05 * 1024 / 256)
     assert optimizer.param_groups[0]["momentum"] == 0.9
+
+
+def test_any_optimizer_class_is_a_config_away():
+    """Neither the Classifier nor src/optim.py names an optimizer: the config's _target_ does."""
+    optim = {"_target_": "torch.optim.RMSprop", "_partial_": True, "lr": 0.01, "alpha": 0.9, "lr_scaling": "linear", "base_batch_size": 64}
+    optimizer = Classifier(LeNet(), optimizer=build_optimizer(optim, global_batch=128)).configure_optimizers()
+    assert isinstance(optimizer, torch.optim.RMSprop)
+    assert optimizer.param_groups[0]["alpha"] == 0.9 and optimizer.param_groups[0]["lr"] == pytest.approx(0.02)
+
+
+@pytest.mark.parametrize(("optim", "message"), [
+    ({"_target_": "torch.optim.SGD", "lr": 0.1}, "optim: the optimizer config must have `_partial_: true`"),
+    ({**SGD, "_target_": "torch.optim.Adamm", "lr": 0.1}, "optim._target_=torch.optim.Adamm: Error locating target"),
+])
+def test_an_optimizer_config_that_cannot_be_built_is_one_line(optim, message):
+    with pytest.raises(UsageError) as caught:
+        build_optimizer(optim, global_batch=256)
+    assert str(caught.value).startswith(message) and "\n" not in str(caught.value)
+
+
+def test_an_argument_the_optimizer_refuses_is_one_line_before_training():
+    factory = build_optimizer({"_target_": "torch.optim.Adam", "_partial_": True, "lr": 0.1, "betas": [0.9, 1.5]}, 256)
+    with pytest.raises(UsageError, match=r"^optim: Adam refuses its arguments \(Invalid beta parameter"):
+        check_optimizer(factory, LeNet().parameters())
+    factory = build_optimizer({**SGD, "lr": 0.1, "nesterov_typo": True}, 256)
+    with pytest.raises(UsageError, match="^optim: SGD refuses its arguments .*nesterov_typo"):
+        check_optimizer(factory, LeNet().parameters())

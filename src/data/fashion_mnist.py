@@ -142,8 +142,12 @@ class FashionMNISTDataModule(LightningDataModule):
         download: bool = True,
         shuffle: bool = True,
         seed: int = 42,
+        num_classes: int = 10,
+        in_channels: int = 1,
     ) -> None:
         super().__init__()
+        self.num_classes = num_classes  # given to the model too (conf/model: ${data.num_classes})
+        self.in_channels = in_channels
         self.root = Path(root)
         self.batch_size = batch_size
         self.val_size = val_size
@@ -200,6 +204,9 @@ class FashionMNISTDataModule(LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.splits:
             return
+        if (self.num_classes, self.in_channels) != (10, 1):
+            key, value = ("data.num_classes", self.num_classes) if self.num_classes != 10 else ("data.in_channels", self.in_channels)
+            raise UsageError(f"{key}={value} is not allowed; Fashion-MNIST has 10 classes of grayscale images (10 and 1)")
         train = self._load(train=True)
         test = self._load(train=False)
         if not 0 <= self.val_size < len(train.targets):

@@ -1,5 +1,6 @@
 """The LightningModule shared by every model, strategy and precision."""
 
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -9,25 +10,37 @@ from torchmetrics import MaxMetric, MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+
+def default_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    """SGD with the book's LeNet rate, for a Classifier built without a config."""
+    return torch.optim.SGD(params, lr=0.1)
+
+
 class Classifier(LightningModule):
-    """Trains any image classifier `net` with SGD and cross-entropy, as the book does.
+    """Trains any image classifier `net` with the given loss (cross-entropy) and optimizer.
 
     Loss, accuracy and logging happen here, on the gathered logits of the whole
     (per-process) batch, so a strategy only has to make `net`'s forward pass parallel.
+    The network, the loss and the optimizer come from the config (`conf/model/`,
+    `conf/optim/`), so a new one is a config file and a class, not an edit here:
+    `optimizer` is a partial (Hydra's `_partial_: true`) called with the parameters.
     """
 
     def __init__(
         self,
         net: nn.Module,
-        lr: float = 0.1,
-        momentum: float = 0.0,
-        weight_decay: float = 0.0,
+        optimizer: OptimizerFactory = default_optimizer,
         num_classes: int = 10,
+        loss: nn.Module | None = None,
     ) -> None:
         super().__init__()
-        self.save_hyperparameters(ignore=["net"], logger=False)
+        # Objects stay out of the checkpoint's hyperparameters: a checkpoint is read with weights_only.
+        self.save_hyperparameters(ignore=["net", "optimizer", "loss"], logger=False)
         self.net = net
-        self.loss = nn.CrossEntropyLoss()
+        self.optimizer = optimizer
+        self.loss = loss if loss is not None else nn.CrossEntropyLoss()
         # No per-batch checks of the labels (the data module's come from validated files): on a GPU
         # they would wait for the device at every step.
         self.train_acc = MulticlassAccuracy(num_classes, average="micro", validate_args=False)
@@ -79,9 +92,4 @@ class Classifier(LightningModule):
         self.log("test/acc", self.test_acc, on_step=False, on_epoch=True)
 
     def configure_optimizers(self) -> Any:
-        return torch.optim.SGD(
-            self.parameters(),
-            lr=self.hparams.lr,
-            momentum=self.hparams.momentum,
-            weight_decay=self.hparams.weight_decay,
-        )
+        return self.optimizer(self.parameters())

@@ -3,8 +3,11 @@
 Lightning registers communication hooks only on CUDA; this strategy registers them on every
 device, on a process group of their own whose backend counts what they send (`CommMeter`). `none`
 registers torch's plain `allreduce_hook`, which reduces exactly as DDP's built-in all-reduce does.
+A hook of your own is named by its import path, `hook: my_package.hooks.my_hook`: a function
+`(process_group, bucket) -> Future[Tensor]` like torch's `allreduce_hook` (docs/extending.md).
 """
 
+import importlib
 import math
 import os
 from datetime import timedelta
@@ -30,6 +33,18 @@ ALL_REDUCE_HOOKS: dict[str, Hook] = {
 HOOKS = (*ALL_REDUCE_HOOKS, "powersgd", "powersgd_fp16")
 BACKENDS = ("gloo", "nccl", "mpi")
 MIB = 2**20
+
+
+def import_hook(path: str) -> Hook | None:
+    """The function that `path` (`package.module.function`) names, or None when there is none."""
+    module_name, _, name = path.rpartition(".")
+    if not module_name:
+        return None
+    try:
+        found = getattr(importlib.import_module(module_name), name, None)
+    except ImportError:
+        return None
+    return found if callable(found) else None
 
 
 def _is_int(value: object) -> bool:
@@ -82,8 +97,9 @@ class CommHookDDPStrategy(DDPStrategy):
         check needs the devices, and Hydra's `instantiate` would wrap an error raised in
         `__init__` into a multi-line traceback.
         """
-        if self.hook not in HOOKS:
-            raise UsageError(f"strategy.hook={self.hook} is not an option; choose one of: {', '.join(HOOKS)}")
+        if self.hook not in HOOKS and (not isinstance(self.hook, str) or import_hook(self.hook) is None):
+            raise UsageError(f"strategy.hook={self.hook} is not an option; choose one of: {', '.join(HOOKS)}, "
+                             "or the import path of a hook function (package.module.function)")
         if not _is_int(self.powersgd_rank) or self.powersgd_rank < 1:
             raise UsageError(f"strategy.powersgd_rank={self.powersgd_rank} is not allowed; it must be a whole number of at least 1")
         if not _is_int(self.start_powersgd_iter) or self.start_powersgd_iter < 2:
@@ -152,6 +168,10 @@ class CommHookDDPStrategy(DDPStrategy):
         """The hook named by `hook` and the state it is called with."""
         if self.hook in ALL_REDUCE_HOOKS:
             return group, ALL_REDUCE_HOOKS[self.hook]
+        if self.hook not in HOOKS:  # a hook of your own, called as allreduce_hook is: with the process group
+            hook = import_hook(self.hook)
+            assert hook is not None, "check_options refuses a hook that cannot be imported"
+            return group, hook
         state = powerSGD_hook.PowerSGDState(
             process_group=group,
             matrix_approximation_rank=self.powersgd_rank,

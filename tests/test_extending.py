@@ -1,0 +1,116 @@
+"""docs/extending.md, followed as written: each new piece is a class in tests/examples/ and a config file,
+run through the real command line with `hydra.searchpath` pointing at a folder holding that file.
+
+The config files are the doc's own blocks (those starting `# conf/<group>/<name>.yaml`), so the
+page cannot drift from what works. Each run is tiny (`debug=quick`).
+"""
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from src.checks import check_overrides
+from src.errors import UsageError
+from tests.helpers import DATA_ROOT, QUICK, REPO, hparams, run_cli, scalars, train
+
+DOC = REPO / "docs" / "extending.md"
+
+
+def doc_config_files() -> dict[str, str]:
+    """`{"model/mlp.yaml": "<text>"}` for every yaml block of the doc that names its file."""
+    blocks = re.findall(r"```yaml\n# conf/(\S+\.yaml)\n(.*?)```", DOC.read_text(), flags=re.S)
+    return {path: text for path, text in blocks}
+
+
+@pytest.fixture(scope="module")
+def searchpath(tmp_path_factory) -> str:
+    folder = tmp_path_factory.mktemp("my_conf")
+    for path, text in doc_config_files().items():
+        (folder / path).parent.mkdir(parents=True, exist_ok=True)
+        (folder / path).write_text(text)
+    return f"hydra.searchpath=[file://{folder}]"
+
+
+def finished(result, run_dir: Path) -> tuple[dict, dict]:
+    """The run's resolved config and last checkpoint, once it is known to have ended well."""
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "test/acc=" in result.stdout
+    return OmegaConf.load(run_dir / "config.yaml"), torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)
+
+
+def test_the_doc_gives_a_file_for_every_kind_of_piece():
+    assert set(doc_config_files()) == {"model/mlp.yaml", "optim/rmsprop.yaml", "strategy/ddp_fp16_example.yaml",
+                                       "strategy/announced.yaml", "data/random_images.yaml"}
+
+
+def test_searchpath_options_are_known_to_the_command_line_checks(searchpath):
+    check_overrides([searchpath, "model=mlp", "model.net.hidden=32", "data=random_images", "data.image_size=28"])
+    with pytest.raises(UsageError, match="model=vgg is not an option; choose one of: lenet, mlp, resnet18"):
+        check_overrides([searchpath, "model=vgg"])
+    with pytest.raises(UsageError, match="model.net.hiden is not a known key of model=mlp; did you mean model.net.hidden"):
+        check_overrides([searchpath, "model=mlp", "model.net.hiden=32"])
+    with pytest.raises(UsageError, match="model=mlp is not an option"):
+        check_overrides(["model=mlp"])
+
+
+def test_a_new_model_trains_and_its_checkpoint_is_scored_by_eval(tmp_path, data_root, searchpath):
+    run_dir = tmp_path / "run"
+    config, checkpoint = finished(train(*QUICK, searchpath, "model=mlp", f"hydra.run.dir={run_dir}"), run_dir)
+    assert config.model.net._target_ == "tests.examples.mlp.MLP" and config.model_name == "mlp"
+    assert checkpoint["state_dict"]["net.1.weight"].shape == (64, 28 * 28)
+    assert hparams(run_dir)["model"] == "mlp"
+    # src.eval rebuilds the model by the run's name, found through the same search path.
+    eval_dir = tmp_path / "eval"
+    result = run_cli("src.eval", "debug=quick", f"data.root={DATA_ROOT}", searchpath, f"ckpt_path={run_dir}",
+                     f"hydra.run.dir={eval_dir}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert scalars(eval_dir)["test/acc"] == scalars(run_dir)["test/acc"], "the same weights on the same test batches"
+
+
+def test_a_new_optimizer_is_a_config_file(tmp_path, data_root, searchpath):
+    run_dir = tmp_path / "run"
+    config, checkpoint = finished(train(*QUICK, searchpath, "optim=rmsprop", "optim.lr=0.002", f"hydra.run.dir={run_dir}"), run_dir)
+    group = checkpoint["optimizer_states"][0]["param_groups"][0]
+    assert (group["alpha"], group["lr"]) == (0.9, 0.002), "RMSprop's own argument, from the file"
+    assert config.optim._target_ == "torch.optim.RMSprop"
+    assert hparams(run_dir)["optimizer"] == "RMSprop" and hparams(run_dir)["alpha"] == 0.9
+
+
+def test_a_new_comm_hook_is_a_function_and_a_strategy_file(tmp_path, data_root, searchpath):
+    run_dir = tmp_path / "run"
+    config, _ = finished(train(*QUICK, searchpath, "strategy=ddp_fp16_example", "devices=2", f"hydra.run.dir={run_dir}",
+                               timeout=600), run_dir)
+    assert config.strategy.hook == "tests.examples.hooks.fp16_allreduce_hook"
+    series = scalars(run_dir)
+    # Only a hook that sends float16 halves the bytes: plain DDP's ratio is 1.
+    assert series["comm/compression_ratio_epoch"] == [pytest.approx(2.0)]
+    assert hparams(run_dir)["world_size"] == 2
+
+
+def test_an_unknown_hook_path_is_one_line(tmp_path):
+    result = train(*QUICK, "strategy=ddp", "strategy.hook=tests.examples.hooks.nothing_here", f"hydra.run.dir={tmp_path / 'run'}")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1].startswith(
+        "error: strategy.hook=tests.examples.hooks.nothing_here is not an option; choose one of: none, fp16")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_new_strategy_is_a_lightning_strategy_class_and_a_file(tmp_path, data_root, searchpath):
+    run_dir = tmp_path / "run"
+    config, _ = finished(train(*QUICK, searchpath, "strategy=announced", "accelerator=cpu", f"hydra.run.dir={run_dir}"), run_dir)
+    assert config.strategy._target_ == "tests.examples.strategies.AnnouncedSingleDevice"
+    assert "AnnouncedSingleDevice: training on cpu" in (run_dir / "train.log").read_text()
+    assert hparams(run_dir)["strategy"] == "announced"
+
+
+def test_a_new_data_set_is_a_data_module_and_a_file(tmp_path, searchpath):
+    """No Fashion-MNIST here: data.root is a key of fashion_mnist only."""
+    run_dir = tmp_path / "run"
+    config, checkpoint = finished(train("debug=quick", searchpath, "data=random_images", "model=lenet", f"hydra.run.dir={run_dir}"), run_dir)
+    assert config.data._target_ == "tests.examples.random_images.RandomImagesDataModule"
+    weights = checkpoint["state_dict"]
+    assert weights["net.0.weight"].shape[1] == 3 and weights["net.9.weight"].shape[0] == 3, "3 channels in, 3 classes out"
+    assert 0 <= scalars(run_dir)["test/acc"][-1] <= 1
