@@ -14,7 +14,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from src import cli
+from src.launch import cli
 from src.train import run
 
 

@@ -21,13 +21,14 @@ from omegaconf import DictConfig, OmegaConf
 from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 from torch.utils.tensorboard.summary import hparams
 
-from src import checks, cli, stopping
+from src import checks
+from src.launch import cli, stopping
 from src.checkpoints import AtomicCheckpointIO, checkpoint_to_evaluate, resolve_ckpt_path, saved_step
 from src.data.fashion_mnist import per_process_batch
-from src.ddp_jobs import is_launching_process, is_rank_zero, job_scope
+from src.launch.ddp_jobs import is_launching_process, is_rank_zero, job_scope
 from src.errors import UsageError
 from src.fast_path import cudnn_benchmark, speed_up
-from src.naming import register_resolvers
+from src.launch.naming import register_resolvers
 from src.optim import build_optimizer, check_optimizer
 from src.strategies.sync_batchnorm import SyncBatchNormPlugin
 

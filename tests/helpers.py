@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from src.ddp_jobs import LAUNCHER_ENV
+from src.launch.ddp_jobs import LAUNCHER_ENV
 
 REPO = Path(__file__).resolve().parent.parent
 # The offline copy beside the checkout (see the README); FASHION_MNIST_ROOT points elsewhere.

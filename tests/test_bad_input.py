@@ -23,7 +23,7 @@ from src.callbacks.finite_loss import FiniteLossCheck
 from src.checkpoints import resolve_ckpt_path
 from src.errors import TrainingDiverged, UsageError
 from src.models.module import Classifier
-from src.naming import register_resolvers
+from src.launch.naming import register_resolvers
 from tests.helpers import QUICK, hparams, train
 
 register_resolvers()
@@ -361,7 +361,7 @@ def test_precision_64_trains_end_to_end(tmp_path, data_root):
 
 
 def test_every_trainer_argument_has_a_rule():
-    """A Trainer argument without a rule in src/schema.py would be refused as unknown."""
+    """A Trainer argument without a rule in src/checks/schema.py would be refused as unknown."""
     for name in checks.TRAINER_ARGS - checks.OWNED_BY_TOP_LEVEL:
         assert checks.rule_for(f"trainer.{name}") is not None, name
 

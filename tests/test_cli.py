@@ -7,7 +7,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import OmegaConf
 
-from src.cli import report_failure
+from src.launch.cli import report_failure
 from src.errors import UsageError
 from tests.helpers import QUICK, hparams, hparams_order, scalars, train, write_tiny_fashion_mnist
 

@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 
 from src.checks import CONF_DIR, group_options, instantiate_model
 from src.models.module import Classifier
-from src.naming import register_resolvers
+from src.launch.naming import register_resolvers
 from src.optim import build_optimizer
 
 register_resolvers()

@@ -5,7 +5,7 @@ import sys
 
 from omegaconf import OmegaConf
 
-from src import naming
+from src.launch import naming
 from tests.helpers import QUICK, scalars, user_env
 
 

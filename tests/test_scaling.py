@@ -1,4 +1,4 @@
-"""The scaling model (`src.costmodel`), the gloo probe's fit (`src.probe`) and `python -m src.scaling`:
+"""The scaling model (`src.scaling.costmodel`), the gloo probe's fit (`src.scaling.probe`) and `python -m src.scaling`:
 formulas against numbers worked out by hand, the byte model against what a real DDP run counted,
 the command line on real run folders and on bad input."""
 
@@ -11,11 +11,11 @@ import pytest
 import torch
 from matplotlib.image import imread
 
-from src.costmodel import (
+from src.scaling.costmodel import (
     HOOKS, INTERCONNECTS, Interconnect, collectives, ddp_buckets, encode_s, powersgd_sizes, predict_step, ring_allreduce_s,
 )
 from src.models.lenet import LeNet
-from src.probe import Probe, fit_ring, measure, save
+from src.scaling.probe import Probe, fit_ring, measure, save
 from src.scaling import COLUMNS, PROCESS_COUNTS
 from tests.helpers import QUICK, run_cli, scalars, train
 

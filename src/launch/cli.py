@@ -1,7 +1,7 @@
 """What every entry point (`src.train`, `src.eval`) does around its task.
 
 The command line is checked before Hydra starts; a signal, a dead or stuck process stops the
-run cleanly (`src.stopping`); bad input and a diverged loss end in one `error:` line and leave no
+run cleanly (`src.launch.stopping`); bad input and a diverged loss end in one `error:` line and leave no
 folder that could pass for a result; in a sweep, a failed job fails alone and the sweep exits
 non-zero at its end.
 """
@@ -15,8 +15,9 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from src import checks, stopping
-from src.ddp_jobs import child_argv, is_rank_zero
+from src import checks
+from src.launch import stopping
+from src.launch.ddp_jobs import child_argv, is_rank_zero
 from src.errors import TrainingDiverged, UsageError
 
 # Sweep jobs stopped by bad input or a diverged loss, with their exit status.

@@ -36,7 +36,7 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
 from lightning.pytorch.trainer.states import TrainerFn
 
-from src.ddp_jobs import is_rank_zero
+from src.launch.ddp_jobs import is_rank_zero
 
 STOP_SIGNALS: tuple[int, ...] = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP") if hasattr(signal, name))
 # Set by the launcher for the DDP children it starts: their parent, which they must not outlive.

@@ -1,6 +1,6 @@
 """Checks of user input, done once and early, each failing with one line that names the option.
 
-The rules for values live in `src/schema.py`; this module applies them to the composed config
+The rules for values live in `src/checks/schema.py`; this module applies them to the composed config
 (`check_config`), to the command line before Hydra composes it (`check_overrides`, `check_run_dir`)
 and to what a run is asked to resume from (`check_checkpoint`).
 """
@@ -32,13 +32,13 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from src.ddp_jobs import external_rank, is_rank_zero
+from src.launch.ddp_jobs import external_rank, is_rank_zero
 from src.errors import UsageError
 from src.fast_path import auto_precision
-from src.schema import ACCELERATORS, PRECISIONS, SCHEMA, shown
+from src.checks.schema import ACCELERATORS, PRECISIONS, SCHEMA, shown
 
 log = logging.getLogger(__name__)
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 TRAINER_ARGS = set(inspect.signature(lightning.Trainer.__init__).parameters) - {"self"}
 # Trainer arguments that the top-level keys own; `trainer.<name>` may not set them.
 OWNED_BY_TOP_LEVEL = {"accelerator", "strategy", "devices", "num_nodes", "precision", "logger", "callbacks",
@@ -220,7 +220,7 @@ def rule_for(key: str):
 
 
 def check_config(cfg: DictConfig) -> None:
-    """Every key known and every value in its range (see src/schema.py), then the rules across keys."""
+    """Every key known and every value in its range (see src/checks/schema.py), then the rules across keys."""
     try:
         nodes = {key: cfg[key] for key in cfg if key != "hydra"}
         values = flatten({k: OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v for k, v in nodes.items()})

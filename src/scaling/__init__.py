@@ -6,7 +6,7 @@
 
 From each model's run with the fewest processes (its step time, and under DDP what it timed of
 its backward pass and communication), the model's gradient shapes, and the cost model of
-`src.costmodel`, for every DDP hook and interconnect. A folder that also holds multi-process DDP
+`src.scaling.costmodel`, for every DDP hook and interconnect. A folder that also holds multi-process DDP
 runs gets a table of predicted against measured `comm/hook_ms` and epoch time. See docs/scaling.md.
 """
 
@@ -25,9 +25,9 @@ from matplotlib.figure import Figure
 from omegaconf import OmegaConf
 from tensorboard.backend.event_processing import event_accumulator
 
-from src import probe as gloo_probe
-from src.costmodel import HOOKS, INTERCONNECTS, Interconnect, Step, collectives, encode_s, predict_step
 from src.errors import UsageError
+from src.scaling import probe as gloo_probe
+from src.scaling.costmodel import HOOKS, INTERCONNECTS, Interconnect, Step, collectives, encode_s, predict_step
 
 log = logging.getLogger(__name__)
 PROCESS_COUNTS = tuple(2**k for k in range(11))  # 1 ... 1024
@@ -386,7 +386,3 @@ def main(argv: list[str] | None = None) -> None:
     except UsageError as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         sys.exit(2)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,0 +1,3 @@
+from src.scaling import main
+
+main()
