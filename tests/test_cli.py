@@ -7,8 +7,9 @@ import torch
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import OmegaConf
 
-from src.launch.cli import report_failure
 from src.errors import UsageError
+from src.fast_path import auto_precision
+from src.launch.cli import report_failure
 from tests.helpers import QUICK, hparams, hparams_order, scalars, train, write_tiny_fashion_mnist
 
 INTERFACE_SCALARS = {"train/loss", "train/acc", "val/acc", "test/acc", "time/epoch_s", "time/samples_per_s"}
@@ -34,7 +35,7 @@ def test_single_device_run_logs_every_interface_scalar(tmp_path, data_root):
     assert_finished_run(result, run_dir)
     params = hparams(run_dir)
     assert params["model"] == "lenet" and params["strategy"] == "auto" and params["world_size"] == 1
-    assert params["precision_used"] == "32-true"
+    assert params["precision_used"] == {"bf16-mixed": "bf16-mixed", "32": "32-true"}[auto_precision("cpu")]  # precision=auto
     assert hparams_order(run_dir)[:4] == ["model", "strategy", "devices", "precision"], "the columns shown by default"
     assert "epoch" not in scalars(run_dir) and "trainer/epoch" in scalars(run_dir), "the epoch counter has a group of its own"
 

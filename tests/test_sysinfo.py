@@ -137,7 +137,7 @@ def test_cli_on_this_machine():
     assert re.search(rf"gloo {'yes' if torch.distributed.is_gloo_available() else 'no'}", out)
     if not torch.cuda.is_available():
         assert "GPUs:" in out and "none" in out.splitlines()[0]
-        assert "precision=32: no CUDA GPU" in out
+        assert f"precision={'bf16-mixed' if sysinfo.cpu_has_bf16() else '32'}: no CUDA GPU" in out
     else:
         assert out.count("compute capability") == torch.cuda.device_count()
 

@@ -27,7 +27,7 @@ def test_two_torchrun_nodes_train_one_run_with_world_size_nodes_times_devices(tm
     assert [node.returncode for node in nodes] == [0, 0], "\n".join(log[-3000:] for log in logs)
 
     runs = list((outputs / "runs").iterdir())
-    assert [run.name for run in runs] == ["torchrun-twonodes_lenet_ddp_2dev_32"]
+    assert [run.name for run in runs] == ["torchrun-twonodes_lenet_ddp_2dev_auto"]
     run = runs[0]
     assert hparams(run)["world_size"] == 4 and hparams(run)["num_nodes"] == 2
     assert {"train/loss", "val/acc", "test/acc", "time/epoch_s"} <= set(scalars(run))
