@@ -134,7 +134,8 @@ def run(cfg: DictConfig, fit: bool = True) -> dict[str, float]:
         datamodule.setup()
     optimizer = build_optimizer(cfg.optim, cfg.data.batch_size)
     module = checks.instantiate_model(cfg.model, optimizer)
-    speed_up(module.net, channels_last=cfg.channels_last, compile=cfg.compile)
+    # The Classifier's network; a LightningModule of one's own (docs/extending.md) may have no `net`.
+    speed_up(getattr(module, "net", module), channels_last=cfg.channels_last, compile=cfg.compile)
     check_optimizer(optimizer, module.parameters())
     checks.check_checkpoint(ckpt_path, cfg.ckpt_path, module, cfg.model_name)
     if is_rank_zero():  # every interpolation resolved: what this run really used
