@@ -35,6 +35,8 @@ from src.strategies.sync_batchnorm import SyncBatchNormPlugin
 log = logging.getLogger(__name__)
 register_resolvers()
 warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")  # torch 2.14 vs Lightning 2.6
+# The comm/ epoch means are rank 0's own figures by design (src/callbacks/comm.py), not a sum over ranks.
+warnings.filterwarnings("ignore", message=r"It is recommended to use `self.log\('comm/")
 
 # Scalars compared across runs in TensorBoard's HParams tab.
 HPARAM_METRICS = ("test/acc", "val/acc", "val/acc_best", "train/acc", "time/epoch_s", "time/samples_per_s")

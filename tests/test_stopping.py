@@ -11,12 +11,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from omegaconf import OmegaConf
 
 from src.errors import UsageError
+from src.launch import stopping
 from src.strategies.ddp import CommHookDDPStrategy
 from tests.helpers import QUICK, REPO, hparams, scalars, user_env
 
@@ -204,3 +206,24 @@ def test_collective_timeout_must_be_a_finite_positive_number(timeout_s):
 def test_collective_timeout_default_is_five_minutes():
     assert OmegaConf.load(REPO / "conf" / "strategy" / "ddp.yaml").timeout_s == 300
     assert CommHookDDPStrategy().timeout_s == 300
+
+
+def test_a_child_stopped_past_the_timeout_ends_the_run_even_while_the_collective_waits_on(monkeypatch):
+    """The watcher bounds the stop by strategy.timeout_s, not by how long a collective really waits."""
+    monkeypatch.setattr(stopping, "_state", stopping._State())
+    monkeypatch.setattr(stopping, "_stopped_since", {})
+    monkeypatch.setattr(stopping, "_children", lambda: [(1, SimpleNamespace(pid=4242))])
+    monkeypatch.setattr(stopping, "_timeout_s", lambda: 0.1)
+    stopped = {4242: True}
+    monkeypatch.setattr(stopping, "_is_stopped", lambda pid: stopped[pid])
+    assert not stopping._check_stuck_children()  # seen stopped for the first time
+    time.sleep(0.1 + stopping.STUCK_GRACE_S / 2)
+    stopped[4242] = False  # it ran again: the clock starts over
+    assert not stopping._check_stuck_children()
+    stopped[4242] = True
+    assert not stopping._check_stuck_children()
+    time.sleep(0.1 + stopping.STUCK_GRACE_S + 0.05)
+    assert stopping._check_stuck_children()
+    stop = stopping._state.stop
+    assert stop.status == 1 and stop.cause == "rank 1 (pid 4242) is stopped and did not answer within strategy.timeout_s=0.1 s; run stopped"
+    assert stopping._state.deadline <= time.monotonic()  # the watcher ends the process at its next look

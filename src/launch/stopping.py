@@ -46,6 +46,7 @@ STOP_DEADLINE_S = 15.0  # after a signal, the orderly stop gets this long before
 DEATH_DEADLINE_S = 10.0  # after a child died, the main thread gets this long to notice before the watcher ends the run
 CHILD_EXIT_WAIT_S = 3.0  # a collective failed: how long to look for the child whose exit caused it
 POLL_S = 0.25
+STUCK_GRACE_S = 1.0  # a child stopped this long past strategy.timeout_s ends the run, should the collective wait on
 # How torch reports a collective that lost its peer or ran out of time (gloo, NCCL, the TCP store).
 COLLECTIVE_ERROR_MARKS = ("gloo", "NCCL", "Connection reset", "Connection closed", "Broken pipe", "Timed out", "timed out")
 TIMEOUT_MARKS = ("Timed out", "timed out")
@@ -198,6 +199,30 @@ def _check_children() -> bool:
     return False
 
 
+_stopped_since: dict[int, float] = {}  # pid of a stopped child -> when the watcher first saw it stopped
+
+
+def _stuck_stop(rank: int, pid: int, waited: str) -> Stop:
+    return Stop(f"rank {rank} (pid {pid}) is stopped and did not answer within {waited} s; run stopped", 1)
+
+
+def _check_stuck_children() -> bool:
+    """End the run when a child has been stopped (SIGSTOP, a debugger) for longer than the collective
+    timeout: a collective on the hook's group can outwait its timeout while a peer is stopped."""
+    timeout = _timeout_s()
+    if timeout is None:
+        return False
+    now = time.monotonic()
+    for rank, proc in _children():
+        if not _is_stopped(proc.pid):
+            _stopped_since.pop(proc.pid, None)
+            continue
+        if now - _stopped_since.setdefault(proc.pid, now) > timeout + STUCK_GRACE_S:
+            _set_stop(_stuck_stop(rank, proc.pid, f"strategy.timeout_s={timeout:g}"), 0.0)
+            return True
+    return False
+
+
 def _is_stopped(pid: int) -> bool:
     """True for a process stopped by SIGSTOP/SIGTSTP or a debugger (Linux /proc; False elsewhere)."""
     try:
@@ -238,7 +263,7 @@ def _watch(read_fd: int) -> None:
                 if signum in STOP_SIGNALS:
                     _note_signal(signum)
         if _state.stop is None:
-            _check_children()
+            _check_children() or _check_stuck_children()
         if _state.deadline is not None and time.monotonic() > _state.deadline and _state.stop is not None:
             _end_now(_state.stop)
 
@@ -334,8 +359,7 @@ def _failed_collective_stop(failure: str) -> Stop:
     if launcher is not None and _is_stopped(launcher):
         stuck.append((0, launcher))
     if stuck:
-        rank, pid = stuck[0]
-        return Stop(f"rank {rank} (pid {pid}) is stopped and did not answer within {waited} s; run stopped", 1)
+        return _stuck_stop(*stuck[0], waited)
     return Stop(f"a collective waited {waited} s without an answer from another rank; run stopped", 1)
 
 
