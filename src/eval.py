@@ -4,7 +4,8 @@
     python -m src.eval ckpt_path=outputs/runs/<run>/checkpoints/best-epoch7.ckpt strategy=ddp devices=2
 
 Any strategy and number of processes: every test image counts once. The model is the one the
-checkpoint's run used (from its `config.yaml`) unless `model=` is given. The result is one line and
+checkpoint's run built (its `config.yaml`, training overrides such as `model.net.*` included), with
+this command's own `model.*` overrides on top, unless `model=` names another. The result is one line and
 the `test/acc` and `test/loss` scalars in `outputs/eval/<date>_<time>_<model>_<strategy>_<N>dev_<precision>/`.
 """
 
@@ -12,13 +13,41 @@ import sys
 from pathlib import Path
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from src.launch import cli
 from src.train import run
 
 
+def run_config(ckpt_path: str | None) -> DictConfig | None:
+    """The resolved config of the run that wrote `ckpt_path` (a checkpoint or a run folder), if it is there."""
+    if ckpt_path is None:
+        return None
+    path = Path(str(ckpt_path))
+    config = (path if path.is_dir() else path.parent.parent) / "config.yaml"
+    return OmegaConf.load(config) if config.is_file() else None  # type: ignore[return-value]
+
+
+def trained_model(cfg: DictConfig, overrides: list[str]) -> DictConfig:
+    """The model config to score with: the checkpoint's run's own, this command's `model.*` overrides on top.
+
+    Rebuilding the model from its name alone would drop the run's overrides (`model.net.hidden=32`,
+    `model.loss.label_smoothing=0.1`) and give a wrong shape or a different loss.
+    """
+    saved = None if OmegaConf.is_missing(cfg, "ckpt_path") else run_config(cfg.ckpt_path)
+    if saved is None or saved.get("model_name") != cfg.model_name or "model" not in saved:
+        return cfg.model
+    model = saved.model
+    for key in (override.split("=", 1)[0] for override in overrides):  # the checks allow only `model.<known key>=`
+        if key.startswith("model."):
+            path = key.removeprefix("model.")
+            OmegaConf.update(model, path, OmegaConf.select(cfg.model, path), merge=False)
+    return model
+
+
 def evaluate(cfg: DictConfig) -> dict[str, float]:
+    cfg.model = trained_model(cfg, list(HydraConfig.get().overrides.task))
     return run(cfg, fit=False)
 
 
@@ -32,12 +61,8 @@ def with_checkpoint_model(args: list[str]) -> list[str]:
     given = dict(arg.split("=", 1) for arg in args if "=" in arg and not arg.startswith(("-", "+", "~")))
     if "model" in given or "ckpt_path" not in given:
         return args
-    path = Path(given["ckpt_path"])
-    run_dir = path if path.is_dir() else path.parent.parent
-    config = run_dir / "config.yaml"
-    if not config.is_file():
-        return args
-    model = OmegaConf.load(config).get("model_name")
+    config = run_config(given["ckpt_path"])
+    model = config.get("model_name") if config is not None else None
     return [*args, f"model={model}"] if model else args
 
 

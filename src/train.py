@@ -125,7 +125,7 @@ def run(cfg: DictConfig, fit: bool = True) -> dict[str, float]:
     trainer_args = OmegaConf.to_container(cfg.trainer, resolve=True)
     trainer_args["benchmark"] = cudnn_benchmark(trainer_args["benchmark"], trainer_args["deterministic"])
     ckpt_path = resolve_ckpt_path(cfg.ckpt_path, output_dir) if fit else checkpoint_to_evaluate(cfg.ckpt_path)
-    strategy = instantiate(cfg.strategy, _convert_="all")
+    strategy = checks.instantiate_strategy(cfg.strategy)
     world_size = processes_per_node(strategy, devices) * num_nodes
     per_process_batch(cfg.data.batch_size, world_size)
 

@@ -3,8 +3,9 @@
 import shutil
 
 import pytest
+from omegaconf import OmegaConf
 
-from src.eval import with_checkpoint_model
+from src.eval import trained_model, with_checkpoint_model
 from tests.helpers import DATA_ROOT, QUICK, hparams, run_cli, scalars, train
 
 SCORE = [f"data.root={DATA_ROOT}", "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false"]
@@ -13,7 +14,9 @@ SCORE = [f"data.root={DATA_ROOT}", "trainer.enable_progress_bar=false", "trainer
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, data_root):
     run_dir = tmp_path_factory.mktemp("trained") / "run"
-    result = train(*QUICK, "trainer.limit_train_batches=20", "trainer.limit_test_batches=1.0", f"hydra.run.dir={run_dir}")
+    # Label smoothing changes the loss: an eval that dropped the run's model overrides would report another test/loss.
+    result = train(*QUICK, "trainer.limit_train_batches=20", "trainer.limit_test_batches=1.0", "model.loss.label_smoothing=0.1",
+                   f"hydra.run.dir={run_dir}")
     assert result.returncode == 0, result.stderr[-3000:]
     return run_dir
 
@@ -29,6 +32,7 @@ def test_eval_scores_a_checkpoint_as_the_training_run_did_without_training(tmp_p
     assert result.returncode == 0, result.stderr[-3000:]
     series = scalars(run_dir)
     assert series["test/acc"] == scalars(trained)["test/acc"], "the same weights on the same 10,000 images"
+    assert series["test/loss"] == scalars(trained)["test/loss"], "the same loss, label smoothing included"
     assert "train/loss" not in series and not (run_dir / "checkpoints").exists()
     lines = [line for line in result.stdout.splitlines() if "test/acc=" in line]
     assert len(lines) == 1 and f"test/acc={series['test/acc'][0]:.4f} test/loss=" in lines[0]
@@ -72,3 +76,17 @@ def test_eval_takes_the_model_of_the_checkpoints_run(tmp_path):
     assert with_checkpoint_model([f"ckpt_path={run_dir}"])[-1] == "model=resnet18"
     assert with_checkpoint_model([f"ckpt_path={ckpt}", "model=lenet"]) == [f"ckpt_path={ckpt}", "model=lenet"]
     assert with_checkpoint_model([f"ckpt_path={tmp_path / 'elsewhere.ckpt'}"]) == [f"ckpt_path={tmp_path / 'elsewhere.ckpt'}"]
+
+
+def test_eval_builds_the_model_the_run_built_with_this_commands_model_overrides_on_top(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    saved = {"model_name": "mlp", "model": {"net": {"hidden": 32}, "loss": {"_target_": "CE", "label_smoothing": 0.1}}}
+    OmegaConf.save(OmegaConf.create(saved), run_dir / "config.yaml")
+    composed = {"ckpt_path": str(run_dir), "model_name": "mlp", "model": {"net": {"hidden": 64}, "loss": {"_target_": "CE", "label_smoothing": 0.0}}}
+    cfg = OmegaConf.create(composed)
+    assert OmegaConf.to_container(trained_model(cfg, [])) == saved["model"]
+    mixed = trained_model(cfg, ["model.net.hidden=64", "optim.lr=0.1"])
+    assert OmegaConf.to_container(mixed) == {"net": {"hidden": 64}, "loss": {"_target_": "CE", "label_smoothing": 0.1}}
+    cfg.model_name = "lenet"  # another model named: the composed one
+    assert trained_model(cfg, []) is cfg.model

@@ -43,6 +43,7 @@ def finished(result, run_dir: Path) -> tuple[dict, dict]:
 
 def test_the_doc_gives_a_file_for_every_kind_of_piece():
     assert set(doc_config_files()) == {"model/mlp.yaml", "optim/rmsprop.yaml", "strategy/ddp_fp16_example.yaml",
+                                       "strategy/ddp_fp16_warmup_example.yaml",
                                        "strategy/announced.yaml", "data/random_images.yaml"}
 
 
@@ -58,11 +59,11 @@ def test_searchpath_options_are_known_to_the_command_line_checks(searchpath):
 
 def test_a_new_model_trains_and_its_checkpoint_is_scored_by_eval(tmp_path, data_root, searchpath):
     run_dir = tmp_path / "run"
-    config, checkpoint = finished(train(*QUICK, searchpath, "model=mlp", f"hydra.run.dir={run_dir}"), run_dir)
+    config, checkpoint = finished(train(*QUICK, searchpath, "model=mlp", "model.net.hidden=32", f"hydra.run.dir={run_dir}"), run_dir)
     assert config.model.net._target_ == "tests.examples.mlp.MLP" and config.model_name == "mlp"
-    assert checkpoint["state_dict"]["net.1.weight"].shape == (64, 28 * 28)
+    assert checkpoint["state_dict"]["net.1.weight"].shape == (32, 28 * 28)
     assert hparams(run_dir)["model"] == "mlp"
-    # src.eval rebuilds the model by the run's name, found through the same search path.
+    # src.eval rebuilds the model as the run built it (hidden=32 without repeating it), through the same search path.
     eval_dir = tmp_path / "eval"
     result = run_cli("src.eval", "debug=quick", f"data.root={DATA_ROOT}", searchpath, f"ckpt_path={run_dir}",
                      f"hydra.run.dir={eval_dir}")
@@ -88,6 +89,30 @@ def test_a_new_comm_hook_is_a_function_and_a_strategy_file(tmp_path, data_root, 
     # Only a hook that sends float16 halves the bytes: plain DDP's ratio is 1.
     assert series["comm/compression_ratio_epoch"] == [pytest.approx(2.0)]
     assert hparams(run_dir)["world_size"] == 2
+
+
+def test_a_hook_with_state_gets_it_built_from_the_strategy_file(tmp_path, data_root, searchpath):
+    run_dir = tmp_path / "run"
+    config, _ = finished(train(*QUICK, searchpath, "strategy=ddp_fp16_warmup_example", "devices=2", "trainer.log_every_n_steps=1",
+                               f"hydra.run.dir={run_dir}", timeout=600), run_dir)
+    assert config.strategy.hook_state.warmup_steps == 2
+    # The state lives across calls: fp32 for the first two of the four steps, then float16.
+    assert scalars(run_dir)["comm/compression_ratio"] == [pytest.approx(r) for r in (1.0, 1.0, 2.0, 2.0)]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["strategy.hook=fp16", "strategy.hook_state={_target_:tests.examples.hooks.WarmupState,_partial_:true}"],
+     "error: strategy.hook_state is not allowed with strategy.hook=fp16"),
+    (["strategy.hook=tests.examples.hooks.fp16_after_warmup_hook", "strategy.hook_state=3"],
+     "error: strategy.hook_state=3 is not allowed; it must be null or a config with _target_ and _partial_: true"),
+    (["strategy.hook=tests.examples.hooks.fp16_after_warmup_hook", "strategy.hook_state={_target_:tests.examples.hooks.Nothing}"],
+     "error: strategy: Error locating target 'tests.examples.hooks.Nothing'"),
+])
+def test_a_bad_hook_state_is_one_line(tmp_path, args, message):
+    result = train(*QUICK, "strategy=ddp", *args, f"hydra.run.dir={tmp_path / 'run'}")
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1].startswith(message)
+    assert "Traceback" not in result.stderr and not (tmp_path / "run").exists()
 
 
 def test_an_unknown_hook_path_is_one_line(tmp_path):

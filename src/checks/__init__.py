@@ -359,6 +359,14 @@ def instantiate_model(model_cfg: DictConfig, optimizer: Any) -> LightningModule:
     return module
 
 
+def instantiate_strategy(strategy_cfg: DictConfig) -> Any:
+    """The strategy that `strategy=<option>` names; a class or hook state that cannot be built is one line."""
+    try:
+        return instantiate(strategy_cfg, _convert_="all")
+    except InstantiationException as error:
+        raise UsageError(f"strategy: {' '.join(str(error).split())}") from None
+
+
 # --- what a run resumes from ---------------------------------------------------------------------------------
 
 

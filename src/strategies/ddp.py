@@ -4,13 +4,15 @@ Lightning registers communication hooks only on CUDA; this strategy registers th
 device, on a process group of their own whose backend counts what they send (`CommMeter`). `none`
 registers torch's plain `allreduce_hook`, which reduces exactly as DDP's built-in all-reduce does.
 A hook of your own is named by its import path, `hook: my_package.hooks.my_hook`: a function
-`(process_group, bucket) -> Future[Tensor]` like torch's `allreduce_hook` (docs/extending.md).
+`(process_group, bucket) -> Future[Tensor]` like torch's `allreduce_hook`, or, given `hook_state`
+(a Hydra partial called with `process_group=`), `(state, bucket) -> Future[Tensor]` (docs/extending.md).
 """
 
 import importlib
 import math
 import os
 from datetime import timedelta
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
@@ -67,6 +69,7 @@ class CommHookDDPStrategy(DDPStrategy):
     def __init__(
         self,
         hook: str = "none",
+        hook_state: Callable[..., Any] | None = None,
         powersgd_rank: int = 1,
         start_powersgd_iter: int = 10,
         timeout_s: float = 300,
@@ -84,6 +87,7 @@ class CommHookDDPStrategy(DDPStrategy):
             find_unused_parameters=find_unused_parameters,
         )
         self.hook = hook
+        self.hook_state = hook_state
         self.powersgd_rank = powersgd_rank
         self.start_powersgd_iter = start_powersgd_iter
         self.timeout_s = timeout_s
@@ -100,6 +104,12 @@ class CommHookDDPStrategy(DDPStrategy):
         if self.hook not in HOOKS and (not isinstance(self.hook, str) or import_hook(self.hook) is None):
             raise UsageError(f"strategy.hook={self.hook} is not an option; choose one of: {', '.join(HOOKS)}, "
                              "or the import path of a hook function (package.module.function)")
+        if self.hook_state is not None and self.hook in HOOKS:
+            raise UsageError(f"strategy.hook_state is not allowed with strategy.hook={self.hook}; it is for a hook named by "
+                             "its import path (the built-in hooks make their own state)")
+        if self.hook_state is not None and not callable(self.hook_state):
+            raise UsageError(f"strategy.hook_state={self.hook_state} is not allowed; it must be null or a config with "
+                             "_target_ and _partial_: true (it is called with process_group=)")
         if not _is_int(self.powersgd_rank) or self.powersgd_rank < 1:
             raise UsageError(f"strategy.powersgd_rank={self.powersgd_rank} is not allowed; it must be a whole number of at least 1")
         if not _is_int(self.start_powersgd_iter) or self.start_powersgd_iter < 2:
@@ -168,10 +178,10 @@ class CommHookDDPStrategy(DDPStrategy):
         """The hook named by `hook` and the state it is called with."""
         if self.hook in ALL_REDUCE_HOOKS:
             return group, ALL_REDUCE_HOOKS[self.hook]
-        if self.hook not in HOOKS:  # a hook of your own, called as allreduce_hook is: with the process group
+        if self.hook not in HOOKS:  # a hook of your own: with its state if it keeps one, else with the process group
             hook = import_hook(self.hook)
             assert hook is not None, "check_options refuses a hook that cannot be imported"
-            return group, hook
+            return (group if self.hook_state is None else self.hook_state(process_group=group)), hook
         state = powerSGD_hook.PowerSGDState(
             process_group=group,
             matrix_approximation_rank=self.powersgd_rank,
