@@ -11,8 +11,8 @@ A hook of your own is named by its import path, `hook: my_package.hooks.my_hook`
 import importlib
 import math
 import os
-from datetime import timedelta
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
