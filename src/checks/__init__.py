@@ -374,8 +374,8 @@ def check_checkpoint(path: Path | None, given: object, module: torch.nn.Module, 
     """A checkpoint to resume must be a Lightning checkpoint of this very model, known before training starts."""
     if path is None:
         return
-    try:  # Lightning unpickles the same file right after; this only reads it earlier
-        state = torch.load(path, map_location="cpu", weights_only=False)
+    try:  # Lightning reads the same file right after; mapped, this check reads little more than the shapes
+        state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
     except Exception as error:
         reason = f"{type(error).__name__}: {str(error).splitlines()[0]}" if str(error) else type(error).__name__
         raise not_allowed("ckpt_path", given, f"{path} is not a checkpoint file ({reason})") from None
