@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 from src.errors import UsageError
 from src.launch import stopping
 from src.strategies.ddp import CommHookDDPStrategy
-from tests.helpers import QUICK, REPO, hparams, scalars, user_env
+from tests.helpers import QUICK, REPO, hparams, scalars, train, user_env
 
 # Long enough to be signalled: 50 short epochs, each checkpointed in `checkpoints/last.ckpt`.
 LONG = [*QUICK, "max_epochs=50", "data.batch_size=64", "trainer.limit_train_batches=10"]
@@ -172,6 +172,15 @@ def test_killed_rank_stops_the_run_with_one_line(tmp_path, data_root):
 
 
 @pytest.mark.slow
+def test_a_childs_interpreter_shutdown_cannot_fail_a_finished_run(tmp_path, data_root):
+    """A DDP child whose job ended well exits before shutdown, where an abort would fail the run."""
+    run_dir = tmp_path / "run"
+    result = train(*QUICK, "strategy=ddp", "devices=2", "+callbacks.fault._target_=tests.faults.AbortAtExit",
+                   f"hydra.run.dir={run_dir}", timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "died" not in result.stderr and "test/acc=" in result.stdout
+
+
 def test_stuck_rank_stops_the_run_after_the_collective_timeout(tmp_path, data_root):
     args = [*LONG, *DDP, f"strategy.timeout_s={STUCK_TIMEOUT_S}", f"hydra.run.dir={tmp_path / 'run'}"]
     with Run(tmp_path / "run", *args) as run:

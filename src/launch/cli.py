@@ -73,3 +73,4 @@ def run_entry(hydra_main: Callable[[], object]) -> None:
     if failed_jobs:
         print(f"error: {len(failed_jobs)} sweep job(s) failed: {' | '.join(failed_jobs)}", file=sys.stderr, flush=True)
         sys.exit(max(failed_jobs.values()))
+    stopping.end_child()

@@ -440,6 +440,18 @@ def _exit(status: int) -> NoReturn:
     os._exit(status)
 
 
+def end_child() -> None:
+    """A DDP child whose job has ended well exits at once, skipping interpreter shutdown.
+
+    Shutdown tears down gloo's process groups and threads in no set order; a child that aborts
+    there (`terminate called without an active exception`, SIGABRT, seen once under load) turns a
+    finished run into a failed one. A child has nothing left to write at this point: rank 0 holds
+    the checkpoints, TensorBoard and the result.
+    """
+    if _launcher_pid() is not None:
+        _exit(0)
+
+
 def _finish(stop: Stop) -> NoReturn:
     _state.reporting = True
     with _state.lock:  # time to stop the children, within the signal's deadline where it allows
