@@ -30,6 +30,11 @@ START_S = 300.0  # a loaded 2-core machine may need minutes to start the process
 STUCK_TIMEOUT_S = 20  # strategy.timeout_s of the stuck-rank test; also bounds the processes' start-up rendezvous
 
 
+def checkpointed_epoch(path: Path) -> int:
+    """The epoch a checkpoint holds; -1 while there is none (it is written whole, by a rename)."""
+    return torch.load(path, map_location="cpu", weights_only=False)["epoch"] if path.is_file() else -1
+
+
 def live_processes(pgid: int) -> list[int]:
     """Processes of a process group that are not yet gone (zombies count as gone)."""
     pids = []
@@ -76,10 +81,14 @@ class Run:
             self.proc.communicate()
 
     def wait_training(self, processes: int = 1, checkpoint: Path | None = None) -> list[int]:
-        """Wait until the first epoch is checkpointed; the launcher's pid, then its DDP children's."""
+        """Wait until a second epoch is checkpointed; the launcher's pid, then its DDP children's.
+
+        Lightning saves an epoch's checkpoint just before it logs that epoch's train scalars; by the
+        second epoch's checkpoint, the first epoch's `train/loss` is surely logged.
+        """
         checkpoint = checkpoint or self.dir / "checkpoints" / "last.ckpt"
         deadline = time.monotonic() + START_S
-        while not checkpoint.is_file() or len(child_pids(self.proc.pid)) < processes - 1:
+        while not checkpointed_epoch(checkpoint) >= 1 or len(child_pids(self.proc.pid)) < processes - 1:
             if self.proc.poll() is not None:
                 pytest.fail(f"the run ended before it was signalled (status {self.proc.returncode}):\n{self.proc.stderr.read()[-3000:]}")
             if time.monotonic() > deadline:
