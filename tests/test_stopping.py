@@ -190,6 +190,7 @@ def test_a_childs_interpreter_shutdown_cannot_fail_a_finished_run(tmp_path, data
     assert "died" not in result.stderr and "test/acc=" in result.stdout
 
 
+@pytest.mark.slow
 def test_stuck_rank_stops_the_run_after_the_collective_timeout(tmp_path, data_root):
     args = [*LONG, *DDP, f"strategy.timeout_s={STUCK_TIMEOUT_S}", f"hydra.run.dir={tmp_path / 'run'}"]
     with Run(tmp_path / "run", *args) as run:
@@ -229,7 +230,6 @@ def test_collective_timeout_default_is_five_minutes():
 def test_a_child_stopped_past_the_timeout_ends_the_run_even_while_the_collective_waits_on(monkeypatch):
     """The watcher bounds the stop by strategy.timeout_s, not by how long a collective really waits."""
     monkeypatch.setattr(stopping, "_state", stopping._State())
-    monkeypatch.setattr(stopping, "_stopped_since", {})
     monkeypatch.setattr(stopping, "_children", lambda: [(1, SimpleNamespace(pid=4242))])
     monkeypatch.setattr(stopping, "_timeout_s", lambda: 0.1)
     stopped = {4242: True}

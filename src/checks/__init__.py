@@ -349,10 +349,7 @@ def instantiate_model(model_cfg: DictConfig, optimizer: Any) -> LightningModule:
     A model file whose class cannot be found or refuses its arguments fails with one line
     naming Hydra's reason, instead of a traceback.
     """
-    try:
-        module = instantiate(model_cfg, optimizer=optimizer)
-    except InstantiationException as error:
-        raise UsageError(f"model: {' '.join(str(error).split())}") from None
+    module = _instantiate("model", model_cfg, optimizer=optimizer)
     if not isinstance(module, LightningModule):
         raise not_allowed("model._target_", model_cfg.get("_target_"),
                           "it must name a LightningModule, e.g. src.models.module.Classifier with the network under model.net")
@@ -361,10 +358,15 @@ def instantiate_model(model_cfg: DictConfig, optimizer: Any) -> LightningModule:
 
 def instantiate_strategy(strategy_cfg: DictConfig) -> Any:
     """The strategy that `strategy=<option>` names; a class or hook state that cannot be built is one line."""
+    return _instantiate("strategy", strategy_cfg, _convert_="all")
+
+
+def _instantiate(group: str, cfg: DictConfig, **kwargs: Any) -> Any:
+    """Hydra's `instantiate`, its failure as one line naming the config group instead of a traceback."""
     try:
-        return instantiate(strategy_cfg, _convert_="all")
+        return instantiate(cfg, **kwargs)
     except InstantiationException as error:
-        raise UsageError(f"strategy: {' '.join(str(error).split())}") from None
+        raise UsageError(f"{group}: {' '.join(str(error).split())}") from None
 
 
 # --- what a run resumes from ---------------------------------------------------------------------------------

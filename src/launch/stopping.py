@@ -81,6 +81,7 @@ class _State:
         self.reporting = False  # the exit path runs: the handler only records
         self.reported = False
         self.deferring = 0  # inside a checkpoint write: raise after it
+        self.stopped_since: dict[int, float] = {}  # pid of a stopped child -> when the watcher first saw it stopped
 
 
 _state = _State()
@@ -199,9 +200,6 @@ def _check_children() -> bool:
     return False
 
 
-_stopped_since: dict[int, float] = {}  # pid of a stopped child -> when the watcher first saw it stopped
-
-
 def _stuck_stop(rank: int, pid: int, waited: str) -> Stop:
     return Stop(f"rank {rank} (pid {pid}) is stopped and did not answer within {waited} s; run stopped", 1)
 
@@ -215,9 +213,9 @@ def _check_stuck_children() -> bool:
     now = time.monotonic()
     for rank, proc in _children():
         if not _is_stopped(proc.pid):
-            _stopped_since.pop(proc.pid, None)
+            _state.stopped_since.pop(proc.pid, None)
             continue
-        if now - _stopped_since.setdefault(proc.pid, now) > timeout + STUCK_GRACE_S:
+        if now - _state.stopped_since.setdefault(proc.pid, now) > timeout + STUCK_GRACE_S:
             _set_stop(_stuck_stop(rank, proc.pid, f"strategy.timeout_s={timeout:g}"), 0.0)
             return True
     return False
