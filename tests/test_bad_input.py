@@ -63,6 +63,8 @@ OUT_OF_RANGE = {
     "optim.momentum=-0.5": "optim.momentum must be a number at least 0 and below 1",
     "optim.momentum=1": "optim.momentum must be a number at least 0 and below 1",
     "optim.weight_decay=-1e-4": "optim.weight_decay must be a number at least 0",
+    "model.loss.label_smoothing=2": "model.loss.label_smoothing must be a number at least 0 and at most 1",
+    "model.loss.label_smoothing=-0.1": "model.loss.label_smoothing must be a number at least 0 and at most 1",
     "optim.base_batch_size=0": "optim.base_batch_size must be a whole number of at least 1",
     "data.batch_size=0": "data.batch_size must be a whole number of at least 1",
     "data.batch_size=64.5": "data.batch_size must be a whole number",
@@ -135,7 +137,7 @@ def test_out_of_range_values_are_refused_naming_the_key(override):
 
 
 ACCEPTED = [
-    "optim.lr=1e-5", "optim.momentum=0.99", "optim.weight_decay=0", "seed=0", "seed=4294967295",
+    "optim.lr=1e-5", "optim.momentum=0.99", "optim.weight_decay=0", "seed=0", "seed=4294967295", "model.loss.label_smoothing=1",
     "data.val_size=0", "precision=64", "trainer.limit_train_batches=1",
     "trainer.limit_train_batches=0.5", "trainer.limit_train_batches=1.0", "trainer.limit_val_batches=0",
     "trainer.max_steps=-1", "trainer.max_steps=100", "trainer.max_time=00:01:30:00", "trainer.num_sanity_val_steps=-1",

@@ -130,6 +130,7 @@ SCHEMA: dict[str, Rule] = {
     # (checks.check_across_keys), the objects check their other arguments when built
     "model._target_": TEXT,
     "model.*._target_": TEXT,
+    "model.loss.label_smoothing": number(0, 1),  # torch checks it only in the first forward pass
     "model.*": ANY,
     # conf/data
     "data.num_classes": whole(2),
