@@ -1,26 +1,30 @@
-"""Training speed side by side: the book's pipeline, a plain loop, the framework's old default and its fast path.
+"""Training speed side by side: the book's pipeline, plain loops, and the framework old and new.
 
 On whatever device is present (the first CUDA GPU, else the CPU), the same network trains on the
-same Fashion-MNIST images for the same number of steps at the same batch size, six ways:
+same Fashion-MNIST images for the same number of optimizer steps at the same batch size:
 
-- book:              torchvision's FashionMNIST with ToTensor, a DataLoader with 4 workers, a plain
-                     loop that moves each batch to the device; fp32 (Dive into Deep Learning's pipeline)
-- plain fp32:        a plain loop on in-memory uint8 tensors, normalised on the device; fp32
-- plain fast:        the same loop with the fast path's settings (precision=auto, channels_last)
-- framework fp32:    `python -m src.train precision=32 channels_last=false`, the default before the fast path
-- framework fast:    `python -m src.train` with today's defaults (precision=auto, channels_last=true)
-- ... Lightning only: Trainer and Classifier without the project's callbacks, to tell what Lightning costs per
-                     step from what the project adds (`--model tiny` makes that cost most of the step)
+- book:                torchvision's FashionMNIST with ToTensor, a DataLoader with 4 workers, a plain
+                       loop that moves each batch to the device; fp32 (Dive into Deep Learning's pipeline)
+- plain fp32:          a plain loop on in-memory uint8 tensors, normalised on the device; fp32
+- plain fast:          the same loop with the fast path's precision and layout for this device
+- plain reduce-overhead: the same, the network under `torch.compile(mode="reduce-overhead")` (CUDA
+                       graphs on a GPU): the best a user writes by hand
+- framework fp32 (old default): `python -m src.train precision=32 channels_last=false cuda_graphs=false
+                       steps_per_execution=1`, the default before the fast path
+- framework default:   `python -m src.train` with today's defaults (every `auto`)
+- framework compile=true: the defaults with `compile=true` (no CUDA graphs then)
+- ... Lightning only:  the default without the project's callbacks, to tell what Lightning costs per
+                       step from what the project adds (`--model tiny` makes that cost most of the step)
 
 Each round runs one epoch of each, in turn, so that all see the same machine load; the first round
-warms up and is not counted. The framework's epochs are timed by its own EpochTimer, with the
-project's callbacks on and validation off. `--ablation` adds plain-loop rows for each setting alone
-and for `compile=true`. The FLOP share divides the network's FLOPs per second (counted by
-torch.utils.flop_counter) by the peak this device reaches on a large matrix product in the same
-dtype, measured here.
+warms up (compilation, CUDA graph capture) and is not counted. The framework's epochs are timed by
+its own EpochTimer, with the project's callbacks on and validation off. `--ablation` adds plain-loop
+rows for each setting alone, and framework rows for each precision with and without channels_last.
+The FLOP share divides the network's FLOPs per second (counted by torch.utils.flop_counter) by the
+peak this device reaches on a large matrix product in the same dtype, measured here.
 
-    python benchmarks/speed.py --data-root ../shared/data --steps 60 --rounds 4
-    python benchmarks/speed.py --data-root ../shared/data --model resnet18 --steps 20 --ablation
+    python benchmarks/speed.py --data-root ../shared/data --steps 64 --rounds 4
+    python benchmarks/speed.py --data-root ../shared/data --model resnet18 --steps 64 --ablation
 """
 
 import argparse
@@ -49,7 +53,7 @@ from torchvision.transforms import ToTensor
 
 from src.callbacks.timing import EpochTimer
 from src.data.fashion_mnist import MEAN, STD, FashionMNISTDataModule
-from src.fast_path import auto_precision, speed_up
+from src.fast_path import FastSteps, auto_precision, resolve_fast_steps, speed_up
 from src.models.lenet import LeNet
 from src.models.module import Classifier
 from src.models.resnet import resnet18
@@ -70,6 +74,9 @@ class Settings:
     precision: str  # "32" or a mixed precision: autocast in bf16 or fp16
     channels_last: bool
     compile: bool = False
+    compile_mode: str | None = None  # the plain loop's torch.compile mode ("reduce-overhead": CUDA graphs)
+    cuda_graphs: bool | str = False  # the framework's `cuda_graphs` and `steps_per_execution`
+    steps_per_execution: int | str = 1
 
     @property
     def autocast_dtype(self) -> torch.dtype | None:
@@ -135,23 +142,32 @@ def framework(datamodule: FashionMNISTDataModule, model: str, settings: Settings
               lr: float, lightning_only: bool = False) -> Callable[[], float]:
     """Epochs of `steps` steps through Trainer, Classifier and the data module, timed by EpochTimer; with
     `lightning_only`, without the project's other callbacks. The module lives on from round to round,
-    as the plain loop's network does, so that both train the same weights as far."""
+    as the plain loop's network does, so that both train the same weights as far (and its CUDA graph,
+    captured in the first round, serves the others)."""
     module = Classifier(speed_up(NETS[model](), settings.channels_last, settings.compile),
                         functools.partial(torch.optim.SGD, lr=lr))
-    return lambda: framework_epoch(datamodule, module, settings, steps, accelerator, lightning_only)
+    fast = resolve_fast_steps(settings.cuda_graphs, settings.steps_per_execution, accelerator=accelerator, world_size=1,
+                              strategy="auto", compile=settings.compile, trainer_args={}, supported=True)
+    if steps % fast.steps_per_execution:
+        raise SystemExit(f"--steps {steps} must be a multiple of {fast.steps_per_execution} (steps_per_execution)")
+    if fast.manual:
+        module.use_fast_steps(fast, datamodule.batch_size)
+    return lambda: framework_epoch(datamodule, module, settings, steps, accelerator, lightning_only, fast)
 
 
 def framework_epoch(datamodule: FashionMNISTDataModule, module: Classifier, settings: Settings, steps: int,
-                    accelerator: str, lightning_only: bool) -> float:
+                    accelerator: str, lightning_only: bool, fast: FastSteps) -> float:
+    datamodule.steps_per_execution = fast.steps_per_execution  # the data module serves every contender in turn
     with tempfile.TemporaryDirectory() as tmp:
         callbacks = [EpochTimer()] if lightning_only else project_callbacks(tmp)
         trainer = Trainer(
             accelerator=accelerator, devices=1, max_epochs=1, precision=settings.precision,
-            limit_train_batches=steps, limit_val_batches=0, num_sanity_val_steps=0, benchmark=True,
+            limit_train_batches=steps // fast.steps_per_execution, limit_val_batches=0, num_sanity_val_steps=0, benchmark=True,
             logger=TensorBoardLogger(tmp, name="", version=""), callbacks=callbacks, enable_checkpointing=False,
             enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
         )
         trainer.fit(module, datamodule=datamodule)
+    assert trainer.global_step == steps, (trainer.global_step, steps)
     return next(c for c in callbacks if isinstance(c, EpochTimer)).epoch_times[0]
 
 
@@ -183,10 +199,11 @@ def main() -> None:
     parser.add_argument("--data-root", default="data")
     parser.add_argument("--model", choices=sorted(NETS), default="lenet")
     parser.add_argument("--batch-size", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=60, help="optimizer steps per epoch (a full epoch has 215)")
+    parser.add_argument("--steps", type=int, default=64, help="optimizer steps per epoch, a multiple of 8 (a full epoch has 215)")
     parser.add_argument("--rounds", type=int, default=4, help="rounds of one epoch each; the first warms up")
     parser.add_argument("--lr", type=float, default=0.2)
-    parser.add_argument("--ablation", action="store_true", help="also time each fast-path setting alone, and compile")
+    parser.add_argument("--ablation", action="store_true", help="also time each fast-path setting alone, and each precision")
+    parser.add_argument("--only", default="", help="comma-separated names of contenders to run (default: all)")
     args = parser.parse_args()
     if args.rounds < 2:
         parser.error("--rounds must be at least 2: the first round warms up and is not counted")
@@ -207,33 +224,52 @@ def main() -> None:
 
     fp32 = Settings("32", channels_last=False)
     fast = Settings(auto_precision(accelerator), channels_last=True)
+    default = Settings(fast.precision, fast.channels_last, cuda_graphs="auto", steps_per_execution="auto")
     book_data = FashionMNIST(args.data_root, train=True, transform=ToTensor(), download=False)
     book_loader = DataLoader(book_data, args.batch_size, shuffle=True, num_workers=4, persistent_workers=True)
 
     def plain(settings: Settings) -> Callable[[], float]:
-        net = speed_up(NETS[args.model]().to(device), settings.channels_last, settings.compile)
+        net = speed_up(NETS[args.model]().to(device), settings.channels_last, compile=False)
+        if settings.compile:
+            net.compile(mode=settings.compile_mode)
         optimizer = torch.optim.SGD(net.parameters(), lr=args.lr)
         generator = torch.Generator().manual_seed(0)
         return lambda: plain_epoch(net, optimizer, images, labels, settings, args.batch_size, args.steps, generator)
 
+    def run_framework(settings: Settings, lightning_only: bool = False) -> Callable[[], float]:
+        return framework(datamodule, args.model, settings, args.steps, accelerator, args.lr, lightning_only)
+
     book_net = NETS[args.model]().to(device)
     book_optimizer = torch.optim.SGD(book_net.parameters(), lr=args.lr)
-    contenders: dict[str, tuple[Settings, Callable[[], float]]] = {
-        "book (torchvision + 4 workers)": (fp32, lambda: book_epoch(book_net, book_optimizer, book_loader, args.steps, device)),
-        "plain fp32": (fp32, plain(fp32)),
-        "plain fast": (fast, plain(fast)),
-        "framework fp32 (old default)": (fp32, framework(datamodule, args.model, fp32, args.steps, accelerator, args.lr)),
-        "framework fast (default)": (fast, framework(datamodule, args.model, fast, args.steps, accelerator, args.lr)),
-        "framework fast, Lightning only": (fast, framework(datamodule, args.model, fast, args.steps, accelerator, args.lr,
-                                                           lightning_only=True)),
+    reduce_overhead = Settings(fast.precision, fast.channels_last, compile=True, compile_mode="reduce-overhead")
+    compiled = Settings(fast.precision, fast.channels_last, compile=True, cuda_graphs="auto", steps_per_execution="auto")
+    makers: dict[str, tuple[Settings, Callable[[], Callable[[], float]]]] = {
+        "book (torchvision + 4 workers)": (fp32, lambda: lambda: book_epoch(book_net, book_optimizer, book_loader, args.steps, device)),
+        "plain fp32": (fp32, lambda: plain(fp32)),
+        "plain fast": (fast, lambda: plain(fast)),
+        "plain reduce-overhead": (reduce_overhead, lambda: plain(reduce_overhead)),
+        "framework fp32 (old default)": (fp32, lambda: run_framework(fp32)),
+        "framework default": (default, lambda: run_framework(default)),
+        "framework compile=true": (compiled, lambda: run_framework(compiled)),
+        "framework default (Lightning only)": (default, lambda: run_framework(default, lightning_only=True)),
     }
     if args.ablation:
         for name, settings in {
             "plain channels_last only": Settings("32", channels_last=True),
             f"plain {fast.precision} only": Settings(fast.precision, channels_last=False),
-            "plain fast + compile": Settings(fast.precision, channels_last=True, compile=True),
         }.items():
-            contenders[name] = (settings, plain(settings))
+            makers[name] = (settings, functools.partial(plain, settings))
+        for precision in ("32", "16-mixed", "bf16-mixed") if device.type == "cuda" else ("32", "bf16-mixed"):
+            for layout in (False, True):
+                settings = Settings(precision, layout, cuda_graphs="auto", steps_per_execution="auto")
+                makers[f"framework {precision}{' channels_last' if layout else ''}"] = (settings, functools.partial(run_framework, settings))
+            settings = Settings(precision, True, compile=True, cuda_graphs="auto", steps_per_execution="auto")
+            makers[f"framework {precision} channels_last compile"] = (settings, functools.partial(run_framework, settings))
+    wanted = [name.strip() for name in args.only.split(",") if name.strip()]
+    unknown = [name for name in wanted if name not in makers]
+    if unknown:
+        parser.error(f"--only: unknown contender(s) {unknown}; choose from {list(makers)}")
+    contenders = {name: (settings, make()) for name, (settings, make) in makers.items() if not wanted or name in wanted}
 
     times: dict[str, list[float]] = {name: [] for name in contenders}
     for round_ in range(args.rounds):
@@ -250,23 +286,27 @@ def main() -> None:
     print(f"FLOPs per step (forward + backward): {flops / 1e9:.2f} G; matmul peak here: "
           + ", ".join(f"{str(d).removeprefix('torch.')} {p / 1e12:.2f} TFLOP/s" for d, p in peaks.items()))
     per_step = {name: statistics.median(t) / args.steps for name, t in times.items()}
-    book, default, plain_fast = (per_step[k] for k in ("book (torchvision + 4 workers)", "framework fp32 (old default)", "plain fast"))
-    print(f"{'':32} {'ms/step':>8} {'s/epoch':>8} {'images/s':>9} {'x book':>7} {'x old default':>13} {'share of peak':>13}  rounds (s)")
+    book = per_step.get("book (torchvision + 4 workers)", float("nan"))
+    old = per_step.get("framework fp32 (old default)", float("nan"))
+    print(f"{'':40} {'ms/step':>8} {'s/epoch':>8} {'images/s':>9} {'x book':>7} {'x old default':>13} {'share of peak':>13}  rounds (s)")
     for name, step_s in per_step.items():
         settings = contenders[name][0]
         peak = peaks[settings.autocast_dtype or torch.float32]
-        print(f"{name:32} {step_s * 1000:8.3f} {step_s * full_epoch_steps:8.2f} {args.batch_size / step_s:9.0f} {book / step_s:7.2f} "
-              f"{default / step_s:13.2f} {flops / step_s / peak:12.1%}  {', '.join(f'{t:.2f}' for t in times[name])}")
-    fast_s = per_step["framework fast (default)"]
-    # Each round's contenders ran back to back: the median of per-round ratios resists a load spike
-    # that hits one round better than the ratio of medians does.
-    paired = statistics.median(f / p for f, p in zip(times["framework fast (default)"], times["plain fast"]))
-    print(f"framework fast vs old default: {default / fast_s:.2f}x faster; vs the book's pipeline: {book / fast_s:.2f}x "
-          f"faster; vs a plain loop with the same settings: {100 * (fast_s / plain_fast - 1):+.1f}% time "
-          f"(median of paired rounds: {100 * (paired - 1):+.1f}%)")
-    lightning_s = per_step["framework fast, Lightning only"]
-    print(f"per step: Lightning adds {1e6 * (lightning_s - plain_fast):+.0f} us to the plain loop, the project's "
-          f"callbacks {1e6 * (fast_s - lightning_s):+.0f} us more")
+        print(f"{name:40} {step_s * 1000:8.3f} {step_s * full_epoch_steps:8.2f} {args.batch_size / step_s:9.0f} {book / step_s:7.2f} "
+              f"{old / step_s:13.2f} {flops / step_s / peak:12.1%}  {', '.join(f'{t:.2f}' for t in times[name])}")
+    best_plain = min((n for n in per_step if n.startswith("plain")), key=per_step.get, default=None)
+    if "framework default" in per_step and best_plain is not None:
+        fast_s = per_step["framework default"]
+        # Each round's contenders ran back to back: the median of per-round ratios resists a load spike
+        # that hits one round better than the ratio of medians does.
+        paired = statistics.median(f / p for f, p in zip(times["framework default"], times[best_plain]))
+        print(f"framework default vs old default: {old / fast_s:.2f}x faster; vs the book's pipeline: {book / fast_s:.2f}x "
+              f"faster; vs the best plain loop ({best_plain}): {100 * (fast_s / per_step[best_plain] - 1):+.1f}% time "
+              f"(median of paired rounds: {100 * (paired - 1):+.1f}%)")
+    if "framework default (Lightning only)" in per_step and "framework default" in per_step:
+        lightning_s = per_step["framework default (Lightning only)"]
+        print(f"per step: the project's callbacks add {1e6 * (per_step['framework default'] - lightning_s):+.0f} us "
+              "to Lightning's loop")
 
 
 if __name__ == "__main__":

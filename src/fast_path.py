@@ -4,17 +4,38 @@
   where they compute bf16 natively (CPUs with AVX512-BF16 or AMX, GPUs from Ampere on), fp16
   autocast on older GPUs with tensor cores, fp32 elsewhere.
 - `channels_last=true`: weights and inputs in NHWC order, the layout oneDNN and cuDNN convolve
-  fastest; the numbers are the same.
+  fastest (ResNet-18 on an H100: 5.9 against 10.6 ms a step in bf16). Same numbers.
 - `compile=true`: `torch.compile` on the network, in place, so that checkpoints keep their keys.
 - `trainer.benchmark=true`: cuDNN times its convolution algorithms once and keeps the fastest.
+- `cuda_graphs=auto`: on one CUDA device, each step's forward and backward pass is one CUDA graph
+  replay (`GraphedStep`) instead of hundreds of kernel launches from Python.
+- `steps_per_execution=auto`: with CUDA graphs, each of Lightning's training batches holds 8
+  optimizer steps, so Lightning's per-batch work (about 1.7 ms on a GPU host) is paid once per 8 steps.
 
 `benchmarks/speed.py` measures each; docs/results.md has the figures.
 """
 
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
 import torch
+from lightning.pytorch.strategies import SingleDeviceStrategy
 from torch import nn
 
+from src.errors import UsageError
 from src.sysinfo import cpu_has_bf16, gpu_info, recommend_precision
+
+log = logging.getLogger(__name__)
+
+# Lightning's loop and the callbacks cost about 1.7 ms a batch on an H100 host; at 8 steps a batch that is
+# about 0.2 ms a step, against the 1.0-1.4 ms a graphed LeNet step takes there (docs/results.md).
+GRAPHED_STEPS_PER_EXECUTION = 8
+
+StepFunction = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 def auto_precision(accelerator: str) -> str:
@@ -28,9 +49,109 @@ def cudnn_benchmark(benchmark: bool | None, deterministic: object) -> bool:
 
 
 def speed_up(net: nn.Module, channels_last: bool, compile: bool) -> nn.Module:
-    """Apply the layout and compilation settings to `net` in place, before any device or wrapper sees it."""
+    """Apply the layout and compilation settings to `net` in place, before any device or wrapper sees it.
+
+    A convolution of one input channel keeps NCHW strides: its weight is the same bytes in both
+    layouts, cuDNN hands back its gradient with NCHW strides, and DDP compares a gradient's strides
+    with its bucket's (a mismatch costs a copy per step and a warning).
+    """
     if channels_last:
         net.to(memory_format=torch.channels_last)
+        for conv in net.modules():
+            if isinstance(conv, nn.Conv2d) and conv.in_channels == 1:
+                conv.weight.data = conv.weight.data.clone(memory_format=torch.contiguous_format)
     if compile:
         net.compile()
     return net
+
+
+@dataclass(frozen=True)
+class FastSteps:
+    """How the training steps run: `steps_per_execution` optimizer steps per training batch, graphed or not."""
+
+    steps_per_execution: int = 1
+    cuda_graphs: bool = False
+    compiled: bool = False  # the network is compiled: its first step is a warm-up, timed and reported
+
+    @property
+    def manual(self) -> bool:
+        """Whether the module steps its optimizer itself (Lightning's manual optimization)."""
+        return self.steps_per_execution > 1 or self.cuda_graphs
+
+
+def resolve_fast_steps(cuda_graphs: bool | str, steps_per_execution: int | str, *, accelerator: str, world_size: int,
+                       strategy: object, compile: bool, trainer_args: dict[str, Any], supported: bool,
+                       step_counts: dict[str, int] | None = None) -> FastSteps:
+    """The `cuda_graphs` and `steps_per_execution` this run uses; `auto` takes them where they work.
+
+    Both need the module to step its own optimizer, in one process: DDP's reducer expects one
+    backward pass per forward call of its wrapper, and `nn.DataParallel` rebuilds its replicas every
+    call. Lightning's gradient accumulation and clipping work only when it steps the optimizer.
+    CUDA graphs also need a CUDA device and an uncompiled network (capturing compiled code is not
+    measured yet). Lightning looks at the step count after each batch, so the counts in
+    `step_counts` (a step checkpoint every N steps, `trainer.max_steps`, and the batch counts of
+    `trainer.limit_train_batches` and `trainer.val_check_interval`, which stay counts of optimizer
+    steps) must be multiples of the steps per batch; `auto` takes the largest that divides them.
+    """
+    blockers = []
+    if world_size > 1 or not (strategy == "auto" or isinstance(strategy, SingleDeviceStrategy)):
+        blockers.append("a strategy of one process on one device (strategy=auto)")
+    if trainer_args.get("accumulate_grad_batches", 1) != 1:
+        blockers.append("trainer.accumulate_grad_batches=1")
+    if trainer_args.get("gradient_clip_val") is not None:
+        blockers.append("trainer.gradient_clip_val=null")
+    if not supported:
+        blockers.append("the Classifier and a data module with steps_per_execution (the built-in ones)")
+    graph_blockers = [*blockers]
+    if accelerator != "gpu":
+        graph_blockers.append("a CUDA device")
+    if compile:
+        graph_blockers.append("compile=false")
+
+    graphs = cuda_graphs == "auto" and not graph_blockers or cuda_graphs is True
+    if cuda_graphs is True and graph_blockers:
+        raise UsageError(f"cuda_graphs=true needs {', '.join(graph_blockers)}; use cuda_graphs=auto or false")
+    counts = {key: n for key, n in (step_counts or {}).items() if n > 0}
+    if steps_per_execution == "auto":
+        steps = math.gcd(GRAPHED_STEPS_PER_EXECUTION, *counts.values()) if graphs else 1
+    else:
+        steps = int(steps_per_execution)
+        if steps > 1 and blockers:
+            raise UsageError(f"steps_per_execution={steps} needs {', '.join(blockers)}; use steps_per_execution=auto or 1")
+        for key, n in counts.items():
+            if n % steps:
+                raise UsageError(f"steps_per_execution={steps} does not divide {key}={n}; use a divisor of it, "
+                                 "or steps_per_execution=auto")
+    return FastSteps(steps_per_execution=steps, cuda_graphs=graphs, compiled=compile)
+
+
+class GraphedStep:
+    """Forward, loss and backward pass of one batch shape, captured once as a CUDA graph, then replayed.
+
+    `step(x, y)` must compute the loss, call `backward()` on it and return (loss, logits). The
+    parameters' gradients must be None when the graph is captured: the captured backward pass then
+    owns the gradient tensors, and every replay overwrites them (no `zero_grad` between steps;
+    `zero_grad(set_to_none=True)` would drop them). Autocast, if on, is kept with its weight cache
+    off, as graph capture requires. The first replays need warm steps run eagerly before the
+    capture (cuDNN's autotuning, lazily built optimizer state).
+    """
+
+    def __init__(self, step: StepFunction, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.x, self.y = x.clone(), y.clone()
+        self.graph = torch.cuda.CUDAGraph()
+        device = x.device.type
+        start = time.perf_counter()
+        torch.cuda.synchronize(x.device)
+        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"), torch.autocast(
+            device, dtype=torch.get_autocast_dtype(device), enabled=torch.is_autocast_enabled(device), cache_enabled=False
+        ):
+            self.loss, self.logits = step(self.x, self.y)
+        torch.cuda.synchronize(x.device)
+        self.capture_s = time.perf_counter() - start
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replay on `x`, `y`; the returned tensors are overwritten by the next replay."""
+        self.x.copy_(x)
+        self.y.copy_(y)
+        self.graph.replay()
+        return self.loss, self.logits

@@ -27,7 +27,7 @@ from src.checkpoints import AtomicCheckpointIO, checkpoint_to_evaluate, resolve_
 from src.data.fashion_mnist import per_process_batch
 from src.launch.ddp_jobs import is_launching_process, is_rank_zero, job_scope
 from src.errors import UsageError
-from src.fast_path import cudnn_benchmark, speed_up
+from src.fast_path import cudnn_benchmark, resolve_fast_steps, speed_up
 from src.launch.naming import register_resolvers
 from src.optim import build_optimizer, check_optimizer
 from src.strategies.sync_batchnorm import SyncBatchNormPlugin
@@ -127,7 +127,7 @@ def run(cfg: DictConfig, fit: bool = True) -> dict[str, float]:
     ckpt_path = resolve_ckpt_path(cfg.ckpt_path, output_dir) if fit else checkpoint_to_evaluate(cfg.ckpt_path)
     strategy = checks.instantiate_strategy(cfg.strategy)
     world_size = processes_per_node(strategy, devices) * num_nodes
-    per_process_batch(cfg.data.batch_size, world_size)
+    step_batch = per_process_batch(cfg.data.batch_size, world_size)
 
     seed_everything(cfg.seed, workers=True, verbose=False)
     datamodule = instantiate(cfg.data)
@@ -138,6 +138,21 @@ def run(cfg: DictConfig, fit: bool = True) -> dict[str, float]:
     module = checks.instantiate_model(cfg.model, optimizer)
     # The Classifier's network; a LightningModule of one's own (docs/extending.md) may have no `net`.
     speed_up(getattr(module, "net", module), channels_last=cfg.channels_last, compile=cfg.compile)
+    batch_counts = {f"trainer.{key}": value for key in ("limit_train_batches", "val_check_interval")
+                    if type(value := trainer_args.get(key)) is int}
+    fast_steps = resolve_fast_steps(
+        cfg.cuda_graphs, cfg.steps_per_execution, accelerator=accelerator, world_size=world_size, strategy=strategy,
+        compile=cfg.compile, trainer_args=trainer_args,
+        step_counts={"checkpoint.every_n_train_steps": cfg.checkpoint.every_n_train_steps,
+                     "trainer.max_steps": trainer_args["max_steps"], **batch_counts},
+        supported=hasattr(module, "use_fast_steps") and hasattr(datamodule, "steps_per_execution"),
+    )
+    for key in batch_counts:  # counted in optimizer steps: Lightning counts batches of steps_per_execution steps
+        trainer_args[key.removeprefix("trainer.")] //= fast_steps.steps_per_execution
+    if hasattr(module, "use_fast_steps"):
+        module.use_fast_steps(fast_steps, step_batch)
+    if fast_steps.manual:
+        datamodule.steps_per_execution = fast_steps.steps_per_execution
     check_optimizer(optimizer, module.parameters())
     checks.check_checkpoint(ckpt_path, cfg.ckpt_path, module, cfg.model_name)
     if is_rank_zero():  # every interpolation resolved: what this run really used
@@ -168,7 +183,10 @@ def run(cfg: DictConfig, fit: bool = True) -> dict[str, float]:
         metrics["time/epoch_s"] = statistics.median(epoch_times)
     if trainer.is_global_zero:
         if purge_step is None or not has_hparams(output_dir):  # a run resumed in its folder keeps the one record
-            log_hparams(logger, run_hparams(cfg, trainer, optimizer.keywords["lr"]), metrics)
+            params = run_hparams(cfg, trainer, optimizer.keywords["lr"])
+            params.update(cuda_graphs=fast_steps.cuda_graphs,
+                          steps_per_execution=fast_steps.steps_per_execution)
+            log_hparams(logger, params, metrics)
         log.info(result_line(metrics, fit, f"{precision}, {world_size} process(es)", ckpt_path, output_dir))
     return metrics
 

@@ -15,7 +15,6 @@ import lightning
 import pytest
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 import torch.multiprocessing as mp
 from torch import nn
 
@@ -234,19 +233,16 @@ def _every_api_worker(rank: int, store: str, results: str) -> None:
             "group.allreduce": _measure(meter, lambda: group.allreduce([torch.ones(10)]).wait()),
             "all_reduce_coalesced": _measure(
                 meter, lambda: dist.all_reduce_coalesced([torch.ones(4), torch.ones(6)], group=group)),
-            "functional all_reduce": _measure(
-                meter, lambda: funcol.wait_tensor(funcol.all_reduce(torch.ones(10), "sum", group))),
             "from a future callback": _measure(meter, then_all_reduce),
-            "all_gather_into_tensor": _measure(
-                meter, lambda: dist.all_gather_into_tensor(torch.empty(10 * WORLD), torch.ones(10), group=group)),
-            "broadcast": _measure(meter, lambda: dist.broadcast(torch.ones(10), src=0, group=group)),
-            "barrier": _measure(meter, lambda: dist.barrier(group=group)),
+            "all_gather": _measure(
+                meter, lambda: dist.all_gather([torch.empty(10) for _ in range(WORLD)], torch.ones(10), group=group)),
             "default group": _measure(meter, lambda: dist.all_reduce(torch.ones(10))),
         }
         torch.save({
             "counted": counted,
             "all_reduce_sum": ones.tolist(),
-            "timeout": group._get_backend(torch.device("cpu")).options._timeout,
+            "counting": meter.counting,
+            "timeout": group.inner._get_backend(torch.device("cpu")).options._timeout,
             "all_reduce_untouched": dist.all_reduce is all_reduce_imported_by_name,
         }, f"{results}.{rank}")
     finally:
@@ -257,17 +253,15 @@ def test_every_collective_on_the_hooks_group_is_counted_whatever_issued_it(tmp_p
     mp.spawn(_every_api_worker, args=(str(tmp_path / "store"), str(tmp_path / "result")), nprocs=WORLD)
     for rank in range(WORLD):
         result = torch.load(tmp_path / f"result.{rank}", weights_only=False)
+        assert result["counting"]
         assert result["counted"] == {
             "dist.all_reduce": (10 * FLOAT, 1),
-            # The next four never went through torch.distributed.all_reduce, so a wrapper of it never saw them:
+            # The next three never went through torch.distributed.all_reduce, so a wrapper of it never saw them:
             "imported by name": (10 * FLOAT, 1),
             "group.allreduce": (10 * FLOAT, 1),
             "all_reduce_coalesced": (10 * FLOAT, 1),
-            "functional all_reduce": (10 * FLOAT, 1),
             "from a future callback": ((2 + 8) * FLOAT, 2),
-            "all_gather_into_tensor": (10 * FLOAT, 1),  # what this process passes in, not what it gets back
-            "broadcast": (10 * FLOAT, 1),
-            "barrier": (0, 1),
+            "all_gather": (10 * FLOAT, 1),  # what this process passes in, not what it gets back
             "default group": (0, 0),  # other groups are not the hook's
         }, rank
         assert result["all_reduce_sum"] == [float(WORLD)] * 10  # the real backend did reduce
@@ -354,3 +348,23 @@ def test_a_hook_of_your_own_is_named_by_its_import_path() -> None:
     assert import_hook("tests.examples.hooks.missing") is None and import_hook("no_such_module.hook") is None
     with pytest.raises(UsageError, match="^strategy.hook=os.sep is not an option; .* or the import path of a hook function"):
         CommHookDDPStrategy(hook="os.sep").check_options()
+
+
+def test_a_group_that_cannot_count_leaves_the_run_uncounted_with_one_line(tmp_path: Path, monkeypatch, caplog) -> None:
+    def refuse(self, *args):
+        raise RuntimeError("collective not dispatched to a Python group")
+
+    monkeypatch.setattr("src.strategies.comm.CountingGroup.allreduce", refuse)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        meter = CommMeter()
+        with caplog.at_level("WARNING", logger="src.strategies.comm"):
+            group = meter.new_group("gloo", timeout=GROUP_TIMEOUT)
+        ones = torch.ones(3)
+        dist.all_reduce(ones, group=group)  # the plain group still reduces
+        assert not meter.counting and ones.tolist() == [1.0] * 3
+        assert [r.getMessage() for r in caplog.records if "not counted" in r.getMessage()] == [
+            f"comm/bytes_per_step is not counted on this torch ({torch.__version__}) and backend (gloo): "
+            "collective not dispatched to a Python group; the run goes on with a plain gloo group"]
+    finally:
+        dist.destroy_process_group()

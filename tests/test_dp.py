@@ -132,8 +132,13 @@ def test_gradients_loss_and_accuracy_equal_one_device(exact_cuda_math):
         module.train_acc(logits, y)
         losses.append(loss.detach())
     torch.testing.assert_close(losses[1], losses[0], rtol=1e-6, atol=0)
+    # The replicas' gradients add in another order than one device's: cuDNN sums a weight gradient over
+    # the batch's images and positions, here in two parts of 6 and 5 images. Reordered float32 sums
+    # differ by a few units of eps times the sum of the terms' sizes, which is unbounded relative
+    # to a gradient entry where terms cancel (an H100 showed 1.5x on one entry of net.3.weight),
+    # so each tensor is compared against its largest entry: 1.9e-4 of it at most, measured.
     for (name, a), b in zip(one.named_parameters(), dp.parameters()):
-        torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-8, msg=name)
+        torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=1e-3 * a.grad.abs().max().item(), msg=name)
     assert dp.train_acc.compute() == one.train_acc.compute()
 
 

@@ -1,10 +1,25 @@
-"""Runs that need a CUDA GPU: skipped where there is none (see tests/conftest.py)."""
+"""Runs that need a CUDA GPU: skipped where there is none (see tests/conftest.py).
+
+`benchmarks/gpu_check.sh` runs these on a GPU machine together with the speed measurements.
+"""
+
+import copy
+import functools
 
 import pytest
+import torch
+from lightning import Callback, Trainer
 
+from src.data.fashion_mnist import FashionMNISTDataModule
+from src.fast_path import FastSteps
+from src.models.lenet import LeNet
+from src.models.module import WARM_STEPS, Classifier
+from src.models.resnet import resnet18
 from tests.helpers import QUICK, hparams, scalars, train
+from tests.test_sync_free import project_callbacks
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
+NETS = {"lenet": LeNet, "resnet18": resnet18}
 
 
 @pytest.mark.parametrize("model", ["lenet", "resnet18"])
@@ -17,3 +32,105 @@ def test_16_mixed_on_one_gpu(tmp_path, data_root, model, strategy):
     params = hparams(run_dir)
     assert params["precision_used"] == "16-mixed" and params["accelerator"] == "cuda"
     assert {"test/acc", "time/epoch_s"} <= set(scalars(run_dir))
+
+
+@pytest.mark.parametrize("strategy", ["ddp_fp16", "ddp_powersgd"])
+def test_ddp_over_nccl_counts_what_its_hook_sends(tmp_path, data_root, strategy):
+    run_dir = tmp_path / "run"
+    result = train(*QUICK, "model=resnet18", f"strategy={strategy}", "devices=1", "accelerator=gpu",
+                   "trainer.limit_train_batches=12", "strategy.start_powersgd_iter=2", f"hydra.run.dir={run_dir}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "not counted" not in result.stderr and "Grad strides do not match" not in result.stderr
+    ratio = scalars(run_dir)["comm/compression_ratio_epoch"][-1]
+    assert ratio == pytest.approx(2.0) if strategy == "ddp_fp16" else ratio > 20
+
+
+def test_channels_last_under_ddp_gets_buckets_of_its_strides(tmp_path, data_root):
+    run_dir = tmp_path / "run"
+    result = train(*QUICK, "model=resnet18", "strategy=ddp", "devices=1", "accelerator=gpu", "channels_last=true",
+                   f"hydra.run.dir={run_dir}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Grad strides do not match" not in result.stderr
+
+
+def test_the_default_on_one_gpu_uses_cuda_graphs_and_several_steps_per_batch(tmp_path, data_root):
+    run_dir = tmp_path / "run"
+    result = train(*QUICK, "model=resnet18", f"hydra.run.dir={run_dir}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    params = hparams(run_dir)
+    assert (params["cuda_graphs"], params["steps_per_execution"]) == (1, 8)  # TensorBoard keeps bools as numbers
+    assert "CUDA graph of the training step captured in" in result.stderr + result.stdout
+
+
+class SyncsAreErrors(Callback):
+    """CUDA's sync detector raises on every host wait from batch `after` until the epoch ends."""
+
+    def __init__(self, after: int) -> None:
+        self.after = after
+        self.checked = 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if batch_idx >= self.after:
+            torch.cuda.set_sync_debug_mode("error")
+            self.checked += 1
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("model", ["lenet", "resnet18"])
+@pytest.mark.parametrize("fast", [FastSteps(8, cuda_graphs=True), FastSteps(1, cuda_graphs=False)], ids=["graphs", "eager"])
+def test_no_host_sync_in_training_steps(tmp_path, data_root, model, fast):
+    """The default path (and the eager one) with the project's callbacks and the default progress bar."""
+    module = Classifier(NETS[model](), functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9))
+    data = FashionMNISTDataModule(root=str(data_root), batch_size=256, download=False)
+    if fast.manual:
+        module.use_fast_steps(fast, step_batch_size=256)
+        data.steps_per_execution = fast.steps_per_execution
+    syncs = SyncsAreErrors(after=WARM_STEPS + 1)  # the graph is captured within the first batches
+    trainer = Trainer(
+        accelerator="gpu", devices=1, max_epochs=1, limit_train_batches=12, limit_val_batches=0, num_sanity_val_steps=0,
+        precision="bf16-mixed", logger=False, enable_checkpointing=False, use_distributed_sampler=False,
+        callbacks=[syncs, *project_callbacks(tmp_path)], benchmark=True,
+    )
+    try:
+        trainer.fit(module, datamodule=data)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert syncs.checked == 12 - WARM_STEPS - 1 and trainer.global_step == 12 * fast.steps_per_execution
+
+
+@pytest.mark.parametrize("model", ["lenet", "resnet18"])
+def test_cuda_graph_steps_train_what_eager_steps_train(data_root, model, exact_cuda_math):
+    """The same 24 optimizer steps, eager one per batch and as graph replays eight per batch: the same weights."""
+    torch.manual_seed(0)
+    reference = Classifier(NETS[model](), functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9))
+    modules = {"eager": reference, "graphs": copy.deepcopy(reference)}
+    modules["graphs"].use_fast_steps(FastSteps(8, cuda_graphs=True), step_batch_size=64)
+    for name, module in modules.items():
+        data = FashionMNISTDataModule(root=str(data_root), batch_size=64, download=False)
+        data.steps_per_execution = module.fast_steps.steps_per_execution
+        Trainer(accelerator="gpu", devices=1, max_steps=24, limit_val_batches=0, num_sanity_val_steps=0, logger=False,
+                enable_checkpointing=False, enable_progress_bar=False, use_distributed_sampler=False,
+                deterministic=True).fit(module, datamodule=data)
+    assert modules["graphs"].graphed is not None
+    for (key, a), b in zip(modules["eager"].state_dict().items(), modules["graphs"].state_dict().values()):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6, msg=key)
+
+
+@pytest.fixture
+def exact_cuda_math():
+    """TF32 rounds convolutions and matmuls to 10 mantissa bits; compare in full float32."""
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+def test_a_diverging_loss_stops_a_graphed_run_with_one_line(tmp_path, data_root):
+    run_dir = tmp_path / "run"
+    result = train(*QUICK, "optim.lr=1e30", "trainer.limit_train_batches=6", f"hydra.run.dir={run_dir}")
+    assert result.returncode == 1, result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: train/loss is nan at step ") and "with learning rate 1e+30" in last
+    assert "Traceback" not in result.stderr and not run_dir.exists()

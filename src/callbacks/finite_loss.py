@@ -19,8 +19,10 @@ class FiniteLossCheck(Callback):
     `every_n_steps` steps, before validation, at the end of each epoch and at every step a
     checkpoint callback saves on (`every_n_train_steps`): Lightning runs ModelCheckpoint callbacks
     last, so no checkpoint of a diverged model is written. `every_n_steps=None` reads every step
-    in one CPU process, where it costs nothing, and every `trainer.log_every_n_steps` steps on a
-    GPU or across processes, where a read is a device sync or a collective.
+    in one CPU process, where it costs nothing, and every `trainer.log_every_n_steps` steps across
+    processes, where a read is a collective. In one CUDA process it never waits for the device
+    during the epoch: after each batch the record is copied to pinned host memory without waiting,
+    and the copy is read once a CUDA event says it has landed, a batch or two later.
     """
 
     def __init__(self, every_n_steps: int | None = None) -> None:
@@ -29,14 +31,17 @@ class FiniteLossCheck(Callback):
         self._step = 0
         self._first: torch.Tensor | None = None  # [step, epoch, loss] of the first bad step; step -1: none yet
         self._saving_every: list[int] = []  # the step intervals of checkpoint callbacks
+        self._landing: tuple[torch.Tensor, torch.cuda.Event] | None = None  # a pinned copy of the record, and its event
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         device = pl_module.device
         cheap = device.type == "cpu" and trainer.world_size == 1
-        self._interval = self.every_n_steps or (1 if cheap else trainer.log_every_n_steps)
+        lagged = device.type == "cuda" and trainer.world_size == 1
+        self._interval = self.every_n_steps or (1 if cheap else 0 if lagged else trainer.log_every_n_steps)
         self._saving_every = [n for c in trainer.checkpoint_callbacks if (n := getattr(c, "_every_n_train_steps", 0)) > 0]
         dtype = torch.float32 if device.type == "mps" else torch.float64
         self._first = torch.tensor([-1.0, -1.0, 0.0], dtype=dtype, device=device)
+        self._landing = (torch.full((3,), -1.0, dtype=dtype, pin_memory=True), torch.cuda.Event()) if lagged else None
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         self._step = trainer.global_step
@@ -45,13 +50,29 @@ class FiniteLossCheck(Callback):
         loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
         if self._first is None or not isinstance(loss, torch.Tensor):
             return
-        first = self._first  # updated in place with Python scalars as kernel arguments: no host-device copy
-        new = (first[0] < 0) & ~torch.isfinite(loss.detach()).all()
-        first[2] = torch.where(new, loss.detach().to(first.dtype), first[2])
+        # One loss per optimizer step of the batch (several with steps_per_execution > 1). The record is
+        # updated in place with Python scalars as kernel arguments: no host-device copy.
+        first, losses = self._first, loss.detach().flatten()
+        bad = ~torch.isfinite(losses)
+        where = bad.to(torch.int8).argmax()  # the batch's first bad step, 0 if none
+        new = (first[0] < 0) & bad.any()
+        first[2] = torch.where(new, losses.gather(0, where.unsqueeze(0))[0].to(first.dtype), first[2])
         first[1].masked_fill_(new, trainer.current_epoch)
-        first[0].masked_fill_(new, self._step)
-        if (batch_idx + 1) % self._interval == 0 or any(trainer.global_step % n == 0 for n in self._saving_every):
+        first[0] = torch.where(new, where.to(first.dtype) + self._step, first[0])
+        if self._landing is not None:
+            self.check_landed(trainer)
+        if (self._interval and (batch_idx + 1) % self._interval == 0) or any(trainer.global_step % n == 0 for n in self._saving_every):
             self.check(trainer)
+
+    def check_landed(self, trainer: Trainer) -> None:
+        """Read the record's last pinned copy if it has landed, then send the next; never waits."""
+        assert self._landing is not None and self._first is not None
+        host, landed = self._landing
+        if not landed.query():
+            return
+        self.raise_if_bad(trainer, host.tolist())
+        host.copy_(self._first, non_blocking=True)
+        landed.record()
 
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking:
@@ -69,7 +90,12 @@ class FiniteLossCheck(Callback):
             gathered = [torch.empty_like(self._first) for _ in range(trainer.world_size)]
             dist.all_gather(gathered, self._first)
             records = torch.stack(gathered)
-        bad = [row for row in records.reshape(-1, 3).tolist() if row[0] >= 0]
+        self.raise_if_bad(trainer, records.reshape(-1, 3).tolist())
+
+    def raise_if_bad(self, trainer: Trainer, records: list) -> None:
+        """Raise naming the earliest bad step of the records ([step, epoch, loss] each, or one such list)."""
+        rows = records if isinstance(records[0], list) else [records]
+        bad = [row for row in rows if row[0] >= 0]
         if not bad:
             return
         step, epoch, loss = min(bad)

@@ -20,7 +20,8 @@ class EpochTimer(Callback):
     """Logs `time/epoch_s` and `time/samples_per_s` once per training epoch, at the step val/acc uses.
 
     Validation runs inside Lightning's training epoch; its time is measured and subtracted so
-    that the figure is comparable with a plain training loop and with the book's s/epoch.
+    that the figure is comparable with a plain training loop and with the book's s/epoch. So is
+    the one-off warm-up a module reports in `warmup_s` (the capture of a CUDA graph).
     """
 
     def __init__(self) -> None:
@@ -29,6 +30,7 @@ class EpochTimer(Callback):
         self._paused_at: float | None = None
         self._paused = 0.0
         self._samples = 0
+        self._warmup_at_start = 0.0
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """A run resumed mid-epoch gets no `on_train_epoch_start`: its epoch is timed from here."""
@@ -37,6 +39,7 @@ class EpochTimer(Callback):
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         _sync(pl_module.device)
         self._start, self._paused, self._paused_at, self._samples = time.perf_counter(), 0.0, None, 0
+        self._warmup_at_start = getattr(pl_module, "warmup_s", 0.0)
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
         self._samples += len(batch[1]) * trainer.world_size
@@ -53,7 +56,8 @@ class EpochTimer(Callback):
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         _sync(pl_module.device)
-        seconds = time.perf_counter() - self._start - self._paused
+        warmup = getattr(pl_module, "warmup_s", 0.0) - self._warmup_at_start
+        seconds = time.perf_counter() - self._start - self._paused - warmup
         self.epoch_times.append(seconds)
         samples_per_s = self._samples / seconds if seconds > 0 else 0.0
         if trainer.is_global_zero and trainer.logger is not None:

@@ -108,6 +108,8 @@ SCHEMA: dict[str, Rule] = {
     "sync_batchnorm": BOOL,
     "channels_last": BOOL,
     "compile": BOOL,
+    "cuda_graphs": BOOL | one_of("auto"),
+    "steps_per_execution": one_of("auto") | whole(1),
     "max_epochs": whole(1),
     "seed": whole(0, SEED_MAX),
     "ckpt_path": NULL | TEXT,  # a file, `last` or `auto`; src/checkpoints.py says whether it exists

@@ -75,23 +75,27 @@ class DeviceLoader:
 
     The split crosses to the device once. Each epoch, its order is one tensor copied there; each
     batch is then one gather on the device: no per-batch work on the host, no worker processes.
+    With `steps_per_batch` = K > 1, each batch holds the images of K consecutive optimizer steps
+    (`batch_size` each), in the order K batches would have had (see `steps_per_execution`).
 
     Its position in the epoch is part of every checkpoint (Lightning saves `state_dict()` with the
-    fit loop and calls `load_state_dict()` on resume), counted in global batches, the same on any
-    number of processes, so a mid-epoch checkpoint resumes with exactly the batches an unbroken run
-    would have seen, under another world size too.
+    fit loop and calls `load_state_dict()` on resume), counted in global batches of one optimizer
+    step, the same on any number of processes and for any K, so a mid-epoch checkpoint resumes with
+    exactly the batches an unbroken run would have seen, under another world size too.
     """
 
     batch_sampler = None  # Lightning looks for one beside `sampler`, as on a DataLoader
 
-    def __init__(self, split: TensorImages, sampler: ShardOrder, batch_size: int, device: torch.device) -> None:
+    def __init__(self, split: TensorImages, sampler: ShardOrder, batch_size: int, device: torch.device,
+                 steps_per_batch: int = 1) -> None:
         self.images, self.labels = split.images.to(device), split.labels.to(device)
         self.sampler, self.batch_size, self.device = sampler, batch_size, device
+        self.steps_per_batch = steps_per_batch
         self.epoch = self.batches_seen = 0
         self.resume_at: tuple[int, int] | None = None  # (epoch, global batches already seen)
 
     def __len__(self) -> int:
-        return math.ceil(len(self.sampler) / self.batch_size)
+        return math.ceil(len(self.sampler) / (self.batch_size * self.steps_per_batch))
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         # A generator: nothing runs until the first batch is asked for, after Lightning has set
@@ -102,9 +106,10 @@ class DeviceLoader:
         self.resume_at = None
         self.epoch, self.batches_seen = epoch, skipped
         indices = self.sampler.indices().to(self.device, non_blocking=True)
-        for start in range(skipped * self.batch_size, len(indices), self.batch_size):
-            batch = indices[start : start + self.batch_size]
-            self.batches_seen += 1
+        span = self.batch_size * self.steps_per_batch
+        for start in range(skipped * self.batch_size, len(indices), span):
+            batch = indices[start : start + span]
+            self.batches_seen += math.ceil(len(batch) / self.batch_size)
             yield self.images[batch], self.labels[batch]
 
     def state_dict(self) -> dict[str, int]:
@@ -154,6 +159,7 @@ class FashionMNISTDataModule(LightningDataModule):
         self.download = download
         self.shuffle = shuffle
         self.seed = seed
+        self.steps_per_execution = 1  # optimizer steps per training batch: set by the run (src/fast_path.py)
         self.splits: dict[str, TensorImages] = {}
 
     @property
@@ -232,7 +238,8 @@ class FashionMNISTDataModule(LightningDataModule):
         dataset = self.splits[split]
         train = split == "train"
         order = ShardOrder(len(dataset), rank, world_size, shuffle=train and self.shuffle, seed=self.seed, pad=train)
-        return DeviceLoader(dataset, order, per_process_batch(self.batch_size, world_size), device)
+        steps = self.steps_per_execution if train else 1
+        return DeviceLoader(dataset, order, per_process_batch(self.batch_size, world_size), device, steps)
 
     def train_dataloader(self) -> DeviceLoader:
         return self._loader("train")

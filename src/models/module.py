@@ -1,5 +1,8 @@
 """The LightningModule shared by every model, strategy and precision."""
 
+import copy
+import logging
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -9,8 +12,14 @@ from torch import nn
 from torchmetrics import MaxMetric, MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
+from src.fast_path import FastSteps, GraphedStep
+
+log = logging.getLogger(__name__)
 
 STAGES = ("train", "val", "test")
+# Where Lightning's checkpoints count the optimizer steps it took (automatic optimization) or the module took (manual).
+AUTOMATIC_STEPS, MANUAL_STEPS = "epoch_loop.automatic_optimization.optim_progress", "epoch_loop.manual_optimization.optim_step_progress"
+WARM_STEPS = 3  # eager steps before a CUDA graph is captured: cuDNN's autotuning and the optimizer's state are built by then
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
 
@@ -53,6 +62,22 @@ class Classifier(LightningModule):
         self.val_acc_best = MaxMetric()
         self.val_acc_best.persistent(True)  # in checkpoints, so that a resumed run remembers its best epoch
         self._logged: set[str] = set()  # the stages whose metric objects were handed to `self.log` this epoch
+        self.fast_steps = FastSteps()
+        self.step_batch_size = 0  # with steps_per_execution > 1: the images of one optimizer step
+        self.graphed: GraphedStep | None = None
+        self._captured_with: object = None  # the precision plugin whose loss scale the graph holds
+        self.warm_steps = 0
+        self.warmup_s = 0.0  # compiling, capturing the CUDA graph: one-off time that EpochTimer leaves out of time/epoch_s
+        self._warmup_started: float | None = None
+        self._compile_timed = False
+
+    def use_fast_steps(self, fast_steps: FastSteps, step_batch_size: int) -> None:
+        """Run `fast_steps.steps_per_execution` optimizer steps of `step_batch_size` images per training
+        batch, each as one CUDA graph replay if `fast_steps.cuda_graphs`; the module then steps its
+        optimizer itself (Lightning's manual optimization), exactly as Lightning would one step a batch."""
+        self.fast_steps = fast_steps
+        self.step_batch_size = step_batch_size
+        self.automatic_optimization = not fast_steps.manual
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
@@ -65,18 +90,62 @@ class Classifier(LightningModule):
     def stage_step(self, batch: tuple[torch.Tensor, torch.Tensor], stage: str) -> torch.Tensor:
         """Loss of the batch; the stage's metrics take it in."""
         loss, logits, y = self.model_step(batch)
+        self.update_metrics(stage, loss, logits, y)
+        return loss
+
+    def update_metrics(self, stage: str, loss: torch.Tensor, logits: torch.Tensor, y: torch.Tensor) -> None:
+        """The stage's metrics take in one batch, without waiting for the device.
+
+        The image count is a tensor made on the loss's device: a Python number would be copied
+        there from pageable memory, which makes the host wait for the device at every step.
+        """
         getattr(self, f"{stage}_acc").update(logits, y)
-        getattr(self, f"{stage}_loss").update(loss.detach(), weight=len(y))
+        getattr(self, f"{stage}_loss").update(loss.detach(), weight=loss.new_full((), len(y), dtype=torch.float32))
         if stage not in self._logged:
             # Once per epoch is enough: Lightning computes and resets the metric objects at its end.
             # Every `self.log` call costs Lightning about 0.3 ms, a third of a GPU step of LeNet.
             self._logged.add(stage)
             self.log(f"{stage}/loss", getattr(self, f"{stage}_loss"), on_step=False, on_epoch=True, prog_bar=stage == "train")
             self.log(f"{stage}/acc", getattr(self, f"{stage}_acc"), on_step=False, on_epoch=True, prog_bar=stage != "test")
-        return loss
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        return self.stage_step(batch, "train")
+        if self.automatic_optimization:
+            return self.stage_step(batch, "train")
+        x, y = batch
+        size = self.step_batch_size or len(y)
+        losses = [self.optimizer_step_on(xs, ys) for xs, ys in zip(x.split(size), y.split(size))]
+        return torch.stack(losses)
+
+    def optimizer_step_on(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """One optimizer step on one batch, stepped here (manual optimization); returns its detached loss."""
+        optimizer = self.optimizers()
+        if self.graphed is not None and self._captured_with is not self.trainer.precision_plugin:
+            self.graphed, self.warm_steps = None, 0  # another fit: its loss scaler is not the one captured
+        if self.graphed is None and self.fast_steps.cuda_graphs and len(y) == self.step_batch_size:
+            if self.warm_steps >= WARM_STEPS:
+                optimizer.zero_grad(set_to_none=True)  # the captured backward pass owns the gradients from now on
+                self.graphed = GraphedStep(self.forward_backward, x, y)
+                self._captured_with = self.trainer.precision_plugin
+                self.warmup_s += self.graphed.capture_s
+                log.info(f"CUDA graph of the training step captured in {self.graphed.capture_s:.2f} s "
+                         f"(after {WARM_STEPS} eager steps; left out of time/epoch_s)")
+            self.warm_steps += 1
+        if self.graphed is not None and len(y) == self.step_batch_size:
+            loss, logits = self.graphed(x, y)
+        else:  # warm-up, an uneven last batch, or no graphs: eager, accumulating into zeroed gradients
+            self._start_warmup()
+            optimizer.zero_grad(set_to_none=self.graphed is None)
+            loss, logits = self.forward_backward(x, y)
+        optimizer.step()
+        self._end_warmup()
+        self.update_metrics("train", loss, logits, y)
+        return loss.detach().clone()  # a replay overwrites the graph's own loss tensor
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Loss and logits of a batch, its gradients accumulated into the parameters' `.grad`."""
+        loss, logits, _ = self.model_step((x, y))
+        self.manual_backward(loss)
+        return loss, logits
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         self.stage_step(batch, "val")
@@ -86,6 +155,32 @@ class Classifier(LightningModule):
 
     def on_train_epoch_start(self) -> None:
         self._logged.discard("train")
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self.automatic_optimization:
+            self._start_warmup()
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.automatic_optimization:
+            self._end_warmup()
+
+    def _start_warmup(self) -> None:
+        """With compile=true, the run's first optimizer step compiles: it is timed as warm-up."""
+        if self.fast_steps.compiled and not self._compile_timed:
+            self._synchronize()
+            self._warmup_started = time.perf_counter()
+
+    def _end_warmup(self) -> None:
+        if self._warmup_started is not None:
+            self._synchronize()
+            seconds = time.perf_counter() - self._warmup_started
+            self.warmup_s += seconds
+            self._warmup_started, self._compile_timed = None, True
+            log.info(f"compile=true: the first training step, with compilation, took {seconds:.1f} s (left out of time/epoch_s)")
+
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def on_validation_epoch_start(self) -> None:
         self._logged.discard("val")
@@ -99,6 +194,17 @@ class Classifier(LightningModule):
         if not self.trainer.sanity_checking:
             self.val_acc_best(self.val_acc.compute())
             self.log("val/acc_best", self.val_acc_best.compute(), sync_dist=True)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """A checkpoint saved with the optimizer stepped by Lightning resumes with it stepped here, and the
+        other way round (a CPU run resumed on a GPU): the optimizer steps taken move to the counter in use."""
+        loop = checkpoint.get("loops", {}).get("fit_loop", {})
+        if AUTOMATIC_STEPS not in loop or MANUAL_STEPS not in loop:
+            return
+        automatic, manual = loop[AUTOMATIC_STEPS]["optimizer"]["step"], loop[MANUAL_STEPS]
+        source, target = (manual, automatic) if self.automatic_optimization else (automatic, manual)
+        if target["total"]["completed"] == 0:
+            target.update(copy.deepcopy(source))
 
     def configure_optimizers(self) -> Any:
         return self.optimizer(self.parameters())

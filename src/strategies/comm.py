@@ -1,24 +1,23 @@
 """Measures what a DDP communication hook really sends, by counting the collectives on its process group.
 
-The hook gets a process group of its own, made by `CommMeter.new_group`. That group's c10d
-backend is a `CountingBackend`: a backend written in Python (torch's `Backend.register_backend`
-extension point, registered here as `counted_gloo` or `counted_nccl`) that holds the real
-backend, built by torch's own creator for it from the same store, ranks and timeout, and hands
-every collective on to it after counting the bytes this process passes in. Every collective on
-the group reaches the backend, whatever issued it: `dist.all_reduce` (however it was imported),
-`all_reduce_coalesced`, `group.allreduce`, functional collectives, or PowerSGD's all-reduces
-from future callbacks on the backend's threads (hence the lock). A collective the backend does
-not forward fails with torch's "does not support" error instead of going uncounted. Nothing
-process-wide is replaced, and other groups never see the counter.
+The hook gets a process group of its own, made by `CommMeter.new_group`: a `CountingGroup`, a
+`torch.distributed.ProcessGroup` written in Python (the public class; c10d dispatches a Python
+subclass's collectives to its methods) that holds a real group of the run's backend, made by
+`dist.new_group`, and hands each collective on to it after counting the bytes this process passes
+in. The Work objects of the real group pass through, so `wait()`, `get_future()` and the timeout
+behave as on a plain gloo or NCCL group. Every all-reduce and all-gather issued on the group is
+counted, whatever issued it: `dist.all_reduce` (however it was imported), `group.allreduce`,
+`all_reduce_coalesced`, or PowerSGD's all-reduces from future callbacks on the backend's threads
+(hence the lock). Nothing process-wide is replaced, and other groups never see the counter.
 
-The group itself is a plain torch `ProcessGroup`, so torch's dispatch to its backend, its name
-and its registration stay torch's own; only the backend is ours. The Work objects the real
-backend returns pass through, so `wait()` and `get_future()` behave as on a plain gloo or NCCL
-group, and the timeout is the real backend's own. Building the real backend with torch's
-creator reads torch's backend registry (`Backend._plugins`, as of torch 2.14): the same code
-for gloo, NCCL and MPI, and the real backend gets exactly the options a plain group would.
+Where the counting group cannot work (a torch whose c10d does not dispatch to Python groups, or a
+backend that refuses the wrapped calls), the run goes on with the plain group, uncounted, and says
+so in one line: the `comm/bytes_per_step` and `comm/compression_ratio` scalars are then absent.
+Collectives that name ranks of the world (`broadcast`, `barrier`, `all_gather_into_tensor`) need a
+group that torch registered; a hook of one's own that issues them gets its group's `inner` group.
 """
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -28,12 +27,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import Backend as C10dBackend
+
+log = logging.getLogger(__name__)
 
 Hook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
 
 FP32_BYTES = 4
-COUNTED_PREFIX = "counted_"
 
 
 @dataclass(frozen=True)
@@ -57,13 +56,29 @@ class CommMeter:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._step = StepComm()
+        self.counting = False  # whether the group's bytes are counted (see new_group)
 
     def new_group(self, backend: str, timeout: timedelta) -> dist.ProcessGroup:
-        """A process group of all ranks over `backend` (gloo, nccl, mpi) whose every collective this meter counts.
+        """A process group of all ranks over `backend` (gloo, nccl, mpi) whose collectives this meter counts.
 
-        Like `dist.new_group`, every rank must call it, in the same order as its other groups.
+        Like `dist.new_group`, every rank must call it, in the same order as its other groups. One
+        all-reduce of one number tries the counting group on every rank; where it fails (the same
+        way on every rank, which runs the same torch), the plain group is returned, uncounted.
         """
-        return dist.new_group(backend=register_counted_backend(backend), timeout=timeout, pg_options=self)
+        inner = dist.new_group(backend=backend, timeout=timeout)
+        group = CountingGroup(inner, self)
+        try:
+            probe = torch.zeros(1, device=_device_of(backend))
+            dist.all_reduce(probe, group=group)
+        except Exception as error:  # noqa: BLE001  any failure means: go on uncounted, never fail the run
+            reason = _first_cause(error)
+            log.warning(f"comm/bytes_per_step is not counted on this torch ({torch.__version__}) and backend "
+                        f"({backend}): {reason}; the run goes on with a plain {backend} group")
+            self.counting = False
+            return inner
+        self.take()  # the probe is not the hook's
+        self.counting = True
+        return group
 
     def wrap(self, hook: Hook) -> Hook:
         """The hook, timed from its call until its future completes."""
@@ -82,7 +97,7 @@ class CommMeter:
         return measured
 
     def count_collective(self, bytes_sent: int) -> None:
-        """One collective on the group, passing `bytes_sent` bytes in; called by its backend, on any thread."""
+        """One collective on the group, passing `bytes_sent` bytes in; called on any thread."""
         self._add(bytes_sent=bytes_sent, collectives=1)
 
     def take(self) -> StepComm:
@@ -100,6 +115,17 @@ class CommMeter:
             )
 
 
+def _first_cause(error: BaseException) -> str:
+    """The first line of the error a failure started with (torch's exception logger can raise another while reporting it)."""
+    while error.__context__ is not None:
+        error = error.__context__
+    return str(error).splitlines()[0] if str(error) else type(error).__name__
+
+
+def _device_of(backend: str) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+
 def _nbytes(tensors: Any) -> int:
     """Bytes of a tensor or of every tensor in a (nested) list of them."""
     if isinstance(tensors, torch.Tensor):
@@ -107,67 +133,31 @@ def _nbytes(tensors: Any) -> int:
     return sum(_nbytes(t) for t in tensors)
 
 
-# The collectives a CountingBackend forwards (torch's Python names for them, as c10d calls a Python
-# backend), each with the position of the argument holding what this process passes in; None: nothing.
-SENT_ARGUMENT: dict[str, int | None] = {
-    "allreduce": 0, "allreduce_coalesced": 0, "reduce": 0, "broadcast": 0,
-    "allgather": 1, "allgather_coalesced": 1, "all_gather_single": 1, "all_gather_single_coalesced": 1, "gather": 1,
-    "scatter": 1, "reduce_scatter": 1, "reduce_scatter_single": 1, "reduce_scatter_single_coalesced": 1,
-    "alltoall": 1, "all_to_all_single": 1, "send": 0, "recv": None, "barrier": None,
-}
+# The collectives a CountingGroup forwards (the ProcessGroup method names c10d calls), each with the
+# position of the argument holding what this process passes in.
+SENT_ARGUMENT: dict[str, int] = {"allreduce": 0, "allreduce_coalesced": 0, "allgather": 1, "reduce_scatter": 1}
 
 
-class CountingBackend(C10dBackend):
-    """A c10d backend that counts each collective's bytes with a CommMeter, then hands it to the real backend."""
+class CountingGroup(dist.ProcessGroup):
+    """A process group that counts each collective's bytes with a CommMeter, then hands it to `inner`."""
 
-    def __init__(self, inner: C10dBackend, meter: CommMeter, name: str) -> None:
+    def __init__(self, inner: dist.ProcessGroup, meter: CommMeter) -> None:
         super().__init__(inner.rank(), inner.size())
         self.inner = inner
         self.meter = meter
-        self._name = name
-
-    @property
-    def options(self) -> Any:
-        return self.inner.options  # the real backend's, timeout included
 
     def getBackendName(self) -> str:  # noqa: N802 (the name c10d calls)
-        return self._name
-
-    def shutdown(self) -> None:
-        self.inner.shutdown()
-
-    def abort(self) -> None:
-        self.inner.abort()
+        return f"counted_{self.inner.name()}"
 
 
-def _forwarding(name: str, sent_argument: int | None) -> Callable[..., Any]:
-    def collective(self: CountingBackend, *args: Any) -> Any:
-        self.meter.count_collective(_nbytes(args[sent_argument]) if sent_argument is not None else 0)
+def _forwarding(name: str, sent_argument: int) -> Callable[..., Any]:
+    def collective(self: CountingGroup, *args: Any) -> Any:
+        self.meter.count_collective(_nbytes(args[sent_argument]))
         return getattr(self.inner, name)(*args)
 
-    collective.__name__, collective.__qualname__ = name, f"CountingBackend.{name}"
+    collective.__name__, collective.__qualname__ = name, f"CountingGroup.{name}"
     return collective
 
 
 for _name, _argument in SENT_ARGUMENT.items():
-    setattr(CountingBackend, _name, _forwarding(_name, _argument))
-
-
-def register_counted_backend(backend: str) -> str:
-    """Register `counted_<backend>`, the counting wrapper of a built-in backend, once; returns its name.
-
-    Its creator builds the real backend with torch's own creator for `backend` (so the timeout,
-    the group's name and NCCL's communicator splitting are as on a plain group) and wraps it. The
-    group's `pg_options` is the CommMeter that counts; the real backend gets its default options.
-    """
-    name = COUNTED_PREFIX + backend
-    if name.upper() in dist.Backend._plugins:
-        return name
-    dist.Backend._ensure_backend_registered(backend)  # torch registers its built-in backends on first use
-    real = dist.Backend._plugins[backend.upper()]
-
-    def create(opts: Any, meter: CommMeter) -> CountingBackend:
-        return CountingBackend(real.creator_fn(opts, None), meter, name)
-
-    dist.Backend.register_backend(name, create, extended_api=True, devices=dist.Backend.backend_capability[backend])
-    return name
+    setattr(CountingGroup, _name, _forwarding(_name, _argument))

@@ -1,0 +1,94 @@
+"""`steps_per_execution` and `cuda_graphs`: several optimizer steps per training batch train what one a batch
+trains, counts stay counts of optimizer steps, and the settings are refused where they cannot work.
+
+CUDA graphs themselves need a GPU: tests/test_gpu.py runs them against eager steps.
+"""
+
+import pytest
+from lightning.pytorch.strategies import SingleDeviceStrategy
+
+from src.errors import UsageError
+from src.fast_path import GRAPHED_STEPS_PER_EXECUTION, FastSteps, resolve_fast_steps
+from tests.equivalence import checkpoint, deviation
+from tests.helpers import DATA_ROOT, scalars, train
+
+SMALL = [f"data.root={DATA_ROOT}", "precision=32", "data.batch_size=64", "trainer.limit_train_batches=4",
+         "trainer.limit_val_batches=2", "trainer.limit_test_batches=2", "trainer.enable_progress_bar=false",
+         "trainer.enable_model_summary=false", "optim.momentum=0.9"]
+
+
+def resolve(cuda_graphs="auto", steps="auto", **overrides) -> FastSteps:
+    args = dict(accelerator="gpu", world_size=1, strategy="auto", compile=False, trainer_args={}, supported=True)
+    return resolve_fast_steps(cuda_graphs, steps, **{**args, **overrides})
+
+
+def test_auto_takes_graphs_and_several_steps_only_on_one_cuda_device():
+    assert resolve() == FastSteps(GRAPHED_STEPS_PER_EXECUTION, cuda_graphs=True)
+    assert resolve(strategy=SingleDeviceStrategy()) == FastSteps(GRAPHED_STEPS_PER_EXECUTION, cuda_graphs=True)
+    assert resolve(accelerator="cpu") == FastSteps(1, cuda_graphs=False)
+    assert resolve(world_size=2) == FastSteps(1, cuda_graphs=False)
+    assert resolve(strategy=object()) == FastSteps(1, cuda_graphs=False)  # dp
+    assert resolve(compile=True) == FastSteps(1, cuda_graphs=False, compiled=True)
+    assert resolve(trainer_args={"accumulate_grad_batches": 2}) == FastSteps(1, cuda_graphs=False)
+    assert resolve(trainer_args={"gradient_clip_val": 1.0}) == FastSteps(1, cuda_graphs=False)
+    assert resolve(supported=False) == FastSteps(1, cuda_graphs=False)
+
+
+def test_auto_takes_the_largest_number_of_steps_that_divides_every_step_count():
+    assert resolve(step_counts={"trainer.limit_train_batches": 4}).steps_per_execution == 4
+    assert resolve(step_counts={"checkpoint.every_n_train_steps": 100, "trainer.max_steps": -1}).steps_per_execution == 4
+    assert resolve(step_counts={"trainer.max_steps": 7}).steps_per_execution == 1
+    assert resolve(steps=3, accelerator="cpu").steps_per_execution == 3  # explicit steps need no GPU
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    (dict(cuda_graphs=True, accelerator="cpu"), "cuda_graphs=true needs a CUDA device; use cuda_graphs=auto or false"),
+    (dict(cuda_graphs=True, compile=True), "cuda_graphs=true needs compile=false; use cuda_graphs=auto or false"),
+    (dict(steps=4, world_size=2), "steps_per_execution=4 needs a strategy of one process on one device (strategy=auto)"),
+    (dict(steps=4, trainer_args={"accumulate_grad_batches": 2}), "steps_per_execution=4 needs trainer.accumulate_grad_batches=1"),
+    (dict(steps=3, step_counts={"trainer.limit_train_batches": 4}),
+     "steps_per_execution=3 does not divide trainer.limit_train_batches=4; use a divisor of it"),
+])
+def test_what_cannot_work_is_refused_naming_the_option(kwargs, message):
+    with pytest.raises(UsageError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        resolve(**{"cuda_graphs": kwargs.pop("cuda_graphs", "auto"), "steps": kwargs.pop("steps", "auto"), **kwargs})
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, data_root):
+    """Two epochs of 4 steps with one step a batch and with two; one epoch with one step a batch, resumed with two."""
+    root = tmp_path_factory.mktemp("fast_steps")
+    dirs = {name: root / name for name in ("one", "two", "first_epoch", "resumed")}
+    results = [
+        train(*SMALL, "max_epochs=2", "steps_per_execution=1", f"hydra.run.dir={dirs['one']}"),
+        train(*SMALL, "max_epochs=2", "steps_per_execution=2", f"hydra.run.dir={dirs['two']}"),
+        train(*SMALL, "max_epochs=1", "steps_per_execution=1", f"hydra.run.dir={dirs['first_epoch']}"),
+    ]
+    results.append(train(*SMALL, "max_epochs=2", "steps_per_execution=2", f"hydra.run.dir={dirs['resumed']}",
+                         f"ckpt_path={dirs['first_epoch'] / 'checkpoints' / 'last.ckpt'}"))
+    for result in results:
+        assert result.returncode == 0, result.stderr[-3000:]
+    return dirs
+
+
+def test_two_steps_a_batch_train_what_one_step_a_batch_trains(runs):
+    one, two = checkpoint(runs["one"]), checkpoint(runs["two"])
+    assert one["global_step"] == two["global_step"] == 8  # limit_train_batches counts optimizer steps either way
+    assert deviation(two, one) < 1e-4
+    assert scalars(runs["two"])["train/loss"] == pytest.approx(scalars(runs["one"])["train/loss"], rel=1e-5)
+
+
+def test_a_checkpoint_resumes_across_steps_per_execution(runs):
+    resumed, one = checkpoint(runs["resumed"]), checkpoint(runs["one"])
+    assert resumed["global_step"] == 8  # the 4 steps taken before the checkpoint count
+    assert deviation(resumed, one) < 1e-4
+
+
+def test_a_count_that_the_steps_do_not_divide_is_one_line(tmp_path, data_root):
+    run_dir = tmp_path / "run"
+    result = train(*SMALL, "steps_per_execution=3", f"hydra.run.dir={run_dir}")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: steps_per_execution=3 does not divide trainer.limit_train_batches=4; use a divisor of it, "
+        "or steps_per_execution=auto")
+    assert "Traceback" not in result.stderr and not run_dir.exists()
