@@ -8,6 +8,9 @@ A run folder's `checkpoints/` holds:
 """
 
 import os
+import pickle
+import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,12 +24,41 @@ RESUMABLE = ("last.ckpt", "step.ckpt")  # in order of preference when both hold 
 CKPT_WORDS = ("last", "auto")
 
 
+def read_checkpoint(path: _PATH, mmap: bool = False) -> Any:
+    """A checkpoint's contents, unpickled as tensors and plain values only, so that reading a file never runs
+    code it carries. A run's own checkpoints hold nothing else (`RunState` keeps its generators as tensors)."""
+    return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+
+
+def unsafe_content(error: BaseException) -> str | None:
+    """What torch's weights-only unpickler refused in a file, e.g. `getattr`; None for any other failure
+    (a truncated or foreign file), which says nothing about what the file would run."""
+    message = str(error)
+    if not isinstance(error, pickle.UnpicklingError) or not message.startswith("Weights only load failed"):
+        return None
+    named = re.search(r"GLOBAL (\S+)", message)
+    return named.group(1) if named else "an object that is no tensor or plain value"
+
+
+def keep_storage(storage: Any, location: str) -> Any:
+    """Lightning's default `map_location`: every tensor stays where it was saved."""
+    return storage
+
+
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """Writes a checkpoint beside its final name, then renames it into place.
+    """Writes a checkpoint beside its final name, then renames it into place; reads one as tensors and
+    plain values only.
 
     Lightning's own save goes through a temporary file in /tmp and a move, which is a copy when
     /tmp is another filesystem: a run killed during that copy would leave a truncated `last.ckpt`.
+    Lightning's own load (`trainer.fit(ckpt_path=...)`, a SLURM requeue's `hpc_ckpt_*.ckpt`) leaves
+    `weights_only` to torch, whose default turns unsafe under `TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1`.
     """
+
+    def load_checkpoint(
+        self, path: _PATH, map_location: Callable | None = keep_storage, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        return super().load_checkpoint(path, map_location=map_location, weights_only=True)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
         path = Path(path)
@@ -41,9 +73,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
 def saved_step(path: Path) -> int:
     """The optimizer step a checkpoint was saved at, read without loading its tensors; -1 for a file
-    that is no Lightning checkpoint (`checks.check_checkpoint` says what is wrong with it)."""
+    that is no Lightning checkpoint or not a safe one (`checks.check_checkpoint` says what is wrong with it)."""
     try:
-        return int(torch.load(path, map_location="cpu", weights_only=False, mmap=True)["global_step"])
+        return int(read_checkpoint(path, mmap=True)["global_step"])
     except Exception:
         return -1
 

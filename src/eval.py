@@ -11,22 +11,56 @@ the `test/acc` and `test/loss` scalars in `outputs/eval/<date>_<time>_<model>_<s
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from src.errors import UsageError
 from src.launch import cli
 from src.train import run
+
+
+def config_file(ckpt_path: object) -> Path:
+    """Where the run that wrote `ckpt_path` (a checkpoint or a run folder) keeps its resolved config."""
+    path = Path(str(ckpt_path))
+    return (path if path.is_dir() else path.parent.parent) / "config.yaml"
 
 
 def run_config(ckpt_path: str | None) -> DictConfig | None:
     """The resolved config of the run that wrote `ckpt_path` (a checkpoint or a run folder), if it is there."""
     if ckpt_path is None:
         return None
-    path = Path(str(ckpt_path))
-    config = (path if path.is_dir() else path.parent.parent) / "config.yaml"
+    config = config_file(ckpt_path)
     return OmegaConf.load(config) if config.is_file() else None  # type: ignore[return-value]
+
+
+def targets(node: Any, prefix: str = "model") -> dict[str, Any]:
+    """Every `_target_` of a config (a plain container, unresolved) by its dotted key: what building it calls."""
+    found: dict[str, Any] = {}
+    if isinstance(node, dict):
+        found |= {f"{prefix}._target_": node["_target_"]} if "_target_" in node else {}
+        for key, value in node.items():
+            found |= targets(value, f"{prefix}.{key}")
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            found |= targets(value, f"{prefix}[{i}]")
+    return found
+
+
+def check_targets(saved: DictConfig, composed: DictConfig, ckpt_path: object, model_name: str) -> None:
+    """A run folder's `config.yaml` may change the model's values, never what is called to build it: a copied or
+    downloaded folder could otherwise run any function through a `_target_`. No command line can type one."""
+    ours, theirs = (targets(OmegaConf.to_container(c, resolve=False)) for c in (composed, saved))
+    differ = sorted(key for key in ours.keys() | theirs.keys() if ours.get(key) != theirs.get(key))
+    if differ:
+        key = differ[0]
+        raise UsageError(
+            f"ckpt_path={ckpt_path} is not allowed; {config_file(ckpt_path)} builds the model with {key}={theirs.get(key)} "
+            f"where model={model_name} has {ours.get(key)}, and a run's config may change the model's values, not what "
+            f"builds it; move that file away to score with model={model_name} as configured here"
+        )
 
 
 def trained_model(cfg: DictConfig, overrides: list[str]) -> DictConfig:
@@ -36,9 +70,10 @@ def trained_model(cfg: DictConfig, overrides: list[str]) -> DictConfig:
     `model.loss.label_smoothing=0.1`) and give a wrong shape or a different loss.
     """
     saved = None if OmegaConf.is_missing(cfg, "ckpt_path") else run_config(cfg.ckpt_path)
-    if saved is None or saved.get("model_name") != cfg.model_name or "model" not in saved:
+    if saved is None or saved.get("model_name") != cfg.model_name or not isinstance(saved.get("model"), DictConfig):
         return cfg.model
     model = saved.model
+    check_targets(model, cfg.model, cfg.ckpt_path, cfg.model_name)
     for key in (override.split("=", 1)[0] for override in overrides):  # the checks allow only `model.<known key>=`
         if key.startswith("model."):
             path = key.removeprefix("model.")

@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import hydra
-import torch
 from hydra.utils import instantiate
 from lightning import Callback, Trainer, seed_everything
 from lightning.pytorch.loggers import TensorBoardLogger
@@ -23,7 +22,7 @@ from torch.utils.tensorboard.summary import hparams
 
 from src import checks
 from src.launch import cli, stopping
-from src.checkpoints import AtomicCheckpointIO, checkpoint_to_evaluate, resolve_ckpt_path, saved_step
+from src.checkpoints import AtomicCheckpointIO, checkpoint_to_evaluate, read_checkpoint, resolve_ckpt_path, saved_step
 from src.data.fashion_mnist import per_process_batch
 from src.launch.ddp_jobs import is_launching_process, is_rank_zero, job_scope
 from src.errors import UsageError
@@ -172,11 +171,12 @@ def run(cfg: DictConfig, fit: bool = True) -> dict[str, float]:
     with job_scope(), checks.trainer_input_errors():
         metrics: dict[str, float] = {}
         if fit:
-            trainer.fit(module, datamodule=datamodule, ckpt_path=None if ckpt_path is None else str(ckpt_path))
+            trainer.fit(module, datamodule=datamodule, ckpt_path=None if ckpt_path is None else str(ckpt_path),
+                        weights_only=True)
             metrics = scalar_metrics(trainer)
         else:  # the weights alone: the training run's callbacks and loops have nothing to do here
-            module.load_state_dict(torch.load(ckpt_path, map_location="cpu", weights_only=True)["state_dict"])
-        trainer.test(module, datamodule=datamodule, verbose=False)
+            module.load_state_dict(read_checkpoint(ckpt_path)["state_dict"])
+        trainer.test(module, datamodule=datamodule, verbose=False, weights_only=True)  # SLURM: Lightning may load hpc_ckpt_*
         metrics.update(scalar_metrics(trainer))
     epoch_times = next((c.epoch_times for c in callbacks if hasattr(c, "epoch_times")), [])
     if epoch_times:

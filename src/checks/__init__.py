@@ -33,6 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from src.launch.ddp_jobs import external_rank, is_rank_zero
+from src.checkpoints import read_checkpoint, unsafe_content
 from src.errors import UsageError
 from src.fast_path import auto_precision
 from src.checks.schema import ACCELERATORS, PRECISIONS, SCHEMA, shown
@@ -373,12 +374,19 @@ def _instantiate(group: str, cfg: DictConfig, **kwargs: Any) -> Any:
 
 
 def check_checkpoint(path: Path | None, given: object, module: torch.nn.Module, model_name: str) -> None:
-    """A checkpoint to resume must be a Lightning checkpoint of this very model, known before training starts."""
+    """A checkpoint to resume must be a Lightning checkpoint of this very model, known before training starts,
+    and hold only tensors and plain values: unpickling anything else could run code the file carries."""
     if path is None:
         return
     try:  # Lightning reads the same file right after; mapped, this check reads little more than the shapes
-        state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        state = read_checkpoint(path, mmap=True)
     except Exception as error:
+        if (refused := unsafe_content(error)) is not None:
+            raise not_allowed(
+                "ckpt_path", given,
+                f"{path} is not a safe checkpoint: it holds objects that cannot be loaded safely ({refused}); "
+                "a checkpoint is read as tensors and plain values only, so that loading it cannot run code",
+            ) from None
         reason = f"{type(error).__name__}: {str(error).splitlines()[0]}" if str(error) else type(error).__name__
         raise not_allowed("ckpt_path", given, f"{path} is not a checkpoint file ({reason})") from None
     weights = state.get("state_dict") if isinstance(state, dict) else None

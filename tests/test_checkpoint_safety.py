@@ -1,0 +1,169 @@
+"""A checkpoint file never runs code: every read unpickles tensors and plain values only.
+
+A malicious checkpoint below is a real `torch.save` zip whose pickle, loaded with `weights_only=False`,
+creates a marker file. Given to a run, a resume or `src.eval`, it ends in one `error:` line, exit
+status 2, and the marker never appears, also with `TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1`, which turns
+torch's own default (and so Lightning's) unsafe. A checkpoint a run writes still resumes and evaluates.
+"""
+
+import pathlib
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+from hydra.utils import instantiate
+from lightning import LightningModule, Trainer
+from omegaconf import OmegaConf
+from torch.utils.data import DataLoader, TensorDataset
+
+from src.checkpoints import AtomicCheckpointIO, newest_checkpoint, read_checkpoint, saved_step
+from src.checks import check_checkpoint
+from src.errors import UsageError
+from src.eval import trained_model
+from src.models.module import Classifier
+from tests.helpers import DATA_ROOT, QUICK, run_cli, train
+from tests.test_bad_input import composed
+
+UNSAFE = "is not a safe checkpoint: it holds objects that cannot be loaded safely"
+
+
+class Touch:
+    """Unpickled without restriction, creates `marker`: what any code a pickle carries could do instead."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return pathlib.Path.touch, (pathlib.Path(self.marker),)
+
+
+def malicious_checkpoint(path: Path, marker: Path) -> Path:
+    """A LeNet checkpoint in every other respect: right weights' names and shapes, epoch and step."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    module = Classifier(instantiate(composed("model=lenet").model.net))
+    torch.save({"state_dict": module.state_dict(), "epoch": 0, "global_step": 4, "callbacks": {"RunState": Touch(marker)}}, path)
+    return path
+
+
+@pytest.fixture
+def unsafe_default(monkeypatch):
+    """torch.load's own default made unsafe, as a user's environment may have it."""
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+
+
+def test_the_malicious_checkpoint_runs_code_when_loaded_without_weights_only(tmp_path):
+    marker = tmp_path / "marker"
+    torch.load(malicious_checkpoint(tmp_path / "bad.ckpt", marker), weights_only=False)
+    assert marker.is_file(), "the payload works: the tests below show that it is never run"
+
+
+def test_every_read_of_a_checkpoint_refuses_it_without_running_it(tmp_path, unsafe_default):
+    marker = tmp_path / "marker"
+    bad = malicious_checkpoint(tmp_path / "run" / "checkpoints" / "last.ckpt", marker)
+    lenet = Classifier(instantiate(composed("model=lenet").model.net))
+    with pytest.raises(pickle.UnpicklingError):
+        read_checkpoint(bad)
+    assert saved_step(bad) == -1 and newest_checkpoint(tmp_path / "run") == bad
+    with pytest.raises(UsageError) as caught:
+        check_checkpoint(bad, "last", lenet, "lenet")
+    assert str(caught.value).startswith(f"ckpt_path=last is not allowed; {bad} {UNSAFE} (getattr)")
+    with pytest.raises(pickle.UnpicklingError):
+        AtomicCheckpointIO().load_checkpoint(bad, weights_only=False)
+    assert not marker.exists()
+
+
+class Tiny(LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(2, 1)
+
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch[0]).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_lightnings_own_load_through_the_runs_checkpoint_io_is_safe(tmp_path, unsafe_default):
+    """What Lightning reads itself (a resume, a SLURM requeue's `hpc_ckpt_*`) goes through the run's checkpoint IO."""
+    marker = tmp_path / "marker"
+    bad = malicious_checkpoint(tmp_path / "bad.ckpt", marker)
+    trainer = Trainer(max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False, plugins=[AtomicCheckpointIO()], default_root_dir=tmp_path)
+    with pytest.raises(pickle.UnpicklingError):
+        trainer.fit(Tiny(), DataLoader(TensorDataset(torch.ones(4, 2))), ckpt_path=str(bad))
+    assert not marker.exists()
+
+
+def refused_in_one_line(result, message: str) -> None:
+    assert result.returncode == 2, result.stderr[-3000:]
+    lines = result.stderr.strip().splitlines()
+    assert lines[-1].startswith("error: ") and message in lines[-1], lines[-1]
+    assert "Traceback" not in result.stderr and len([line for line in lines if line.startswith("error: ")]) == 1
+
+
+def test_train_refuses_a_malicious_checkpoint(tmp_path, data_root, unsafe_default):
+    marker, run_dir = tmp_path / "marker", tmp_path / "run"
+    bad = malicious_checkpoint(tmp_path / "given" / "bad.ckpt", marker)
+    result = train(*QUICK, f"ckpt_path={bad}", f"hydra.run.dir={run_dir}")
+    refused_in_one_line(result, f"error: ckpt_path={bad} is not allowed; {bad} {UNSAFE} (getattr)")
+    assert not marker.exists() and not run_dir.exists()
+
+
+def test_resume_refuses_a_malicious_last_checkpoint_and_keeps_the_folder(tmp_path, data_root, unsafe_default):
+    marker, run_dir = tmp_path / "marker", tmp_path / "run"
+    bad = malicious_checkpoint(run_dir / "checkpoints" / "last.ckpt", marker)
+    result = train(*QUICK, "ckpt_path=last", f"hydra.run.dir={run_dir}")
+    refused_in_one_line(result, f"error: ckpt_path=last is not allowed; {bad} {UNSAFE} (getattr)")
+    assert not marker.exists()
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["last.ckpt"]
+    assert not (run_dir / "config.yaml").exists() and not list(run_dir.glob("events.out.tfevents.*"))
+
+
+def test_eval_refuses_a_malicious_checkpoint(tmp_path, data_root, unsafe_default):
+    marker, eval_dir = tmp_path / "marker", tmp_path / "eval"
+    bad = malicious_checkpoint(tmp_path / "given" / "bad.ckpt", marker)
+    result = run_cli("src.eval", f"data.root={DATA_ROOT}", "debug=quick", f"ckpt_path={bad}", f"hydra.run.dir={eval_dir}")
+    refused_in_one_line(result, f"error: ckpt_path={bad} is not allowed; {bad} {UNSAFE} (getattr)")
+    assert not marker.exists() and not eval_dir.exists()
+
+
+def test_eval_refuses_a_run_config_that_builds_the_model_with_another_function(tmp_path):
+    """`src.eval ckpt_path=<run folder>` builds the model its `config.yaml` describes; a `_target_` there is code."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    cfg = composed("model=lenet")
+    saved = OmegaConf.create({"model_name": "lenet", "model": OmegaConf.to_container(cfg.model, resolve=True)})
+    saved.model.net = {"_target_": "pathlib.Path.touch", "self": str(tmp_path / "marker")}
+    OmegaConf.save(saved, run_dir / "config.yaml")
+    cfg.ckpt_path = str(run_dir)
+    with pytest.raises(UsageError) as caught:
+        trained_model(cfg, [])
+    assert str(caught.value).startswith(
+        f"ckpt_path={run_dir} is not allowed; {run_dir / 'config.yaml'} builds the model with "
+        "model.net._target_=pathlib.Path.touch where model=lenet has src.models.lenet.LeNet")
+    saved.model.net = OmegaConf.to_container(cfg.model.net, resolve=True)
+    saved.model.loss.label_smoothing = 0.1  # a value, not a function: the run's own
+    OmegaConf.save(saved, run_dir / "config.yaml")
+    assert trained_model(cfg, []).loss.label_smoothing == 0.1
+
+
+@pytest.mark.slow
+def test_a_checkpoint_written_by_a_run_resumes_and_evaluates(tmp_path, data_root):
+    """Everything a run saves (RunState's generators, val/acc_best, loops, momentum, hyper-parameters) is plain."""
+    run_dir = tmp_path / "run"
+    args = [*QUICK, "optim.momentum=0.9", "checkpoint.every_n_train_steps=2"]
+    first = train(*args, f"hydra.run.dir={run_dir}")
+    assert first.returncode == 0, first.stderr[-3000:]
+    for path in sorted((run_dir / "checkpoints").glob("*.ckpt")):
+        state = read_checkpoint(path)
+        assert "RunState" in state["callbacks"] and state["optimizer_states"][0]["state"], path.name
+        assert "val_acc_best.max_value" in state["state_dict"] and state["loops"]["fit_loop"] and state["hyper_parameters"]
+    resumed = train(*args, "max_epochs=2", "ckpt_path=last", f"hydra.run.dir={run_dir}")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"Restoring states from the checkpoint path at {run_dir / 'checkpoints'}" in resumed.stdout
+    assert read_checkpoint(run_dir / "checkpoints" / "last.ckpt")["epoch"] == 1
+    scored = run_cli("src.eval", f"data.root={DATA_ROOT}", "debug=quick", f"ckpt_path={run_dir}", f"hydra.run.dir={tmp_path / 'eval'}")
+    assert scored.returncode == 0, scored.stderr[-3000:]
+    assert len([line for line in scored.stdout.splitlines() if "test/acc=" in line]) == 1
