@@ -1,4 +1,4 @@
-"""The Docker files, checked without a Docker engine: they parse, and they agree with pyproject.toml and the config."""
+"""The Docker files, checked without a Docker engine: they parse, and they agree with pyproject.toml, constraints.txt and the config."""
 
 import json
 import re
@@ -9,6 +9,8 @@ import pytest
 import torch
 import yaml
 from omegaconf import OmegaConf
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
 
 from tests.helpers import REPO
 
@@ -35,10 +37,30 @@ def instructions(dockerfile: Path) -> list[tuple[str, str]]:
     return result
 
 
-def pyproject_pins() -> dict[str, str]:
+def pins(path: Path) -> dict[str, str]:
+    """name -> version of every `name==version` line of a constraints file."""
+    lines = [line.split("#")[0].strip() for line in path.read_text().splitlines()]
+    return {name.lower(): version for name, version in (PIN.fullmatch(line).groups() for line in lines if line)}
+
+
+def requirements() -> dict[str, SpecifierSet]:
+    """name -> the versions pyproject.toml allows, extras included."""
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     specs = project["dependencies"] + [s for extra in project["optional-dependencies"].values() for s in extra]
-    return {name.lower(): version for name, version in (PIN.fullmatch(s).groups() for s in specs)}
+    return {(r := Requirement(s)).name.lower(): r.specifier for s in specs}
+
+
+@pytest.mark.parametrize("constraints", ["constraints.txt", ".ci/oldest.txt"])
+def test_each_known_good_set_pins_every_dependency_within_its_range(constraints):
+    pinned, allowed = pins(REPO / constraints), requirements()
+    assert pinned.keys() == allowed.keys()
+    for name, version in pinned.items():
+        assert allowed[name].contains(version), f"{constraints}: {name}=={version} is outside pyproject.toml's {allowed[name]}"
+
+
+def test_ci_and_the_docker_image_install_the_known_good_set(steps):
+    assert "-c constraints.txt" in (REPO / ".ci" / "run").read_text()
+    assert any(k == "RUN" and re.search(r"pip install -c constraints\.txt \.(\s|$)", a) for k, a in steps)
 
 
 @pytest.fixture(scope="module")
@@ -96,13 +118,13 @@ def test_every_copy_source_exists_and_is_not_ignored(steps):
         assert "*" not in ignore or source.rstrip("/") in kept, f"{source} is excluded by the .dockerignore"
 
 
-def test_no_pin_in_the_docker_files_differs_from_pyproject():
-    pins = pyproject_pins()
+def test_no_pin_in_the_docker_files_differs_from_the_known_good_set():
+    known = pins(REPO / "constraints.txt")
     files = [*DOCKER.iterdir(), REPO / "docs" / "docker.md"]
     for path in files:
         for name, version in PIN.findall(path.read_text()):
-            assert name.lower() in pins, f"{path.name} pins {name}, which pyproject.toml does not"
-            assert version == pins[name.lower()], f"{path.name}: {name}=={version}, pyproject.toml has {pins[name.lower()]}"
+            assert name.lower() in known, f"{path.name} pins {name}, which constraints.txt does not"
+            assert version == known[name.lower()], f"{path.name}: {name}=={version}, constraints.txt has {known[name.lower()]}"
 
 
 def _mounts(service: dict) -> dict[str, Path]:
