@@ -1,0 +1,116 @@
+"""What a person reads: error and log lines beside progress bars, the model summary, the result
+line, `--help` and `python -m src.sysinfo`."""
+
+import io
+import logging
+import sys
+import threading
+
+import pytest
+from hydra import compose, initialize_config_dir
+from tqdm import tqdm
+
+from src.checks import CONF_DIR
+from src.launch.console import ConsoleHandler, open_progress_bars, print_error
+
+
+def screen(text: str) -> list[str]:
+    """The lines a terminal shows for `text`: a carriage return goes back to the line's start and
+    what follows overwrites it (cursor movement between nested bars is not needed here)."""
+    lines = []
+    for raw in text.split("\n"):
+        line: list[str] = []
+        column = 0
+        for char in raw:
+            if char == "\r":
+                column = 0
+                continue
+            line[column:column + 1] = [char]
+            column += 1
+        lines.append("".join(line).rstrip())
+    return lines
+
+
+@pytest.fixture(autouse=True)
+def no_bar_left_open():
+    yield
+    for bar in open_progress_bars():
+        bar.close()
+
+
+def to_terminal(monkeypatch) -> io.StringIO:
+    """One stream for the bars and stderr, as in a terminal or with `2>&1`."""
+    stream = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", stream)
+    return stream
+
+
+def a_bar(stream: io.StringIO, **kwargs) -> tqdm:
+    bar = tqdm(total=10, desc="Epoch 0", file=stream, ncols=60, mininterval=0, **kwargs)
+    bar.update(3)
+    return bar
+
+
+def test_an_error_starts_a_line_of_its_own_below_a_progress_bar(monkeypatch):
+    terminal = to_terminal(monkeypatch)
+    bar = a_bar(terminal, leave=True)
+    print_error("train/loss is nan")
+    lines = screen(terminal.getvalue())
+    assert lines[-1] == "" and lines[-2] == "error: train/loss is nan", lines
+    assert lines[-3].startswith("Epoch 0:  30%"), "the bar keeps its last state"
+    assert bar not in open_progress_bars()
+    bar.close()  # Lightning or interpreter exit closing it again draws nothing more
+    assert screen(terminal.getvalue())[-2] == "error: train/loss is nan"
+
+
+def test_a_validation_bar_below_the_epoch_bar_is_cleared(monkeypatch):
+    terminal = to_terminal(monkeypatch)
+    bars = [a_bar(terminal, leave=True), a_bar(terminal, leave=False, position=1)]  # as Lightning holds them
+    print_error("run stopped by SIGTERM")
+    assert terminal.getvalue().endswith("\nerror: run stopped by SIGTERM\n")
+    assert not open_progress_bars() and all(bar.disable for bar in bars)
+
+
+@pytest.mark.parametrize("bar", ["none", "disabled", "closed"])
+def test_without_a_bar_on_screen_the_error_line_is_all_that_is_written(monkeypatch, bar):
+    terminal = to_terminal(monkeypatch)
+    if bar != "none":
+        shown = a_bar(terminal, disable=bar == "disabled")
+        shown.close()
+    before = terminal.getvalue()
+    print_error("optim.lr=-1 is not allowed")
+    assert terminal.getvalue() == before + "error: optim.lr=-1 is not allowed\n"
+
+
+def test_another_thread_starts_the_error_with_a_newline_and_leaves_the_bar(monkeypatch):
+    terminal = to_terminal(monkeypatch)
+    bar = a_bar(terminal, leave=True)
+    thread = threading.Thread(target=print_error, args=("rank 1 died",))
+    thread.start()
+    thread.join()
+    assert terminal.getvalue().endswith("\nerror: rank 1 died\n")
+    assert bar in open_progress_bars()
+
+
+def test_a_log_line_goes_above_the_bar_not_on_its_end():
+    stream = io.StringIO()
+    handler = ConsoleHandler(stream)
+    record = logging.LogRecord("src.callbacks.timing", logging.INFO, __file__, 1, "epoch 1/1 step 4", None, None)
+    bar = a_bar(stream, leave=True)
+    handler.emit(record)
+    bar.close()
+    lines = screen(stream.getvalue())
+    assert "epoch 1/1 step 4" in lines and lines[-2].startswith("Epoch 0:  30%"), lines
+    plain = io.StringIO()
+    ConsoleHandler(plain).emit(record)
+    assert plain.getvalue() == "epoch 1/1 step 4\n", "without a bar it is Hydra's stream handler"
+
+
+def hydra_config(name: str, *overrides: str):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(name, overrides=list(overrides), return_hydra_config=True)
+
+
+def test_the_console_log_handler_is_the_bar_aware_one():
+    handler = hydra_config("train").hydra.job_logging.handlers.console
+    assert handler["class"] == "src.launch.console.ConsoleHandler" and handler.stream == "ext://sys.stdout"
