@@ -22,6 +22,7 @@ from tensorboard.backend.event_processing.event_file_loader import EventFileLoad
 from torch.utils.tensorboard.summary import hparams
 
 from src import checks
+from src.callbacks.model_summary import without_zero_flops
 from src.launch import cli, stopping
 from src.checkpoints import AtomicCheckpointIO, checkpoint_to_evaluate, resolve_ckpt_path, saved_step
 from src.data.fashion_mnist import per_process_batch
@@ -153,6 +154,7 @@ def run(cfg: DictConfig, fit: bool = True) -> dict[str, float]:
         max_epochs=cfg.max_epochs, logger=logger, callbacks=callbacks, plugins=plugins,
         default_root_dir=str(output_dir), use_distributed_sampler=False, **trainer_args,
     )
+    trainer.callbacks = without_zero_flops(trainer.callbacks)
     stopping.attach(trainer)
     with job_scope(), checks.trainer_input_errors():
         metrics: dict[str, float] = {}

@@ -3,13 +3,19 @@ line, `--help` and `python -m src.sysinfo`."""
 
 import io
 import logging
+import re
 import sys
 import threading
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
+from lightning import LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelSummary
+from lightning.pytorch.utilities.model_summary import summarize
 from tqdm import tqdm
 
+from src.callbacks.model_summary import SummaryWithoutZeroFlops, without_zero_flops
 from src.checks import CONF_DIR
 from src.launch.console import ConsoleHandler, open_progress_bars, print_error
 
@@ -114,3 +120,33 @@ def hydra_config(name: str, *overrides: str):
 def test_the_console_log_handler_is_the_bar_aware_one():
     handler = hydra_config("train").hydra.job_logging.handlers.console
     assert handler["class"] == "src.launch.console.ConsoleHandler" and handler.stream == "ext://sys.stdout"
+
+
+class Tiny(LightningModule):
+    def __init__(self, example: bool) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 2)
+        if example:
+            self.example_input_array = torch.zeros(1, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x)
+
+
+@pytest.mark.parametrize("example", [False, True])
+def test_the_model_summary_shows_flops_only_when_it_counted_them(caplog, example):
+    summary = summarize(Tiny(example))
+    caplog.set_level(logging.INFO, logger="src.callbacks.model_summary")
+    SummaryWithoutZeroFlops.summarize(summary._get_summary_data(), summary.total_parameters, summary.trainable_parameters,
+                                      summary.model_size, summary.total_training_modes, summary.total_flops)
+    table = caplog.messages[-1]
+    assert "Total params" in table and "Modules in eval mode" in table
+    assert ("FLOPs" in table and "Total Flops" in table) == example
+    assert not re.search(r"^0\s+Total Flops", table, flags=re.M)
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_lightnings_model_summary_is_replaced_and_none_is_added(enabled):
+    trainer = Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=enabled)
+    callbacks = without_zero_flops(trainer.callbacks)
+    assert [type(c) for c in callbacks if isinstance(c, ModelSummary)] == ([SummaryWithoutZeroFlops] if enabled else [])
