@@ -26,6 +26,7 @@ from src.callbacks.model_summary import without_zero_flops
 from src.launch import cli, stopping
 from src.checkpoints import AtomicCheckpointIO, checkpoint_to_evaluate, resolve_ckpt_path, saved_step
 from src.data.fashion_mnist import per_process_batch
+from src.launch.console import processes
 from src.launch.ddp_jobs import is_launching_process, is_rank_zero, job_scope
 from src.errors import UsageError
 from src.fast_path import cudnn_benchmark, speed_up
@@ -171,7 +172,7 @@ def run(cfg: DictConfig, fit: bool = True) -> dict[str, float]:
     if trainer.is_global_zero:
         if purge_step is None or not has_hparams(output_dir):  # a run resumed in its folder keeps the one record
             log_hparams(logger, run_hparams(cfg, trainer, optimizer.keywords["lr"]), metrics)
-        log.info(result_line(metrics, fit, f"{precision}, {world_size} process(es)", ckpt_path, output_dir))
+        log.info(result_line(metrics, fit, f"precision {precision}, {processes(world_size)}", ckpt_path, output_dir))
     return metrics
 
 

@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from src.callbacks.model_summary import SummaryWithoutZeroFlops, without_zero_flops
 from src.checks import CONF_DIR
-from src.launch.console import ConsoleHandler, open_progress_bars, print_error
+from src.launch.console import ConsoleHandler, counted, open_progress_bars, print_error, processes
 
 
 def screen(text: str) -> list[str]:
@@ -150,3 +150,8 @@ def test_lightnings_model_summary_is_replaced_and_none_is_added(enabled):
     trainer = Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=enabled)
     callbacks = without_zero_flops(trainer.callbacks)
     assert [type(c) for c in callbacks if isinstance(c, ModelSummary)] == ([SummaryWithoutZeroFlops] if enabled else [])
+
+
+def test_counts_are_said_in_words():
+    assert (processes(1), processes(2)) == ("1 process", "2 processes")
+    assert (counted(1, "run"), counted(3, "run"), counted(0, "sweep job")) == ("1 run", "3 runs", "0 sweep jobs")

@@ -32,6 +32,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from src.launch.console import counted
 from src.launch.ddp_jobs import external_rank, is_rank_zero
 from src.errors import UsageError
 from src.fast_path import auto_precision
@@ -313,7 +314,7 @@ def resolve_precision(requested: object, accelerator: str) -> str:
 
 def check_devices(accelerator: str, devices: int) -> None:
     if accelerator == "gpu" and devices > torch.cuda.device_count():
-        raise UsageError(f"devices={devices} but this machine has {torch.cuda.device_count()} CUDA device(s)")
+        raise UsageError(f"devices={devices} but this machine has {counted(torch.cuda.device_count(), 'CUDA device')}")
 
 
 def check_trainer_args(trainer_cfg: dict) -> None:

@@ -17,7 +17,7 @@ from omegaconf import DictConfig
 
 from src import checks
 from src.launch import stopping
-from src.launch.console import print_error
+from src.launch.console import counted, print_error
 from src.launch.ddp_jobs import child_argv, is_rank_zero
 from src.errors import TrainingDiverged, UsageError
 
@@ -72,6 +72,6 @@ def run_entry(hydra_main: Callable[[], object]) -> None:
     with stopping.stop_cleanly():  # a signal outside a job: while Hydra starts, between sweep jobs
         hydra_main()
     if failed_jobs:
-        print_error(f"{len(failed_jobs)} sweep job(s) failed: {' | '.join(failed_jobs)}")
+        print_error(f"{counted(len(failed_jobs), 'sweep job')} failed: {' | '.join(failed_jobs)}")
         sys.exit(max(failed_jobs.values()))
     stopping.end_child()

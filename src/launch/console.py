@@ -1,4 +1,5 @@
-"""What a person reads on the terminal: lines that start at the left edge while a progress bar shows.
+"""What a person reads on the terminal: lines that start at the left edge while a progress bar shows,
+and counts said in words.
 
 A tqdm bar leaves the cursor after its last character, so a line printed while one shows would
 continue the bar's line.
@@ -61,3 +62,12 @@ class ConsoleHandler(logging.StreamHandler):
         except Exception:
             self.handleError(record)
 
+
+def counted(count: int, noun: str, nouns: str | None = None) -> str:
+    """`1 run`, `2 runs`: a count with its noun in the right number, rather than `run(s)`."""
+    return f"{count} {noun if count == 1 else nouns or noun + 's'}"
+
+
+def processes(count: int) -> str:
+    """`1 process`, `2 processes`."""
+    return counted(count, "process", "processes")
