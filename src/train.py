@@ -39,6 +39,9 @@ register_resolvers()
 warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")  # torch 2.14 vs Lightning 2.6
 # The comm/ epoch means are rank 0's own figures by design (src/callbacks/comm.py), not a sum over ranks.
 warnings.filterwarnings("ignore", message=r"It is recommended to use `self.log\('comm/")
+# Every scalar has per-epoch points (comm/ its `_epoch` means), so a run of fewer steps than
+# trainer.log_every_n_steps loses no curve: Lightning's advice to lower the interval does not apply.
+warnings.filterwarnings("ignore", message=r"The number of training batches \(\d+\) is smaller than the logging interval")
 
 # Scalars compared across runs in TensorBoard's HParams tab.
 HPARAM_METRICS = ("test/acc", "val/acc", "val/acc_best", "train/acc", "time/epoch_s", "time/samples_per_s")

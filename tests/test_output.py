@@ -18,6 +18,7 @@ from tqdm import tqdm
 from src.callbacks.model_summary import SummaryWithoutZeroFlops, without_zero_flops
 from src.checks import CONF_DIR
 from src.launch.console import ConsoleHandler, counted, open_progress_bars, print_error, processes
+from tests.helpers import QUICK, train
 
 
 def screen(text: str) -> list[str]:
@@ -155,3 +156,14 @@ def test_lightnings_model_summary_is_replaced_and_none_is_added(enabled):
 def test_counts_are_said_in_words():
     assert (processes(1), processes(2)) == ("1 process", "2 processes")
     assert (counted(1, "run"), counted(3, "run"), counted(0, "sweep job")) == ("1 run", "3 runs", "0 sweep jobs")
+
+
+def test_a_quick_run_reads_cleanly(tmp_path, data_root):
+    run_dir = tmp_path / "run"
+    result = train(*QUICK, "trainer.enable_model_summary=true", f"hydra.run.dir={run_dir}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    [line] = [line for line in result.stdout.splitlines() if "test/acc=" in line]
+    assert re.search(r"\(precision \S+, 1 process\) -> ", line), line
+    assert "Total params" in result.stdout and "Total Flops" not in result.stdout and "FLOPs" not in result.stdout
+    assert "smaller than the logging interval" not in result.stderr
+    assert "Trainer already configured with model summary" not in result.stdout
