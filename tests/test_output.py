@@ -4,6 +4,7 @@ line, `--help` and `python -m src.sysinfo`."""
 import io
 import logging
 import re
+import string
 import sys
 import threading
 
@@ -18,7 +19,7 @@ from tqdm import tqdm
 from src.callbacks.model_summary import SummaryWithoutZeroFlops, without_zero_flops
 from src.checks import CONF_DIR
 from src.launch.console import ConsoleHandler, counted, open_progress_bars, print_error, processes
-from tests.helpers import QUICK, train
+from tests.helpers import QUICK, run_cli, train
 
 
 def screen(text: str) -> list[str]:
@@ -167,3 +168,26 @@ def test_a_quick_run_reads_cleanly(tmp_path, data_root):
     assert "Total params" in result.stdout and "Total Flops" not in result.stdout and "FLOPs" not in result.stdout
     assert "smaller than the logging interval" not in result.stderr
     assert "Trainer already configured with model summary" not in result.stdout
+
+
+def help_text(name: str) -> str:
+    """`--help` as Hydra renders it from the config's help template."""
+    help_cfg = hydra_config(name).hydra.help
+    groups = "model: lenet, resnet18"
+    return string.Template(help_cfg.template).substitute(APP_CONFIG_GROUPS=groups, CONFIG="", FLAGS_HELP="", HYDRA_CONFIG_GROUPS="")
+
+
+@pytest.mark.parametrize("name", ["train", "eval"])
+def test_help_says_what_the_command_does_and_how_to_call_it(name):
+    text = help_text(name)
+    assert text.startswith(f"python -m src.{name}: ") and f"Usage: python -m src.{name} " in text
+    assert "ckpt_path" in text and "data.root" in text and "model: lenet, resnet18" in text
+    assert f"python -m src.{name} --cfg job" in text
+    assert "powered by Hydra" not in text and "_target_" not in text
+
+
+def test_train_help_on_the_command_line():
+    result = run_cli("src.train", "--help", timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("python -m src.train: train a model") and "strategy: auto, ddp," in result.stdout
+    assert "_target_" not in result.stdout
