@@ -16,6 +16,7 @@ from lightning.pytorch.callbacks import ModelSummary
 from lightning.pytorch.utilities.model_summary import summarize
 from tqdm import tqdm
 
+from src import sysinfo
 from src.callbacks.model_summary import SummaryWithoutZeroFlops, without_zero_flops
 from src.checks import CONF_DIR
 from src.launch.console import ConsoleHandler, counted, open_progress_bars, print_error, processes
@@ -191,3 +192,20 @@ def test_train_help_on_the_command_line():
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("python -m src.train: train a model") and "strategy: auto, ddp," in result.stdout
     assert "_target_" not in result.stdout
+
+
+def test_sysinfo_names_no_python_calls_and_writes_cudnn_as_released():
+    info = {**sysinfo.collect(), "gpus": []}
+    report = sysinfo.format_report(info)
+    assert "GPUs:         none found by CUDA" in report and "torch.cuda" not in report and "()" not in report
+    assert [sysinfo.cudnn_version(n) for n in (92400, 90100, 8902, None)] == ["9.24.0", "9.1.0", "8.9.2", "none"]
+
+
+@pytest.mark.parametrize("cpu_bf16", [False, True])
+def test_bf16_on_a_cpu_without_native_bf16_is_warned(cpu_bf16):
+    info = {**sysinfo.collect(), "cpu_bf16": cpu_bf16, "cpu_cores": 2}
+    warnings = sysinfo.precision_warnings(info, "bf16-mixed", "cpu", processes=1)
+    assert warnings == ([] if cpu_bf16 else [
+        "precision=bf16-mixed on this CPU: no native bf16 (AVX512-BF16 or AMX), so it is emulated and slower than fp32; "
+        "use precision=32"])
+    assert sysinfo.precision_warnings(info, "32-true", "cpu", processes=1) == []
