@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from src import sysinfo
 from src.callbacks.model_summary import SummaryWithoutZeroFlops, without_zero_flops
-from src.checks import CONF_DIR
+from src.checks import CONF_DIR, unreadable_checkpoint
 from src.launch.console import ConsoleHandler, counted, open_progress_bars, print_error, processes
 from tests.helpers import QUICK, run_cli, train
 
@@ -209,3 +209,17 @@ def test_bf16_on_a_cpu_without_native_bf16_is_warned(cpu_bf16):
         "precision=bf16-mixed on this CPU: no native bf16 (AVX512-BF16 or AMX), so it is emulated and slower than fp32; "
         "use precision=32"])
     assert sysinfo.precision_warnings(info, "32-true", "cpu", processes=1) == []
+
+
+def test_a_file_that_is_no_checkpoint_is_said_in_words(tmp_path):
+    text, saved = tmp_path / "notes.txt", tmp_path / "cut.ckpt"
+    text.write_text("hello\n")
+    torch.save({"w": torch.zeros(1000)}, saved)
+    saved.write_bytes(saved.read_bytes()[:2000])
+    reasons = []
+    for path in (text, saved, tmp_path):
+        with pytest.raises(Exception) as caught:
+            torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        reasons.append(unreadable_checkpoint(caught.value))
+    assert reasons == ["it is not in the format torch.save writes",
+                       "it is damaged or cut short, or a zip archive that torch did not write", "Is a directory"]

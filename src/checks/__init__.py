@@ -373,6 +373,18 @@ def _instantiate(group: str, cfg: DictConfig, **kwargs: Any) -> Any:
 # --- what a run resumes from ---------------------------------------------------------------------------------
 
 
+def unreadable_checkpoint(error: Exception) -> str:
+    """Why torch could not read a file, in words: torch's own messages advise calling torch.save differently."""
+    text = str(error)
+    if "mmap can only be used" in text:
+        return "it is not in the format torch.save writes"
+    if "zip archive" in text or "inline_container" in text:
+        return "it is damaged or cut short, or a zip archive that torch did not write"
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror
+    return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
+
+
 def check_checkpoint(path: Path | None, given: object, module: torch.nn.Module, model_name: str) -> None:
     """A checkpoint to resume must be a Lightning checkpoint of this very model, known before training starts."""
     if path is None:
@@ -380,8 +392,7 @@ def check_checkpoint(path: Path | None, given: object, module: torch.nn.Module, 
     try:  # Lightning reads the same file right after; mapped, this check reads little more than the shapes
         state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
     except Exception as error:
-        reason = f"{type(error).__name__}: {str(error).splitlines()[0]}" if str(error) else type(error).__name__
-        raise not_allowed("ckpt_path", given, f"{path} is not a checkpoint file ({reason})") from None
+        raise not_allowed("ckpt_path", given, f"{path} is not a checkpoint file ({unreadable_checkpoint(error)})") from None
     weights = state.get("state_dict") if isinstance(state, dict) else None
     if not isinstance(weights, dict):
         raise not_allowed("ckpt_path", given, f"{path} is not a Lightning checkpoint (it holds no state_dict)")
@@ -395,5 +406,5 @@ def check_checkpoint(path: Path | None, given: object, module: torch.nn.Module, 
     raise not_allowed(
         "ckpt_path", given,
         f"it holds another model than model={model_name} ({len(differences)} weights differ, e.g. {sorted(differences)[0]}); "
-        "resume with the model it was trained with",
+        "use the model it was trained with",
     )
