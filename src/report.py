@@ -27,6 +27,7 @@ from tensorboard.backend.event_processing import event_accumulator
 from tensorboard.plugins.hparams import plugin_data_pb2
 
 from src.errors import UsageError
+from src.launch.console import counted
 from src.loggers import EPOCH_TAG
 
 log = logging.getLogger(__name__)
@@ -232,7 +233,7 @@ def plot_epoch_time(runs: list[Run], path: Path) -> None:
 def markdown_report(runs: list[Run], root: Path, scaling: str = "") -> str:
     return "\n".join([
         f"# Report: {root}", "",
-        f"{len(runs)} run(s). Epoch times exclude validation. Speed-up is the median epoch time of the run on one "
+        f"{counted(len(runs), 'run')}. Epoch times exclude validation. Speed-up is the median epoch time of the run on one "
         "device (devices x num_nodes = 1) with the same model, strategy and precision, divided by this run's; "
         "empty where there is no such run.", "",
         markdown_table(runs), "",
@@ -287,7 +288,7 @@ class SweepReport(Callback):
             log.warning(f"no sweep report: {error}")
             return
         write_tensorboard_text(runs, sweep_dir / "report")
-        log.info(f"sweep report of {len(runs)} run(s): {sweep_dir / 'report.md'}")
+        log.info(f"sweep report of {counted(len(runs), 'run')}: {sweep_dir / 'report.md'}")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -305,7 +306,7 @@ def main(argv: list[str] | None = None) -> None:
     except UsageError as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         sys.exit(2)
-    print(f"{len(runs)} run(s) -> {(args.out or args.folder) / 'report.md'}")
+    print(f"{counted(len(runs), 'run')} -> {(args.out or args.folder) / 'report.md'}")
 
 
 if __name__ == "__main__":

@@ -157,12 +157,21 @@ def _yes(flag: bool) -> str:
     return "yes" if flag else "no"
 
 
+def cudnn_version(number: int | None) -> str:
+    """cuDNN's version as it is written: torch reports it as one number (92400 is 9.24.0, 8902 is 8.9.2)."""
+    if not number:
+        return "none"
+    scale = 10000 if number >= 10000 else 1000  # cuDNN 9 gave the minor version two digits
+    major, rest = divmod(number, scale)
+    return f"{major}.{rest // 100}.{rest % 100}"
+
+
 def format_report(info: dict[str, Any]) -> str:
     def line(label: str, text: str) -> str:
         return f"{label + ':':<14}{text}"
 
     gpus = info["gpus"]
-    lines = [line("GPUs", f"{len(gpus)}" if gpus else "none (torch.cuda.is_available() is False)")]
+    lines = [line("GPUs", f"{len(gpus)}" if gpus else "none found by CUDA")]
     lines += [f"  GPU{g['index']}  {g['name']}  {g['memory_gib']} GiB  compute capability {g['capability']}  "
               f"fp16 tensor cores: {_yes(g['fp16_tensor_cores'])}  bf16: {_yes(g['bf16'])}" for g in gpus]
     lines.append(line("Tensor cores", f"fp16 {_yes(info['fp16_tensor_cores'])}, bf16 {_yes(info['bf16'])}"))
@@ -174,7 +183,7 @@ def format_report(info: dict[str, Any]) -> str:
     lines.append(line("CPU cores", f"{info['cpu_cores']} usable by this process; native bf16: {_yes(info['cpu_bf16'])}"))
     v = info["versions"]
     lines.append(line("Versions", f"torch {v['torch']}, lightning {v['lightning']}, "
-                                  f"CUDA {v['cuda'] or 'none (CPU build)'}, cuDNN {v['cudnn'] or 'none'}"))
+                                  f"CUDA {v['cuda'] or 'none (CPU build)'}, cuDNN {cudnn_version(v['cudnn'])}"))
     lines.append(line("Precision", f"precision={info['recommended_precision']}: {info['precision_reason']}"))
     return "\n".join(lines)
 
@@ -195,9 +204,13 @@ def precision_warnings(info: dict[str, Any], precision: str, accelerator: str, p
                     better = "16-mixed" if g["fp16_tensor_cores"] else "32"
                     warnings.append(f"precision={precision} on GPU{g['index']} ({g['name']}, compute capability "
                                     f"{g['capability']}): no bf16 support, it is emulated and slow; use precision={better}")
-    elif accelerator == "cpu" and processes > info["cpu_cores"]:
-        warnings.append(f"{processes} DDP processes on {info['cpu_cores']} CPU cores: the processes compete for cores "
-                        f"and every step slows down; use devices={info['cpu_cores']} or fewer")
+    elif accelerator == "cpu":
+        if precision.startswith("bf16") and not info["cpu_bf16"]:
+            warnings.append(f"precision={precision} on this CPU: no native bf16 (AVX512-BF16 or AMX), so it is emulated "
+                            "and slower than fp32; use precision=32")
+        if processes > info["cpu_cores"]:
+            warnings.append(f"{processes} DDP processes on {info['cpu_cores']} CPU cores: the processes compete for cores "
+                            f"and every step slows down; use devices={info['cpu_cores']} or fewer")
     return warnings
 
 

@@ -21,9 +21,11 @@ from tensorboard.backend.event_processing.event_file_loader import EventFileLoad
 from torch.utils.tensorboard.summary import hparams
 
 from src import checks
+from src.callbacks.model_summary import without_zero_flops
 from src.launch import cli, stopping
 from src.checkpoints import AtomicCheckpointIO, checkpoint_to_evaluate, read_checkpoint, resolve_ckpt_path, saved_step
 from src.data.fashion_mnist import per_process_batch
+from src.launch.console import processes
 from src.launch.ddp_jobs import is_launching_process, is_rank_zero, job_scope
 from src.errors import UsageError
 from src.fast_path import cudnn_benchmark, resolve_fast_steps, speed_up
@@ -36,6 +38,9 @@ register_resolvers()
 warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")  # torch 2.14 vs Lightning 2.6
 # The comm/ epoch means are rank 0's own figures by design (src/callbacks/comm.py), not a sum over ranks.
 warnings.filterwarnings("ignore", message=r"It is recommended to use `self.log\('comm/")
+# Every scalar has per-epoch points (comm/ its `_epoch` means), so a run of fewer steps than
+# trainer.log_every_n_steps loses no curve: Lightning's advice to lower the interval does not apply.
+warnings.filterwarnings("ignore", message=r"The number of training batches \(\d+\) is smaller than the logging interval")
 
 # Scalars compared across runs in TensorBoard's HParams tab.
 HPARAM_METRICS = ("test/acc", "val/acc", "val/acc_best", "train/acc", "time/epoch_s", "time/samples_per_s")
@@ -167,6 +172,7 @@ def run(cfg: DictConfig, fit: bool = True) -> dict[str, float]:
         max_epochs=cfg.max_epochs, logger=logger, callbacks=callbacks, plugins=plugins,
         default_root_dir=str(output_dir), use_distributed_sampler=False, **trainer_args,
     )
+    trainer.callbacks = without_zero_flops(trainer.callbacks)
     stopping.attach(trainer)
     with job_scope(), checks.trainer_input_errors():
         metrics: dict[str, float] = {}
@@ -187,7 +193,7 @@ def run(cfg: DictConfig, fit: bool = True) -> dict[str, float]:
             params.update(cuda_graphs=fast_steps.cuda_graphs,
                           steps_per_execution=fast_steps.steps_per_execution)
             log_hparams(logger, params, metrics)
-        log.info(result_line(metrics, fit, f"{precision}, {world_size} process(es)", ckpt_path, output_dir))
+        log.info(result_line(metrics, fit, f"precision {precision}, {processes(world_size)}", ckpt_path, output_dir))
     return metrics
 
 

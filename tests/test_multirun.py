@@ -45,5 +45,5 @@ def test_a_bad_job_fails_alone_and_the_sweep_exits_non_zero(tmp_path, data_root)
     result = train("-m", "strategy=auto,ddp", "devices=2", *QUICK, f"hydra.sweep.dir={sweep}", timeout=600)
     assert result.returncode == 2
     assert "error: strategy=auto runs on one device" in result.stderr
-    assert result.stderr.strip().splitlines()[-1].startswith("error: 1 sweep job(s) failed")
+    assert result.stderr.strip().splitlines()[-1].startswith("error: 1 sweep job failed")
     assert {p.name for p in sweep.iterdir() if p.is_dir() and p.name != "report"} == {"strategy=ddp"}  # only swept keys name the folder

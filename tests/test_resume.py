@@ -131,7 +131,7 @@ def test_resume_under_another_world_size_says_so_and_keeps_one_hparams_record(tm
     assert first.returncode == 0, first.stderr[-3000:]
     second = train(*QUICK, "max_epochs=2", "ckpt_path=last", f"hydra.run.dir={run_dir}")
     assert second.returncode == 0, second.stderr[-3000:]
-    notes = [line for line in second.stdout.splitlines() if "resuming a checkpoint of 2 process(es) on 1" in line]
+    notes = [line for line in second.stdout.splitlines() if "resuming a checkpoint of 2 processes on 1" in line]
     assert len(notes) == 1
     assert load(run_dir / "checkpoints" / "last.ckpt")["epoch"] == 1
     records = [

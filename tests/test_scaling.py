@@ -191,7 +191,7 @@ def test_cli_writes_table_plot_and_checks_for_real_runs(runs, tmp_path):
     logged = scalars(runs / "one")["time/epoch_s"]
     assert float(by_key["NVLink 4", "none", 1]["epoch_s"]) == pytest.approx(logged[0], rel=1e-6)
     markdown = (out / "scaling.md").read_text()
-    assert "From `one` (1 process(es)" in markdown
+    assert "From `one` (1 process," in markdown
     [check] = [line for line in markdown.splitlines() if line.startswith("| two |")]
     cells = [c.strip() for c in check.strip("|").split("|")]
     assert cells[1:4] == ["powersgd", "2", "gloo here, 2 proc. fit"] and cells[4] == cells[5]  # bytes: predicted = counted

@@ -8,6 +8,8 @@ import numpy as np
 import torch
 from lightning import Callback, LightningModule, Trainer
 
+from src.launch.console import processes
+
 log = logging.getLogger(__name__)
 
 
@@ -46,6 +48,6 @@ class RunState(Callback):
         saved = checkpoint.get("world_size")
         if saved is not None and saved != trainer.world_size and trainer.is_global_zero:
             log.info(
-                f"resuming a checkpoint of {saved} process(es) on {trainer.world_size}: the global batches are the "
+                f"resuming a checkpoint of {processes(saved)} on {trainer.world_size}: the global batches are the "
                 f"same (data.batch_size is split over the processes); BatchNorm statistics are per process"
             )

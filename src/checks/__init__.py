@@ -32,6 +32,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from src.launch.console import counted
 from src.launch.ddp_jobs import external_rank, is_rank_zero
 from src.checkpoints import read_checkpoint, unsafe_content
 from src.errors import UsageError
@@ -314,7 +315,7 @@ def resolve_precision(requested: object, accelerator: str) -> str:
 
 def check_devices(accelerator: str, devices: int) -> None:
     if accelerator == "gpu" and devices > torch.cuda.device_count():
-        raise UsageError(f"devices={devices} but this machine has {torch.cuda.device_count()} CUDA device(s)")
+        raise UsageError(f"devices={devices} but this machine has {counted(torch.cuda.device_count(), 'CUDA device')}")
 
 
 def check_trainer_args(trainer_cfg: dict) -> None:
@@ -373,6 +374,18 @@ def _instantiate(group: str, cfg: DictConfig, **kwargs: Any) -> Any:
 # --- what a run resumes from ---------------------------------------------------------------------------------
 
 
+def unreadable_checkpoint(error: Exception) -> str:
+    """Why torch could not read a file, in words: torch's own messages advise calling torch.save differently."""
+    text = str(error)
+    if "mmap can only be used" in text:
+        return "it is not in the format torch.save writes"
+    if "zip archive" in text or "inline_container" in text:
+        return "it is damaged or cut short, or a zip archive that torch did not write"
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror
+    return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
+
+
 def check_checkpoint(path: Path | None, given: object, module: torch.nn.Module, model_name: str) -> None:
     """A checkpoint to resume must be a Lightning checkpoint of this very model, known before training starts,
     and hold only tensors and plain values: unpickling anything else could run code the file carries."""
@@ -387,8 +400,7 @@ def check_checkpoint(path: Path | None, given: object, module: torch.nn.Module, 
                 f"{path} is not a safe checkpoint: it holds objects that cannot be loaded safely ({refused}); "
                 "a checkpoint is read as tensors and plain values only, so that loading it cannot run code",
             ) from None
-        reason = f"{type(error).__name__}: {str(error).splitlines()[0]}" if str(error) else type(error).__name__
-        raise not_allowed("ckpt_path", given, f"{path} is not a checkpoint file ({reason})") from None
+        raise not_allowed("ckpt_path", given, f"{path} is not a checkpoint file ({unreadable_checkpoint(error)})") from None
     weights = state.get("state_dict") if isinstance(state, dict) else None
     if not isinstance(weights, dict):
         raise not_allowed("ckpt_path", given, f"{path} is not a Lightning checkpoint (it holds no state_dict)")
@@ -402,5 +414,5 @@ def check_checkpoint(path: Path | None, given: object, module: torch.nn.Module, 
     raise not_allowed(
         "ckpt_path", given,
         f"it holds another model than model={model_name} ({len(differences)} weights differ, e.g. {sorted(differences)[0]}); "
-        "resume with the model it was trained with",
+        "use the model it was trained with",
     )

@@ -17,6 +17,7 @@ from omegaconf import DictConfig
 
 from src import checks
 from src.launch import stopping
+from src.launch.console import counted, print_error
 from src.launch.ddp_jobs import child_argv, is_rank_zero
 from src.errors import TrainingDiverged, UsageError
 
@@ -36,7 +37,7 @@ def report_failure(error: UsageError | TrainingDiverged, output_dir: Path, new_f
     Only a folder this run started is removed: a resumed run's folder keeps its checkpoints.
     """
     if is_rank_zero():
-        print(f"error: {error}", file=sys.stderr, flush=True)
+        print_error(str(error))
         if new_folder:
             shutil.rmtree(output_dir, ignore_errors=True)
     return 2 if isinstance(error, UsageError) else 1
@@ -66,11 +67,11 @@ def run_entry(hydra_main: Callable[[], object]) -> None:
         checks.check_run_dir(sys.argv[1:])
     except UsageError as error:
         if is_rank_zero():  # under torchrun every process checks the same command line
-            print(f"error: {error}", file=sys.stderr, flush=True)
+            print_error(str(error))
         sys.exit(2)
     with stopping.stop_cleanly():  # a signal outside a job: while Hydra starts, between sweep jobs
         hydra_main()
     if failed_jobs:
-        print(f"error: {len(failed_jobs)} sweep job(s) failed: {' | '.join(failed_jobs)}", file=sys.stderr, flush=True)
+        print_error(f"{counted(len(failed_jobs), 'sweep job')} failed: {' | '.join(failed_jobs)}")
         sys.exit(max(failed_jobs.values()))
     stopping.end_child()

@@ -36,6 +36,7 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
 from lightning.pytorch.trainer.states import TrainerFn
 
+from src.launch.console import print_error
 from src.launch.ddp_jobs import is_rank_zero
 
 STOP_SIGNALS: tuple[int, ...] = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP") if hasattr(signal, name))
@@ -422,7 +423,7 @@ def _report(stop: Stop) -> None:
                 log.debug(f"flushing {type(logger).__name__} failed: {error}")
     if _speaks(stop):
         try:
-            print(f"error: {stop.cause} {_when()}", file=sys.stderr, flush=True)
+            print_error(f"{stop.cause} {_when()}")
         except (OSError, ValueError):  # SIGHUP: the terminal may be gone
             pass
 

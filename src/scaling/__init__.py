@@ -26,6 +26,7 @@ from omegaconf import OmegaConf
 from tensorboard.backend.event_processing import event_accumulator
 
 from src.errors import UsageError
+from src.launch.console import processes
 from src.scaling import probe as gloo_probe
 from src.scaling.costmodel import HOOKS, INTERCONNECTS, Interconnect, Step, collectives, encode_s, predict_step
 
@@ -244,7 +245,7 @@ def section(base: Baseline, rows: list[dict], measured: dict[int, Interconnect],
     counts = sorted({r["processes"] for r in rows})
     lines = [
         f"## {run.model}, global batch {run.batch_size}", "",
-        f"From `{run.run}` ({run.processes} process(es), {run.steps_per_epoch} steps per epoch, median "
+        f"From `{run.run}` ({processes(run.processes)}, {run.steps_per_epoch} steps per epoch, median "
         f"{run.step_s * 1e3:.1f} ms per step): one process computes a step in {base.compute_1 * 1e3:.1f} ms"
         + ("" if base.backward_1 is None else f", {base.backward_1 * 1e3:.1f} ms of it backward")
         + f"; overlap_frac {base.overlap_frac:.2f}. Bytes per step and process, and the hook's own arithmetic on this CPU:", "",
