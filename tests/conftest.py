@@ -1,4 +1,5 @@
 import pytest
+import torch
 
 from tests.helpers import DATA_ROOT
 
@@ -18,3 +19,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def exact_cuda_math():
+    """TF32 rounds convolutions and matmuls to 10 mantissa bits; compare in full float32."""
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved

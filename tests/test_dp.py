@@ -105,15 +105,6 @@ def replica_devices() -> list[int]:
     return [0, 1] if GPUS >= 2 else [0, 0]
 
 
-@pytest.fixture
-def exact_cuda_math():
-    """TF32 rounds convolutions and matmuls to 10 mantissa bits; compare in full float32."""
-    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
-
-
 def images(n: int) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(0)
     return torch.randn(n, 1, 28, 28, generator=generator).cuda(), torch.randint(0, 10, (n,), generator=generator).cuda()

@@ -118,15 +118,6 @@ def test_cuda_graph_steps_train_what_eager_steps_train(data_root, model, exact_c
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6, msg=key)
 
 
-@pytest.fixture
-def exact_cuda_math():
-    """TF32 rounds convolutions and matmuls to 10 mantissa bits; compare in full float32."""
-    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
-
-
 def test_a_diverging_loss_stops_a_graphed_run_with_one_line(tmp_path, data_root):
     run_dir = tmp_path / "run"
     result = train(*QUICK, "optim.lr=1e30", "trainer.limit_train_batches=6", f"hydra.run.dir={run_dir}")
