@@ -8,7 +8,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from src.strategies.sync_batchnorm import AllReduceBatchNorm, SyncBatchNormPlugin
+from src.strategies.sync_batchnorm import AllReduceBatchNorm, AllReduceBatchNorm1d, AllReduceBatchNorm2d, SyncBatchNormPlugin
 
 WORLD = 2
 STEPS = 3
@@ -68,7 +68,11 @@ def _worker(rank: int, store: str, results: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
     try:
         result = train(AllReduceBatchNorm.convert(bn_net()), rank)
-        result["float32"] = AllReduceBatchNorm(3)(shard(far_from_zero(), rank)).detach()
+        result["float32"] = AllReduceBatchNorm2d(3)(shard(far_from_zero(), rank)).detach()
+        try:
+            AllReduceBatchNorm2d(3)(torch.ones(4, 3))
+        except ValueError as error:
+            result["wrong_size"] = str(error)
         torch.save(result, f"{results}.{rank}")
     finally:
         dist.destroy_process_group()
@@ -107,6 +111,10 @@ def test_float32_statistics_keep_their_digits_far_from_zero(two_processes):
     torch.testing.assert_close(torch.cat([r["float32"] for r in two_processes]).double(), exact, rtol=0, atol=1e-3)
 
 
+def test_synchronised_input_of_the_wrong_size_is_refused_as_by_batchnorm(two_processes):
+    assert all(r["wrong_size"] == "expected 4D input (got 2D input)" for r in two_processes)
+
+
 def test_per_process_statistics_would_differ():
     """The same shards through plain BatchNorm give other outputs: the check above has teeth."""
     x, _ = batches()[0]
@@ -133,12 +141,12 @@ def test_cpu_plugin_converts_in_place_of_the_same_tensors_and_reverts():
     state = copy.deepcopy(net.state_dict())
     synced = SyncBatchNormPlugin(cuda=False).apply(net)
     layers = [m for m in synced.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
-    assert [type(m) for m in layers] == [AllReduceBatchNorm, AllReduceBatchNorm]
+    assert [type(m) for m in layers] == [AllReduceBatchNorm2d, AllReduceBatchNorm1d]
     assert all(p is before[name] for name, p in synced.named_parameters()), "the optimizer keeps working on them"
     torch.testing.assert_close(synced.state_dict(), state, rtol=0, atol=0)
     reverted = SyncBatchNormPlugin(cuda=False).revert(synced)
     assert not any(isinstance(m, (AllReduceBatchNorm, nn.SyncBatchNorm)) for m in reverted.modules())
-    assert sum(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in reverted.modules()) == 2
+    assert [type(m) for m in reverted.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)] == [nn.BatchNorm2d, nn.BatchNorm1d]
     torch.testing.assert_close(reverted.state_dict(), state, rtol=0, atol=0)
 
 

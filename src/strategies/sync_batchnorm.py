@@ -2,18 +2,20 @@
 
 torch's nn.SyncBatchNorm refuses CPU input, and DDP refuses any nn.SyncBatchNorm in a CPU model,
 so Lightning's `sync_batchnorm=True` fails under DDP on CPU (gloo). `AllReduceBatchNorm` is a
-plain BatchNorm layer that adds its per-channel sums over all processes with a differentiable
-all-reduce, whose backward adds the gradients of every process's loss, as torch's CUDA kernels
-do. On CUDA the plugin keeps torch's SyncBatchNorm.
+BatchNorm layer (`AllReduceBatchNorm1d/2d/3d`, each a torch `nn.BatchNorm1d/2d/3d`) that adds its
+per-channel sums over all processes with a differentiable all-reduce, whose backward adds the
+gradients of every process's loss, as torch's CUDA kernels do. On CUDA the plugin keeps torch's
+SyncBatchNorm.
 """
 
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch.plugins.layer_sync import TorchSyncBatchNorm, _BatchNormXd
+from lightning.pytorch.plugins.layer_sync import TorchSyncBatchNorm
 from torch import Tensor, nn
-from torch.nn.modules.batchnorm import _BatchNorm
+
+BatchNorm = nn.BatchNorm1d | nn.BatchNorm2d | nn.BatchNorm3d
 
 
 class _AllReduceSum(torch.autograd.Function):
@@ -43,7 +45,7 @@ def all_reduce(tensor: Tensor, group: dist.ProcessGroup) -> Tensor:
     return _AllReduceSum.apply(tensor, group)
 
 
-def _copy_state(source: _BatchNorm, target: _BatchNorm) -> _BatchNorm:
+def _copy_state(source: BatchNorm, target: BatchNorm) -> BatchNorm:
     """Give `target` the parameters, buffers and mode of `source` (the same tensors, not copies)."""
     if source.affine:
         target.weight = source.weight
@@ -55,58 +57,56 @@ def _copy_state(source: _BatchNorm, target: _BatchNorm) -> _BatchNorm:
     return target
 
 
-class AllReduceBatchNorm(_BatchNorm):
+def _layer_like(layer_class: type[BatchNorm], module: BatchNorm, **kwargs: Any) -> BatchNorm:
+    """A `layer_class` with the options of `module`, sharing its parameters and buffers."""
+    if module.affine and module.bias is None:  # torch 2.11 has no `bias` option: an affine layer has one there
+        kwargs["bias"] = False
+    layer = layer_class(module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats,
+                        **kwargs)
+    return _copy_state(module, layer)
+
+
+class AllReduceBatchNorm:
     """BatchNorm over the batch of all processes of `process_group` (default: all), on any device.
 
     In training, inside a process group of several processes, it normalises with the mean and
     biased variance of the global batch and updates the running statistics as BatchNorm does
     (unbiased variance; momentum, or the cumulative average when momentum is None). Otherwise,
-    as torch's SyncBatchNorm, it is plain BatchNorm.
+    as torch's SyncBatchNorm, it is plain BatchNorm. One class per input size, as torch's.
     """
 
-    def __init__(
-        self,
-        num_features: int,
-        eps: float = 1e-5,
-        momentum: float | None = 0.1,
-        affine: bool = True,
-        track_running_stats: bool = True,
-        process_group: dist.ProcessGroup | None = None,
-        *,
-        bias: bool = True,
-    ) -> None:
-        super().__init__(num_features, eps, momentum, affine, track_running_stats, bias=bias)
+    input_dims: tuple[int, ...]  # the input dimensions the torch class it extends accepts
+
+    def __init__(self, *args: Any, process_group: dist.ProcessGroup | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self.process_group = process_group
 
-    def _check_input_dim(self, input: Tensor) -> None:
-        if input.dim() < 2:
-            raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
-
     def forward(self, input: Tensor) -> Tensor:
-        if not (self.training and dist.is_available() and dist.is_initialized() and self._world_size() > 1):
+        if not (self.training and dist.is_available() and dist.is_initialized() and self.world_size() > 1):
             return super().forward(input)
-        self._check_input_dim(input)
-        return self._synchronised(input)
+        if input.dim() not in self.input_dims:
+            raise ValueError(f"expected {' or '.join(f'{d}D' for d in self.input_dims)} input (got {input.dim()}D input)")
+        return self.synchronised(input)
 
-    def _group(self) -> dist.ProcessGroup:
+    def group(self) -> dist.ProcessGroup:
         return self.process_group or dist.group.WORLD
 
-    def _world_size(self) -> int:
-        return dist.get_world_size(self._group())
+    def world_size(self) -> int:
+        return dist.get_world_size(self.group())
 
-    def _synchronised(self, input: Tensor) -> Tensor:
+    def synchronised(self, input: Tensor) -> Tensor:
         x = input.to(torch.promote_types(input.dtype, torch.float32))  # float16 and bfloat16 statistics in float32
         dims = [0, *range(2, x.dim())]
         shape = [1, -1] + [1] * (x.dim() - 2)
         local_count = x.new_full((1,), x.numel() / x.size(1))
-        totals = all_reduce(torch.cat([x.sum(dims), local_count]), group=self._group())
+        totals = all_reduce(torch.cat([x.sum(dims), local_count]), group=self.group())
         count = totals[-1]
         mean = totals[:-1] / count
         centered = x - mean.view(shape)
         # A second all-reduce of squared deviations: E[x^2] - E[x]^2 loses digits when |mean| >> std.
-        var = all_reduce((centered * centered).sum(dims), group=self._group()) / count
+        var = all_reduce((centered * centered).sum(dims), group=self.group()) / count
         if self.track_running_stats:
-            self._update_running_stats(mean.detach(), var.detach(), count.item())
+            self.update_running_stats(mean.detach(), var.detach(), count.item())
         out = centered * torch.rsqrt(var + self.eps).view(shape)
         if self.weight is not None:
             out = out * self.weight.view(shape)
@@ -115,7 +115,7 @@ class AllReduceBatchNorm(_BatchNorm):
         return out.to(input.dtype)
 
     @torch.no_grad()
-    def _update_running_stats(self, mean: Tensor, var: Tensor, count: float) -> None:
+    def update_running_stats(self, mean: Tensor, var: Tensor, count: float) -> None:
         assert self.num_batches_tracked is not None and self.running_mean is not None and self.running_var is not None
         self.num_batches_tracked.add_(1)
         factor = 1.0 / self.num_batches_tracked.item() if self.momentum is None else self.momentum
@@ -123,29 +123,44 @@ class AllReduceBatchNorm(_BatchNorm):
         self.running_mean.mul_(1 - factor).add_(mean.to(self.running_mean.dtype), alpha=factor)
         self.running_var.mul_(1 - factor).add_(unbiased.to(self.running_var.dtype), alpha=factor)
 
-    @classmethod
-    def convert(cls, module: nn.Module, process_group: dist.ProcessGroup | None = None) -> nn.Module:
-        """Replace every BatchNorm layer of `module` by this class, sharing its parameters and buffers."""
+    @staticmethod
+    def convert(module: nn.Module, process_group: dist.ProcessGroup | None = None) -> nn.Module:
+        """Replace every BatchNorm layer of `module` by its AllReduceBatchNorm class, sharing its parameters and buffers."""
         converted = module
-        if isinstance(module, _BatchNorm) and not isinstance(module, (cls, nn.SyncBatchNorm)):
-            layer = cls(module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats,
-                        process_group, bias=module.bias is not None)
-            converted = _copy_state(module, layer)
+        synced = next((s for plain, s in SYNCED.items() if isinstance(module, plain)), None)
+        if synced is not None and not isinstance(module, AllReduceBatchNorm):
+            converted = _layer_like(synced, module, process_group=process_group)
         for name, child in module.named_children():
-            converted.add_module(name, cls.convert(child, process_group))
+            converted.add_module(name, AllReduceBatchNorm.convert(child, process_group))
         return converted
 
-    @classmethod
-    def revert(cls, module: nn.Module) -> nn.Module:
-        """Undo `convert`: plain BatchNorm layers of any input size, as Lightning's own revert gives."""
+    @staticmethod
+    def revert(module: nn.Module) -> nn.Module:
+        """Undo `convert`: the plain torch BatchNorm layers of the same input sizes."""
         converted = module
-        if isinstance(module, cls):
-            layer = _BatchNormXd(module.num_features, module.eps, module.momentum, module.affine,
-                                 module.track_running_stats, bias=module.bias is not None)
-            converted = _copy_state(module, layer)
+        plain = next((p for p, synced in SYNCED.items() if isinstance(module, synced)), None)
+        if plain is not None:
+            converted = _layer_like(plain, module)
         for name, child in module.named_children():
-            converted.add_module(name, cls.revert(child))
+            converted.add_module(name, AllReduceBatchNorm.revert(child))
         return converted
+
+
+class AllReduceBatchNorm1d(AllReduceBatchNorm, nn.BatchNorm1d):
+    input_dims = (2, 3)
+
+
+class AllReduceBatchNorm2d(AllReduceBatchNorm, nn.BatchNorm2d):
+    input_dims = (4,)
+
+
+class AllReduceBatchNorm3d(AllReduceBatchNorm, nn.BatchNorm3d):
+    input_dims = (5,)
+
+
+SYNCED: dict[type[BatchNorm], type[BatchNorm]] = {
+    nn.BatchNorm1d: AllReduceBatchNorm1d, nn.BatchNorm2d: AllReduceBatchNorm2d, nn.BatchNorm3d: AllReduceBatchNorm3d,
+}
 
 
 class SyncBatchNormPlugin(TorchSyncBatchNorm):
