@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from src.errors import UsageError
@@ -24,7 +23,7 @@ RESUMABLE = ("last.ckpt", "step.ckpt")  # in order of preference when both hold 
 CKPT_WORDS = ("last", "auto")
 
 
-def read_checkpoint(path: _PATH, mmap: bool = False) -> Any:
+def read_checkpoint(path: str | Path, mmap: bool = False) -> Any:
     """A checkpoint's contents, unpickled as tensors and plain values only, so that reading a file never runs
     code it carries. A run's own checkpoints hold nothing else (`RunState` keeps its generators as tensors)."""
     return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
@@ -56,11 +55,11 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     """
 
     def load_checkpoint(
-        self, path: _PATH, map_location: Callable | None = keep_storage, weights_only: bool | None = None
+        self, path: str | Path, map_location: Callable | None = keep_storage, weights_only: bool | None = None
     ) -> dict[str, Any]:
         return super().load_checkpoint(path, map_location=map_location, weights_only=True)
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: str | Path, storage_options: Any | None = None) -> None:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(f".{path.name}.{os.getpid()}.partial")

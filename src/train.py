@@ -19,6 +19,7 @@ from lightning.pytorch.strategies import DDPStrategy, Strategy
 from omegaconf import DictConfig, OmegaConf
 from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 from torch.utils.tensorboard.summary import hparams
+from torch.utils.tensorboard.writer import FileWriter
 
 from src import checks
 from src.callbacks.model_summary import without_zero_flops
@@ -80,11 +81,15 @@ def run_hparams(cfg: DictConfig, trainer: Trainer, lr_used: float) -> dict[str, 
 
 
 def log_hparams(logger: TensorBoardLogger, params: dict[str, Any], metrics: dict[str, float]) -> None:
-    """Write the HParams summary pointing at scalars already logged, so no metric is written twice."""
-    writer = logger.experiment._get_file_writer()
+    """Write the HParams summary pointing at scalars already logged, so no metric is written twice.
+
+    SummaryWriter.add_hparams would log the metrics again, in a folder of their own; an event file of
+    its own in the run folder (the logger's was closed when the test ended) is what TensorBoard reads.
+    """
+    writer = FileWriter(logger.experiment.get_logdir())
     for summary in hparams(params, {name: metrics[name] for name in HPARAM_METRICS if name in metrics}):
         writer.add_summary(summary)
-    writer.flush()
+    writer.close()
 
 
 def has_hparams(run_dir: Path) -> bool:

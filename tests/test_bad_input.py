@@ -398,3 +398,14 @@ def test_the_first_bad_step_is_named_before_a_checkpoint_is_written(tmp_path, ba
         trainer.fit(DivergesAt(bad_batch))
     assert trainer.global_step == stopped_after
     assert not (tmp_path / "checkpoints").exists()
+
+
+def test_a_checkpoint_due_between_the_checks_is_not_written_after_a_bad_step(tmp_path):
+    """The record is read before any checkpoint is built, also one a step interval makes due mid-epoch."""
+    callbacks = [ModelCheckpoint(dirpath=tmp_path / "checkpoints", every_n_train_steps=2), FiniteLossCheck(every_n_steps=100)]
+    trainer = Trainer(accelerator="cpu", max_epochs=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                      callbacks=callbacks, default_root_dir=tmp_path)
+    with pytest.raises(TrainingDiverged, match=r"^train/loss is nan at step 5 \(epoch 0\) "):
+        trainer.fit(DivergesAt(5))
+    assert trainer.global_step == 6
+    assert [path.name for path in (tmp_path / "checkpoints").iterdir()] == ["epoch=0-step=4.ckpt"]

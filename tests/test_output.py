@@ -146,6 +146,8 @@ def test_the_model_summary_shows_flops_only_when_it_counted_them(caplog, example
     assert "Total params" in table and "Modules in eval mode" in table
     assert ("FLOPs" in table and "Total Flops" in table) == example
     assert not re.search(r"^0\s+Total Flops", table, flags=re.M)
+    if example:
+        assert table == "\n" + str(summary), "Lightning's own table, as its ModelSummary prints it"
 
 
 @pytest.mark.parametrize("enabled", [True, False])

@@ -16,9 +16,9 @@ class FiniteLossCheck(Callback):
 
     Each step records, on the device and without waiting for it, the first non-finite loss and its
     step. The record is read (one device sync, and across DDP processes one all-gather) every
-    `every_n_steps` steps, before validation, at the end of each epoch and at every step a
-    checkpoint callback saves on (`every_n_train_steps`): Lightning runs ModelCheckpoint callbacks
-    last, so no checkpoint of a diverged model is written. `every_n_steps=None` reads every step
+    `every_n_steps` steps, before validation, at the end of each epoch and before any checkpoint
+    is written (Lightning asks every callback for its state first), so no checkpoint of a
+    diverged model is written. `every_n_steps=None` reads every step
     in one CPU process, where it costs nothing, and every `trainer.log_every_n_steps` steps across
     processes, where a read is a collective. In one CUDA process it never waits for the device
     during the epoch: after each batch the record is copied to pinned host memory without waiting,
@@ -30,7 +30,6 @@ class FiniteLossCheck(Callback):
         self._interval = 1
         self._step = 0
         self._first: torch.Tensor | None = None  # [step, epoch, loss] of the first bad step; step -1: none yet
-        self._saving_every: list[int] = []  # the step intervals of checkpoint callbacks
         self._landing: tuple[torch.Tensor, torch.cuda.Event] | None = None  # a pinned copy of the record, and its event
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -38,7 +37,6 @@ class FiniteLossCheck(Callback):
         cheap = device.type == "cpu" and trainer.world_size == 1
         lagged = device.type == "cuda" and trainer.world_size == 1
         self._interval = self.every_n_steps or (1 if cheap else 0 if lagged else trainer.log_every_n_steps)
-        self._saving_every = [n for c in trainer.checkpoint_callbacks if (n := getattr(c, "_every_n_train_steps", 0)) > 0]
         dtype = torch.float32 if device.type == "mps" else torch.float64
         self._first = torch.tensor([-1.0, -1.0, 0.0], dtype=dtype, device=device)
         self._landing = (torch.full((3,), -1.0, dtype=dtype, pin_memory=True), torch.cuda.Event()) if lagged else None
@@ -61,7 +59,7 @@ class FiniteLossCheck(Callback):
         first[0] = torch.where(new, where.to(first.dtype) + self._step, first[0])
         if self._landing is not None:
             self.check_landed(trainer)
-        if (self._interval and (batch_idx + 1) % self._interval == 0) or any(trainer.global_step % n == 0 for n in self._saving_every):
+        if self._interval and (batch_idx + 1) % self._interval == 0:
             self.check(trainer)
 
     def check_landed(self, trainer: Trainer) -> None:
@@ -79,6 +77,10 @@ class FiniteLossCheck(Callback):
             self.check(trainer)
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.check(trainer)
+
+    def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        """Every process builds each checkpoint, so the check's all-gather meets in all of them."""
         self.check(trainer)
 
     def check(self, trainer: Trainer) -> None:

@@ -5,9 +5,18 @@ from typing import Any
 
 from lightning import Callback
 from lightning.pytorch.callbacks import ModelSummary
-from lightning.pytorch.utilities.model_summary.model_summary import _format_summary_table
+from lightning.pytorch.utilities.model_summary.model_summary import get_formatted_model_size, get_human_readable_count
 
 log = logging.getLogger(__name__)
+
+
+def summary_table(columns: list[tuple[str, list[str]]], totals: list[tuple[str, str]]) -> str:
+    """Lightning's layout: the columns under their headers between rules, then one line per total."""
+    widths = [max(len(header), *(len(str(cell)) for cell in cells)) for header, cells in columns]
+    rule = "-" * (sum(widths) + 3 * (len(columns) + 1))
+    rows = [[header for header, _ in columns], *zip(*(cells for _, cells in columns))]
+    lines = [" | ".join(f"{str(cell):<{width}}" for cell, width in zip(row, widths)) for row in rows]
+    return "\n".join([lines[0], rule, *lines[1:], rule, *(f"{value:<10}{name}" for value, name in totals)])
 
 
 class SummaryWithoutZeroFlops(ModelSummary):
@@ -26,16 +35,27 @@ class SummaryWithoutZeroFlops(ModelSummary):
         total_flops: int,
         **summarize_kwargs: Any,
     ) -> None:
-        if not total_flops:
+        totals = [
+            (get_human_readable_count(trainable_parameters), "Trainable params"),
+            (get_human_readable_count(total_parameters - trainable_parameters), "Non-trainable params"),
+            (get_human_readable_count(total_parameters), "Total params"),
+            (get_formatted_model_size(model_size), "Total estimated model params size (MB)"),
+            (str(total_training_modes["train"]), "Modules in train mode"),
+            (str(total_training_modes["eval"]), "Modules in eval mode"),
+        ]
+        if total_flops:
+            totals.append((get_human_readable_count(total_flops), "Total Flops"))
+        else:
             summary_data = [column for column in summary_data if column[0] != "FLOPs"]
-        table = _format_summary_table(total_parameters, trainable_parameters, model_size, total_training_modes,
-                                      total_flops, *summary_data)
-        log.info("\n" + (table if total_flops else table.rpartition("\n")[0]))  # the last row is the total FLOPs
+        log.info("\n" + summary_table(summary_data, totals))
 
 
 def without_zero_flops(callbacks: list[Callback]) -> list[Callback]:
-    """The trainer's callbacks with the model summary Lightning added replaced by `SummaryWithoutZeroFlops`
-    of the same depth. Replaced after the Trainer is built: passed in, it would make Lightning print
-    that one is already configured, and print it even with `trainer.enable_model_summary=false`."""
-    return [SummaryWithoutZeroFlops(max_depth=c._max_depth, **c._summarize_kwargs) if type(c) is ModelSummary else c
-            for c in callbacks]
+    """The trainer's callbacks with the model summary Lightning added made a `SummaryWithoutZeroFlops`.
+    Changed after the Trainer is built: passed in, it would make Lightning print that one is already
+    configured, and print it even with `trainer.enable_model_summary=false`."""
+    for callback in callbacks:
+        if type(callback) is ModelSummary:
+            # The subclass adds no state: the callback keeps the depth and arguments it holds privately.
+            callback.__class__ = SummaryWithoutZeroFlops
+    return callbacks
