@@ -7,6 +7,7 @@ import pytest
 import torch
 from hydra.utils import instantiate
 from lightning import Callback, Trainer
+from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.strategies import StrategyRegistry
 from omegaconf import OmegaConf
 from torch import nn
@@ -45,8 +46,9 @@ def test_dp_config_is_one_process_whatever_the_devices():
 
 
 def test_several_cpu_devices_are_a_usage_error():
+    trainer = quiet_trainer(strategy="dp", accelerator="cpu", devices=2)
     with pytest.raises(UsageError, match="strategy=dp devices=2 needs CUDA GPUs"):
-        quiet_trainer(strategy="dp", accelerator="cpu", devices=2)
+        trainer.fit(BoringModel())
 
 
 def test_sync_batchnorm_over_several_gpus_is_a_usage_error():

@@ -12,15 +12,16 @@ import importlib
 import math
 import os
 from collections.abc import Callable
+from contextlib import nullcontext
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
-from torch.distributed.rendezvous import _create_c10d_store
 from torch.nn.parallel import DistributedDataParallel
 
 from src.errors import UsageError
@@ -57,6 +58,27 @@ def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def collective_timeout(timeout_s: object) -> timedelta | None:
+    """`strategy.timeout_s` for torch; None (torch's default) for a value `check_options` refuses."""
+    if _is_number(timeout_s) and math.isfinite(timeout_s) and timeout_s > 0:
+        return timedelta(seconds=timeout_s)
+    return None
+
+
+def attempt_store(host: str, port: int, rank: int, world_size: int, timeout: timedelta) -> dist.Store:
+    """The store the processes meet on: rank 0 serves it, unless torchrun's agent already serves one there.
+
+    torchrun's c10d rendezvous may lend its workers the agent's store at MASTER_ADDR:MASTER_PORT, and
+    says so only in an environment variable it does not document; its port being taken tells the same.
+    """
+    if rank == 0:
+        try:
+            return dist.TCPStore(host, port, world_size, is_master=True, timeout=timeout, multi_tenant=True)
+        except dist.DistNetworkError:  # the port is taken: the agent serves its store there
+            pass
+    return dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+
+
 def one_bucket_cap_mb(model: nn.Module) -> float:
     """A DDP bucket cap that holds every gradient of `model` in one bucket."""
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
@@ -79,27 +101,25 @@ class CommHookDDPStrategy(DDPStrategy):
         static_graph: bool = False,
         find_unused_parameters: bool = False,
     ) -> None:
-        super().__init__(
-            process_group_backend=process_group_backend,
-            bucket_cap_mb=bucket_cap_mb,
-            gradient_as_bucket_view=gradient_as_bucket_view,
-            static_graph=static_graph,
-            find_unused_parameters=find_unused_parameters,
-        )
+        super().__init__(process_group_backend=process_group_backend, timeout=collective_timeout(timeout_s))
         self.hook = hook
         self.hook_state = hook_state
         self.powersgd_rank = powersgd_rank
         self.start_powersgd_iter = start_powersgd_iter
         self.timeout_s = timeout_s
+        # DistributedDataParallel's own options, passed to it in `configure_ddp`.
         self.bucket_cap_mb = bucket_cap_mb
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.static_graph = static_graph
+        self.find_unused_parameters = find_unused_parameters
         self.comm_meter: CommMeter | None = None
 
     def check_options(self) -> None:
         """Reject bad settings with one line naming the option.
 
-        Called when the Trainer takes the strategy, before any process starts: the backend
-        check needs the devices, and Hydra's `instantiate` would wrap an error raised in
-        `__init__` into a multi-line traceback.
+        Called when the Trainer takes the strategy (`set_world_ranks`), before any process starts:
+        the backend check needs the devices, and Hydra's `instantiate` would wrap an error raised
+        in `__init__` into a multi-line traceback.
         """
         if self.hook not in HOOKS and (not isinstance(self.hook, str) or import_hook(self.hook) is None):
             raise UsageError(f"strategy.hook={self.hook} is not an option; choose one of: {', '.join(HOOKS)}, "
@@ -122,18 +142,24 @@ class CommHookDDPStrategy(DDPStrategy):
         if self.bucket_cap_mb is not None and (not _is_number(self.bucket_cap_mb) or self.bucket_cap_mb <= 0):
             raise UsageError(f"strategy.bucket_cap_mb={self.bucket_cap_mb} is not allowed; it must be null or a number of MiB above 0")
         for key in ("gradient_as_bucket_view", "static_graph", "find_unused_parameters"):
-            if not isinstance(self._ddp_kwargs[key], bool):
-                raise UsageError(f"strategy.{key}={self._ddp_kwargs[key]} is not allowed; choose one of: true, false")
-        backend = self._process_group_backend
+            if not isinstance(getattr(self, key), bool):
+                raise UsageError(f"strategy.{key}={getattr(self, key)} is not allowed; choose one of: true, false")
+        backend = self.process_group_backend
         if backend is not None and backend not in BACKENDS:
             raise UsageError(f"strategy.process_group_backend={backend} is not an option; choose one of: null, {', '.join(BACKENDS)}")
         if backend == "nccl" and self.root_device.type != "cuda":
             raise UsageError("strategy.process_group_backend=nccl needs CUDA devices; on CPU use null or gloo")
 
-    def _configure_launcher(self) -> None:
+    def set_world_ranks(self) -> None:
+        """The Trainer calls this once it has given the strategy its devices, before it starts any process."""
         self.check_options()
-        self._timeout = timedelta(seconds=self.timeout_s)
-        super()._configure_launcher()
+        super().set_world_ranks()
+
+    def backend(self) -> str:
+        """The process group's backend: as set, else the one torch picks for the device."""
+        if dist.is_initialized():
+            return dist.get_backend()
+        return self.process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
 
     def setup_distributed(self) -> None:
         """Under torchrun, every restart attempt of the group meets under keys of its own.
@@ -148,16 +174,25 @@ class CommHookDDPStrategy(DDPStrategy):
             env = self.cluster_environment
             assert env is not None
             rank, world_size = env.global_rank(), env.world_size()
-            store = _create_c10d_store(env.main_address, env.main_port, rank, world_size, self._timeout)
-            dist.init_process_group(
-                self._get_process_group_backend(), store=dist.PrefixStore(f"attempt_{attempt}", store),
-                rank=rank, world_size=world_size, timeout=self._timeout,
-            )
+            timeout = timedelta(seconds=self.timeout_s)  # valid: set_world_ranks checked it
+            store = attempt_store(env.main_address, env.main_port, rank, world_size, timeout)
+            dist.init_process_group(self.backend(), store=dist.PrefixStore(f"attempt_{attempt}", store),
+                                    rank=rank, world_size=world_size, timeout=timeout)
         super().setup_distributed()
 
-    def _setup_model(self, model: nn.Module) -> DistributedDataParallel:
-        self._ddp_kwargs["bucket_cap_mb"] = self.ddp_bucket_cap_mb(model)
-        return super()._setup_model(model)
+    def configure_ddp(self) -> None:
+        """Wrap the model in DDP with this strategy's options, then register the hook on every device type.
+
+        Lightning's own method registers a hook on CUDA only.
+        """
+        device_ids = self.determine_ddp_device_ids()
+        with torch.cuda.stream(torch.cuda.Stream()) if device_ids is not None else nullcontext():  # as Lightning does
+            self.model = DistributedDataParallel(
+                self.model, device_ids=device_ids, bucket_cap_mb=self.ddp_bucket_cap_mb(self.model),
+                gradient_as_bucket_view=self.gradient_as_bucket_view, static_graph=self.static_graph,
+                find_unused_parameters=self.find_unused_parameters,
+            )
+        self.register_hook()
 
     def ddp_bucket_cap_mb(self, model: nn.Module) -> float | None:
         """PowerSGD under gloo gets one bucket; otherwise `bucket_cap_mb` as set.
@@ -168,7 +203,7 @@ class CommHookDDPStrategy(DDPStrategy):
         An explicit cap also caps DDP's first bucket, so a cap above the model's size means one bucket.
         """
         configured = self.bucket_cap_mb
-        if not (self.hook.startswith("powersgd") and self._get_process_group_backend() == "gloo"):
+        if not (self.hook.startswith("powersgd") and self.backend() == "gloo"):
             return configured
         if configured is not None and configured < one_bucket_cap_mb(model):
             rank_zero_warn(f"strategy.bucket_cap_mb={configured} is ignored: PowerSGD under gloo needs one DDP bucket")
@@ -191,11 +226,11 @@ class CommHookDDPStrategy(DDPStrategy):
             return state, default_hooks.fp16_compress_wrapper(powerSGD_hook.powerSGD_hook)
         return state, powerSGD_hook.powerSGD_hook
 
-    def _register_ddp_hooks(self) -> None:
-        """Register on every device type; Lightning's own method registers on CUDA only."""
+    def register_hook(self) -> None:
+        """Register the hook on the DDP model, on a process group of its own that the meter counts."""
         assert isinstance(self.model, DistributedDataParallel)
         self.comm_meter = CommMeter()
-        # The hook's own group, over the run's backend, counted by the meter; new_group's own default timeout is 30 min.
-        group = self.comm_meter.new_group(self._get_process_group_backend(), timeout=self._timeout)
+        # The hook's own group, over the run's backend; new_group's own default timeout is 30 min.
+        group = self.comm_meter.new_group(self.backend(), timeout=timedelta(seconds=self.timeout_s))
         state, hook = self.build_hook(group)
         self.model.register_comm_hook(state, self.comm_meter.wrap(hook))

@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from lightning import Trainer
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from torch import nn
 
@@ -32,16 +33,6 @@ def _move_keys(state_dict: dict[str, Any], old: str, new: str) -> None:
     """Rename in place the keys that start with `old` to start with `new`."""
     moved = {new + key[len(old):]: state_dict.pop(key) for key in [k for k in state_dict if k.startswith(old)]}
     state_dict.update(moved)
-
-
-def _drop_module_prefix(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: dict) -> None:
-    """Save `<prefix>module.<key>` as `<prefix><key>`, and torch's per-module metadata likewise."""
-    _move_keys(state_dict, prefix + "module.", prefix)
-    metadata = getattr(state_dict, "_metadata", {})
-    wrapped = prefix + "module"
-    paths = [path for path in metadata if path == wrapped or path.startswith(wrapped + ".")]
-    moved = {prefix[:-1] if path == wrapped else prefix + path[len(wrapped) + 1:]: metadata.pop(path) for path in paths}
-    metadata.update(moved)
 
 
 def _add_module_prefix(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
@@ -69,8 +60,11 @@ class DataParallelNet(nn.DataParallel):
 
     def __init__(self, net: nn.Module, device_ids: Sequence[int | torch.device] | None = None) -> None:
         super().__init__(net, device_ids=device_ids)
-        self.register_state_dict_post_hook(_drop_module_prefix)
         self.register_load_state_dict_pre_hook(_add_module_prefix)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """The wrapped net's own: its keys, and torch's per-module metadata, have no `module.` level."""
+        return self.module.state_dict(*args, **kwargs)
 
     def parallel_apply(self, replicas: Sequence[nn.Module], inputs: Sequence[Any], kwargs: Any) -> list[Any]:
         """Run the replicas under the caller's autocast dtype.
@@ -119,28 +113,33 @@ class DataParallelStrategy(ParallelStrategy):
         return {"num_replicas": 1, "rank": 0}
 
     def check_devices(self) -> None:
-        """Reject what nn.DataParallel cannot do, when the Trainer takes the strategy."""
+        """Reject what nn.DataParallel cannot do, before the run sets anything up."""
         devices = self.parallel_devices or []
         if len(devices) > 1 and any(device.type != "cuda" for device in devices):
             raise UsageError(
                 f"strategy=dp devices={len(devices)} needs CUDA GPUs (nn.DataParallel splits a batch only over GPUs); "
                 f"on {devices[0].type} use devices=1, or strategy=ddp for {len(devices)} processes"
             )
-        if len(devices) > 1 and self._layer_sync is not None:
+        # The Trainer hands a strategy its `sync_batchnorm` plugin only in this attribute; no public API says.
+        if len(devices) > 1 and getattr(self, "_layer_sync", None) is not None:
             raise UsageError(
                 "sync_batchnorm=true does not work with strategy=dp (each GPU's replica normalises with its own "
                 "shard); use strategy=ddp"
             )
 
-    def _configure_launcher(self) -> None:
+    def setup_environment(self) -> None:
+        """The first step of a run, in its one process."""
         self.check_devices()
+        super().setup_environment()
 
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
 
-    def _setup_model(self, model: nn.Module) -> nn.Module:
+    def setup(self, trainer: Trainer) -> None:
         """Wrap `net_attribute` of the LightningModule, which stays the model Lightning drives."""
+        super().setup(trainer)
+        model = self.model
         net = getattr(model, self.net_attribute, None)
         if not isinstance(net, nn.Module):
             raise UsageError(
@@ -148,7 +147,6 @@ class DataParallelStrategy(ParallelStrategy):
             )
         if self.root_device.type == "cuda" and not isinstance(net, DataParallelNet):
             setattr(model, self.net_attribute, DataParallelNet(net, device_ids=self.parallel_devices))
-        return model
 
     def teardown(self) -> None:
         module = self.lightning_module
