@@ -51,8 +51,13 @@ class CommLogger(Callback):
             self._meter.take()  # drop anything sent before training (none is expected)
         self._ddp = trainer.strategy.model if isinstance(trainer.strategy.model, DistributedDataParallel) else None
         self._ddp_iteration = -1
-        if self._ddp is not None:
-            self._ddp._set_ddp_runtime_logging_sample_rate(1)  # record every step's timings, not a sample
+        # DDP's runtime logging is private to it: no public API gives its backward timings. A torch without
+        # these methods logs no timings rather than failing the run.
+        sample_every = getattr(self._ddp, "_set_ddp_runtime_logging_sample_rate", None)
+        if sample_every is None or not hasattr(self._ddp, "_get_ddp_logging_data"):
+            self._ddp = None
+        else:
+            sample_every(1)  # record every step's timings, not a sample
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self._meter is None or trainer.global_step == self._last_step:
@@ -93,12 +98,11 @@ class CommLogger(Callback):
         if self._ddp is None:
             return {}
         data = self._ddp._get_ddp_logging_data()
-        if "backward_comm_time" not in data or data.get("iteration", -1) == self._ddp_iteration:
+        keys = ("iteration", "backward_compute_time", "backward_comm_time", "backward_compute_comm_overlap_time")
+        if any(key not in data for key in keys) or data["iteration"] == self._ddp_iteration:
             return {}
         self._ddp_iteration = data["iteration"]
-        compute, comm, overlap = (
-            data[key] / 1e6 for key in ("backward_compute_time", "backward_comm_time", "backward_compute_comm_overlap_time")
-        )
+        compute, comm, overlap = (data[key] / 1e6 for key in keys[1:])
         return {
             "comm/backward_compute_ms": compute,
             "comm/backward_comm_ms": comm,

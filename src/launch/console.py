@@ -14,7 +14,9 @@ from tqdm import tqdm
 
 def open_progress_bars() -> list[tqdm]:
     """The progress bars on screen, the innermost (highest position) first. A disabled bar is never listed."""
-    bars = [bar for bar in list(tqdm._instances) if not getattr(bar, "disable", True)]
+    # tqdm lists its open bars only in this private set (its own `write` reads it); Lightning's bars are
+    # its own too. Without the set no bar is listed: lines are still printed, maybe after a bar.
+    bars = [bar for bar in list(getattr(tqdm, "_instances", ())) if not getattr(bar, "disable", True)]
     return sorted(bars, key=lambda bar: -abs(getattr(bar, "pos", 0)))
 
 

@@ -198,12 +198,16 @@ class Classifier(LightningModule):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """A checkpoint saved with the optimizer stepped by Lightning resumes with it stepped here, and the
         other way round (a CPU run resumed on a GPU): the optimizer steps taken move to the counter in use."""
+        # Lightning documents no format for its loops' state, and no public API moves a count between them:
+        # a checkpoint whose loop state reads otherwise is left as it is.
         loop = checkpoint.get("loops", {}).get("fit_loop", {})
-        if AUTOMATIC_STEPS not in loop or MANUAL_STEPS not in loop:
+        try:
+            automatic, manual = loop[AUTOMATIC_STEPS]["optimizer"]["step"], loop[MANUAL_STEPS]
+            source, target = (manual, automatic) if self.automatic_optimization else (automatic, manual)
+            taken = target["total"]["completed"]
+        except (KeyError, TypeError):
             return
-        automatic, manual = loop[AUTOMATIC_STEPS]["optimizer"]["step"], loop[MANUAL_STEPS]
-        source, target = (manual, automatic) if self.automatic_optimization else (automatic, manual)
-        if target["total"]["completed"] == 0:
+        if taken == 0:
             target.update(copy.deepcopy(source))
 
     def configure_optimizers(self) -> Any:
