@@ -128,7 +128,7 @@ class DataParallelStrategy(ParallelStrategy):
             )
 
     def setup_environment(self) -> None:
-        """The first step of a run, in its one process."""
+        """Check the devices at the run's first step: dp starts no process, so nothing ran before it."""
         self.check_devices()
         super().setup_environment()
 
