@@ -13,6 +13,7 @@ from torch.utils.tensorboard import SummaryWriter
 from torch.utils.tensorboard.summary import hparams as hparams_summary
 
 from src.report import COLUMNS, FILES, collect_runs, markdown_table, read_run
+from src.runs import RunFolder
 from tests.helpers import DATA_ROOT, hparams, run_cli, scalars, train
 
 SWEEP = [
@@ -160,7 +161,7 @@ def test_val_acc_is_placed_at_the_epoch_lightning_logged(tmp_path, epoch_tag):
         for epoch, (step, acc) in enumerate([(9, 0.4), (19, 0.6), (29, 0.7)]):
             writer.add_scalar("val/acc", acc, step)
             writer.add_scalar(epoch_tag, epoch, step)
-    assert read_run(run, tmp_path).val_acc == [(1, pytest.approx(0.4)), (2, pytest.approx(0.6)), (3, pytest.approx(0.7))]
+    assert read_run(RunFolder(run, tmp_path)).val_acc == [(1, pytest.approx(0.4)), (2, pytest.approx(0.6)), (3, pytest.approx(0.7))]
 
 
 def test_missing_folder_is_one_error_line(tmp_path):

@@ -12,11 +12,12 @@ import torch
 from matplotlib.image import imread
 
 from src.scaling.costmodel import (
-    HOOKS, INTERCONNECTS, Interconnect, collectives, ddp_buckets, encode_s, powersgd_sizes, predict_step, ring_allreduce_s,
+    INTERCONNECTS, Interconnect, collectives, ddp_buckets, encode_s, powersgd_sizes, predict_step, ring_allreduce_s,
 )
 from src.models.lenet import LeNet
 from src.scaling.probe import Probe, fit_ring, measure, save
-from src.scaling import COLUMNS, PROCESS_COUNTS
+from src.scaling.predict import COLUMNS, PROCESS_COUNTS
+from src.strategies.ddp import HOOKS
 from tests.helpers import QUICK, run_cli, scalars, train
 
 LINK = Interconnect("test", bandwidth=1e9, latency=1e-5)
