@@ -10,7 +10,6 @@ the `test/acc` and `test/loss` scalars in `outputs/eval/<date>_<time>_<model>_<s
 """
 
 import sys
-from pathlib import Path
 from typing import Any
 
 import hydra
@@ -19,21 +18,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from src.errors import UsageError
 from src.launch import cli
+from src.runs import resolved_config, resolved_config_file
 from src.train import run
-
-
-def config_file(ckpt_path: object) -> Path:
-    """Where the run that wrote `ckpt_path` (a checkpoint or a run folder) keeps its resolved config."""
-    path = Path(str(ckpt_path))
-    return (path if path.is_dir() else path.parent.parent) / "config.yaml"
-
-
-def run_config(ckpt_path: str | None) -> DictConfig | None:
-    """The resolved config of the run that wrote `ckpt_path` (a checkpoint or a run folder), if it is there."""
-    if ckpt_path is None:
-        return None
-    config = config_file(ckpt_path)
-    return OmegaConf.load(config) if config.is_file() else None  # type: ignore[return-value]
 
 
 def targets(node: Any, prefix: str = "model") -> dict[str, Any]:
@@ -57,7 +43,7 @@ def check_targets(saved: DictConfig, composed: DictConfig, ckpt_path: object, mo
     if differ:
         key = differ[0]
         raise UsageError(
-            f"ckpt_path={ckpt_path} is not allowed; {config_file(ckpt_path)} builds the model with {key}={theirs.get(key)} "
+            f"ckpt_path={ckpt_path} is not allowed; {resolved_config_file(ckpt_path)} builds the model with {key}={theirs.get(key)} "
             f"where model={model_name} has {ours.get(key)}, and a run's config may change the model's values, not what "
             f"builds it; move that file away to score with model={model_name} as configured here"
         )
@@ -69,7 +55,7 @@ def trained_model(cfg: DictConfig, overrides: list[str]) -> DictConfig:
     Rebuilding the model from its name alone would drop the run's overrides (`model.net.hidden=32`,
     `model.loss.label_smoothing=0.1`) and give a wrong shape or a different loss.
     """
-    saved = None if OmegaConf.is_missing(cfg, "ckpt_path") else run_config(cfg.ckpt_path)
+    saved = None if OmegaConf.is_missing(cfg, "ckpt_path") else resolved_config(cfg.ckpt_path)
     if saved is None or saved.get("model_name") != cfg.model_name or not isinstance(saved.get("model"), DictConfig):
         return cfg.model
     model = saved.model
@@ -96,7 +82,7 @@ def with_checkpoint_model(args: list[str]) -> list[str]:
     given = dict(arg.split("=", 1) for arg in args if "=" in arg and not arg.startswith(("-", "+", "~")))
     if "model" in given or "ckpt_path" not in given:
         return args
-    config = run_config(given["ckpt_path"])
+    config = resolved_config(given["ckpt_path"])
     model = config.get("model_name") if config is not None else None
     return [*args, f"model={model}"] if model else args
 

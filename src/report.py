@@ -8,11 +8,9 @@ A run folder is one holding `.hydra/config.yaml` and TensorBoard event files. Wr
 (`scaling.*`, also shown in report.md). `SweepReport` does the same when a sweep ends.
 """
 
-import argparse
 import csv
 import logging
 import statistics
-import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,13 +20,13 @@ from hydra.experimental.callback import Callback
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
-from omegaconf import DictConfig, OmegaConf
-from tensorboard.backend.event_processing import event_accumulator
-from tensorboard.plugins.hparams import plugin_data_pb2
+from omegaconf import DictConfig
 
 from src.errors import UsageError
 from src.launch.console import counted
 from src.loggers import EPOCH_TAG
+from src.runs import ArgumentParser, RunFolder, median, output_folder, read_runs, usage_errors_exit
+from src.scaling.predict import load_probe, write_scaling
 
 log = logging.getLogger(__name__)
 
@@ -63,68 +61,24 @@ class Run:
         return self.devices * self.num_nodes
 
 
-def find_run_dirs(root: Path) -> list[Path]:
-    """Folders below `root` (itself included) that hold both a Hydra config and event files."""
-    configs = sorted(root.glob("**/.hydra/config.yaml"))
-    return [c.parent.parent for c in configs if any(c.parent.parent.glob("events.out.tfevents.*"))]
-
-
-def _median(values: list[float]) -> float | None:
-    return statistics.median(values) if values else None
-
-
-def _hparams(events: event_accumulator.EventAccumulator) -> dict[str, Any]:
-    """The run's HParams summary (`precision_used`, `world_size`, ...), empty when it has none."""
-    try:
-        content = events.PluginTagToContent("hparams")["_hparams_/session_start_info"]
-    except KeyError:
-        return {}
-    values = plugin_data_pb2.HParamsPluginData.FromString(content).session_start_info.hparams
-    return {name: getattr(value, value.WhichOneof("kind")) for name, value in values.items() if value.WhichOneof("kind")}
-
-
-def _config_value(config: DictConfig, choices: DictConfig | None, key: str, group: str | None = None) -> Any:
-    """A config value; `${hydra:runtime.choices.<group>}` resolves only inside the run, so it is read from hydra.yaml."""
-    if group and choices is not None and group in choices and OmegaConf.is_interpolation(config, key):
-        return choices[group]
-    return OmegaConf.select(config, key)
-
-
-def read_run(run_dir: Path, root: Path) -> Run:
+def read_run(run: RunFolder) -> Run:
     """Everything the report needs from one run folder."""
-    config = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
-    hydra_yaml = run_dir / ".hydra" / "hydra.yaml"
-    choices = OmegaConf.select(OmegaConf.load(hydra_yaml), "hydra.runtime.choices") if hydra_yaml.is_file() else None
-    events = event_accumulator.EventAccumulator(
-        str(run_dir), size_guidance={event_accumulator.SCALARS: 0, event_accumulator.TENSORS: 0}
-    )
-    events.Reload()
-    tags = set(events.Tags()["scalars"])
-
-    def values(tag: str) -> list[float]:
-        return [e.value for e in events.Scalars(tag)] if tag in tags else []
-
     # Lightning logs its epoch counter at the step of every epoch-end metric, which turns val/acc
     # steps into epochs (`trainer/epoch`; `epoch` in runs written before it was renamed).
-    epoch_tag = next((tag for tag in (EPOCH_TAG, "epoch") if tag in tags), None)
-    epoch_at_step = {int(e.step): int(e.value) for e in events.Scalars(epoch_tag)} if epoch_tag else {}
-    val_acc = [
-        (epoch_at_step.get(e.step, index) + 1, e.value)
-        for index, e in enumerate(events.Scalars("val/acc") if "val/acc" in tags else [])
-    ]
-    test_acc = values("test/acc")
-    relative = run_dir.relative_to(root).as_posix()
+    epoch_at_step = {step: int(epoch) for step, epoch in run.scalars(EPOCH_TAG, "epoch")}
+    val_acc = [(epoch_at_step.get(step, index) + 1, acc) for index, (step, acc) in enumerate(run.scalars("val/acc"))]
+    test_acc = run.values("test/acc")
     return Run(
-        run=relative if relative != "." else run_dir.name,
-        model=str(_config_value(config, choices, "model_name", "model")),
-        strategy=str(_config_value(config, choices, "strategy_name", "strategy")),
-        devices=int(_config_value(config, choices, "devices")),
-        num_nodes=int(_config_value(config, choices, "num_nodes")),
-        precision=str(_hparams(events).get("precision_used", _config_value(config, choices, "precision"))),
+        run=run.name,
+        model=str(run.value("model_name", "model")),
+        strategy=str(run.value("strategy_name", "strategy")),
+        devices=int(run.value("devices")),
+        num_nodes=int(run.value("num_nodes")),
+        precision=str(run.hparams().get("precision_used", run.value("precision"))),
         test_acc=test_acc[-1] if test_acc else None,
-        epoch_s=_median(values("time/epoch_s")),
-        samples_per_s=_median(values("time/samples_per_s")),
-        comm_bytes_per_step=_median(values("comm/bytes_per_step")),
+        epoch_s=median(run.values("time/epoch_s")),
+        samples_per_s=median(run.values("time/samples_per_s")),
+        comm_bytes_per_step=median(run.values("comm/bytes_per_step")),
         val_acc=val_acc,
     )
 
@@ -142,19 +96,7 @@ def add_speedups(runs: list[Run]) -> None:
 
 def collect_runs(root: Path) -> list[Run]:
     """All runs below `root`, sorted for reading, speed-ups filled in."""
-    if not root.is_dir():
-        raise UsageError(f"{root}: no such folder; give a sweep folder or outputs/")
-    run_dirs = find_run_dirs(root)
-    if not run_dirs:
-        raise UsageError(f"{root}: no run folders below it (a run folder holds .hydra/config.yaml and event files)")
-    logging.getLogger("tensorboard").setLevel(logging.WARNING)  # it logs every event file it opens at INFO
-    runs = []
-    for run_dir in run_dirs:
-        try:
-            runs.append(read_run(run_dir, root))
-        except Exception as error:  # a hand-edited or truncated config: name the folder, not a traceback
-            reason = " ".join(str(error).split())
-            raise UsageError(f"{run_dir}: cannot read this run ({type(error).__name__}: {reason})") from error
+    runs = read_runs(root, read_run)
     add_speedups(runs)
     return sorted(runs, key=lambda r: (r.model, r.strategy, r.precision, r.total_devices, r.run))
 
@@ -182,6 +124,11 @@ def write_csv(runs: list[Run], path: Path) -> None:
 
 
 def _save(figure: Figure, path: Path) -> None:
+    """Grid and legend on each plot's axes, then the PNG."""
+    for axes in figure.axes:
+        axes.grid(alpha=0.3)
+        if axes.lines:
+            axes.legend(fontsize="small")
     FigureCanvasAgg(figure)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
@@ -202,9 +149,6 @@ def plot_val_acc(runs: list[Run], path: Path) -> None:
             axes.plot(epochs, accs, marker="o", label=label)
     axes.set(xlabel="epoch", ylabel="val/acc", title="Validation accuracy per epoch")
     axes.xaxis.set_major_locator(MaxNLocator(integer=True))
-    axes.grid(alpha=0.3)
-    if axes.lines:
-        axes.legend(fontsize="small")
     _save(figure, path)
 
 
@@ -224,9 +168,6 @@ def plot_epoch_time(runs: list[Run], path: Path) -> None:
     axes.set(xlabel="devices (all nodes)", ylabel="median epoch time (s)", title="Epoch time against devices")
     axes.set_xticks(sorted({d for by_devices in points.values() for d in by_devices}))
     axes.set_ylim(bottom=0)
-    axes.grid(alpha=0.3)
-    if axes.lines:
-        axes.legend(fontsize="small")
     _save(figure, path)
 
 
@@ -245,8 +186,6 @@ def markdown_report(runs: list[Run], root: Path, scaling: str = "") -> str:
 
 def scaling_section(root: Path, out: Path) -> str:
     """The predicted scaling of the same runs (also written to scaling.*); empty when no run can be modelled."""
-    from src.scaling import load_probe, write_scaling  # it imports this module
-
     try:
         return write_scaling(root, out, load_probe(root / "probe.json"))
     except UsageError as error:
@@ -256,9 +195,7 @@ def scaling_section(root: Path, out: Path) -> str:
 
 def write_report(root: Path, out: Path | None = None) -> list[Run]:
     """Read every run below `root` and write the report files into `out` (default: `root`)."""
-    out = root if out is None else out
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"--out {out}: is a file, not a folder")
+    out = output_folder(root if out is None else out)
     runs = collect_runs(root)
     out.mkdir(parents=True, exist_ok=True)
     scaling = scaling_section(root, out)
@@ -291,21 +228,13 @@ class SweepReport(Callback):
         log.info(f"sweep report of {counted(len(runs), 'run')}: {sweep_dir / 'report.md'}")
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:
-        raise UsageError(message)
-
-
 def main(argv: list[str] | None = None) -> None:
-    parser = _Parser(prog="python -m src.report", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="python -m src.report", description=__doc__.splitlines()[0])
     parser.add_argument("folder", type=Path, help="a sweep folder, a run folder or outputs/")
     parser.add_argument("--out", type=Path, default=None, help="where to write the report (default: the folder)")
-    try:
+    with usage_errors_exit():
         args = parser.parse_args(argv)
         runs = write_report(args.folder, args.out)
-    except UsageError as error:
-        print(f"error: {error}", file=sys.stderr, flush=True)
-        sys.exit(2)
     print(f"{counted(len(runs), 'run')} -> {(args.out or args.folder) / 'report.md'}")
 
 

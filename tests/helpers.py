@@ -1,11 +1,14 @@
 """Shared test helpers: run the real command line, read TensorBoard scalars, write tiny IDX files."""
 
+import contextlib
 import gzip
+import io
 import os
 import socket
 import struct
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -38,6 +41,18 @@ def run_cli(module: str, *args: str, timeout: float = 300, cwd: Path = REPO) -> 
     return subprocess.run(
         [sys.executable, "-m", module, *args], cwd=cwd, env=user_env(), capture_output=True, text=True, timeout=timeout
     )
+
+
+def call_main(main: Callable[[list[str]], object], *args: str) -> subprocess.CompletedProcess:
+    """`main(args)` in this process, with its exit status and output as `run_cli` returns them: for a
+    command whose own start-up is not what the test is about."""
+    stdout, stderr, status = io.StringIO(), io.StringIO(), 0
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        try:
+            main(list(args))
+        except SystemExit as exit_:
+            status = exit_.code if isinstance(exit_.code, int) else 1
+    return subprocess.CompletedProcess(list(args), status, stdout.getvalue(), stderr.getvalue())
 
 
 def train(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:

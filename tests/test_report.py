@@ -13,13 +13,20 @@ from torch.utils.tensorboard import SummaryWriter
 from torch.utils.tensorboard.summary import hparams as hparams_summary
 
 from src.report import COLUMNS, FILES, collect_runs, markdown_table, read_run
-from tests.helpers import DATA_ROOT, hparams, run_cli, scalars, train
+from src.report import main as report_main
+from src.runs import RunFolder
+from tests.helpers import DATA_ROOT, call_main, hparams, run_cli, scalars, train
 
 SWEEP = [
     f"data.root={DATA_ROOT}", "max_epochs=2", "data.batch_size=64", "trainer.limit_train_batches=4",
     "trainer.limit_val_batches=2", "trainer.limit_test_batches=2", "trainer.enable_progress_bar=false",
     "trainer.enable_model_summary=false", "trainer.log_every_n_steps=1",
 ]
+
+
+def report(*args: str):
+    """`python -m src.report <args>`, in this process: the command's start-up is tested once, on the real sweep."""
+    return call_main(report_main, *args)
 
 
 def read_csv(path: Path) -> list[dict[str, str]]:
@@ -134,7 +141,7 @@ def synthetic(tmp_path) -> Path:
 
 
 def test_synthetic_runs_give_known_medians_and_speedups(synthetic, tmp_path):
-    result = run_cli("src.report", str(synthetic), "--out", str(tmp_path / "out"))
+    result = report(str(synthetic), "--out", str(tmp_path / "out"))
     assert result.returncode == 0, result.stderr
     rows = {row["run"]: row for row in read_csv(tmp_path / "out" / "report.csv")}
     assert set(rows) == {"one", "deep/er/four", "fp32", "dp"}  # config-only and events-only folders are no runs
@@ -160,31 +167,31 @@ def test_val_acc_is_placed_at_the_epoch_lightning_logged(tmp_path, epoch_tag):
         for epoch, (step, acc) in enumerate([(9, 0.4), (19, 0.6), (29, 0.7)]):
             writer.add_scalar("val/acc", acc, step)
             writer.add_scalar(epoch_tag, epoch, step)
-    assert read_run(run, tmp_path).val_acc == [(1, pytest.approx(0.4)), (2, pytest.approx(0.6)), (3, pytest.approx(0.7))]
+    assert read_run(RunFolder(run, tmp_path)).val_acc == [(1, pytest.approx(0.4)), (2, pytest.approx(0.6)), (3, pytest.approx(0.7))]
 
 
 def test_missing_folder_is_one_error_line(tmp_path):
     out = tmp_path / "out"
-    assert_nothing_written(run_cli("src.report", str(tmp_path / "nowhere"), "--out", str(out)), out)
+    assert_nothing_written(report(str(tmp_path / "nowhere"), "--out", str(out)), out)
     assert not out.exists()
 
 
 def test_folder_without_runs_is_one_error_line_and_writes_nothing(synthetic):
     empty = synthetic / "config_only"
-    assert_nothing_written(run_cli("src.report", str(empty)), empty)
-    assert_nothing_written(run_cli("src.report", str(synthetic / "events_only")), synthetic / "events_only")
+    assert_nothing_written(report(str(empty)), empty)
+    assert_nothing_written(report(str(synthetic / "events_only")), synthetic / "events_only")
 
 
 def test_out_that_is_a_file_and_missing_argument_are_one_error_line(synthetic, tmp_path):
     target = tmp_path / "taken"
     target.write_text("x")
-    assert_nothing_written(run_cli("src.report", str(synthetic), "--out", str(target)), synthetic)
+    assert_nothing_written(report(str(synthetic), "--out", str(target)), synthetic)
     assert target.read_text() == "x"
-    assert_nothing_written(run_cli("src.report"))
+    assert_nothing_written(report())
 
 
 def test_unreadable_run_config_is_one_error_line_and_writes_nothing(synthetic):
     (synthetic / "one" / ".hydra" / "config.yaml").write_text("devices: [\n")
-    result = run_cli("src.report", str(synthetic))
+    result = report(str(synthetic))
     assert_nothing_written(result, synthetic)
     assert str(synthetic / "one") in result.stderr

@@ -12,12 +12,13 @@ import torch
 from matplotlib.image import imread
 
 from src.scaling.costmodel import (
-    HOOKS, INTERCONNECTS, Interconnect, collectives, ddp_buckets, encode_s, powersgd_sizes, predict_step, ring_allreduce_s,
+    INTERCONNECTS, Interconnect, collectives, ddp_buckets, encode_s, powersgd_sizes, predict_step, ring_allreduce_s,
 )
 from src.models.lenet import LeNet
 from src.scaling.probe import Probe, fit_ring, measure, save
-from src.scaling import COLUMNS, PROCESS_COUNTS
-from tests.helpers import QUICK, run_cli, scalars, train
+from src.scaling.predict import COLUMNS, PROCESS_COUNTS, main
+from src.strategies.ddp import HOOKS
+from tests.helpers import QUICK, call_main, run_cli, scalars, train
 
 LINK = Interconnect("test", bandwidth=1e9, latency=1e-5)
 LENET_SHAPES = [tuple(p.shape) for p in LeNet().parameters()]
@@ -219,21 +220,21 @@ def assert_one_error_line(result, *words: str) -> None:
 
 
 def test_missing_folder_and_no_argument(tmp_path):
-    assert_one_error_line(run_cli("src.scaling", str(tmp_path / "nowhere")), "nowhere", "no such folder")
-    assert_one_error_line(run_cli("src.scaling"), "--probe")
+    assert_one_error_line(call_main(main, str(tmp_path / "nowhere")), "nowhere", "no such folder")
+    assert_one_error_line(call_main(main), "--probe")
     assert not (tmp_path / "nowhere").exists()
 
 
 def test_folder_without_runs_writes_nothing(tmp_path):
     (tmp_path / "config_only" / ".hydra").mkdir(parents=True)
     (tmp_path / "config_only" / ".hydra" / "config.yaml").write_text("devices: 1\n")
-    assert_one_error_line(run_cli("src.scaling", str(tmp_path)), "no run folders")
+    assert_one_error_line(call_main(main, str(tmp_path)), "no run folders")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config_only"]
 
 
 def test_bad_options_name_what_is_allowed(tmp_path):
-    assert_one_error_line(run_cli("src.scaling", str(tmp_path), "--overlap", "2"), "--overlap", "between 0 and 1")
-    assert_one_error_line(run_cli("src.scaling", str(tmp_path), "--probe-file", str(tmp_path / "none.json")), "--probe-file")
+    assert_one_error_line(call_main(main, str(tmp_path), "--overlap", "2"), "--overlap", "between 0 and 1")
+    assert_one_error_line(call_main(main, str(tmp_path), "--probe-file", str(tmp_path / "none.json")), "--probe-file")
     (tmp_path / "bad.json").write_text(json.dumps({"cores": 2}))
-    assert_one_error_line(run_cli("src.scaling", str(tmp_path), "--probe-file", str(tmp_path / "bad.json")), "--probe-file", "not a probe")
+    assert_one_error_line(call_main(main, str(tmp_path), "--probe-file", str(tmp_path / "bad.json")), "--probe-file", "not a probe")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.json"]

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from src.report import find_run_dirs
+from src.runs import find_run_dirs
 from tests.helpers import DATA_ROOT, free_port, train
 
 TENSORBOARD = Path(sys.executable).parent / "tensorboard"

@@ -1,3 +1,3 @@
-from src.scaling import main
+from src.scaling.predict import main
 
 main()

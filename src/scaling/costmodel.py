@@ -20,9 +20,10 @@ from dataclasses import dataclass
 
 import torch
 
-FP32_BYTES, HALF_BYTES = 4, 2
-MIB = 2**20
-HOOKS = ("none", "fp16", "bf16", "powersgd", "powersgd_fp16")
+from src.strategies.comm import FP32_BYTES
+from src.strategies.ddp import HOOKS, MIB
+
+HALF_BYTES = torch.float16.itemsize  # bf16 too
 BACKWARD_SHARE = 2 / 3  # backward ~ twice the forward pass: the share used when a run did not time its backward pass
 
 
