@@ -17,7 +17,7 @@ from lightning import LightningModule, Trainer
 from omegaconf import OmegaConf
 from torch.utils.data import DataLoader, TensorDataset
 
-from src.checkpoints import AtomicCheckpointIO, newest_checkpoint, read_checkpoint, saved_step
+from src.checkpoints import AtomicCheckpointIO, newest_checkpoint, open_checkpoint, read_checkpoint, saved_step
 from src.checks import check_checkpoint
 from src.errors import UsageError
 from src.eval import trained_model
@@ -66,7 +66,7 @@ def test_every_read_of_a_checkpoint_refuses_it_without_running_it(tmp_path, unsa
         read_checkpoint(bad)
     assert saved_step(bad) == -1 and newest_checkpoint(tmp_path / "run") == bad
     with pytest.raises(UsageError) as caught:
-        check_checkpoint(bad, "last", lenet, "lenet")
+        check_checkpoint(open_checkpoint(bad), "last", lenet, "lenet")
     assert str(caught.value).startswith(f"ckpt_path=last is not allowed; {bad} {UNSAFE} (getattr)")
     with pytest.raises(pickle.UnpicklingError):
         AtomicCheckpointIO().load_checkpoint(bad, weights_only=False)
