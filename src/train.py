@@ -70,7 +70,7 @@ def scalar_metrics(trainer: Trainer) -> dict[str, float]:
 
 def run(cfg: DictConfig, fit: bool = True) -> dict[str, float]:
     """Fit (unless `fit` is false) and test one configuration; returns the final metrics."""
-    # Check: every value, this machine, the checkpoint (read once here), before anything is written.
+    # Check every value and this machine; read the checkpoint once. Nothing is written before the checks pass.
     checks.check_config(cfg)
     checks.check_hardware(cfg.accelerator, str(cfg.precision), cfg.devices)
     output_dir = Path(cfg.output_dir)
@@ -82,6 +82,7 @@ def run(cfg: DictConfig, fit: bool = True) -> dict[str, float]:
     step_batch = per_process_batch(cfg.data.batch_size, world_size)
     seed_everything(cfg.seed, workers=True, verbose=False)
 
+    # Data, model, callbacks, logger, trainer.
     datamodule = instantiate(cfg.data)
     if is_launching_process():  # fail on missing or corrupt data before any process is started
         datamodule.prepare_data()
@@ -115,6 +116,7 @@ def run(cfg: DictConfig, fit: bool = True) -> dict[str, float]:
     trainer.callbacks = without_zero_flops(trainer.callbacks)
     stopping.attach(trainer)
 
+    # Fit, then test.
     with job_scope(), checks.trainer_input_errors():
         metrics: dict[str, float] = {}
         if fit:
@@ -126,6 +128,7 @@ def run(cfg: DictConfig, fit: bool = True) -> dict[str, float]:
         trainer.test(model, datamodule=datamodule, verbose=False, weights_only=True)  # SLURM: Lightning may load hpc_ckpt_*
         metrics.update(scalar_metrics(trainer))
 
+    # Log the result.
     epoch_times = next((c.epoch_times for c in callbacks if hasattr(c, "epoch_times")), [])
     if epoch_times:
         metrics["time/epoch_s"] = statistics.median(epoch_times)
