@@ -99,20 +99,10 @@ def open_checkpoint(path: Path) -> Saved:
         return Saved(path, error=error)
 
 
-def saved_step(path: Path) -> int:
-    """The optimizer step a checkpoint was saved at; -1 for a file that is no Lightning checkpoint or not a safe one."""
-    return open_checkpoint(path).step
-
-
 def newest(run_dir: Path) -> Saved | None:
     """The resumable checkpoint of `run_dir` saved at the latest step; `last.ckpt` on a tie."""
     found = [open_checkpoint(path) for name in RESUMABLE if (path := run_dir / "checkpoints" / name).is_file()]
     return max(found, key=lambda saved: saved.step, default=None)  # max keeps the first of equal steps
-
-
-def newest_checkpoint(run_dir: Path) -> Path | None:
-    saved = newest(run_dir)
-    return None if saved is None else saved.path
 
 
 def has_checkpoints(run_dir: Path) -> bool:
