@@ -9,7 +9,7 @@ Union; and the config groups, whose keys are the arguments of the class a group 
 """
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -35,7 +35,7 @@ class TrainConfig:
     sync_batchnorm: Any = MISSING
     max_epochs: int = MISSING
     seed: int = MISSING
-    ckpt_path: Optional[str] = None
+    ckpt_path: str | None = None
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     model_name: str = MISSING
     strategy_name: str = MISSING
