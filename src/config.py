@@ -6,6 +6,7 @@ defaults. Ranges and choices with reasons are not types: `src/checks` checks tho
 `Any`: a switch, because OmegaConf's bool also takes `yes`, `on` and `1`, which the checks refuse
 (`1` is not `true`); a key of two types (`precision`: 32 or bf16-mixed), as OmegaConf 2.3 has no
 Union; and the config groups, whose keys are the arguments of the class a group option names.
+A new top-level key needs a field here, and a rule in src/checks/schema.py for its range.
 """
 
 from dataclasses import dataclass, field
