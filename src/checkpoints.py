@@ -11,6 +11,7 @@ import os
 import pickle
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -70,19 +71,37 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         os.replace(partial, path)
 
 
-def saved_step(path: Path) -> int:
-    """The optimizer step a checkpoint was saved at, read without loading its tensors; -1 for a file
-    that is no Lightning checkpoint or not a safe one (`checks.check_checkpoint` says what is wrong with it)."""
+@dataclass(frozen=True)
+class Saved:
+    """A checkpoint file and what one safe read of it gave: its contents, or the error that stopped the read.
+
+    Read once before a run starts, it serves every question asked of the file then (which is newest,
+    is it safe, does it fit the model, at which step was it saved); Lightning reads it again to resume.
+    """
+
+    path: Path
+    contents: Any = None
+    error: Exception | None = None
+
+    @property
+    def step(self) -> int:
+        """The optimizer step it was saved at; -1 for a file that is no Lightning checkpoint or not a safe one."""
+        step = self.contents.get("global_step") if isinstance(self.contents, dict) else None
+        return int(step) if isinstance(step, int) else -1
+
+
+def open_checkpoint(path: Path) -> Saved:
+    """One safe read of `path`, mapped: the tensors' bytes are read only where they are used."""
     try:
-        return int(read_checkpoint(path, mmap=True)["global_step"])
-    except Exception:
-        return -1
+        return Saved(path, contents=read_checkpoint(path, mmap=True))
+    except Exception as error:  # kept for the check that names what is wrong with the file
+        return Saved(path, error=error)
 
 
-def newest_checkpoint(run_dir: Path) -> Path | None:
+def newest(run_dir: Path) -> Saved | None:
     """The resumable checkpoint of `run_dir` saved at the latest step; `last.ckpt` on a tie."""
-    found = [path for name in RESUMABLE if (path := run_dir / "checkpoints" / name).is_file()]
-    return max(found, key=saved_step, default=None)  # max keeps the first of equal steps
+    found = [open_checkpoint(path) for name in RESUMABLE if (path := run_dir / "checkpoints" / name).is_file()]
+    return max(found, key=lambda saved: saved.step, default=None)  # max keeps the first of equal steps
 
 
 def has_checkpoints(run_dir: Path) -> bool:
@@ -90,8 +109,8 @@ def has_checkpoints(run_dir: Path) -> bool:
     return folder.is_dir() and any(folder.glob("*.ckpt"))
 
 
-def resolve_ckpt_path(ckpt_path: str | None, run_dir: Path) -> Path | None:
-    """The checkpoint a run starts from.
+def resolve_ckpt_path(ckpt_path: str | None, run_dir: Path) -> Saved | None:
+    """The checkpoint a run starts from, read once.
 
     - null: none; a run folder that already holds checkpoints is not overwritten by a new run;
     - `last`: the newest of the run folder's `last.ckpt` and `step.ckpt`, which must exist;
@@ -107,29 +126,29 @@ def resolve_ckpt_path(ckpt_path: str | None, run_dir: Path) -> Path | None:
         return None
     value = str(ckpt_path)
     if value in CKPT_WORDS:
-        newest = newest_checkpoint(run_dir)
-        if newest is None and value == "last":
+        found = newest(run_dir)
+        if found is None and value == "last":
             raise UsageError(
                 f"ckpt_path=last: no checkpoint in {run_dir / 'checkpoints'} (looked for {' and '.join(RESUMABLE)}); "
                 "name the run folder with hydra.run.dir=<run folder>"
             )
-        return newest
+        return found
     path = Path(value)
     if not path.is_file():
         raise UsageError(f"ckpt_path={value}: no checkpoint at {path}; give a .ckpt file, `last` or `auto`")
-    return path
+    return open_checkpoint(path)
 
 
-def checkpoint_to_evaluate(ckpt_path: str | None) -> Path:
-    """A checkpoint file, or a run folder standing for its newest resumable checkpoint."""
+def checkpoint_to_evaluate(ckpt_path: str | None) -> Saved:
+    """A checkpoint file, or a run folder standing for its newest resumable checkpoint, read once."""
     if ckpt_path is None:
         raise UsageError("ckpt_path is required: give a .ckpt file or a run folder, e.g. ckpt_path=outputs/runs/<run>")
     path = Path(str(ckpt_path))
     if path.is_dir():
-        newest = newest_checkpoint(path)
-        if newest is None:
+        found = newest(path)
+        if found is None:
             raise UsageError(f"ckpt_path={ckpt_path}: no checkpoint in {path / 'checkpoints'} (looked for {' and '.join(RESUMABLE)})")
-        return newest
+        return found
     if not path.is_file():
         raise UsageError(f"ckpt_path={ckpt_path}: no checkpoint at {path}; give a .ckpt file or a run folder")
-    return path
+    return open_checkpoint(path)

@@ -24,9 +24,11 @@ from typing import Any
 
 import torch
 from lightning.pytorch.strategies import SingleDeviceStrategy
+from omegaconf import DictConfig
 from torch import nn
 
 from src.errors import UsageError
+from src.launch.ddp_jobs import is_rank_zero
 from src.sysinfo import cpu_has_bf16, gpu_info, recommend_precision
 
 log = logging.getLogger(__name__)
@@ -41,6 +43,26 @@ StepFunction = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.
 def auto_precision(accelerator: str) -> str:
     gpus = [gpu_info(i) for i in range(torch.cuda.device_count())] if accelerator == "gpu" else []
     return recommend_precision(gpus, cpu_has_bf16())[0]
+
+
+def resolve_accelerator(requested: str) -> str:
+    """`auto` becomes `gpu` when CUDA is there, else `cpu`; `cuda` is Lightning's other name for `gpu`."""
+    if requested == "auto":
+        return "gpu" if torch.cuda.is_available() else "cpu"
+    return "gpu" if requested == "cuda" else requested
+
+
+def resolve_precision(requested: object, accelerator: str) -> str:
+    """The precision Lightning will really use: `auto` picks by hardware; fp16 autocast exists only on
+    CUDA, so CPU gets bf16."""
+    precision = str(requested)
+    if precision == "auto":
+        return auto_precision(accelerator)
+    if accelerator == "cpu" and precision in ("16", "16-mixed"):
+        if is_rank_zero():
+            log.warning(f"precision={precision} needs a CUDA GPU; this CPU run uses bf16-mixed instead")
+        return "bf16-mixed"
+    return precision
 
 
 def cudnn_benchmark(benchmark: bool | None, deterministic: object) -> bool:
@@ -155,3 +177,25 @@ class GraphedStep:
         self.y.copy_(y)
         self.graph.replay()
         return self.loss, self.logits
+
+
+def apply_fast_steps(cfg: DictConfig, trainer_args: dict[str, Any], module: nn.Module, datamodule: object, *,
+                     accelerator: str, world_size: int, strategy: object, step_batch: int) -> FastSteps:
+    """Resolve `cuda_graphs` and `steps_per_execution` for this run and set the module, the data and the
+    Trainer's batch counts (`trainer_args`, in place) up for them."""
+    batch_counts = {f"trainer.{key}": value for key in ("limit_train_batches", "val_check_interval")
+                    if type(value := trainer_args.get(key)) is int}
+    fast_steps = resolve_fast_steps(
+        cfg.cuda_graphs, cfg.steps_per_execution, accelerator=accelerator, world_size=world_size, strategy=strategy,
+        compile=cfg.compile, trainer_args=trainer_args,
+        step_counts={"checkpoint.every_n_train_steps": cfg.checkpoint.every_n_train_steps,
+                     "trainer.max_steps": trainer_args["max_steps"], **batch_counts},
+        supported=hasattr(module, "use_fast_steps") and hasattr(datamodule, "steps_per_execution"),
+    )
+    for key in batch_counts:  # counted in optimizer steps: Lightning counts batches of steps_per_execution steps
+        trainer_args[key.removeprefix("trainer.")] //= fast_steps.steps_per_execution
+    if hasattr(module, "use_fast_steps"):
+        module.use_fast_steps(fast_steps, step_batch)
+    if fast_steps.manual:
+        datamodule.steps_per_execution = fast_steps.steps_per_execution  # type: ignore[attr-defined]
+    return fast_steps

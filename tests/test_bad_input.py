@@ -11,6 +11,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import ConfigCompositionException
 from hydra.utils import instantiate
 from lightning import LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -20,7 +21,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from src import checks
 from src.checks import CONF_DIR, check_checkpoint, check_config, check_overrides, check_run_dir, group_options
 from src.callbacks.finite_loss import FiniteLossCheck
-from src.checkpoints import resolve_ckpt_path
+from src.build import build
+from src.checkpoints import open_checkpoint, resolve_ckpt_path
 from src.errors import TrainingDiverged, UsageError
 from src.models.module import Classifier
 from src.launch.naming import register_resolvers
@@ -73,13 +75,11 @@ OUT_OF_RANGE = {
     "data.download=yes": "data.download must be one of: true, false",
     "data.shuffle=1": "data.shuffle must be one of: true, false",
     "data.root=3": "data.root must be a non-empty string",
-    "seed=abc": "seed must be a whole number from 0 to 4294967295",
     "seed=-1": "seed must be a whole number from 0 to 4294967295",
     "seed=4294967296": "seed must be a whole number from 0 to 4294967295",
     "sync_batchnorm=maybe": "sync_batchnorm must be one of: true, false",
     "num_nodes=0": "num_nodes must be a whole number of at least 1",
     "devices=0": "devices must be a whole number of at least 1",
-    "max_epochs=x": "max_epochs must be a whole number of at least 1",
     "precision=8-mixed": "precision must be one of: auto, 64, 32, 16,",
     "accelerator=tpu": "accelerator must be one of: auto, cpu, gpu, cuda",
     "optim.lr_scaling=sqrt": "optim.lr_scaling must be one of: none, linear",
@@ -134,6 +134,28 @@ def test_out_of_range_values_are_refused_naming_the_key(override):
     key = override.split("=")[0]
     assert message.startswith(f"{key}=") and " is not allowed; " in message
     assert OUT_OF_RANGE[override] in message
+
+
+WRONG_TYPES = {  # refused by the schema (src/config.py) when Hydra composes; on the command line, before that
+    "seed=abc": "seed must be a whole number from 0 to 4294967295",
+    "seed=null": "seed must be a whole number from 0 to 4294967295",
+    "max_epochs=x": "max_epochs must be a whole number of at least 1",
+    "devices=1.5": "devices must be a whole number of at least 1",
+    "checkpoint.every_n_train_steps=ten": "checkpoint.every_n_train_steps must be a whole number of at least 0",
+}
+
+
+@pytest.mark.parametrize("override", WRONG_TYPES)
+def test_values_of_the_wrong_type_are_refused_naming_the_key(override):
+    with pytest.raises(ConfigCompositionException):
+        composed(override)
+    message = refused(check_overrides, [override])
+    assert message.startswith(f"{override} is not allowed; ") and WRONG_TYPES[override] in message
+
+
+def test_each_swept_value_has_its_type_checked():
+    check_overrides(["-m", "devices=1,2", "seed=0,1"])
+    assert refused(check_overrides, ["-m", "devices=1,two"]).startswith("devices=two is not allowed; devices must be")
 
 
 ACCEPTED = [
@@ -238,12 +260,12 @@ def test_a_model_config_that_cannot_be_built_is_one_line():
     cfg = composed("model=lenet")
     with open_dict(cfg):
         cfg.model.net.depth = 3
-    message = refused(checks.instantiate_model, cfg.model, None)
+    message = refused(build, "model", cfg.model)
     assert message.startswith("model: Error in call to target 'src.models.lenet.LeNet'") and "depth" in message
     cfg = composed("model=lenet")
     with open_dict(cfg):
         cfg.model._target_ = "torch.nn.Identity"
-    assert refused(checks.instantiate_model, cfg.model, None).startswith(
+    assert refused(checks.check_model, build("model", cfg.model), cfg.model._target_).startswith(
         "model._target_=torch.nn.Identity is not allowed; it must name a LightningModule")
 
 
@@ -265,14 +287,14 @@ def test_a_checkpoint_must_be_one_of_this_model(tmp_path):
     text.write_text("hello, this is not a checkpoint\n")
     empty.write_bytes(b"")
     for path in (text, empty):
-        message = refused(check_checkpoint, str(path), str(path), lenet, "lenet")
+        message = refused(check_checkpoint, open_checkpoint(path), str(path), lenet, "lenet")
         assert message.startswith(f"ckpt_path={path} is not allowed; {path} is not a checkpoint file")
     torch.save({"weights": 1}, tmp_path / "other.ckpt")
-    assert "holds no state_dict" in refused(check_checkpoint, str(tmp_path / "other.ckpt"), "x", lenet, "lenet")
-    ckpt = str(lenet_checkpoint(tmp_path / "lenet.ckpt"))
-    message = refused(check_checkpoint, ckpt, ckpt, resnet, "resnet18")
+    assert "holds no state_dict" in refused(check_checkpoint, open_checkpoint(tmp_path / "other.ckpt"), "x", lenet, "lenet")
+    ckpt = lenet_checkpoint(tmp_path / "lenet.ckpt")
+    message = refused(check_checkpoint, open_checkpoint(ckpt), str(ckpt), resnet, "resnet18")
     assert "it holds another model than model=resnet18" in message
-    check_checkpoint(ckpt, ckpt, lenet, "lenet")
+    check_checkpoint(open_checkpoint(ckpt), str(ckpt), lenet, "lenet")
 
 
 # --- the command line, one subprocess per way a run fails ----------------------------------------------------

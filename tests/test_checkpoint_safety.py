@@ -17,10 +17,11 @@ from lightning import LightningModule, Trainer
 from omegaconf import OmegaConf
 from torch.utils.data import DataLoader, TensorDataset
 
-from src.checkpoints import AtomicCheckpointIO, newest_checkpoint, read_checkpoint, saved_step
+from src.checkpoints import AtomicCheckpointIO, newest, open_checkpoint, read_checkpoint, resolve_ckpt_path
 from src.checks import check_checkpoint
 from src.errors import UsageError
 from src.eval import trained_model
+from src.loggers import purge_step
 from src.models.module import Classifier
 from tests.helpers import DATA_ROOT, QUICK, run_cli, train
 from tests.test_bad_input import composed
@@ -64,9 +65,9 @@ def test_every_read_of_a_checkpoint_refuses_it_without_running_it(tmp_path, unsa
     lenet = Classifier(instantiate(composed("model=lenet").model.net))
     with pytest.raises(pickle.UnpicklingError):
         read_checkpoint(bad)
-    assert saved_step(bad) == -1 and newest_checkpoint(tmp_path / "run") == bad
+    assert open_checkpoint(bad).step == -1 and newest(tmp_path / "run").path == bad
     with pytest.raises(UsageError) as caught:
-        check_checkpoint(bad, "last", lenet, "lenet")
+        check_checkpoint(open_checkpoint(bad), "last", lenet, "lenet")
     assert str(caught.value).startswith(f"ckpt_path=last is not allowed; {bad} {UNSAFE} (getattr)")
     with pytest.raises(pickle.UnpicklingError):
         AtomicCheckpointIO().load_checkpoint(bad, weights_only=False)
@@ -167,3 +168,19 @@ def test_a_checkpoint_written_by_a_run_resumes_and_evaluates(tmp_path, data_root
     scored = run_cli("src.eval", f"data.root={DATA_ROOT}", "debug=quick", f"ckpt_path={run_dir}", f"hydra.run.dir={tmp_path / 'eval'}")
     assert scored.returncode == 0, scored.stderr[-3000:]
     assert len([line for line in scored.stdout.splitlines() if "test/acc=" in line]) == 1
+
+
+def test_a_checkpoint_to_resume_is_read_once_before_the_run(tmp_path, monkeypatch):
+    """Which file is newest, whether it is safe and of this model, where TensorBoard takes up: one read."""
+    run_dir = tmp_path / "run"
+    lenet = Classifier(instantiate(composed("model=lenet").model.net))
+    last = run_dir / "checkpoints" / "last.ckpt"
+    last.parent.mkdir(parents=True)
+    torch.save({"state_dict": lenet.state_dict(), "epoch": 0, "global_step": 4}, last)
+    reads: list[Path] = []
+    real_load = torch.load
+    monkeypatch.setattr(torch, "load", lambda path, *args, **kwargs: reads.append(Path(path)) or real_load(path, *args, **kwargs))
+    saved = resolve_ckpt_path("last", run_dir)
+    check_checkpoint(saved, "last", lenet, "lenet")
+    assert purge_step(saved, run_dir) == 4
+    assert reads == [last]

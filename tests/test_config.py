@@ -7,7 +7,8 @@ from hydra.utils import instantiate
 from lightning.pytorch.strategies import Strategy
 from omegaconf import OmegaConf
 
-from src.checks import CONF_DIR, group_options, instantiate_model
+from src.build import build
+from src.checks import CONF_DIR, group_options
 from src.models.module import Classifier
 from src.launch.naming import register_resolvers
 from src.optim import build_optimizer
@@ -27,7 +28,7 @@ def test_model_options_build_a_ten_class_network(model):
     import torch
 
     cfg = composed(f"model={model}")
-    module = instantiate_model(cfg.model, build_optimizer(cfg.optim, cfg.data.batch_size))
+    module = build("model", cfg.model, optimizer=build_optimizer(cfg.optim, cfg.data.batch_size))
     assert isinstance(module, Classifier)
     assert module(torch.zeros(2, 1, 28, 28)).shape == (2, 10)
     assert cfg.model_name == model
@@ -38,7 +39,7 @@ def test_model_options_take_classes_and_channels_from_the_data_config(model):
     import torch
 
     cfg = composed(f"model={model}", "data.num_classes=7", "data.in_channels=3")
-    module = instantiate_model(cfg.model, build_optimizer(cfg.optim, cfg.data.batch_size))
+    module = build("model", cfg.model, optimizer=build_optimizer(cfg.optim, cfg.data.batch_size))
     assert module(torch.zeros(2, 3, 28, 28)).shape == (2, 7)
     assert module.train_acc.num_classes == 7
 
@@ -46,7 +47,7 @@ def test_model_options_take_classes_and_channels_from_the_data_config(model):
 @pytest.mark.parametrize("optim", group_options("optim"))
 def test_optim_options_build_the_optimizer_they_name(optim):
     cfg = composed("model=lenet", f"optim={optim}", "optim.lr_scaling=linear", "data.batch_size=512")
-    module = instantiate_model(cfg.model, build_optimizer(cfg.optim, cfg.data.batch_size))
+    module = build("model", cfg.model, optimizer=build_optimizer(cfg.optim, cfg.data.batch_size))
     optimizer = module.configure_optimizers()
     assert type(optimizer).__name__ == cfg.optim._target_.rpartition(".")[2]
     assert optimizer.param_groups[0]["lr"] == pytest.approx(cfg.optim.lr * 2), "scaled: 512 / base 256"

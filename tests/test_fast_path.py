@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from src import fast_path
-from src.checks import resolve_precision
-from src.fast_path import cudnn_benchmark, speed_up
+from src.fast_path import cudnn_benchmark, resolve_precision, speed_up
 from src.models.lenet import LeNet
 from src.models.resnet import resnet18
 from tests.helpers import QUICK, hparams, train

@@ -1,8 +1,11 @@
 """Checks of user input, done once and early, each failing with one line that names the option.
 
-The rules for values live in `src/checks/schema.py`; this module applies them to the composed config
-(`check_config`), to the command line before Hydra composes it (`check_overrides`, `check_run_dir`)
-and to what a run is asked to resume from (`check_checkpoint`).
+Checks only check: they take config values, or objects already built or read (`check_model`,
+`check_checkpoint`), and raise `UsageError`; building happens in `src/train.py`. The types of the
+top-level keys are the schema's (`src/config.py`), enforced by Hydra while composing; the rules for
+values live in `src/checks/schema.py`. This module applies them to the composed config
+(`check_config`), to the command line before Hydra composes it (`check_overrides`, `check_run_dir`),
+to this machine (`check_hardware`) and to what a run is asked to resume from (`check_checkpoint`).
 """
 
 import difflib
@@ -10,7 +13,6 @@ import fnmatch
 import importlib.util
 import inspect
 import itertools
-import logging
 import re
 import tempfile
 from collections.abc import Iterator
@@ -24,22 +26,20 @@ from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
-from hydra.errors import InstantiationException, OverrideParseException
-from hydra.utils import instantiate
+from hydra.errors import OverrideParseException
 from lightning import LightningModule
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import OmegaConfBaseException, ValidationError
 
 from src.launch.console import counted
-from src.launch.ddp_jobs import external_rank, is_rank_zero
-from src.checkpoints import read_checkpoint, unsafe_content
+from src.launch.ddp_jobs import external_rank
+from src.checkpoints import Saved, unsafe_content
 from src.errors import UsageError
-from src.fast_path import auto_precision
-from src.checks.schema import ACCELERATORS, PRECISIONS, SCHEMA, shown
+from src.checks.schema import SCHEMA, shown
+from src.config import TrainConfig
 
-log = logging.getLogger(__name__)
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 TRAINER_ARGS = set(inspect.signature(lightning.Trainer.__init__).parameters) - {"self"}
 # Trainer arguments that the top-level keys own; `trainer.<name>` may not set them.
@@ -128,6 +128,24 @@ def check_overrides(args: list[str]) -> None:
         known = config_keys([*combination, *search])
         for override in values:
             check_override_key(override, known, [c for c in combination if c.split("=")[0] == override.key_or_group.split(".")[0]])
+    for override in values:
+        if not override.is_delete():
+            check_type(override)
+
+
+def check_type(override: Override) -> None:
+    """Each value of the type the schema (src/config.py) gives its key: Hydra would refuse it while
+    composing, in several lines. The words say what the key allows, its range included."""
+    key = override.key_or_group
+    for value in override_values(override):
+        try:
+            OmegaConf.update(OmegaConf.structured(TrainConfig), key, value, merge=False)
+        except ValidationError as error:
+            rule = rule_for(key)
+            allowed = f"{key} must be {rule.allowed}" if rule else str(error).splitlines()[0]
+            raise not_allowed(key, value, allowed) from None
+        except OmegaConfBaseException:
+            pass  # a key of a config group, which the schema leaves to the class the group names
 
 
 def config_keys(group_choices: list[str]) -> set[str]:
@@ -284,38 +302,16 @@ def data_choice() -> str:
     return str(choices.get("data", "<option>"))
 
 
-def resolve_accelerator(requested: str) -> str:
-    """`auto` becomes `gpu` when CUDA is there, else `cpu`; asking for a missing GPU is an error."""
-    requested = str(requested)
-    if requested not in ACCELERATORS:
-        raise UsageError(f"accelerator={requested} is not allowed; choose one of: {', '.join(ACCELERATORS)}")
-    if requested == "auto":
-        return "gpu" if torch.cuda.is_available() else "cpu"
-    if requested in ("gpu", "cuda") and not torch.cuda.is_available():
-        raise UsageError(f"accelerator={requested} but this machine has no CUDA device; use accelerator=cpu")
-    return "gpu" if requested == "cuda" else requested
-
-
-def resolve_precision(requested: object, accelerator: str) -> str:
-    """The precision Lightning will really use: `auto` picks by hardware (src/fast_path.py); fp16
-    autocast exists only on CUDA, so CPU gets bf16."""
-    precision = str(requested)
-    if precision == "auto":
-        return auto_precision(accelerator)
-    if precision not in PRECISIONS:
-        raise UsageError(f"precision={precision} is not allowed; choose one of: {', '.join(PRECISIONS)}")
-    if precision.startswith("transformer-engine") and (accelerator != "gpu" or not importlib.util.find_spec("transformer_engine")):
-        raise UsageError(f"precision={precision} is not allowed here; it needs a CUDA GPU and the transformer_engine package")
-    if accelerator == "cpu" and precision in ("16", "16-mixed"):
-        if is_rank_zero():
-            log.warning(f"precision={precision} needs a CUDA GPU; this CPU run uses bf16-mixed instead")
-        return "bf16-mixed"
-    return precision
-
-
-def check_devices(accelerator: str, devices: int) -> None:
-    if accelerator == "gpu" and devices > torch.cuda.device_count():
+def check_hardware(accelerator: str, precision: str, devices: int) -> None:
+    """The requested accelerator, device count and precision exist on this machine."""
+    cuda = torch.cuda.is_available()
+    if accelerator in ("gpu", "cuda") and not cuda:
+        raise UsageError(f"accelerator={accelerator} but this machine has no CUDA device; use accelerator=cpu")
+    on_gpu = cuda and accelerator != "cpu"
+    if on_gpu and devices > torch.cuda.device_count():
         raise UsageError(f"devices={devices} but this machine has {counted(torch.cuda.device_count(), 'CUDA device')}")
+    if precision.startswith("transformer-engine") and (not on_gpu or not importlib.util.find_spec("transformer_engine")):
+        raise UsageError(f"precision={precision} is not allowed here; it needs a CUDA GPU and the transformer_engine package")
 
 
 def check_trainer_args(trainer_cfg: dict) -> None:
@@ -345,30 +341,11 @@ def trainer_input_errors() -> Iterator[None]:
 # --- the objects the config names -----------------------------------------------------------------------------
 
 
-def instantiate_model(model_cfg: DictConfig, optimizer: Any) -> LightningModule:
-    """The LightningModule that `model=<option>` names, given the run's optimizer partial.
-
-    A model file whose class cannot be found or refuses its arguments fails with one line
-    naming Hydra's reason, instead of a traceback.
-    """
-    module = _instantiate("model", model_cfg, optimizer=optimizer)
+def check_model(module: object, target: object) -> None:
+    """What `model=<option>` built must be a LightningModule: the Trainer takes nothing else."""
     if not isinstance(module, LightningModule):
-        raise not_allowed("model._target_", model_cfg.get("_target_"),
+        raise not_allowed("model._target_", target,
                           "it must name a LightningModule, e.g. src.models.module.Classifier with the network under model.net")
-    return module
-
-
-def instantiate_strategy(strategy_cfg: DictConfig) -> Any:
-    """The strategy that `strategy=<option>` names; a class or hook state that cannot be built is one line."""
-    return _instantiate("strategy", strategy_cfg, _convert_="all")
-
-
-def _instantiate(group: str, cfg: DictConfig, **kwargs: Any) -> Any:
-    """Hydra's `instantiate`, its failure as one line naming the config group instead of a traceback."""
-    try:
-        return instantiate(cfg, **kwargs)
-    except InstantiationException as error:
-        raise UsageError(f"{group}: {' '.join(str(error).split())}") from None
 
 
 # --- what a run resumes from ---------------------------------------------------------------------------------
@@ -386,22 +363,21 @@ def unreadable_checkpoint(error: Exception) -> str:
     return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
 
 
-def check_checkpoint(path: Path | None, given: object, module: torch.nn.Module, model_name: str) -> None:
+def check_checkpoint(saved: Saved | None, given: object, module: torch.nn.Module, model_name: str) -> None:
     """A checkpoint to resume must be a Lightning checkpoint of this very model, known before training starts,
     and hold only tensors and plain values: unpickling anything else could run code the file carries."""
-    if path is None:
+    if saved is None:
         return
-    try:  # Lightning reads the same file right after; mapped, this check reads little more than the shapes
-        state = read_checkpoint(path, mmap=True)
-    except Exception as error:
-        if (refused := unsafe_content(error)) is not None:
+    path = saved.path
+    if saved.error is not None:
+        if (refused := unsafe_content(saved.error)) is not None:
             raise not_allowed(
                 "ckpt_path", given,
                 f"{path} is not a safe checkpoint: it holds objects that cannot be loaded safely ({refused}); "
                 "a checkpoint is read as tensors and plain values only, so that loading it cannot run code",
-            ) from None
-        raise not_allowed("ckpt_path", given, f"{path} is not a checkpoint file ({unreadable_checkpoint(error)})") from None
-    weights = state.get("state_dict") if isinstance(state, dict) else None
+            )
+        raise not_allowed("ckpt_path", given, f"{path} is not a checkpoint file ({unreadable_checkpoint(saved.error)})")
+    weights = saved.contents.get("state_dict") if isinstance(saved.contents, dict) else None
     if not isinstance(weights, dict):
         raise not_allowed("ckpt_path", given, f"{path} is not a Lightning checkpoint (it holds no state_dict)")
     expected = {k: tuple(v.shape) for k, v in module.state_dict().items()}

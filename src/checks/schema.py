@@ -1,11 +1,15 @@
 """What every config key may hold: one table, read by `checks.check_config`.
 
+The types of the top-level keys are also the schema's (src/config.py), which Hydra enforces while it
+composes; a rule here adds the range and gives the words of both refusals. The config groups' keys
+and the Trainer's arguments have no schema type (see src/config.py): their rules are the whole check.
 A key of the composed config that no pattern here matches is unknown and refused. Patterns
 use shell wildcards: `strategy.*` and `callbacks.*.*` are the arguments of the object a config
 group names, which that object checks itself (e.g. `CommHookDDPStrategy.check_options`);
 the command-line check refuses keys those groups' files do not have.
 """
 
+import inspect
 import math
 import re
 import typing
@@ -13,9 +17,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from lightning.fabric.connector import _PRECISION_INPUT
+from lightning import Trainer
 
-PRECISIONS = ["auto", *dict.fromkeys(str(p) for arg in typing.get_args(_PRECISION_INPUT) for p in typing.get_args(arg))]
+
+def precisions() -> list[str]:
+    """`auto`, then every value that `Trainer(precision=...)`'s signature names (Literals of ints and strings)."""
+    literals = typing.get_args(inspect.signature(Trainer.__init__).parameters["precision"].annotation)
+    return ["auto", *dict.fromkeys(str(p) for literal in literals for p in typing.get_args(literal))]
+
+
+PRECISIONS = precisions()
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda")
 SEED_MAX = 2**32 - 1  # Lightning's seed_everything takes what numpy does: 0 .. 2**32 - 1
 # What the Classifier logs, so what a checkpoint callback can watch.
