@@ -22,11 +22,11 @@ from torch.utils.tensorboard.summary import hparams
 
 from src import checks
 from src.callbacks.model_summary import without_zero_flops
-from src.launch import cli, stopping
+from src.launch import cli, workers
 from src.checkpoints import AtomicCheckpointIO, checkpoint_to_evaluate, read_checkpoint, resolve_ckpt_path, saved_step
 from src.data.fashion_mnist import per_process_batch
 from src.launch.console import processes
-from src.launch.ddp_jobs import is_launching_process, is_rank_zero, job_scope
+from src.launch.ddp_jobs import is_launching_process, is_rank_zero
 from src.errors import UsageError
 from src.fast_path import cudnn_benchmark, resolve_fast_steps, speed_up
 from src.launch.naming import register_resolvers
@@ -173,8 +173,10 @@ def run(cfg: DictConfig, fit: bool = True) -> dict[str, float]:
         default_root_dir=str(output_dir), use_distributed_sampler=False, **trainer_args,
     )
     trainer.callbacks = without_zero_flops(trainer.callbacks)
-    stopping.attach(trainer)
-    with job_scope(), checks.trainer_input_errors():
+    if workers.needed(trainer):  # local DDP: one worker process per device, each running this function
+        return workers.start(run, cfg, fit)
+    workers.stop_on_signals(trainer)
+    with checks.trainer_input_errors():
         metrics: dict[str, float] = {}
         if fit:
             trainer.fit(module, datamodule=datamodule, ckpt_path=None if ckpt_path is None else str(ckpt_path),
