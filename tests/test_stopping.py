@@ -136,6 +136,7 @@ def assert_stopped(run: Run, status: int, line: str, run_dir: Path | None = None
     series = scalars(run_dir)
     assert "train/loss" in series and "test/acc" not in series, sorted(series)
     assert hparams(run_dir) == {}
+    print(errors[0])  # the lines docs/reliability.md shows
     return errors[0]
 
 
@@ -163,13 +164,14 @@ def test_signal_stops_one_process(tmp_path, data_root, name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("name", "target"), [("SIGTERM", "launcher"), ("SIGINT", "all processes"), ("SIGTERM", "rank 1")])
+@pytest.mark.parametrize(("name", "target"), [("SIGTERM", "launcher"), ("SIGINT", "every process"), ("SIGTERM", "rank 1")],
+                         ids=["SIGTERM-launcher", "SIGINT-ctrl_c", "SIGTERM-rank1"])
 def test_signal_stops_every_ddp_process(tmp_path, data_root, name, target):
     """To the launcher (`kill`), to every process as a terminal's Ctrl-C sends it, or to one worker."""
     signum = getattr(signal, name)
     with Run(tmp_path / "run", *LONG, *DDP, f"hydra.run.dir={tmp_path / 'run'}") as run:
         _, rank1 = run.wait_training(workers=2)
-        if target == "all processes":
+        if target == "every process":
             os.killpg(run.proc.pid, signum)
         else:
             os.kill(run.proc.pid if target == "launcher" else rank1, signum)
@@ -196,7 +198,8 @@ def test_stuck_rank_stops_the_run_after_the_collective_timeout(tmp_path, data_ro
         _, rank1 = run.wait_training(workers=2)
         os.kill(rank1, signal.SIGSTOP)
         run.wait_exit()
-    assert_stopped(run, 1, rf"^error: rank 0 \(pid \d+\): a collective waited strategy.timeout_s={STUCK_TIMEOUT_S} s without an answer")
+    # Rank 0's own words, or those of rank 1 once it runs again and finds its peer gone: they exit nearly together.
+    assert_stopped(run, 1, rf"^error: rank \d \(pid \d+\): a collective (waited strategy.timeout_s={STUCK_TIMEOUT_S} s|failed)")
 
 
 @pytest.mark.slow

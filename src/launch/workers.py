@@ -27,7 +27,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, SignalException
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, get_error_handler
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from src.errors import TrainingDiverged, UsageError
@@ -73,6 +73,13 @@ def handle_stop_signals() -> None:
         signal.signal(signum, _raise_stop)
 
 
+def ignore_stop_signals() -> None:
+    """On the way out: the agent sends SIGTERM to every worker once one has ended (and a terminal's
+    Ctrl-C reaches a worker twice), and a handler that raised during the exit would print a traceback."""
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
+
+
 class StopOnSignal(Callback):
     """Puts this module's handlers back after Lightning registers its own at each stage: Lightning's
     SIGTERM handler broadcasts from inside the handler, which hangs ranks that are in another collective."""
@@ -108,7 +115,7 @@ def start(function: Callable[..., dict[str, float]], cfg: DictConfig, *args: Any
     run, and the worker's own `UsageError` or `TrainingDiverged`.
     """
     handlers = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
-    quiet = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.distributed.launcher")]
+    quiet = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")]
     for logger in quiet:  # the agent's own lines would say again, in many lines, what the one `error:` line says
         logger.propagate = False
         logger.addHandler(logging.NullHandler())
@@ -156,7 +163,8 @@ def _rank_failure(error: ChildFailedError) -> BaseException:
         return RunStopped(failure.exitcode - 128, f" to {who}")
     if failure.exitcode < 0:
         return RankFailed(f"{who} died: killed by {signal_name(-failure.exitcode)}; run stopped")
-    message = str(failure.message)
+    message = failure.message
+    message = str(message.get("message", "") if isinstance(message, dict) else message)
     if message.startswith(f"{RankFailed.__name__}: "):  # the worker's own line
         return RankFailed(f"{who}: {message.removeprefix(f'{RankFailed.__name__}: ')}")
     return RankFailed(f"{who} failed ({message.splitlines()[0] if message else f'exit status {failure.exitcode}'}); run stopped")
@@ -179,18 +187,23 @@ def _worker(function: Callable[..., dict[str, float]], cfg: DictConfig, args: tu
             dist.destroy_process_group()
         return result
     except RunStopped as stop:
+        ignore_stop_signals()
         _exit(128 + stop.signum)
     except (UsageError, TrainingDiverged) as error:
         return error
     except Exception as error:
+        ignore_stop_signals()
         failure = rank_failure(error, cfg)
         if failure is None:
             traceback.print_exc()
             raise
         if failure.timed_out:
             # The agent stops the other workers with SIGTERM, which a worker stopped by SIGSTOP only
-            # receives once continued; without this the agent waits 30 s before it SIGKILLs it.
+            # receives once continued (without this, it is SIGKILLed 30 s later): say why first, then
+            # continue them, then exit at once, so that this failure is the first the agent sees.
+            get_error_handler().record_exception(failure)
             os.killpg(os.getpgrp(), signal.SIGCONT)
+            _exit(1)
         raise failure from None
 
 
