@@ -118,7 +118,8 @@ def start(function: Callable[..., dict[str, float]], cfg: DictConfig, *args: Any
     quiet = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")]
     for logger in quiet:  # the agent's own lines would say again, in many lines, what the one `error:` line says
         logger.propagate = False
-        logger.addHandler(logging.NullHandler())
+        if not logger.handlers:
+            logger.addHandler(logging.NullHandler())  # else Python's last-resort handler prints them
     try:
         with tempfile.TemporaryDirectory(prefix="torchelastic_") as error_files:
             config = LaunchConfig(
