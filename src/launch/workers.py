@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
+import torch
 import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 from lightning import Callback, LightningModule, Trainer
@@ -181,6 +182,7 @@ def _worker(function: Callable[..., dict[str, float]], cfg: DictConfig, args: tu
     rank = int(os.environ["RANK"])
     rank_zero_only.rank = rank  # Lightning read it at import, before the agent set RANK
     _log_to_file(logging_config, rank)
+    _share_cores(int(os.environ["LOCAL_WORLD_SIZE"]))
     handle_stop_signals()
     try:
         result = function(cfg, *args)
@@ -216,6 +218,15 @@ def _die_with(launcher: int) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
     if os.getppid() != launcher:  # it was gone before prctl took effect
         os._exit(1)
+
+
+def _share_cores(workers: int) -> None:
+    """The node's cores split between its workers, as torchrun (OMP_NUM_THREADS=1) and Lightning's own
+    launcher do and elastic_launch does not: each worker would otherwise start a thread per core."""
+    if "OMP_NUM_THREADS" not in os.environ:
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        os.environ["OMP_NUM_THREADS"] = str(threads)  # for the processes a worker starts (data loaders)
+        torch.set_num_threads(threads)
 
 
 def _log_to_file(logging_config: dict[str, Any] | None, rank: int) -> None:
