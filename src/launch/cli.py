@@ -66,9 +66,9 @@ def end_run(line: str, status: int) -> NoReturn:
 
 @contextmanager
 def own_process_group() -> Iterator[None]:
-    """A DDP job on one device runs in this process and leaves its process group and address behind;
-    the next job of a sweep starts without them."""
-    saved = {name: os.environ.get(name) for name in ("MASTER_ADDR", "MASTER_PORT")}
+    """A DDP job on one device runs in this process, where Lightning's launcher leaves its process group
+    and its environment (LOCAL_RANK, which tells the next job that someone else started its processes)."""
+    saved = {name: os.environ.get(name) for name in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")}
     try:
         yield
     finally:
