@@ -20,11 +20,11 @@ from omegaconf import DictConfig, OmegaConf
 from src import checks
 from src.build import build
 from src.callbacks.model_summary import without_zero_flops
-from src.launch import cli, stopping
+from src.launch import cli, workers
 from src.checkpoints import AtomicCheckpointIO, checkpoint_to_evaluate, resolve_ckpt_path
 from src.data.fashion_mnist import per_process_batch
 from src.launch.console import processes
-from src.launch.ddp_jobs import is_launching_process, is_rank_zero, job_scope
+from src.launch.ddp_jobs import is_launching_process, is_rank_zero
 from src.errors import UsageError
 from src.fast_path import apply_fast_steps, cudnn_benchmark, resolve_accelerator, resolve_precision, speed_up
 from src.hparams import has_hparams, log_hparams, run_hparams
@@ -114,10 +114,12 @@ def run(cfg: DictConfig, fit: bool = True) -> dict[str, float]:
         default_root_dir=str(output_dir), use_distributed_sampler=False, **trainer_args,
     )
     trainer.callbacks = without_zero_flops(trainer.callbacks)
-    stopping.attach(trainer)
+    if workers.needed(trainer):  # local DDP: one worker process per device, each running this function
+        return workers.start(run, cfg, fit)
+    workers.stop_on_signals(trainer)
 
     # Fit, then test.
-    with job_scope(), checks.trainer_input_errors():
+    with checks.trainer_input_errors():
         metrics: dict[str, float] = {}
         if fit:
             trainer.fit(model, datamodule=datamodule, ckpt_path=None if checkpoint is None else str(checkpoint.path),

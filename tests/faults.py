@@ -1,9 +1,7 @@
 """Faults injected into real runs through the config (`+callbacks.fault._target_=tests.faults.KillAtStep`)."""
 
-import atexit
 import os
 import signal
-import time
 
 from lightning import Callback, LightningModule, Trainer
 
@@ -23,21 +21,3 @@ class KillAtStep(Callback):
         if trainer.global_step == self.step and trainer.global_rank == self.rank and first_attempt:
             os.kill(os.getpid(), signal.SIGKILL)
 
-
-class AbortAtExit(Callback):
-    """Makes interpreter shutdown abort (SIGABRT) on global rank `rank`, as a teardown that goes wrong would.
-
-    Rank 0 lingers after testing, so that the abort comes while the launcher still watches its children.
-    """
-
-    def __init__(self, rank: int = 1, linger_s: float = 3.0) -> None:
-        self.rank = rank
-        self.linger_s = linger_s
-
-    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if trainer.global_rank == self.rank:
-            atexit.register(os.abort)
-
-    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if trainer.global_rank == 0 and stage == "test":
-            time.sleep(self.linger_s)

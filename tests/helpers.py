@@ -14,8 +14,9 @@ from pathlib import Path
 import numpy as np
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from src.launch.ddp_jobs import LAUNCHER_ENV
-
+# Set by torchrun, torch's elastic agent or Lightning for the processes they start; a user's shell has none.
+RANK_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
+            "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT")
 REPO = Path(__file__).resolve().parent.parent
 # The offline copy beside the checkout (see the README); FASHION_MNIST_ROOT points elsewhere.
 DATA_ROOT = Path(os.environ.get("FASHION_MNIST_ROOT", REPO.parent / "shared" / "data")).resolve()
@@ -26,7 +27,7 @@ QUICK = [f"data.root={DATA_ROOT}", "debug=quick"]
 
 def user_env() -> dict[str, str]:
     """This environment without the rank variables a launcher sets, as in a user's fresh shell."""
-    env = {name: value for name, value in os.environ.items() if name not in (*LAUNCHER_ENV, "RANK")}
+    env = {name: value for name, value in os.environ.items() if name not in RANK_ENV}
     return {**env, "PYTHONUNBUFFERED": "1"}
 
 

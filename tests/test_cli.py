@@ -45,7 +45,7 @@ def test_ddp_on_two_cpu_processes_writes_one_run_folder(tmp_path, data_root):
     result = train(*QUICK, "strategy=ddp", "devices=2", f"hydra.run.dir={run_dir}")
     assert_finished_run(result, run_dir)
     assert hparams(run_dir)["world_size"] == 2
-    assert (run_dir / "train_ddp_process_1.log").exists()
+    assert (run_dir / "train_rank_1.log").exists()
     # 4 steps, fewer than log_every_n_steps: no per-step comm/ points, but every comm/ scalar's epoch mean.
     series = scalars(run_dir)
     assert "comm/bytes_per_step" not in series

@@ -28,10 +28,10 @@ def test_sweep_over_strategy_and_devices_runs_each_job_in_its_own_folder(tmp_pat
         # One TensorBoard run per job: event files only in the job folder, from one process.
         assert len({p.parent for p in sweep.rglob("events.out.tfevents.*") if name in str(p.parent)}) == 1
         assert len({p.name.split(".")[4] for p in job.glob("events.out.tfevents.*")}) == 1
-        child_logs = sorted(p.name for p in job.glob("train_ddp_process_*.log"))
-        assert child_logs == [f"train_ddp_process_{r}.log" for r in range(1, devices)]
+        rank_logs = sorted(p.name for p in job.glob("train_rank_*.log"))
+        assert rank_logs == [f"train_rank_{r}.log" for r in range(1, devices)]
         assert (job / ".hydra" / "config.yaml").is_file() and (job / "checkpoints" / "last.ckpt").is_file()
-    # Children ran their own job only: no stray sweep or run folders anywhere else.
+    # Workers ran their own job only: no stray sweep or run folders anywhere else.
     assert snapshot(REPO / "outputs") == outputs_before
     assert not (REPO / "lightning_logs").exists()
     assert result.stdout.count("test/acc=") == len(jobs)

@@ -1,25 +1,30 @@
 """What every entry point (`src.train`, `src.eval`) does around its task.
 
-The command line is checked before Hydra starts; a signal, a dead or stuck process stops the
-run cleanly (`src.launch.stopping`); bad input and a diverged loss end in one `error:` line and leave no
-folder that could pass for a result; in a sweep, a failed job fails alone and the sweep exits
-non-zero at its end.
+The command line is checked before Hydra starts; a signal or a failed rank ends the run with one
+`error:` line (`src.launch.workers`); bad input and a diverged loss end in one `error:` line and
+leave no folder that could pass for a result; in a sweep, a failed job fails alone and the sweep
+exits non-zero at its end.
 """
 
+import os
 import shutil
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import NoReturn
 
+import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from src import checks
-from src.launch import stopping
-from src.launch.console import counted, print_error
-from src.launch.ddp_jobs import child_argv, is_rank_zero
 from src.errors import TrainingDiverged, UsageError
+from src.launch import workers
+from src.launch.console import counted, print_error
+from src.launch.ddp_jobs import is_rank_zero, rank_argv
+from src.launch.workers import RankFailed, RunStopped, signal_name
 
 # Sweep jobs stopped by bad input or a diverged loss, with their exit status.
 failed_jobs: dict[str, int] = {}
@@ -43,25 +48,68 @@ def report_failure(error: UsageError | TrainingDiverged, output_dir: Path, new_f
     return 2 if isinstance(error, UsageError) else 1
 
 
+def kept(output_dir: Path) -> str:
+    """What a stopped run leaves to resume from."""
+    last = output_dir / "checkpoints" / "last.ckpt"
+    return f"{last} holds the last finished epoch" if last.is_file() else "no epoch finished, so there is no checkpoint"
+
+
+def end_run(line: str, status: int) -> NoReturn:
+    """The run stopped: one line from the first process, then the exit status."""
+    if is_rank_zero():
+        try:
+            print_error(line)
+        except (OSError, ValueError):  # SIGHUP: the terminal may be gone
+            pass
+    sys.exit(status)
+
+
+@contextmanager
+def own_process_group() -> Iterator[None]:
+    """A DDP job on one device runs in this process, where Lightning's launcher leaves its process group
+    and its environment (LOCAL_RANK, which tells the next job that someone else started its processes)."""
+    saved = {name: os.environ.get(name) for name in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    try:
+        yield
+    finally:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def run_job(task: Callable[[DictConfig], dict[str, float]], cfg: DictConfig) -> float | None:
     """One Hydra job: the task's `test/acc`, or its failure reported and remembered."""
-    new_folder = holds_only_settings(Path(cfg.output_dir))
+    output_dir = Path(cfg.output_dir)
+    new_folder = holds_only_settings(output_dir)
     try:
-        with stopping.stop_cleanly():
+        with own_process_group():
             metrics = task(cfg)
     except (UsageError, TrainingDiverged) as error:
-        status = report_failure(error, Path(cfg.output_dir), new_folder)
+        status = report_failure(error, output_dir, new_folder)
         if HydraConfig.get().mode != RunMode.MULTIRUN:
             sys.exit(status)
         failed_jobs[" ".join(HydraConfig.get().overrides.task)] = status
         return None
+    except RunStopped as stop:
+        end_run(f"run stopped by {signal_name(stop.signum)}{stop.where}; {kept(output_dir)}", 128 + stop.signum)
+    except RankFailed as failure:
+        end_run(f"{failure.line}; {kept(output_dir)}", 1)
+    except Exception as error:  # under torchrun or SLURM: a collective that lost its peer or timed out
+        failure = workers.rank_failure(error, cfg)
+        if failure is None:
+            raise
+        end_run(f"{failure.line}; {kept(output_dir)}", 1)
     return metrics.get("test/acc")
 
 
 def run_entry(hydra_main: Callable[[], object]) -> None:
     """Check the command line, run the Hydra entry, and exit non-zero if any sweep job failed."""
-    sys.argv = child_argv(sys.argv)
-    stopping.install()
+    sys.argv = rank_argv(sys.argv)
+    workers.handle_stop_signals()
     try:
         checks.check_overrides(sys.argv[1:])
         checks.check_run_dir(sys.argv[1:])
@@ -69,9 +117,10 @@ def run_entry(hydra_main: Callable[[], object]) -> None:
         if is_rank_zero():  # under torchrun every process checks the same command line
             print_error(str(error))
         sys.exit(2)
-    with stopping.stop_cleanly():  # a signal outside a job: while Hydra starts, between sweep jobs
+    try:
         hydra_main()
+    except RunStopped as stop:  # outside a job: while Hydra starts, between sweep jobs
+        end_run(f"run stopped by {signal_name(stop.signum)}", 128 + stop.signum)
     if failed_jobs:
         print_error(f"{counted(len(failed_jobs), 'sweep job')} failed: {' | '.join(failed_jobs)}")
         sys.exit(max(failed_jobs.values()))
-    stopping.end_child()

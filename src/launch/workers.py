@@ -1,0 +1,265 @@
+"""Local DDP workers, started in-process by torch's elastic agent (the engine behind `torchrun`).
+
+The process running a Hydra job checks its config, then `start` runs one worker per device, each
+calling the same function with the resolved config. Workers see torchrun's environment (RANK,
+LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT, TORCHELASTIC_RUN_ID), so Lightning picks its
+TorchElasticEnvironment and starts no processes of its own. The agent forwards signals, notices a
+dead worker and stops the others; what is here covers only what it leaves open, each piece saying why.
+"""
+
+import ctypes
+import logging
+import logging.config
+import os
+import signal
+import sys
+import tempfile
+import traceback
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NoReturn
+
+import torch
+import torch.distributed as dist
+from hydra.core.hydra_config import HydraConfig
+from lightning import Callback, LightningModule, Trainer
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities import rank_zero_only
+from omegaconf import DictConfig, OmegaConf
+from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, get_error_handler
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from src.errors import TrainingDiverged, UsageError
+
+STOP_SIGNALS: tuple[int, ...] = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGINT", "SIGHUP") if hasattr(signal, n))
+# How torch words a collective that lost its peer or ran out of time (gloo, NCCL, the TCP store).
+COLLECTIVE_MARKS = ("gloo", "NCCL", "Connection reset", "Connection closed", "Broken pipe", "Timed out", "timed out")
+
+
+class RunStopped(BaseException):
+    """A stop signal, raised in the main thread. Not an `Exception`, so no `except Exception` swallows it;
+    Lightning's own handler of any other exception still finalizes the loggers on the way out."""
+
+    def __init__(self, signum: int, where: str = "") -> None:
+        super().__init__(signum, where)
+        self.signum = signum
+        self.where = where  # e.g. " to rank 1 (pid 42)"
+
+
+class RankFailed(Exception):
+    """A rank ended the run (exit status 1): the one line that says which and how."""
+
+    def __init__(self, line: str, timed_out: bool = False) -> None:
+        super().__init__(line)
+        self.line = line
+        self.timed_out = timed_out
+
+
+def signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def _raise_stop(signum: int, frame: Any) -> None:
+    raise RunStopped(signum)
+
+
+def handle_stop_signals() -> None:
+    """SIGTERM, SIGINT and SIGHUP raise `RunStopped` in the main thread from now on."""
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, _raise_stop)
+
+
+def ignore_stop_signals() -> None:
+    """On the way out: the agent sends SIGTERM to every worker once one has ended (and a terminal's
+    Ctrl-C reaches a worker twice), and a handler that raised during the exit would print a traceback."""
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
+
+
+class StopOnSignal(Callback):
+    """Puts this module's handlers back after Lightning registers its own at each stage: Lightning's
+    SIGTERM handler broadcasts from inside the handler, which hangs ranks that are in another collective."""
+
+    def on_sanity_check_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        handle_stop_signals()
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        handle_stop_signals()
+
+    def on_test_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        handle_stop_signals()
+
+
+def stop_on_signals(trainer: Trainer) -> None:
+    trainer.callbacks = [*trainer.callbacks, StopOnSignal()]
+
+
+def needed(trainer: Trainer) -> bool:
+    """True where Lightning would start DDP processes itself: one node, several devices, no torchrun or SLURM."""
+    strategy = trainer.strategy
+    return (isinstance(strategy, DDPStrategy) and trainer.world_size > 1 and strategy.cluster_environment is not None
+            and not strategy.cluster_environment.creates_processes_externally)
+
+
+# ---------------------------------------------------------------- the process running the Hydra job
+
+
+def start(function: Callable[..., dict[str, float]], cfg: DictConfig, *args: Any) -> dict[str, float]:
+    """Run `function(cfg, *args)` in one worker per device; rank 0's result.
+
+    Raises `RunStopped` when this process got a stop signal, `RankFailed` when a worker ended the
+    run, and the worker's own `UsageError` or `TrainingDiverged`.
+    """
+    handlers = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
+    quiet = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")]
+    for logger in quiet:  # the agent's own lines would say again, in many lines, what the one `error:` line says
+        logger.propagate = False
+        if not logger.handlers:
+            logger.addHandler(logging.NullHandler())  # else Python's last-resort handler prints them
+    try:
+        with tempfile.TemporaryDirectory(prefix="torchelastic_") as error_files:
+            config = LaunchConfig(
+                min_nodes=1, max_nodes=1, nproc_per_node=cfg.devices, run_id=uuid.uuid4().hex,
+                rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0",  # port 0: the agent's store takes a free port
+                max_restarts=0, start_method="spawn", logs_specs=DefaultLogsSpecs(log_dir=error_files),
+            )
+            resolved = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))  # workers have no Hydra to resolve with
+            OmegaConf.set_struct(resolved, OmegaConf.is_struct(cfg))
+            results = elastic_launch(config, _worker)(function, resolved, args, _logging_config(), os.getpid())
+    except SignalException as stop:  # the agent has stopped the workers with the same signal
+        raise RunStopped(int(stop.sigval)) from None
+    except ChildFailedError as error:
+        raise _rank_failure(error) from None
+    finally:
+        for signum, handler in handlers.items():  # the agent leaves its own handlers in place
+            signal.signal(signum, handler)
+        for logger in quiet:
+            logger.propagate = True
+    result = results[0]
+    if isinstance(result, (UsageError, TrainingDiverged)):
+        raise result
+    return result
+
+
+def _logging_config() -> dict[str, Any] | None:
+    """The job's logging settings, for workers, which have no Hydra of their own."""
+    if not HydraConfig.initialized():
+        return None
+    return OmegaConf.to_container(HydraConfig.get().job_logging, resolve=True)  # type: ignore[return-value]
+
+
+def _rank_failure(error: ChildFailedError) -> BaseException:
+    """The worker whose end stopped the run, in one line: a death by a signal first, then a stop, then the rest."""
+    def order(item: tuple[int, Any]) -> tuple[int, int]:
+        code = item[1].exitcode
+        return (0 if code < 0 else 1 if code - 128 in STOP_SIGNALS else 2, item[1].timestamp)
+
+    rank, failure = min(error.failures.items(), key=order)
+    who = f"rank {rank} (pid {failure.pid})"
+    if failure.exitcode - 128 in STOP_SIGNALS:
+        return RunStopped(failure.exitcode - 128, f" to {who}")
+    if failure.exitcode < 0:
+        return RankFailed(f"{who} died: killed by {signal_name(-failure.exitcode)}; run stopped")
+    message = failure.message
+    message = str(message.get("message", "") if isinstance(message, dict) else message)
+    if message.startswith(f"{RankFailed.__name__}: "):  # the worker's own line
+        return RankFailed(f"{who}: {message.removeprefix(f'{RankFailed.__name__}: ')}")
+    return RankFailed(f"{who} failed ({message.splitlines()[0] if message else f'exit status {failure.exitcode}'}); run stopped")
+
+
+# ---------------------------------------------------------------- a worker
+
+
+def _worker(function: Callable[..., dict[str, float]], cfg: DictConfig, args: tuple[Any, ...],
+            logging_config: dict[str, Any] | None, launcher: int) -> Any:
+    """One rank: what `function` returns, or a user's error for the launcher to report."""
+    _die_with(launcher)
+    rank = int(os.environ["RANK"])
+    rank_zero_only.rank = rank  # Lightning read it at import, before the agent set RANK
+    _log_to_file(logging_config, rank)
+    _share_cores(int(os.environ["LOCAL_WORLD_SIZE"]))
+    handle_stop_signals()
+    try:
+        result = function(cfg, *args)
+        if dist.is_initialized():  # torn down here, in order, not by interpreter shutdown
+            dist.destroy_process_group()
+        return result
+    except RunStopped as stop:
+        ignore_stop_signals()
+        _exit(128 + stop.signum)
+    except (UsageError, TrainingDiverged) as error:
+        return error
+    except Exception as error:
+        ignore_stop_signals()
+        failure = rank_failure(error, cfg)
+        if failure is None:
+            traceback.print_exc()
+            raise
+        if failure.timed_out:
+            # The agent stops the other workers with SIGTERM, which a worker stopped by SIGSTOP only
+            # receives once continued (without this, it is SIGKILLed 30 s later): say why first, then
+            # continue them, then exit at once, so that this failure is the first the agent sees.
+            get_error_handler().record_exception(failure)
+            os.killpg(os.getpgrp(), signal.SIGCONT)
+            _exit(1)
+        raise failure from None
+
+
+def _die_with(launcher: int) -> None:
+    """The agent watches its workers from the launcher, so a launcher killed by SIGKILL would leave
+    them waiting in a collective: the kernel ends a worker whose launcher is gone (Linux)."""
+    if sys.platform.startswith("linux"):
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() != launcher:  # it was gone before prctl took effect
+        os._exit(1)
+
+
+def _share_cores(workers: int) -> None:
+    """The node's cores split between its workers, as torchrun (OMP_NUM_THREADS=1) and Lightning's own
+    launcher do and elastic_launch does not: each worker would otherwise start a thread per core."""
+    if "OMP_NUM_THREADS" not in os.environ:
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        os.environ["OMP_NUM_THREADS"] = str(threads)  # for the processes a worker starts (data loaders)
+        torch.set_num_threads(threads)
+
+
+def _log_to_file(logging_config: dict[str, Any] | None, rank: int) -> None:
+    """The job's logging in a worker: rank 0 writes the job's log (`train.log`), rank N `train_rank_N.log`."""
+    if logging_config is None:
+        return
+    for handler in logging_config.get("handlers", {}).values():
+        if "filename" in handler and rank:
+            name = Path(handler["filename"])
+            handler["filename"] = str(name.with_name(f"{name.stem}_rank_{rank}{name.suffix}"))
+    logging.config.dictConfig(logging_config)
+
+
+def rank_failure(error: BaseException, cfg: DictConfig) -> "RankFailed | None":
+    """A collective that lost its peer or timed out, somewhere in `error` or its causes, as one line; else None."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        text = str(current)
+        if isinstance(current, RuntimeError) and any(mark in text for mark in COLLECTIVE_MARKS):
+            if any(mark in text for mark in ("Timed out", "timed out")):
+                waited = f"strategy.timeout_s={cfg.strategy.get('timeout_s')}"
+                return RankFailed(f"a collective waited {waited} s without an answer from another rank; run stopped", timed_out=True)
+            first = next((line.strip() for line in text.splitlines() if line.strip()), type(current).__name__)
+            return RankFailed(f"a collective failed ({first[:160]}); run stopped")
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def _exit(status: int) -> NoReturn:
+    """Exit at once: interpreter shutdown can block on a process group whose peer is gone."""
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    logging.shutdown()
+    os._exit(status)
