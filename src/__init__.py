@@ -1,5 +1,8 @@
 """Data-parallel training experiments on Fashion-MNIST with Lightning and Hydra."""
 
-# conf/train.yaml names the schema this registers: with the package, every composer (the entry
-# points, tests, benchmarks) finds it.
-from src import config  # noqa: F401
+# On import of any src module, so that every composer (the entry points, a submitit worker, tests,
+# benchmarks) finds the schema conf/train.yaml names and the `${slurm_gpus:...}` resolver of
+# conf/hydra/launcher/slurm.yaml.
+from src import config, slurm  # noqa: F401
+
+slurm.register_resolvers()

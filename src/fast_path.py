@@ -28,7 +28,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from src.errors import UsageError
-from src.launch.ddp_jobs import is_rank_zero
+from src.launch.ranks import is_rank_zero
 from src.sysinfo import cpu_has_bf16, gpu_info, recommend_precision
 
 log = logging.getLogger(__name__)

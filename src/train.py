@@ -24,7 +24,7 @@ from src.launch import cli, workers
 from src.checkpoints import AtomicCheckpointIO, checkpoint_to_evaluate, resolve_ckpt_path
 from src.data.fashion_mnist import per_process_batch
 from src.launch.console import processes
-from src.launch.ddp_jobs import is_launching_process, is_rank_zero
+from src.launch.ranks import is_launching_process, is_rank_zero
 from src.errors import UsageError
 from src.fast_path import apply_fast_steps, cudnn_benchmark, resolve_accelerator, resolve_precision, speed_up
 from src.hparams import has_hparams, log_hparams, run_hparams

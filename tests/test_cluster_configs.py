@@ -1,5 +1,7 @@
 """`hydra/launcher=slurm`: the composed launcher asks SLURM for one task per DDP process, on every node."""
 
+import os
+
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
@@ -21,11 +23,38 @@ def compose_train(*overrides: str):
 
 @pytest.mark.parametrize(("devices", "num_nodes"), [(1, 1), (4, 1), (4, 2), (8, 3)])
 def test_slurm_launcher_tasks_and_gpus_follow_devices_and_nodes(devices, num_nodes):
-    cfg = compose_train("strategy=ddp", f"devices={devices}", f"num_nodes={num_nodes}")
+    cfg = compose_train("strategy=ddp", "accelerator=gpu", f"devices={devices}", f"num_nodes={num_nodes}")
     launcher = cfg.hydra.launcher
     assert launcher._target_ == SLURM_LAUNCHER
     assert (launcher.nodes, launcher.tasks_per_node, launcher.gpus_per_node) == (num_nodes, devices, devices)
     assert launcher.partition is None and launcher.timeout_min > 0
+
+
+def fake_sinfo(monkeypatch, tmp_path, listing: str | None) -> None:
+    """`sinfo` on PATH printing `listing` (partition|GRES lines, `*` marks the default); None: no sinfo at all."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    if listing is not None:
+        (bin_dir / "sinfo").write_text(f"#!/bin/sh\nprintf '{listing}'\n")
+        (bin_dir / "sinfo").chmod(0o755)
+    monkeypatch.setenv("PATH", str(bin_dir) if listing is None else f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+
+
+@pytest.mark.parametrize(("accelerator", "partition", "listing", "gpus"), [
+    ("cpu", None, "gpu*|gpu:4\\n", None),                   # a CPU run asks for no GPU, even where there are some
+    ("gpu", None, "debug*|(null)\\n", 2),                   # an explicit GPU run asks whatever sinfo says
+    ("auto", None, "debug*|(null)\\n", None),               # a CPU-only cluster: no GPU request
+    ("auto", None, "cpu*|(null)\\ngpu|gpu:a100:4(S:0-1)\\n", None),  # the default partition has none
+    ("auto", "gpu", "cpu*|(null)\\ngpu|gpu:a100:4(S:0-1)\\n", 2),
+    ("auto", None, None, 2),                                # sinfo cannot tell: ask, as a GPU cluster needs
+])
+def test_slurm_gpu_request_follows_the_accelerator(monkeypatch, tmp_path, accelerator, partition, listing, gpus):
+    fake_sinfo(monkeypatch, tmp_path, listing)
+    overrides = ["strategy=ddp", "devices=2", f"accelerator={accelerator}"]
+    if partition:
+        overrides.append(f"hydra.launcher.partition={partition}")
+    launcher = compose_train(*overrides).hydra.launcher
+    assert launcher.gpus_per_node == gpus
 
 
 def test_slurm_is_opt_in():
@@ -40,7 +69,7 @@ class Submitted(Exception):
 
 def test_launcher_writes_an_sbatch_script_with_one_task_per_process(monkeypatch, tmp_path):
     """The real plugin and submitit, stopped just before sbatch: the script asks for what Lightning expects."""
-    cfg = compose_train("strategy=ddp", "devices=4", "num_nodes=2", "hydra.job.name=train",
+    cfg = compose_train("strategy=ddp", "accelerator=gpu", "devices=4", "num_nodes=2", "hydra.job.name=train",
                         f"hydra.sweep.dir={tmp_path}", "hydra.launcher.partition=gpu")
     captured = {}
 

@@ -34,7 +34,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException, ValidationError
 
 from src.launch.console import counted
-from src.launch.ddp_jobs import external_rank
+from src.launch.ranks import external_rank
 from src.checkpoints import Saved, unsafe_content
 from src.errors import UsageError
 from src.checks.schema import SCHEMA, shown

@@ -23,7 +23,7 @@ from src import checks
 from src.errors import TrainingDiverged, UsageError
 from src.launch import workers
 from src.launch.console import counted, print_error
-from src.launch.ddp_jobs import is_rank_zero, rank_argv
+from src.launch.ranks import is_rank_zero, rank_argv
 from src.launch.workers import RankFailed, RunStopped, signal_name
 
 # Sweep jobs stopped by bad input or a diverged loss, with their exit status.

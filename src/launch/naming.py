@@ -8,7 +8,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.types import RunMode
 from omegaconf import OmegaConf
 
-from src.launch.ddp_jobs import external_rank, run_stamp
+from src.launch.ranks import external_rank, run_stamp
 
 # Folders this process has claimed, by the name asked for: Hydra may resolve a folder name more than once.
 _claimed: dict[str, str] = {}

@@ -1,0 +1,185 @@
+"""docs/cluster.md against a real SLURM scheduler: the launcher sweep and the sbatch/srun DDP script,
+as written there, then a job stopped with `scancel --signal=TERM` and requeued.
+
+`.ci/test-slurm` starts a one-node CPU-only cluster on this machine and runs this file. Skipped where
+slurmctld is not installed or no cluster answers `sinfo`. Every job runs from a folder of its own that
+links this checkout's `src/` and `conf/`, so its runs land there and `src` is this checkout's.
+"""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import DATA_ROOT, REPO, user_env
+
+CLUSTER_DOC = REPO / "docs" / "cluster.md"
+WAIT_S = 600  # generous: the machine may be busy; every wait ends as soon as its event happens
+ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL", "DEADLINE")
+# A long run of tiny epochs, so that it is still running when signalled, whatever the machine's speed.
+ENDLESS = ["max_epochs=1000", "trainer.limit_train_batches=2", "trainer.limit_val_batches=1",
+           "trainer.limit_test_batches=1", "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false"]
+STEPS_PER_EPOCH = 2
+
+
+def cluster_answers() -> bool:
+    if shutil.which("slurmctld") is None or shutil.which("sinfo") is None:
+        return False
+    result = subprocess.run(["sinfo", "--noheader", "--responding"], capture_output=True, text=True)
+    return result.returncode == 0 and bool(result.stdout.strip())
+
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not cluster_answers(), reason="no SLURM cluster answers sinfo (.ci/test-slurm starts one)"),
+]
+
+
+def doc_block(heading: str) -> str:
+    """The first ```bash block under `heading` in docs/cluster.md, with the data root made this machine's."""
+    text = CLUSTER_DOC.read_text()
+    start = text.index(f"\n{heading}\n")
+    block = re.search(r"```bash\n(.*?)```", text[start:], flags=re.S).group(1)
+    return block.replace("/shared/data", str(DATA_ROOT))
+
+
+@pytest.fixture
+def checkout(tmp_path) -> Path:
+    """A folder where a user would submit from: this checkout's code and configs, outputs of its own."""
+    for part in ("src", "conf", "pyproject.toml"):
+        (tmp_path / part).symlink_to(REPO / part)
+    return tmp_path
+
+
+def job_env() -> dict[str, str]:
+    """A user's shell with the project's environment active: `python` is this interpreter."""
+    env = {k: v for k, v in user_env().items() if not k.startswith("SLURM_")}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
+    return env
+
+
+def wait_for(condition, what: str, timeout: float = WAIT_S):
+    """Poll until `condition()` is truthy; fail naming `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.5)
+    pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def job_fields(job_id: str) -> dict[str, str]:
+    """`scontrol show job` as a dict (JobState, ExitCode, Restarts, ...); finished jobs stay listed for MinJobAge."""
+    out = subprocess.run(["scontrol", "show", "job", "--oneliner", job_id], capture_output=True, text=True,
+                         check=True).stdout
+    return dict(field.split("=", 1) for field in out.split() if "=" in field)
+
+
+def wait_until_ended(job_id: str) -> dict[str, str]:
+    return wait_for(lambda: (f := job_fields(job_id))["JobState"] in ENDED and f, f"job {job_id} to end")
+
+
+def sbatch(checkout: Path, *overrides: str) -> str:
+    script = checkout / "ddp.sbatch"
+    script.write_text(doc_block("## SLURM with sbatch and srun"))
+    result = subprocess.run(["sbatch", "--parsable", script.name, *overrides], cwd=checkout, env=job_env(),
+                            capture_output=True, text=True, check=True)
+    return result.stdout.strip().split(";")[0]
+
+
+def run_dir(checkout: Path, job_id: str) -> Path:
+    folders = list((checkout / "outputs" / "runs").glob(f"slurm-{job_id}_*"))
+    assert len(folders) == 1, folders  # one folder per job, requeued or not
+    return folders[0]
+
+
+def read_ckpt(path: Path) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=False)  # a checkpoint this test's own job wrote
+
+
+def epoch_lines(log: str) -> list[tuple[int, int]]:
+    """(epoch, step) of every epoch line in a train.log: `epoch 3/1000 step 6: ...`."""
+    return [(int(e), int(s)) for e, s in re.findall(r"epoch (\d+)/\d+ step (\d+):", log)]
+
+
+def test_launcher_sweep_on_a_cpu_cluster(checkout):
+    """docs/cluster.md's CPU-cluster sweep: two jobs of a SLURM array, one task each, no GPU request."""
+    command = doc_block("### On a CPU-only cluster").strip() + " debug=quick hydra.sweep.dir=sweep"
+    result = subprocess.run(["bash", "-c", command], cwd=checkout, env=job_env(), capture_output=True, text=True,
+                            timeout=WAIT_S)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+    sweep = checkout / "sweep"
+    scripts = list((sweep / ".submitit").glob("*/*_submission.sh"))
+    assert len(scripts) == 1, scripts  # one sbatch: the sweep is one job array
+    sbatch_lines = scripts[0].read_text().splitlines()
+    assert "#SBATCH --array=0-1%2" in sbatch_lines and "#SBATCH --ntasks-per-node=1" in sbatch_lines
+    assert not any("gpus" in line or "gres" in line for line in sbatch_lines)
+    array_id = scripts[0].parent.name
+    for task, seed in ((0, 1), (1, 2)):
+        assert (sweep / ".submitit" / f"{array_id}_{task}" / f"{array_id}_{task}_0_result.pkl").is_file()
+        assert "test/acc=" in (sweep / f"seed={seed}" / "train.log").read_text()
+        assert (sweep / f"seed={seed}" / "checkpoints" / "last.ckpt").is_file()
+    assert "2 runs" in (sweep / "report.md").read_text()  # the end-of-sweep callback ran on the submitter
+
+
+def test_sbatch_srun_ddp_over_two_tasks(checkout):
+    """docs/cluster.md's batch script: srun starts 2 tasks that train as 2 DDP ranks of one run."""
+    job_id = sbatch(checkout, "debug=quick")
+    fields = wait_until_ended(job_id)
+    output = (checkout / f"slurm-{job_id}.out").read_text()
+    assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), output[-3000:]
+    run = run_dir(checkout, job_id)
+    log = (run / "train.log").read_text()
+    assert "Starting with 2 processes" in output
+    assert re.search(r"test/acc=\d\.\d{4} .*2 processes", log), log[-2000:]
+    assert "GLOBAL_RANK: 1" in (run / "train_rank_1.log").read_text()
+    assert (run / "checkpoints" / "last.ckpt").is_file()
+
+
+def test_scancel_term_keeps_last_ckpt_and_a_requeued_job_resumes(checkout):
+    job_id = sbatch(checkout, *ENDLESS)
+    out = checkout / f"slurm-{job_id}.out"
+    wait_for(lambda: list((checkout / "outputs" / "runs").glob(f"slurm-{job_id}_*/checkpoints/last.ckpt")),
+             "the first last.ckpt")
+    subprocess.run(["scancel", "--signal=TERM", job_id], check=True)
+    fields = wait_until_ended(job_id)
+    assert (fields["JobState"], fields["ExitCode"]) == ("FAILED", "143:0"), out.read_text()[-3000:]  # 128 + SIGTERM
+
+    # One line says where the run stopped; last.ckpt is whole and at most one epoch behind that step.
+    stop = re.search(r"error: run stopped by SIGTERM during epoch \d+ \(step (\d+)\)", out.read_text())
+    assert stop, out.read_text()[-3000:]
+    stopped_at = int(stop.group(1))
+    run = run_dir(checkout, job_id)
+    first = read_ckpt(run / "checkpoints" / "last.ckpt")
+    assert first["global_step"] % STEPS_PER_EPOCH == 0  # an epoch's end
+    assert stopped_at - STEPS_PER_EPOCH <= first["global_step"] <= stopped_at
+    assert (first["epoch"] + 1) * STEPS_PER_EPOCH == first["global_step"]
+    logged = epoch_lines((run / "train.log").read_text())
+
+    # Requeued: the same job id, so the same folder, where ckpt_path=auto resumes from last.ckpt.
+    subprocess.run(["scontrol", "requeue", job_id], check=True)
+    resumed_step = first["global_step"] + STEPS_PER_EPOCH
+
+    def resumed_an_epoch() -> bool:
+        if epoch_lines((run / "train.log").read_text())[-1][1] >= resumed_step:
+            return True
+        if (state := job_fields(job_id)["JobState"]) in ENDED:
+            pytest.fail(f"the requeued job ended ({state}) before an epoch: {out.read_text()[-3000:]}")
+        return False
+
+    wait_for(resumed_an_epoch, "the requeued job to finish an epoch")  # after SLURM's hold on requeued jobs
+    subprocess.run(["scancel", job_id], check=True)
+    fields = wait_until_ended(job_id)
+    assert fields["Restarts"] == "1"
+    run_dir(checkout, job_id)  # still one folder
+    after = epoch_lines((run / "train.log").read_text())[len(logged):]
+    # The second attempt's first epoch is the one after the checkpoint, not epoch 1 again.
+    assert after and after[0] == (first["epoch"] + 2, resumed_step), after
