@@ -39,6 +39,8 @@ def free_port() -> int:
 
 def run_cli(module: str, *args: str, timeout: float = 300, cwd: Path = REPO) -> subprocess.CompletedProcess:
     """Run `python -m <module> <args>` as a user would, capturing its output."""
+    if module == "src.eval" and cwd == REPO and not needs_own_process(args):
+        return in_process(module, *args)
     return subprocess.run(
         [sys.executable, "-m", module, *args], cwd=cwd, env=user_env(), capture_output=True, text=True, timeout=timeout
     )
@@ -56,8 +58,78 @@ def call_main(main: Callable[[list[str]], object], *args: str) -> subprocess.Com
     return subprocess.CompletedProcess(list(args), status, stdout.getvalue(), stderr.getvalue())
 
 
-def train(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return run_cli("src.train", *args, timeout=timeout)
+def in_process(module: str, *args: str) -> subprocess.CompletedProcess:
+    """`python -m <module> <args>` run through the module's own `main()` in this process: the same
+    command-line check, Hydra, run folder, log and exit status, without starting Python and torch again.
+
+    What the run changes in this process is put back: argv, signal handlers, the root logger's
+    handlers (closing the run's `train.log`), Hydra's global state and the sweep's failed jobs.
+    Warnings go to the run's stderr, as they would in its own process.
+    """
+    import importlib
+    import logging
+    import signal
+    import warnings
+
+    from hydra.core.global_hydra import GlobalHydra
+
+    from src.launch import cli
+
+    entry = importlib.import_module(module)
+    stdout, stderr, status = io.StringIO(), io.StringIO(), 0
+    saved_argv, root = sys.argv, logging.getLogger()
+    saved_root = root.handlers[:], root.level
+    stop_signals = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+    saved_signals = {signum: signal.getsignal(signum) for signum in stop_signals}
+    cli.failed_jobs.clear()
+    sys.argv = [f"{module.replace('.', '/')}.py", *args]
+    saved_main = os.environ.get("HYDRA_MAIN_MODULE")
+    os.environ["HYDRA_MAIN_MODULE"] = "__main__"  # find conf/ beside the entry's file, as `python -m` does
+
+    def show(message, category, filename, lineno, file=None, line=None) -> None:
+        sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
+
+    try:
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr), warnings.catch_warnings():
+            warnings.showwarning = show
+            importlib.import_module("src.train").ignore_known_warnings()  # as at the import in a process of its own
+            try:
+                entry.main()
+            except SystemExit as exit_:
+                status = exit_.code if isinstance(exit_.code, int) else 0 if exit_.code is None else 1
+    finally:
+        sys.argv = saved_argv
+        if saved_main is None:
+            os.environ.pop("HYDRA_MAIN_MODULE")
+        else:
+            os.environ["HYDRA_MAIN_MODULE"] = saved_main
+        for handler in root.handlers[:]:
+            if handler not in saved_root[0]:
+                handler.close()
+        root.handlers[:], _ = saved_root
+        root.setLevel(saved_root[1])
+        for signum, handler in saved_signals.items():
+            signal.signal(signum, handler)
+        GlobalHydra.instance().clear()
+        cli.failed_jobs.clear()
+    return subprocess.CompletedProcess([module, *args], status, stdout.getvalue(), stderr.getvalue())
+
+
+def needs_own_process(args: tuple[str, ...]) -> bool:
+    """A sweep, a run of several processes, or a fault of tests/faults.py (which may kill its process):
+    what only a real process tree can show."""
+    devices = [a.split("=", 1)[1] for a in args if a.startswith(("devices=", "num_nodes="))]
+    return (any(a in ("-m", "--multirun") or "tests.faults" in a for a in args)
+            or any(d not in ("1", "auto") for d in devices))
+
+
+def train(*args: str, timeout: float = 300, subprocess_: bool = False) -> subprocess.CompletedProcess:
+    """`python -m src.train <args>`: in this process for a one-process run, else as a real command.
+
+    `subprocess_=True` runs it as a real command anyway, where the process itself is what a test checks."""
+    if subprocess_ or needs_own_process(args):
+        return run_cli("src.train", *args, timeout=timeout)
+    return in_process("src.train", *args)
 
 
 def scalars(run_dir: Path) -> dict[str, list[float]]:
