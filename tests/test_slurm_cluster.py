@@ -52,7 +52,7 @@ def doc_block(heading: str) -> str:
 @pytest.fixture
 def checkout(tmp_path) -> Path:
     """A folder where a user would submit from: this checkout's code and configs, outputs of its own."""
-    for part in ("src", "conf", "pyproject.toml"):
+    for part in ("src", "conf", "hydra_plugins", "pyproject.toml"):
         (tmp_path / part).symlink_to(REPO / part)
     return tmp_path
 
@@ -128,6 +128,36 @@ def test_launcher_sweep_on_a_cpu_cluster(checkout):
         assert "test/acc=" in (sweep / f"seed={seed}" / "train.log").read_text()
         assert (sweep / f"seed={seed}" / "checkpoints" / "last.ckpt").is_file()
     assert "2 runs" in (sweep / "report.md").read_text()  # the end-of-sweep callback ran on the submitter
+
+
+def launcher_sweep(checkout: Path, *overrides: str, **kwargs) -> subprocess.CompletedProcess:
+    """docs/cluster.md's CPU-cluster sweep command with these overrides, into `checkout/sweep`."""
+    command = doc_block("### On a CPU-only cluster").strip().replace("seed=1,2 ", "")
+    return subprocess.run(["bash", "-c", f"{command} hydra.sweep.dir=sweep {' '.join(overrides)}"], cwd=checkout,
+                          env=job_env(), capture_output=True, text=True, timeout=WAIT_S, **kwargs)
+
+
+def test_a_failed_launcher_job_fails_in_slurm_and_the_sweep_exits_2(checkout):
+    """A job that stops with an `error:` line exits 2 (FAILED in SLURM), the sweep names it with its line and
+    exits 2, the report lists it, and no folder of it is left; the other job, 2 DDP ranks, logs one file per rank."""
+    result = launcher_sweep(checkout, "strategy=auto,ddp", "devices=2", "debug=quick")
+    assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    line = "strategy=auto runs on one device, not devices=2"
+    assert last.startswith("error: 1 sweep job failed: strategy=auto: ") and line in last, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    job_id = re.search(r"\(SLURM job (\d+_\d+)\)", last).group(1)
+    fields = job_fields(job_id)
+    assert (fields["JobState"], fields["ExitCode"]) == ("FAILED", "2:0"), fields
+
+    sweep = checkout / "sweep"
+    assert {p.name for p in sweep.iterdir() if p.name.startswith("strategy=")} == {"strategy=ddp"}
+    report = (sweep / "report.md").read_text()
+    assert "1 job failed:" in report and line in report
+    ddp = sweep / "strategy=ddp"
+    assert "test/acc=" in (ddp / "train.log").read_text()
+    done = "Job completed successfully"  # submitit's line, one per rank
+    assert (ddp / "train.log").read_text().count(done) == 1 and done in (ddp / "train_rank_1.log").read_text()
 
 
 def test_sbatch_srun_ddp_over_two_tasks(checkout):
