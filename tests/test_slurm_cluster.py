@@ -9,6 +9,7 @@ links this checkout's `src/` and `conf/`, so its runs land there and `src` is th
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -130,11 +131,15 @@ def test_launcher_sweep_on_a_cpu_cluster(checkout):
     assert "2 runs" in (sweep / "report.md").read_text()  # the end-of-sweep callback ran on the submitter
 
 
-def launcher_sweep(checkout: Path, *overrides: str, **kwargs) -> subprocess.CompletedProcess:
-    """docs/cluster.md's CPU-cluster sweep command with these overrides, into `checkout/sweep`."""
+def sweep_command(*overrides: str) -> list[str]:
+    """docs/cluster.md's CPU-cluster sweep command with these overrides instead of its seeds, into `sweep/`."""
     command = doc_block("### On a CPU-only cluster").strip().replace("seed=1,2 ", "")
-    return subprocess.run(["bash", "-c", f"{command} hydra.sweep.dir=sweep {' '.join(overrides)}"], cwd=checkout,
-                          env=job_env(), capture_output=True, text=True, timeout=WAIT_S, **kwargs)
+    return ["bash", "-c", f"exec {command} hydra.sweep.dir=sweep {' '.join(overrides)}"]
+
+
+def launcher_sweep(checkout: Path, *overrides: str) -> subprocess.CompletedProcess:
+    return subprocess.run(sweep_command(*overrides), cwd=checkout, env=job_env(), capture_output=True, text=True,
+                          timeout=WAIT_S)
 
 
 def test_a_failed_launcher_job_fails_in_slurm_and_the_sweep_exits_2(checkout):
@@ -213,3 +218,62 @@ def test_scancel_term_keeps_last_ckpt_and_a_requeued_job_resumes(checkout):
     after = epoch_lines((run / "train.log").read_text())[len(logged):]
     # The second attempt's first epoch is the one after the checkpoint, not epoch 1 again.
     assert after and after[0] == (first["epoch"] + 2, resumed_step), after
+
+
+def test_a_launcher_job_requeued_by_usr2_resumes_and_a_stopped_submitter_cancels_it(checkout):
+    """submitit's timeout signal (USR2) requeues the job without a traceback; the requeued job resumes from
+    last.ckpt without `ckpt_path` given (auto under the launcher); SIGTERM to the submitter cancels the job."""
+    submitter = subprocess.Popen(sweep_command(*ENDLESS), cwd=checkout, env=job_env(), stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)
+    array_id = None
+    try:
+        sweep = checkout / "sweep"
+        last = wait_for(lambda: next(iter(sweep.glob("*/checkpoints/last.ckpt")), None), "the first last.ckpt")
+        run = last.parent.parent
+        array_id = next(p.name for p in (sweep / ".submitit").iterdir() if p.name.isdigit())
+        job_id = array_id  # the array's one job
+        subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
+
+        wait_for(lambda: job_fields(job_id)["Restarts"] == "1" and job_fields(job_id)["JobState"] == "PENDING",
+                 "the job to be requeued")
+        first_attempt = "".join(p.read_text() for p in (sweep / ".submitit").glob("*/*_log.*"))
+        assert "Traceback" not in first_attempt, first_attempt[-3000:]
+        checkpoint = read_ckpt(last)
+        logged = epoch_lines((run / "train.log").read_text())
+        resumed_step = checkpoint["global_step"] + STEPS_PER_EPOCH
+
+        def resumed_an_epoch() -> bool:
+            if epoch_lines((run / "train.log").read_text())[-1][1] >= resumed_step:
+                return True
+            assert job_fields(job_id)["JobState"] not in ENDED, submitter.stderr
+            return False
+
+        wait_for(resumed_an_epoch, "the requeued job to finish an epoch")
+        after = epoch_lines((run / "train.log").read_text())[len(logged):]
+        assert after and after[0] == (checkpoint["epoch"] + 2, resumed_step), after
+        assert "ckpt_path: auto" in (run / "config.yaml").read_text()
+
+        submitter.send_signal(signal.SIGTERM)
+        out, err = submitter.communicate(timeout=WAIT_S)
+    finally:
+        if submitter.poll() is None:
+            submitter.kill()
+            submitter.communicate()
+        if array_id:  # whatever happened above, no job of this test keeps the cluster busy
+            subprocess.run(["scancel", array_id])
+    assert submitter.returncode == 143, err[-3000:]
+    assert err.strip().splitlines()[-1] == f"error: run stopped by SIGTERM; cancelled SLURM job {array_id}"
+    assert "Traceback" not in err
+    assert wait_until_ended(job_id)["JobState"] == "CANCELLED"
+
+
+def test_a_launcher_job_that_can_never_start_ends_the_sweep(checkout):
+    """Two nodes asked of a one-node partition: pending for ever (PartitionConfig) unless the sweep ends it."""
+    result = launcher_sweep(checkout, "num_nodes=2", "strategy=ddp", "debug=quick")
+    assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert re.fullmatch(r"error: SLURM job \d+(_0)? can never start \(\w+\): it asks for NumNodes=2\S* .*; "
+                        r"partition debug has TotalNodes=1 .*; the sweep's jobs are cancelled", last), last
+    assert "Traceback" not in result.stderr
+    job_id = re.search(r"SLURM job (\S+)", last).group(1)
+    assert wait_until_ended(job_id)["JobState"] == "CANCELLED"

@@ -133,7 +133,7 @@ def run_entry(hydra_main: Callable[[], object]) -> None:
     try:
         hydra_main()
     except RunStopped as stop:  # outside a job: while Hydra starts, between sweep jobs
-        end_run(f"run stopped by {signal_name(stop.signum)}", 128 + stop.signum)
+        end_run(f"run stopped by {signal_name(stop.signum)}{stop.where}", 128 + stop.signum)
     if failed_jobs:
         jobs = " | ".join(f"{job}: {failed.line}" for job, failed in failed_jobs.items())
         print_error(f"{counted(len(failed_jobs), 'sweep job')} failed: {jobs}")

@@ -129,14 +129,13 @@ def never_starts(array_id: str) -> str | None:
     for line in listing.splitlines():
         job_id, state, reason = (line.strip().split("|") + ["", ""])[:3]
         if state == "PENDING" and reason in NEVER_STARTS:
-            job, partition = scontrol("job", job_id), None
-            partition = scontrol("partition", job.get("Partition", ""))
-            asked = (f"{job.get('NumNodes', '?')} nodes, {job.get('NumTasks', '?')} tasks, {job.get('NumCPUs', '?')} CPUs"
-                     f", {job.get('TRES', '')}, time {job.get('TimeLimit', '?')}")
-            limits = (f"{partition.get('TotalNodes', '?')} nodes, {partition.get('TotalCPUs', '?')} CPUs"
-                      f", at most {partition.get('MaxNodes', '?')} nodes and {partition.get('MaxTime', '?')} per job")
-            return (f"SLURM job {job_id} can never start ({reason}): it asks for {asked}; partition "
-                    f"{job.get('Partition', '?')} has {limits}; the sweep's jobs were cancelled")
+            job = scontrol("job", job_id)
+            name = job.get("Partition", "?")
+            partition = scontrol("partition", name)
+            asked = " ".join(f"{key}={job.get(key, '?')}" for key in ("NumNodes", "NumTasks", "NumCPUs", "TimeLimit"))
+            limits = " ".join(f"{key}={partition.get(key, '?')}" for key in ("TotalNodes", "TotalCPUs", "MaxNodes", "MaxTime"))
+            return (f"SLURM job {job_id} can never start ({reason}): it asks for {asked}; partition {name} has "
+                    f"{limits}; the sweep's jobs are cancelled")
     return None
 
 
