@@ -189,15 +189,17 @@ def test_scancel_term_keeps_last_ckpt_and_a_requeued_job_resumes(checkout):
     assert (fields["JobState"], fields["ExitCode"]) == ("FAILED", "143:0"), out.read_text()[-3000:]  # 128 + SIGTERM
 
     # One line says where the run stopped; last.ckpt is whole and at most one epoch behind that step.
-    stop = re.search(r"error: run stopped by SIGTERM during epoch \d+ \(step (\d+)\)", out.read_text())
+    stop = re.search(r"error: run stopped by SIGTERM during epoch (\d+) \(step (\d+)\)", out.read_text())
     assert stop, out.read_text()[-3000:]
-    stopped_at = int(stop.group(1))
+    stopped_in, stopped_at = int(stop.group(1)), int(stop.group(2))
     run = run_dir(checkout, job_id)
     first = read_ckpt(run / "checkpoints" / "last.ckpt")
     assert first["global_step"] % STEPS_PER_EPOCH == 0  # an epoch's end
     assert stopped_at - STEPS_PER_EPOCH <= first["global_step"] <= stopped_at
     assert (first["epoch"] + 1) * STEPS_PER_EPOCH == first["global_step"]
     logged = epoch_lines((run / "train.log").read_text())
+    # Epochs counted from 1 in both: the stop came in the epoch after the last one logged (or at its very end).
+    assert logged[-1][0] in (stopped_in - 1, stopped_in), (logged[-1], stopped_in)
 
     # Requeued: the same job id, so the same folder, where ckpt_path=auto resumes from last.ckpt.
     subprocess.run(["scontrol", "requeue", job_id], check=True)
