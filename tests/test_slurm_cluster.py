@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 
 from tests.helpers import DATA_ROOT, REPO, user_env
 
@@ -222,6 +224,21 @@ def test_scancel_term_keeps_last_ckpt_and_a_requeued_job_resumes(checkout):
     assert after and after[0] == (first["epoch"] + 2, resumed_step), after
 
 
+def steps_going_back(run: Path) -> list[tuple[str, int, int]]:
+    """(event file, step, the step before it) wherever a point goes back in TensorBoard's reading order, which
+    TensorBoard takes for a restart and purges by; a resumed attempt's purge step (a SessionLog START) may."""
+    back, latest = [], -1
+    for path in sorted(run.glob("events.out.tfevents.*")):
+        for event in EventFileLoader(str(path)).Load():
+            if event.HasField("session_log") and event.session_log.status == event.session_log.START:
+                latest = event.step
+            elif event.HasField("summary"):
+                if event.step < latest:
+                    back.append((path.name, event.step, latest))
+                latest = max(latest, event.step)
+    return back
+
+
 def test_a_launcher_job_requeued_by_usr2_resumes_and_a_stopped_submitter_cancels_it(checkout):
     """submitit's timeout signal (USR2) requeues the job without a traceback; the requeued job resumes from
     last.ckpt without `ckpt_path` given (auto under the launcher); SIGTERM to the submitter cancels the job."""
@@ -267,6 +284,13 @@ def test_a_launcher_job_requeued_by_usr2_resumes_and_a_stopped_submitter_cancels
     assert err.strip().splitlines()[-1] == f"error: run stopped by SIGTERM; cancelled SLURM job {array_id}"
     assert "Traceback" not in err
     assert wait_until_ended(job_id)["JobState"] == "CANCELLED"
+    # The resumed attempt continued the TensorBoard series: no point going back, no step twice.
+    assert not steps_going_back(run)
+    accumulator = EventAccumulator(str(run), size_guidance={"scalars": 0})
+    accumulator.Reload()
+    for tag in accumulator.Tags()["scalars"]:
+        series = [event.step for event in accumulator.Scalars(tag)]
+        assert tag == "trainer/epoch" or len(series) == len(set(series)), (tag, series)
 
 
 def test_a_launcher_job_that_can_never_start_ends_the_sweep(checkout):
