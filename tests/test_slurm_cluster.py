@@ -293,13 +293,23 @@ def test_a_launcher_job_requeued_by_usr2_resumes_and_a_stopped_submitter_cancels
         assert tag == "trainer/epoch" or len(series) == len(set(series)), (tag, series)
 
 
-def test_a_launcher_job_that_can_never_start_ends_the_sweep(checkout):
-    """Two nodes asked of a one-node partition: pending for ever (PartitionConfig) unless the sweep ends it."""
-    result = launcher_sweep(checkout, "num_nodes=2", "strategy=ddp", "debug=quick")
+@pytest.mark.parametrize(("request_", "asked"), [("num_nodes=2", "NumNodes=2"), ("devices=4", "NumTasks=4")],
+                         ids=["2 nodes", "4 tasks on 2 CPUs"])
+def test_a_launcher_job_that_can_never_start_ends_the_sweep(checkout, request_, asked):
+    """More than the one-node partition has: pending for ever (PartitionConfig) unless the sweep ends it."""
+    result = launcher_sweep(checkout, request_, "strategy=ddp", "debug=quick")
     assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-3000:]
     last = result.stderr.strip().splitlines()[-1]
-    assert re.fullmatch(r"error: SLURM job \d+(_0)? can never start \(\w+\): it asks for NumNodes=2\S* .*; "
+    assert re.fullmatch(rf"error: SLURM job \d+(_0)? can never start \(\w+\): it asks for .*\b{asked}\b.*; "
                         r"partition debug has TotalNodes=1 .*; the sweep's jobs are cancelled", last), last
     assert "Traceback" not in result.stderr
     job_id = re.search(r"SLURM job (\S+)", last).group(1)
     assert wait_until_ended(job_id)["JobState"] == "CANCELLED"
+
+
+def test_a_sweep_that_sbatch_refuses_ends_in_one_line(checkout):
+    result = launcher_sweep(checkout, "debug=quick", "accelerator=gpu")  # a GPU request, on a cluster without GPUs
+    assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1] == \
+        "error: sbatch refused the sweep: Invalid generic resource (gres) specification"
+    assert "Traceback" not in result.stderr

@@ -53,6 +53,8 @@ class SlurmLauncher(SubmititSlurmLauncher):
         executor.update_parameters(**{name if name in shared else f"slurm_{name}": value for name, value in params.items()})
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         sweep_dir.mkdir(parents=True, exist_ok=True)
+        if "mode" in self.config.hydra.sweep:
+            sweep_dir.chmod(int(str(self.config.hydra.sweep.mode), 8))
         log.info(f"Submitit 'slurm' sweep output dir : {sweep_dir}")
         numbers = range(initial_job_idx, initial_job_idx + len(job_overrides))
         for number, overrides in zip(numbers, job_overrides):
@@ -62,8 +64,8 @@ class SlurmLauncher(SubmititSlurmLauncher):
         try:
             jobs = executor.map_array(self, *zip(*arguments))
         except (submitit.core.utils.FailedJobError, subprocess.SubprocessError) as error:
-            refused = str(error).strip().splitlines()
-            cli.end_run(f"sbatch refused the sweep: {refused[-1] if refused else error}", 2)
+            said = str(error).strip().splitlines()
+            cli.end_run(f"sbatch refused the sweep: {said[-1].removeprefix('sbatch: error: ') if said else error}", 2)
         try:
             wait(jobs)
         except RunStopped as stop:
