@@ -28,7 +28,6 @@ from src.launch.ranks import is_rank_zero, rank_argv
 from src.launch.workers import RankFailed, RunStopped, signal_name
 
 
-
 @dataclass(frozen=True)
 class JobFailed:
     """A sweep job that ended with an `error:` line: its value to Hydra, also across a SLURM job's pickle."""

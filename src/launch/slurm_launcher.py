@@ -113,23 +113,31 @@ class SlurmLauncher(SubmititSlurmLauncher):
 
 def wait(jobs: list[submitit.Job]) -> None:
     """Until every job has ended; a job that SLURM can never start ends the sweep with one line."""
+    array_id = jobs[0].job_id.split("_")[0]
     while not all(job.done() for job in jobs):
-        impossible = never_starts(jobs[0].job_id.split("_")[0])
+        listed = queue(array_id)
+        if listed == []:  # all gone from the queue: without sacct, submitit would wait for a result for ever
+            return
+        impossible = never_starts(listed or [])
         if impossible:
             cancel(jobs)
             cli.end_run(impossible, 2)
         time.sleep(POLL_S)
 
 
-def never_starts(array_id: str) -> str | None:
-    """The line that says why a pending job of the array cannot start on its partition; None if none is stuck."""
+def queue(array_id: str) -> list[tuple[str, str, str]] | None:
+    """(job id, state, reason) of the array's jobs still in SLURM's queue; None when squeue cannot tell."""
     try:
         listing = subprocess.run(["squeue", "--noheader", "--array", "--jobs", array_id, "--format=%i|%T|%r"],
                                  capture_output=True, text=True, timeout=60, check=True).stdout
     except (OSError, subprocess.SubprocessError):
         return None
-    for line in listing.splitlines():
-        job_id, state, reason = (line.strip().split("|") + ["", ""])[:3]
+    return [tuple((line.strip().split("|") + ["", ""])[:3]) for line in listing.splitlines() if line.strip()]
+
+
+def never_starts(listed: list[tuple[str, str, str]]) -> str | None:
+    """The line that says why a pending job cannot start on its partition; None if none is stuck."""
+    for job_id, state, reason in listed:
         if state == "PENDING" and reason in NEVER_STARTS:
             job = scontrol("job", job_id)
             name = job.get("Partition", "?")

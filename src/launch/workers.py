@@ -90,22 +90,23 @@ class StopOnSignal(Callback):
     SIGTERM handler broadcasts from inside the handler, which hangs ranks that are in another collective."""
 
     def on_sanity_check_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        _stop_here("")
+        _handle_anew()
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        _stop_here("")
+        _handle_anew()
 
     def on_test_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        _stop_here("")
+        _handle_anew()
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         global _position
         _position = f" during epoch {trainer.current_epoch + 1} (step {trainer.global_step})"
 
 
-def _stop_here(position: str) -> None:
+def _handle_anew() -> None:
+    """This module's handlers back, and no position until a training batch starts."""
     global _position
-    _position = position
+    _position = ""
     handle_stop_signals()
 
 
