@@ -313,3 +313,24 @@ def test_a_sweep_that_sbatch_refuses_ends_in_one_line(checkout):
     assert result.stderr.strip().splitlines()[-1] == \
         "error: sbatch refused the sweep: Invalid generic resource (gres) specification"
     assert "Traceback" not in result.stderr
+
+
+def test_a_launcher_job_cancelled_by_hand_fails_the_sweep(checkout):
+    """A job that leaves no result (here `scancel` while it trains) is a failed job, with or without sacct."""
+    submitter = subprocess.Popen(sweep_command(*ENDLESS), cwd=checkout, env=job_env(), stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)
+    try:
+        sweep = checkout / "sweep"
+        wait_for(lambda: next(iter(sweep.glob("*/checkpoints/last.ckpt")), None), "the first last.ckpt")
+        array_id = next(p.name for p in (sweep / ".submitit").iterdir() if p.name.isdigit())
+        subprocess.run(["scancel", array_id], check=True)
+        out, err = submitter.communicate(timeout=WAIT_S)
+    finally:
+        if submitter.poll() is None:
+            submitter.kill()
+            submitter.communicate()
+    assert submitter.returncode == 1, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert re.fullmatch(rf"error: 1 sweep job failed: job0: run stopped by SIGTERM during epoch \d+ \(step \d+\); "
+                        rf".*last\.ckpt holds the last finished epoch \(SLURM job {array_id}(_0)?\)", last), last
+    assert "Traceback" not in err

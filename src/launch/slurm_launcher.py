@@ -169,6 +169,8 @@ def cancel(jobs: list[submitit.Job]) -> None:
 def result(job: submitit.Job, overrides: Sequence[str], name: str) -> JobReturn:
     """Rank 0's JobReturn; a failure, its value, is recorded in `cli.failed_jobs` under the job's folder `name`."""
     try:
+        if not job.paths.result_pickle.exists():  # gone from the queue without one: submitit would wait for it
+            raise UncompletedJobError("no result")
         returned: JobReturn = job.results()[0]
     except (UncompletedJobError, submitit.core.utils.FailedJobError) as error:
         returned = JobReturn(overrides=list(overrides), status=JobStatus.COMPLETED,
