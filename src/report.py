@@ -171,13 +171,23 @@ def plot_epoch_time(runs: list[Run], path: Path) -> None:
     _save(figure, path)
 
 
-def markdown_report(runs: list[Run], root: Path, scaling: str = "") -> str:
+def failed_table(failed: dict[str, str]) -> str:
+    """The sweep's failed jobs, by their folder's name, each with its error line."""
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|")
+
+    rows = [f"| {cell(job)} | {cell(line)} |" for job, line in failed.items()]
+    return "\n".join(["| job | error |", "|---|---|", *rows])
+
+
+def markdown_report(runs: list[Run], root: Path, scaling: str = "", failed: dict[str, str] | None = None) -> str:
     return "\n".join([
         f"# Report: {root}", "",
         f"{counted(len(runs), 'run')}. Epoch times exclude validation. Speed-up is the median epoch time of the run on one "
         "device (devices x num_nodes = 1) with the same model, strategy and precision, divided by this run's; "
         "empty where there is no such run.", "",
         markdown_table(runs), "",
+        *([f"{counted(len(failed), 'job')} failed:", "", failed_table(failed), ""] if failed else []),
         "![validation accuracy per epoch](val_acc.png)", "",
         "![median epoch time against devices](epoch_time.png)", "",
         *(["# Predicted scaling (scaling.md, `python -m src.scaling`)", "", scaling, ""] if scaling else []),
@@ -193,13 +203,14 @@ def scaling_section(root: Path, out: Path) -> str:
         return ""
 
 
-def write_report(root: Path, out: Path | None = None) -> list[Run]:
-    """Read every run below `root` and write the report files into `out` (default: `root`)."""
+def write_report(root: Path, out: Path | None = None, failed: dict[str, str] | None = None) -> list[Run]:
+    """Read every run below `root` and write the report files into `out` (default: `root`); `failed`:
+    the sweep's failed jobs with their error lines, listed below the table."""
     out = output_folder(root if out is None else out)
     runs = collect_runs(root)
     out.mkdir(parents=True, exist_ok=True)
     scaling = scaling_section(root, out)
-    (out / "report.md").write_text(markdown_report(runs, root, scaling))
+    (out / "report.md").write_text(markdown_report(runs, root, scaling, failed))
     write_csv(runs, out / "report.csv")
     plot_val_acc(runs, out / "val_acc.png")
     plot_epoch_time(runs, out / "epoch_time.png")
@@ -218,9 +229,11 @@ class SweepReport(Callback):
     """Hydra callback: when a sweep ends, the report goes into the sweep folder and `<sweep>/report` in TensorBoard."""
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        from src.launch.cli import failed_jobs  # filled by the jobs (locally) or by the launcher that waited for them
+
         sweep_dir = Path(str(config.hydra.sweep.dir))
         try:
-            runs = write_report(sweep_dir)
+            runs = write_report(sweep_dir, failed={job: failed.line for job, failed in failed_jobs.items()})
         except UsageError as error:
             log.warning(f"no sweep report: {error}")
             return

@@ -360,7 +360,7 @@ def test_a_diverging_loss_stops_the_run_naming_step_and_rate(tmp_path, data_root
     result = train(*QUICK, "optim.lr=1e30", f"hydra.run.dir={run_dir}")
     assert result.returncode == 1, result.stderr[-3000:]
     last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: train/loss is nan at step ") and "(epoch 0) with learning rate 1e+30; lower optim.lr" in last
+    assert last.startswith("error: train/loss is nan at step ") and "(epoch 1) with learning rate 1e+30; lower optim.lr" in last
     assert "Traceback" not in result.stderr and "test/acc=" not in result.stdout
     assert not run_dir.exists()
 
@@ -416,7 +416,7 @@ def test_the_first_bad_step_is_named_before_a_checkpoint_is_written(tmp_path, ba
     callbacks = [ModelCheckpoint(dirpath=tmp_path / "checkpoints"), FiniteLossCheck(every_n_steps=every_n_steps)]
     trainer = Trainer(accelerator="cpu", max_epochs=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
                       callbacks=callbacks, default_root_dir=tmp_path)
-    with pytest.raises(TrainingDiverged, match=rf"^train/loss is nan at step {bad_batch} \(epoch 0\) with learning rate 0.01; "):
+    with pytest.raises(TrainingDiverged, match=rf"^train/loss is nan at step {bad_batch} \(epoch 1\) with learning rate 0.01; "):
         trainer.fit(DivergesAt(bad_batch))
     assert trainer.global_step == stopped_after
     assert not (tmp_path / "checkpoints").exists()
@@ -427,7 +427,7 @@ def test_a_checkpoint_due_between_the_checks_is_not_written_after_a_bad_step(tmp
     callbacks = [ModelCheckpoint(dirpath=tmp_path / "checkpoints", every_n_train_steps=2), FiniteLossCheck(every_n_steps=100)]
     trainer = Trainer(accelerator="cpu", max_epochs=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
                       callbacks=callbacks, default_root_dir=tmp_path)
-    with pytest.raises(TrainingDiverged, match=r"^train/loss is nan at step 5 \(epoch 0\) "):
+    with pytest.raises(TrainingDiverged, match=r"^train/loss is nan at step 5 \(epoch 1\) "):
         trainer.fit(DivergesAt(5))
     assert trainer.global_step == 6
     assert [path.name for path in (tmp_path / "checkpoints").iterdir()] == ["epoch=0-step=4.ckpt"]

@@ -13,7 +13,7 @@ from submitit.slurm.slurm import SlurmExecutor
 
 from src.checks import CONF_DIR
 
-SLURM_LAUNCHER = "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
+SLURM_LAUNCHER = "hydra_plugins.project_launchers.slurm.SlurmLauncher"
 
 
 def compose_train(*overrides: str):

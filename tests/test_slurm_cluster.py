@@ -9,6 +9,7 @@ links this checkout's `src/` and `conf/`, so its runs land there and `src` is th
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -16,6 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 
 from tests.helpers import DATA_ROOT, REPO, user_env
 
@@ -52,7 +55,7 @@ def doc_block(heading: str) -> str:
 @pytest.fixture
 def checkout(tmp_path) -> Path:
     """A folder where a user would submit from: this checkout's code and configs, outputs of its own."""
-    for part in ("src", "conf", "pyproject.toml"):
+    for part in ("src", "conf", "hydra_plugins", "pyproject.toml"):
         (tmp_path / part).symlink_to(REPO / part)
     return tmp_path
 
@@ -130,6 +133,40 @@ def test_launcher_sweep_on_a_cpu_cluster(checkout):
     assert "2 runs" in (sweep / "report.md").read_text()  # the end-of-sweep callback ran on the submitter
 
 
+def sweep_command(*overrides: str) -> list[str]:
+    """docs/cluster.md's CPU-cluster sweep command with these overrides instead of its seeds, into `sweep/`."""
+    command = doc_block("### On a CPU-only cluster").strip().replace("seed=1,2 ", "")
+    return ["bash", "-c", f"exec {command} hydra.sweep.dir=sweep {' '.join(overrides)}"]
+
+
+def launcher_sweep(checkout: Path, *overrides: str) -> subprocess.CompletedProcess:
+    return subprocess.run(sweep_command(*overrides), cwd=checkout, env=job_env(), capture_output=True, text=True,
+                          timeout=WAIT_S)
+
+
+def test_a_failed_launcher_job_fails_in_slurm_and_the_sweep_exits_2(checkout):
+    """A job that stops with an `error:` line exits 2 (FAILED in SLURM), the sweep names it with its line and
+    exits 2, the report lists it, and no folder of it is left; the other job, 2 DDP ranks, logs one file per rank."""
+    result = launcher_sweep(checkout, "strategy=auto,ddp", "devices=2", "debug=quick")
+    assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    line = "strategy=auto runs on one device, not devices=2"
+    assert last.startswith("error: 1 sweep job failed: strategy=auto: ") and line in last, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    job_id = re.search(r"\(SLURM job (\d+_\d+)\)", last).group(1)
+    fields = job_fields(job_id)
+    assert (fields["JobState"], fields["ExitCode"]) == ("FAILED", "2:0"), fields
+
+    sweep = checkout / "sweep"
+    assert {p.name for p in sweep.iterdir() if p.name.startswith("strategy=")} == {"strategy=ddp"}
+    report = (sweep / "report.md").read_text()
+    assert "1 job failed:" in report and line in report
+    ddp = sweep / "strategy=ddp"
+    assert "test/acc=" in (ddp / "train.log").read_text()
+    done = "Job completed successfully"  # submitit's line, one per rank
+    assert (ddp / "train.log").read_text().count(done) == 1 and done in (ddp / "train_rank_1.log").read_text()
+
+
 def test_sbatch_srun_ddp_over_two_tasks(checkout):
     """docs/cluster.md's batch script: srun starts 2 tasks that train as 2 DDP ranks of one run."""
     job_id = sbatch(checkout, "debug=quick")
@@ -154,15 +191,17 @@ def test_scancel_term_keeps_last_ckpt_and_a_requeued_job_resumes(checkout):
     assert (fields["JobState"], fields["ExitCode"]) == ("FAILED", "143:0"), out.read_text()[-3000:]  # 128 + SIGTERM
 
     # One line says where the run stopped; last.ckpt is whole and at most one epoch behind that step.
-    stop = re.search(r"error: run stopped by SIGTERM during epoch \d+ \(step (\d+)\)", out.read_text())
+    stop = re.search(r"error: run stopped by SIGTERM during epoch (\d+) \(step (\d+)\)", out.read_text())
     assert stop, out.read_text()[-3000:]
-    stopped_at = int(stop.group(1))
+    stopped_in, stopped_at = int(stop.group(1)), int(stop.group(2))
     run = run_dir(checkout, job_id)
     first = read_ckpt(run / "checkpoints" / "last.ckpt")
     assert first["global_step"] % STEPS_PER_EPOCH == 0  # an epoch's end
     assert stopped_at - STEPS_PER_EPOCH <= first["global_step"] <= stopped_at
     assert (first["epoch"] + 1) * STEPS_PER_EPOCH == first["global_step"]
     logged = epoch_lines((run / "train.log").read_text())
+    # Epochs counted from 1 in both: the stop came in the epoch after the last one logged (or at its very end).
+    assert logged[-1][0] in (stopped_in - 1, stopped_in), (logged[-1], stopped_in)
 
     # Requeued: the same job id, so the same folder, where ckpt_path=auto resumes from last.ckpt.
     subprocess.run(["scontrol", "requeue", job_id], check=True)
@@ -183,3 +222,115 @@ def test_scancel_term_keeps_last_ckpt_and_a_requeued_job_resumes(checkout):
     after = epoch_lines((run / "train.log").read_text())[len(logged):]
     # The second attempt's first epoch is the one after the checkpoint, not epoch 1 again.
     assert after and after[0] == (first["epoch"] + 2, resumed_step), after
+
+
+def steps_going_back(run: Path) -> list[tuple[str, int, int]]:
+    """(event file, step, the step before it) wherever a point goes back in TensorBoard's reading order, which
+    TensorBoard takes for a restart and purges by; a resumed attempt's purge step (a SessionLog START) may."""
+    back, latest = [], -1
+    for path in sorted(run.glob("events.out.tfevents.*")):
+        for event in EventFileLoader(str(path)).Load():
+            if event.HasField("session_log") and event.session_log.status == event.session_log.START:
+                latest = event.step
+            elif event.HasField("summary"):
+                if event.step < latest:
+                    back.append((path.name, event.step, latest))
+                latest = max(latest, event.step)
+    return back
+
+
+def test_a_launcher_job_requeued_by_usr2_resumes_and_a_stopped_submitter_cancels_it(checkout):
+    """submitit's timeout signal (USR2) requeues the job without a traceback; the requeued job resumes from
+    last.ckpt without `ckpt_path` given (auto under the launcher); SIGTERM to the submitter cancels the job."""
+    submitter = subprocess.Popen(sweep_command(*ENDLESS), cwd=checkout, env=job_env(), stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)
+    array_id = None
+    try:
+        sweep = checkout / "sweep"
+        last = wait_for(lambda: next(iter(sweep.glob("*/checkpoints/last.ckpt")), None), "the first last.ckpt")
+        run = last.parent.parent
+        array_id = next(p.name for p in (sweep / ".submitit").iterdir() if p.name.isdigit())
+        job_id = array_id  # the array's one job
+        subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
+
+        wait_for(lambda: job_fields(job_id)["Restarts"] == "1" and job_fields(job_id)["JobState"] == "PENDING",
+                 "the job to be requeued")
+        first_attempt = "".join(p.read_text() for p in (sweep / ".submitit").glob("*/*_log.*"))
+        assert "Traceback" not in first_attempt, first_attempt[-3000:]
+        checkpoint = read_ckpt(last)
+        logged = epoch_lines((run / "train.log").read_text())
+        resumed_step = checkpoint["global_step"] + STEPS_PER_EPOCH
+
+        def resumed_an_epoch() -> bool:
+            if epoch_lines((run / "train.log").read_text())[-1][1] >= resumed_step:
+                return True
+            assert job_fields(job_id)["JobState"] not in ENDED, submitter.stderr
+            return False
+
+        wait_for(resumed_an_epoch, "the requeued job to finish an epoch")
+        after = epoch_lines((run / "train.log").read_text())[len(logged):]
+        assert after and after[0] == (checkpoint["epoch"] + 2, resumed_step), after
+        assert "ckpt_path: auto" in (run / "config.yaml").read_text()
+
+        submitter.send_signal(signal.SIGTERM)
+        out, err = submitter.communicate(timeout=WAIT_S)
+    finally:
+        if submitter.poll() is None:
+            submitter.kill()
+            submitter.communicate()
+        if array_id:  # whatever happened above, no job of this test keeps the cluster busy
+            subprocess.run(["scancel", array_id])
+    assert submitter.returncode == 143, err[-3000:]
+    assert err.strip().splitlines()[-1] == f"error: run stopped by SIGTERM; cancelled SLURM job {array_id}"
+    assert "Traceback" not in err
+    assert wait_until_ended(job_id)["JobState"] == "CANCELLED"
+    # The resumed attempt continued the TensorBoard series: no point going back, no step twice.
+    assert not steps_going_back(run)
+    accumulator = EventAccumulator(str(run), size_guidance={"scalars": 0})
+    accumulator.Reload()
+    for tag in accumulator.Tags()["scalars"]:
+        series = [event.step for event in accumulator.Scalars(tag)]
+        assert tag == "trainer/epoch" or len(series) == len(set(series)), (tag, series)
+
+
+@pytest.mark.parametrize(("request_", "asked"), [("num_nodes=2", "NumNodes=2"), ("devices=4", "NumTasks=4")],
+                         ids=["2 nodes", "4 tasks on 2 CPUs"])
+def test_a_launcher_job_that_can_never_start_ends_the_sweep(checkout, request_, asked):
+    """More than the one-node partition has: pending for ever (PartitionConfig) unless the sweep ends it."""
+    result = launcher_sweep(checkout, request_, "strategy=ddp", "debug=quick")
+    assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert re.fullmatch(rf"error: SLURM job \d+(_0)? can never start \(\w+\): it asks for .*\b{asked}\b.*; "
+                        r"partition debug has TotalNodes=1 .*; the sweep's jobs are cancelled", last), last
+    assert "Traceback" not in result.stderr
+    job_id = re.search(r"SLURM job (\S+)", last).group(1)
+    assert wait_until_ended(job_id)["JobState"] == "CANCELLED"
+
+
+def test_a_sweep_that_sbatch_refuses_ends_in_one_line(checkout):
+    result = launcher_sweep(checkout, "debug=quick", "accelerator=gpu")  # a GPU request, on a cluster without GPUs
+    assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1] == \
+        "error: sbatch refused the sweep: Invalid generic resource (gres) specification"
+    assert "Traceback" not in result.stderr
+
+
+def test_a_launcher_job_cancelled_by_hand_fails_the_sweep(checkout):
+    """A job that leaves no result (here `scancel` while it trains) is a failed job, with or without sacct."""
+    submitter = subprocess.Popen(sweep_command(*ENDLESS), cwd=checkout, env=job_env(), stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)
+    try:
+        sweep = checkout / "sweep"
+        wait_for(lambda: next(iter(sweep.glob("*/checkpoints/last.ckpt")), None), "the first last.ckpt")
+        array_id = next(p.name for p in (sweep / ".submitit").iterdir() if p.name.isdigit())
+        subprocess.run(["scancel", array_id], check=True)
+        out, err = submitter.communicate(timeout=WAIT_S)
+    finally:
+        if submitter.poll() is None:
+            submitter.kill()
+            submitter.communicate()
+    assert submitter.returncode == 1, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert re.fullmatch(rf"error: 1 sweep job failed: job0: run stopped by SIGTERM during epoch \d+ \(step \d+\); "
+                        rf".*last\.ckpt holds the last finished epoch \(SLURM job {array_id}(_0)?\)", last), last
+    assert "Traceback" not in err

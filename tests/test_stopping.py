@@ -158,7 +158,7 @@ def test_signal_stops_one_process(tmp_path, data_root, name):
         run.wait_training()
         os.kill(run.proc.pid, signum)
         run.wait_exit()
-    line = assert_stopped(run, 128 + signum, rf"^error: run stopped by {name}; ")
+    line = assert_stopped(run, 128 + signum, rf"^error: run stopped by {name} during epoch \d+ \(step \d+\); ")
     if name == "SIGTERM":
         assert_resumes(line, run.dir)
 
@@ -218,7 +218,7 @@ def test_signal_stops_the_whole_sweep(tmp_path, data_root):
         run.wait_training(checkpoint=sweep / "seed=1" / "checkpoints" / "last.ckpt")
         os.kill(run.proc.pid, signal.SIGTERM)
         run.wait_exit()
-    assert_stopped(run, 143, r"^error: run stopped by SIGTERM; ", run_dir=sweep / "seed=1")
+    assert_stopped(run, 143, r"^error: run stopped by SIGTERM during epoch \d+ \(step \d+\); ", run_dir=sweep / "seed=1")
     assert not (sweep / "seed=2").exists()
 
 

@@ -158,12 +158,14 @@ def test_callback_warns_in_one_line_on_rank_zero_only(monkeypatch, caplog):
     monkeypatch.setattr(sysinfo, "_cpu_cores", lambda: 2)
     texts = []
     trainer = SimpleNamespace(is_global_zero=True, loggers=[SimpleNamespace(experiment=SimpleNamespace(
-        add_text=lambda tag, text: texts.append(tag)))], accelerator=CPUAccelerator(), precision="32-true",
-        world_size=8, num_nodes=2)
+        add_text=lambda tag, text, global_step: texts.append((tag, global_step))))], accelerator=CPUAccelerator(),
+        precision="32-true", world_size=8, num_nodes=2, global_step=6)
     with caplog.at_level(logging.WARNING, logger="src.callbacks.sysinfo"):
-        SystemInfoLogger().on_fit_start(trainer, None)
-        trainer.is_global_zero = False
-        SystemInfoLogger().on_fit_start(trainer, None)
-    assert texts == ["system"]
+        for rank_zero in (True, False):
+            trainer.is_global_zero = rank_zero
+            callback = SystemInfoLogger()
+            callback.on_fit_start(trainer, None)
+            callback.on_train_start(trainer, None)
+    assert texts == [("system", 6)]  # at the step training starts from: a resumed run's, here 6
     [record] = caplog.records
     assert record.levelno == logging.WARNING and record.getMessage().startswith("4 DDP processes on 2 CPU cores")

@@ -100,9 +100,9 @@ class FiniteLossCheck(Callback):
         bad = [row for row in rows if row[0] >= 0]
         if not bad:
             return
-        step, epoch, loss = min(bad)
+        step, epoch, loss = min(bad)  # Lightning's epoch, from 0; the message counts from 1, as train.log does
         lr = trainer.optimizers[0].param_groups[0]["lr"] if trainer.optimizers else float("nan")
         raise TrainingDiverged(
-            f"train/loss is {loss} at step {int(step)} (epoch {int(epoch)}) with learning rate {lr:g}; "
+            f"train/loss is {loss} at step {int(step)} (epoch {int(epoch) + 1}) with learning rate {lr:g}; "
             "lower optim.lr, or clip gradients with trainer.gradient_clip_val"
         )

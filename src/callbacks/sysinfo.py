@@ -11,19 +11,24 @@ log = logging.getLogger(__name__)
 
 
 class SystemInfoLogger(Callback):
-    """At fit start, on global rank 0: `python -m src.sysinfo`'s report as TensorBoard text `system`,
-    and one log line per `sysinfo.precision_warnings` hit (e.g. 16-mixed on a GPU without fp16 tensor cores)."""
+    """On global rank 0: `python -m src.sysinfo`'s report as TensorBoard text `system`, and one log line
+    per `sysinfo.precision_warnings` hit (e.g. 16-mixed on a GPU without fp16 tensor cores)."""
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not trainer.is_global_zero:
             return
-        info = sysinfo.collect()
-        report = "```\n" + sysinfo.format_report(info) + "\n```"
+        self._info = sysinfo.collect()
+        accelerator = "gpu" if isinstance(trainer.accelerator, CUDAAccelerator) else "cpu"
+        processes_per_node = trainer.world_size // trainer.num_nodes
+        for warning in sysinfo.precision_warnings(self._info, str(trainer.precision), accelerator, processes_per_node):
+            log.warning(warning)
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Once a resumed run has its step back: the text at that step, so the run's series never goes back."""
+        if not trainer.is_global_zero:
+            return
+        report = "```\n" + sysinfo.format_report(self._info) + "\n```"
         for logger in trainer.loggers:
             experiment = getattr(logger, "experiment", None)
             if hasattr(experiment, "add_text"):
-                experiment.add_text("system", report)
-        accelerator = "gpu" if isinstance(trainer.accelerator, CUDAAccelerator) else "cpu"
-        processes_per_node = trainer.world_size // trainer.num_nodes
-        for warning in sysinfo.precision_warnings(info, str(trainer.precision), accelerator, processes_per_node):
-            log.warning(warning)
+                experiment.add_text("system", report, global_step=trainer.global_step)

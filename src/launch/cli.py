@@ -11,6 +11,7 @@ import shutil
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
 
@@ -26,8 +27,17 @@ from src.launch.console import counted, print_error
 from src.launch.ranks import is_rank_zero, rank_argv
 from src.launch.workers import RankFailed, RunStopped, signal_name
 
-# Sweep jobs stopped by bad input or a diverged loss, with their exit status.
-failed_jobs: dict[str, int] = {}
+
+@dataclass(frozen=True)
+class JobFailed:
+    """A sweep job that ended with an `error:` line: its value to Hydra, also across a SLURM job's pickle."""
+
+    line: str
+    status: int
+
+
+# Sweep jobs that failed, by their folder's name in the sweep: filled where the job ran, or by the launcher that waited for it.
+failed_jobs: dict[str, JobFailed] = {}
 
 
 def holds_only_settings(output_dir: Path) -> bool:
@@ -39,12 +49,13 @@ def holds_only_settings(output_dir: Path) -> bool:
 def report_failure(error: UsageError | TrainingDiverged, output_dir: Path, new_folder: bool) -> int:
     """One `error:` line from the first process, and no folder that could pass for a result; the exit status.
 
-    Only a folder this run started is removed: a resumed run's folder keeps its checkpoints.
+    Only a folder this run started is removed: a resumed run's folder keeps its checkpoints. Every
+    process removes it, since under SLURM each one runs the Hydra job and the last may recreate it.
     """
     if is_rank_zero():
         print_error(str(error))
-        if new_folder:
-            shutil.rmtree(output_dir, ignore_errors=True)
+    if new_folder:
+        shutil.rmtree(output_dir, ignore_errors=True)
     return 2 if isinstance(error, UsageError) else 1
 
 
@@ -81,7 +92,7 @@ def own_process_group() -> Iterator[None]:
                 os.environ[name] = value
 
 
-def run_job(task: Callable[[DictConfig], dict[str, float]], cfg: DictConfig) -> float | None:
+def run_job(task: Callable[[DictConfig], dict[str, float]], cfg: DictConfig) -> float | JobFailed | None:
     """One Hydra job: the task's `test/acc`, or its failure reported and remembered."""
     output_dir = Path(cfg.output_dir)
     new_folder = holds_only_settings(output_dir)
@@ -92,8 +103,9 @@ def run_job(task: Callable[[DictConfig], dict[str, float]], cfg: DictConfig) -> 
         status = report_failure(error, output_dir, new_folder)
         if HydraConfig.get().mode != RunMode.MULTIRUN:
             sys.exit(status)
-        failed_jobs[" ".join(HydraConfig.get().overrides.task)] = status
-        return None
+        failed = JobFailed(str(error), status)
+        failed_jobs[HydraConfig.get().sweep.subdir] = failed
+        return failed
     except RunStopped as stop:
         end_run(f"run stopped by {signal_name(stop.signum)}{stop.where}; {kept(output_dir)}", 128 + stop.signum)
     except RankFailed as failure:
@@ -120,7 +132,8 @@ def run_entry(hydra_main: Callable[[], object]) -> None:
     try:
         hydra_main()
     except RunStopped as stop:  # outside a job: while Hydra starts, between sweep jobs
-        end_run(f"run stopped by {signal_name(stop.signum)}", 128 + stop.signum)
+        end_run(f"run stopped by {signal_name(stop.signum)}{stop.where}", 128 + stop.signum)
     if failed_jobs:
-        print_error(f"{counted(len(failed_jobs), 'sweep job')} failed: {' | '.join(failed_jobs)}")
-        sys.exit(max(failed_jobs.values()))
+        jobs = " | ".join(f"{job}: {failed.line}" for job, failed in failed_jobs.items())
+        print_error(f"{counted(len(failed_jobs), 'sweep job')} failed: {jobs}")
+        sys.exit(max(failed.status for failed in failed_jobs.values()))

@@ -64,8 +64,12 @@ def signal_name(signum: int) -> str:
         return f"signal {signum}"
 
 
+# Where training is, for the stop line: ` during epoch 3 (step 6)`, the epoch counted from 1 as train.log counts it.
+_position = ""
+
+
 def _raise_stop(signum: int, frame: Any) -> None:
-    raise RunStopped(signum)
+    raise RunStopped(signum, _position)
 
 
 def handle_stop_signals() -> None:
@@ -86,13 +90,24 @@ class StopOnSignal(Callback):
     SIGTERM handler broadcasts from inside the handler, which hangs ranks that are in another collective."""
 
     def on_sanity_check_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        handle_stop_signals()
+        _handle_anew()
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        handle_stop_signals()
+        _handle_anew()
 
     def on_test_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        handle_stop_signals()
+        _handle_anew()
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        global _position
+        _position = f" during epoch {trainer.current_epoch + 1} (step {trainer.global_step})"
+
+
+def _handle_anew() -> None:
+    """This module's handlers back, and no position until a training batch starts."""
+    global _position
+    _position = ""
+    handle_stop_signals()
 
 
 def stop_on_signals(trainer: Trainer) -> None:

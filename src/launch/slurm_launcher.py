@@ -1,0 +1,201 @@
+"""`hydra/launcher=slurm`: hydra-submitit-launcher's SLURM launcher, with the endings a user can trust.
+
+On the submitting machine it waits for the job array itself: a job that failed (an `error:` line, or
+no result at all) is remembered in `cli.failed_jobs`, so the sweep exits non-zero naming it; a stop
+signal cancels the array; a job that SLURM can never start ends the sweep with one line.
+In each SLURM task it runs the Hydra job as rank N of the run (rank N>0 logs to `train_rank_N.log`
+and writes no `.hydra/`), resumes a requeued job (`ckpt_path=auto` unless given), and exits with the
+job's status, so that SLURM records a failed job as FAILED.
+"""
+
+import logging
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import submitit
+from hydra.core.singleton import Singleton
+from hydra.core.utils import JobReturn, JobStatus, filter_overrides, setup_globals
+from hydra.core.utils import run_job as run_hydra_job
+from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
+from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher as SubmititSlurmLauncher
+from omegaconf import OmegaConf, open_dict
+from submitit.core.utils import UncompletedJobError, cloudpickle_dump, temporary_save_path
+
+from src.launch import cli, workers
+from src.launch.naming import sweep_job_dirname
+from src.launch.workers import RunStopped
+
+log = logging.getLogger(__name__)
+
+POLL_S = 5.0
+# Pending reasons SLURM gives a job that cannot start on its partition however long it waits.
+NEVER_STARTS = ("PartitionConfig", "PartitionNodeLimit", "PartitionTimeLimit", "PartitionCpuLimit",
+                "BadConstraints", "Resources_Unavailable")
+
+
+class SlurmLauncher(SubmititSlurmLauncher):
+    """The plugin's launcher; `launch` and `__call__` replaced because the plugin's wait cannot be
+    stopped and turns a failed job into a traceback, and its job exits 0 whatever the task returned."""
+
+    # ------------------------------------------------------------ on the submitting machine
+
+    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+        assert self.config is not None
+        params = dict(self.params)
+        executor = submitit.AutoExecutor(cluster="slurm", folder=params.pop("submitit_folder"),
+                                         slurm_max_num_timeout=params.pop("max_num_timeout"))
+        shared = set(OmegaConf.structured(BaseQueueConf).keys())  # the rest are slurm_-prefixed for submitit
+        executor.update_parameters(**{name if name in shared else f"slurm_{name}": value for name, value in params.items()})
+        sweep_dir = Path(str(self.config.hydra.sweep.dir))
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        if "mode" in self.config.hydra.sweep:
+            sweep_dir.chmod(int(str(self.config.hydra.sweep.mode), 8))
+        log.info(f"Submitit 'slurm' sweep output dir : {sweep_dir}")
+        numbers = range(initial_job_idx, initial_job_idx + len(job_overrides))
+        for number, overrides in zip(numbers, job_overrides):
+            log.info(f"\t#{number} : {' '.join(filter_overrides(overrides))}")
+        arguments = [(list(overrides), "hydra.sweep.dir", number, f"job_id_for_{number}", Singleton.get_state())
+                     for number, overrides in zip(numbers, job_overrides)]
+        try:
+            jobs = executor.map_array(self, *zip(*arguments))
+        except (submitit.core.utils.FailedJobError, subprocess.SubprocessError) as error:
+            said = str(error).strip().splitlines()
+            cli.end_run(f"sbatch refused the sweep: {said[-1].removeprefix('sbatch: error: ') if said else error}", 2)
+        try:
+            wait(jobs)
+        except RunStopped as stop:
+            cancel(jobs)
+            raise RunStopped(stop.signum, f"; cancelled SLURM job {jobs[0].job_id.split('_')[0]}") from None
+        names = [sweep_job_dirname(list(overrides), number, str(sweep_dir)) for number, overrides in zip(numbers, job_overrides)]
+        return [result(job, overrides, name) for job, overrides, name in zip(jobs, job_overrides, names)]
+
+    # ------------------------------------------------------------ in each SLURM task
+
+    def __call__(self, sweep_overrides: list[str], job_dir_key: str, job_num: int, job_id: str,
+                 singleton_state: dict[type, Singleton]) -> JobReturn:
+        assert self.hydra_context is not None and self.config is not None and self.task_function is not None
+        Singleton.set_state(singleton_state)
+        setup_globals()
+        config = self.hydra_context.config_loader.load_sweep_config(self.config, sweep_overrides)
+        environment = submitit.JobEnvironment()
+        with open_dict(config):
+            config.hydra.job.id = environment.job_id
+            config.hydra.job.num = job_num
+            if environment.global_rank:  # as src.launch.ranks.rank_argv does under sbatch + srun
+                config.hydra.output_subdir = None
+                config.hydra.job.name = f"{config.hydra.job.name}_rank_{environment.global_rank}"
+            if "ckpt_path" in config and not OmegaConf.is_missing(config, "ckpt_path") and config.ckpt_path is None:
+                config.ckpt_path = "auto"  # a requeued job runs again in its folder, and resumes there
+        job = run_hydra_job(hydra_context=self.hydra_context, task_function=self.task_function, config=config,
+                            job_dir_key=job_dir_key, job_subdir_key="hydra.sweep.subdir")
+        failed = failure(job)
+        if failed is not None:
+            # The result first, as submitit would write it, so that the submitter reads the error line;
+            # then the job's own exit status, which submitit would have made 0.
+            job.status, job.return_value = JobStatus.COMPLETED, failed
+            with temporary_save_path(environment.paths.result_pickle) as path:
+                cloudpickle_dump(("success", job), path)
+            sys.exit(failed.status)
+        return job
+
+    def checkpoint(self, *args: Any, **kwargs: Any) -> Any:
+        """submitit's timeout or preemption signal: requeue, and exit without the SIGTERM that
+        `scontrol requeue` sends next raising a second stop during the exit."""
+        workers.ignore_stop_signals()
+        log.info("requeued by SLURM: the next attempt resumes from this run's last checkpoint")
+        return super().checkpoint(*args, **kwargs)
+
+
+def wait(jobs: list[submitit.Job]) -> None:
+    """Until every job has ended; a job that SLURM can never start ends the sweep with one line."""
+    array_id = jobs[0].job_id.split("_")[0]
+    while not all(job.done() for job in jobs):
+        listed = queue(array_id)
+        if listed == []:  # all gone from the queue: without sacct, submitit would wait for a result for ever
+            return
+        impossible = never_starts(listed or [])
+        if impossible:
+            cancel(jobs)
+            cli.end_run(impossible, 2)
+        time.sleep(POLL_S)
+
+
+def queue(array_id: str) -> list[tuple[str, str, str]] | None:
+    """(job id, state, reason) of the array's jobs still in SLURM's queue; None when squeue cannot tell."""
+    try:
+        listing = subprocess.run(["squeue", "--noheader", "--array", "--jobs", array_id, "--format=%i|%T|%r"],
+                                 capture_output=True, text=True, timeout=60, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return [tuple((line.strip().split("|") + ["", ""])[:3]) for line in listing.splitlines() if line.strip()]
+
+
+def never_starts(listed: list[tuple[str, str, str]]) -> str | None:
+    """The line that says why a pending job cannot start on its partition; None if none is stuck."""
+    for job_id, state, reason in listed:
+        if state == "PENDING" and reason in NEVER_STARTS:
+            job = scontrol("job", job_id)
+            name = job.get("Partition", "?")
+            partition = scontrol("partition", name)
+            asked = " ".join(f"{key}={job.get(key, '?')}" for key in ("NumNodes", "NumTasks", "NumCPUs", "TimeLimit"))
+            limits = " ".join(f"{key}={partition.get(key, '?')}" for key in ("TotalNodes", "TotalCPUs", "MaxNodes", "MaxTime"))
+            return (f"SLURM job {job_id} can never start ({reason}): it asks for {asked}; partition {name} has "
+                    f"{limits}; the sweep's jobs are cancelled")
+    return None
+
+
+def scontrol(kind: str, name: str) -> dict[str, str]:
+    """`scontrol show <kind> <name>` as a dict; empty when scontrol cannot tell."""
+    try:
+        out = subprocess.run(["scontrol", "show", kind, "--oneliner", name], capture_output=True, text=True,
+                             timeout=60, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    return dict(field.split("=", 1) for field in out.split() if "=" in field)
+
+
+def cancel(jobs: list[submitit.Job]) -> None:
+    """scancel the sweep's job array (every job of one sweep is a task of it)."""
+    array_id = jobs[0].job_id.split("_")[0]
+    subprocess.run(["scancel", array_id], capture_output=True, timeout=60)
+    log.info(f"cancelled SLURM job {array_id}")
+
+
+def result(job: submitit.Job, overrides: Sequence[str], name: str) -> JobReturn:
+    """Rank 0's JobReturn; a failure, its value, is recorded in `cli.failed_jobs` under the job's folder `name`."""
+    try:
+        if not job.paths.result_pickle.exists():  # gone from the queue without one: submitit would wait for it
+            raise UncompletedJobError("no result")
+        returned: JobReturn = job.results()[0]
+    except (UncompletedJobError, submitit.core.utils.FailedJobError) as error:
+        returned = JobReturn(overrides=list(overrides), status=JobStatus.COMPLETED,
+                             _return_value=cli.JobFailed(last_error(job, str(error)), 1))
+    failed = failure(returned)
+    if failed is not None:
+        returned.status, returned.return_value = JobStatus.COMPLETED, failed  # Hydra's sweeper would raise a failure
+        cli.failed_jobs[name] = cli.JobFailed(f"{failed.line} (SLURM job {job.job_id})", failed.status)
+    return returned
+
+
+def failure(job: JobReturn) -> cli.JobFailed | None:
+    """The job's failure: its `error:` line, or an exception the task did not expect (its traceback printed)."""
+    if job.status == JobStatus.FAILED:
+        error = job._return_value
+        traceback.print_exception(error)
+        return cli.JobFailed(f"{type(error).__name__}: {error}", 1)
+    return job._return_value if isinstance(job._return_value, cli.JobFailed) else None
+
+
+def last_error(job: submitit.Job, fallback: str) -> str:
+    """The job's last `error:` line (its stderr), else the last line of what submitit says."""
+    text = job.stderr() or ""
+    errors = [line.removeprefix("error: ").strip() for line in text.splitlines() if line.startswith("error: ")]
+    if errors:
+        return errors[-1]
+    said = [line.strip() for line in fallback.splitlines() if line.strip()]
+    return f"ended {job.state} without a result" + (f" ({said[-1][:200]})" if said else "")
