@@ -40,7 +40,7 @@ def free_port() -> int:
 def run_cli(module: str, *args: str, timeout: float = 300, cwd: Path = REPO) -> subprocess.CompletedProcess:
     """Run `python -m <module> <args>` as a user would, capturing its output."""
     if module == "src.eval" and cwd == REPO and not needs_own_process(args):
-        return in_process(module, *args)
+        return in_process(module, *args, timeout=timeout)
     return subprocess.run(
         [sys.executable, "-m", module, *args], cwd=cwd, env=user_env(), capture_output=True, text=True, timeout=timeout
     )
@@ -58,14 +58,17 @@ def call_main(main: Callable[[list[str]], object], *args: str) -> subprocess.Com
     return subprocess.CompletedProcess(list(args), status, stdout.getvalue(), stderr.getvalue())
 
 
-def in_process(module: str, *args: str) -> subprocess.CompletedProcess:
+def in_process(module: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     """`python -m <module> <args>` run through the module's own `main()` in this process: the same
     command-line check, Hydra, run folder, log and exit status, without starting Python and torch again.
 
     What the run changes in this process is put back: argv, signal handlers, the root logger's
     handlers (closing the run's `train.log`), Hydra's global state and the sweep's failed jobs.
-    Warnings go to the run's stderr, as they would in its own process.
+    Warnings go to the run's stderr, as they would in its own process. A run still going after
+    `timeout` seconds ends the test session with every thread's traceback, as a hung subprocess would
+    end its test with a timeout.
     """
+    import faulthandler
     import importlib
     import logging
     import signal
@@ -92,12 +95,14 @@ def in_process(module: str, *args: str) -> subprocess.CompletedProcess:
     try:
         with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr), warnings.catch_warnings():
             warnings.showwarning = show
+            faulthandler.dump_traceback_later(timeout, exit=True, file=sys.__stderr__)
             importlib.import_module("src.train").ignore_known_warnings()  # as at the import in a process of its own
             try:
                 entry.main()
             except SystemExit as exit_:
                 status = exit_.code if isinstance(exit_.code, int) else 0 if exit_.code is None else 1
     finally:
+        faulthandler.cancel_dump_traceback_later()
         sys.argv = saved_argv
         if saved_main is None:
             os.environ.pop("HYDRA_MAIN_MODULE")
@@ -116,10 +121,10 @@ def in_process(module: str, *args: str) -> subprocess.CompletedProcess:
 
 
 def needs_own_process(args: tuple[str, ...]) -> bool:
-    """A sweep, a run of several processes, or a fault of tests/faults.py (which may kill its process):
-    what only a real process tree can show."""
+    """A sweep, a run of several processes, a DDP or dp strategy (a process group of its own, even on one
+    device), or a fault of tests/faults.py (which may kill its process): what needs a process of its own."""
     devices = [a.split("=", 1)[1] for a in args if a.startswith(("devices=", "num_nodes="))]
-    return (any(a in ("-m", "--multirun") or "tests.faults" in a for a in args)
+    return (any(a in ("-m", "--multirun") or "tests.faults" in a or a.startswith(("strategy=ddp", "strategy=dp")) for a in args)
             or any(d not in ("1", "auto") for d in devices))
 
 
@@ -129,7 +134,7 @@ def train(*args: str, timeout: float = 300, subprocess_: bool = False) -> subpro
     `subprocess_=True` runs it as a real command anyway, where the process itself is what a test checks."""
     if subprocess_ or needs_own_process(args):
         return run_cli("src.train", *args, timeout=timeout)
-    return in_process("src.train", *args)
+    return in_process("src.train", *args, timeout=timeout)
 
 
 def scalars(run_dir: Path) -> dict[str, list[float]]:
