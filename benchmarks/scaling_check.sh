@@ -6,11 +6,13 @@
 # the load before each run.
 #
 #     bash benchmarks/scaling_check.sh [DATA_ROOT] [OUT]    # defaults: ../shared/data, outputs/scaling_check
+#     MODELS=lenet bash benchmarks/scaling_check.sh ...      # one model only (default: lenet resnet18)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DATA=${1:-../shared/data}
 OUT=${2:-outputs/scaling_check}
-PY=.venv/bin/python
+PY=${PY:-.venv/bin/python}
+MODELS=${MODELS:-lenet resnet18}
 COMMON=(data.root="$DATA" max_epochs=3 trainer.limit_val_batches=1 trainer.limit_test_batches=1
         trainer.enable_progress_bar=false trainer.enable_model_summary=false trainer.log_every_n_steps=1)
 # One thread per process: the one-process run is then one core, as each of 2 DDP processes on
@@ -24,7 +26,7 @@ wait_for_quiet() {
   echo "load $(cut -d' ' -f1-3 /proc/loadavg) at $(date +%T): $*"
 }
 
-for model in lenet resnet18; do
+for model in $MODELS; do
   if [ "$model" = lenet ]; then SIZE=(data.batch_size=256 trainer.limit_train_batches=30)
   else SIZE=(data.batch_size=32 trainer.limit_train_batches=5); fi
   wait_for_quiet "$model, 1 process"

@@ -3,6 +3,7 @@ formulas against numbers worked out by hand, the byte model against what a real 
 the command line on real run folders and on bad input."""
 
 import csv
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -11,12 +12,17 @@ import pytest
 import torch
 from matplotlib.image import imread
 
+from omegaconf import OmegaConf
+
 from src.scaling.costmodel import (
-    INTERCONNECTS, Interconnect, collectives, ddp_buckets, encode_s, powersgd_sizes, predict_step, ring_allreduce_s,
+    INTERCONNECTS, PRESETS, Interconnect, Terms, bucketed, collectives, ddp_buckets, encode_s, expected_max_normal,
+    powersgd_sizes, predict_step, ring_allreduce_s,
 )
 from src.models.lenet import LeNet
 from src.scaling.probe import Probe, fit_ring, measure, save
-from src.scaling.predict import COLUMNS, PROCESS_COUNTS, main
+from src.scaling.predict import COLUMNS, PROCESS_COUNTS, Baseline, Options, RunFigures, main, predictions
+from src.scaling import stepclock
+from src.scaling.stepclock import overhead_share
 from src.strategies.ddp import HOOKS
 from tests.helpers import QUICK, call_main, run_cli, scalars, train
 
@@ -28,14 +34,18 @@ LENET_SHAPES = [tuple(p.shape) for p in LeNet().parameters()]
 
 def test_one_process_sends_nothing_and_keeps_its_compute():
     assert ring_allreduce_s(10**9, 1, LINK) == 0.0
-    step = predict_step(0.1, None, 0.5, [10**6, 10**3], encode=0.01, processes=1, link=LINK)
-    assert (step.compute, step.comm, step.hidden, step.total) == (0.1, 0.0, 0.0, 0.1)
+    step = predict_step(0.1, [[10**6], [10**3]], 0.01, 1, LINK, Terms(overhead=0.02, skew=0.5, overlap=0.5))
+    assert (step.compute, step.overhead, step.comm, step.hidden, step.skew) == (pytest.approx(0.08), 0.02, 0.0, 0.0, 0.0)
+    assert step.total == pytest.approx(0.1)
 
 
 def test_ring_allreduce_by_hand():
     # N = 4: 2(N-1) = 6 latencies, 2(N-1)/N = 1.5 times the bytes over the link.
     assert ring_allreduce_s(10**6, 4, LINK) == pytest.approx(6 * 1e-5 + 1.5 * 1e6 / 1e9)
     assert ring_allreduce_s(10**6, 2, LINK) == pytest.approx(2 * 1e-5 + 1.0 * 1e6 / 1e9)
+    # An all-reduce that reaches half the line rate takes twice as long for its bytes.
+    half = Interconnect("half", bandwidth=1e9, latency=1e-5, bus_share=0.5)
+    assert ring_allreduce_s(10**6, 4, half) == pytest.approx(6 * 1e-5 + 1.5 * 1e6 / 0.5e9)
 
 
 def test_doubling_bandwidth_halves_the_bandwidth_term_only():
@@ -45,26 +55,64 @@ def test_doubling_bandwidth_halves_the_bandwidth_term_only():
         assert ring_allreduce_s(5e7, n, fast) - latency_term == pytest.approx((ring_allreduce_s(5e7, n, LINK) - latency_term) / 2)
 
 
-def test_step_splits_compute_and_hides_comm_behind_backward():
-    link = Interconnect("no latency", bandwidth=1e9, latency=0.0)
-    step = predict_step(0.1, 0.06, 0.5, [4 * 10**6], encode=0.002, processes=2, link=link)
-    comm = 0.002 + 4e6 / 1e9  # 2(N-1)/N = 1 at N = 2
-    assert step.compute == pytest.approx(0.05)
-    assert step.comm == pytest.approx(comm)
-    assert step.hidden == pytest.approx(0.5 * min(comm, 0.03))  # backward 0.06 s on one process, 0.03 s on two
-    assert step.total == pytest.approx(0.05 + comm - 0.5 * min(comm, 0.03))
-    # Comm longer than the backward pass: only the backward pass's length can hide.
-    slow = predict_step(0.1, 0.06, 1.0, [4 * 10**8], encode=0.0, processes=2, link=link)
-    assert slow.hidden == pytest.approx(0.03) and slow.exposed == pytest.approx(0.4 - 0.03)
-    # No backward time measured: 2/3 of the step's compute.
-    assert predict_step(0.3, None, 1.0, [4 * 10**9], 0.0, 2, link).hidden == pytest.approx(0.1)
+NO_LATENCY = Interconnect("no latency", bandwidth=1e9, latency=0.0)
 
 
-def test_processes_beyond_the_cores_share_them():
+def test_every_bucket_but_the_last_hides_behind_backward():
+    # Two buckets of 4 MB and 1 MB: at N = 2 each takes bytes / bandwidth; only the first may hide.
+    step = predict_step(0.1, [[4 * 10**6], [10**6]], 0.0, 2, NO_LATENCY, Terms(overlap=1.0, backward_share=0.6))
+    assert step.compute == pytest.approx(0.05) and step.comm == pytest.approx(0.005)
+    assert step.hidden == pytest.approx(0.004) and step.exposed == pytest.approx(0.001)
+    # Half the overlap hides half of it; one bucket hides nothing.
+    assert predict_step(0.1, [[4 * 10**6], [10**6]], 0.0, 2, NO_LATENCY, Terms(overlap=0.5)).hidden == pytest.approx(0.002)
+    assert predict_step(0.1, [[5 * 10**6]], 0.0, 2, NO_LATENCY, Terms(overlap=1.0)).hidden == 0.0
+    # Comm longer than the backward pass: only the backward pass's length can hide (0.6 x 0.05 s).
+    slow = predict_step(0.1, [[4 * 10**8], [10**6]], 0.0, 2, NO_LATENCY, Terms(overlap=1.0, backward_share=0.6))
+    assert slow.hidden == pytest.approx(0.03) and slow.exposed == pytest.approx(0.401 - 0.03)
+    # The hook's arithmetic hides in proportion to the bytes of the buckets that may hide.
+    coded = predict_step(0.1, [[4 * 10**6], [10**6]], 0.01, 2, NO_LATENCY, Terms(overlap=1.0))
+    assert coded.comm == pytest.approx(0.015) and coded.hidden == pytest.approx(0.004 + 0.008)
+
+
+def test_overhead_does_not_shrink_and_skew_grows_with_the_ranks():
+    terms = Terms(overhead=0.02, skew=0.1)
+    two, four = (predict_step(0.1, [], 0.0, n, NO_LATENCY, terms) for n in (2, 4))
+    assert (two.compute, two.overhead) == (pytest.approx(0.04), pytest.approx(0.02))
+    assert (four.compute, four.overhead) == (pytest.approx(0.02), pytest.approx(0.02))
+    assert two.skew == pytest.approx(0.1 * 0.06 / math.sqrt(math.pi))  # E[max of 2 normals] = 1/sqrt(pi)
+    assert four.skew == pytest.approx(0.1 * 0.04 * expected_max_normal(4))
+
+
+def test_expected_lag_of_the_slowest_rank_by_hand():
+    assert expected_max_normal(1) == 0.0
+    assert expected_max_normal(2) == pytest.approx(1 / math.sqrt(math.pi), rel=1e-6)
+    assert expected_max_normal(3) == pytest.approx(1.5 / math.sqrt(math.pi), rel=1e-6)
+    lags = [expected_max_normal(2**k) for k in range(1, 11)]
+    assert lags == sorted(lags) and 3.0 < lags[-1] < 3.3 < math.sqrt(2 * math.log(1024))
+
+
+def test_processes_beyond_the_cores_take_turns():
     shared = Interconnect("here", bandwidth=1e9, latency=0.0, cores=2)
-    assert predict_step(0.1, None, 0.0, [], 0.0, 2, shared).compute == pytest.approx(0.05)
-    assert predict_step(0.1, None, 0.0, [], 0.0, 4, shared).compute == pytest.approx(0.05)
-    assert predict_step(0.1, None, 0.0, [], 0.0, 4, LINK).compute == pytest.approx(0.025)
+    terms = Terms(overhead=0.02)
+    assert predict_step(0.1, [], 0.0, 2, shared, terms).compute == pytest.approx(0.04)
+    four = predict_step(0.1, [], 0.0, 4, shared, terms)
+    assert (four.compute, four.overhead) == (pytest.approx(0.04), pytest.approx(0.04))  # two processes a core, in turn
+    assert predict_step(0.1, [], 0.0, 4, LINK, terms).compute == pytest.approx(0.02)
+
+
+def test_weak_scaling_keeps_each_process_batch():
+    terms = Terms(overhead=0.01)
+    for n in (1, 4, 64):
+        step = predict_step(0.1, [[10**6]], 0.0, n, NO_LATENCY, terms, batch_share=0.5)
+        assert (step.compute, step.overhead) == (pytest.approx(0.045), pytest.approx(0.01))
+
+
+def test_overhead_share_is_the_intercept_of_two_batch_sizes():
+    assert overhead_share(1.0, 100, 0.4, 25) == pytest.approx(0.2)  # t(b) = 0.2 + 0.008 b
+    assert overhead_share(1.0, 100, 0.25, 25) == 0.0  # proportional: no overhead
+    assert overhead_share(1.0, 100, 0.1, 25) == 0.0  # noise below the line: clamped
+    assert overhead_share(1.0, 100, 1.0, 25) == 0.99
+    assert overhead_share(1.0, 1, 1.0, 1) == 0.0
 
 
 def test_byte_model_by_hand():
@@ -76,6 +124,8 @@ def test_byte_model_by_hand():
     assert collectives(shapes, "fp16") == collectives(shapes, "bf16") == [2 * 1026]
     assert collectives(shapes, "powersgd") == [4 * 26, 4 * 10, 4 * 100]
     assert collectives(shapes, "powersgd_fp16") == [2 * 26, 2 * 10, 2 * 100]
+    assert bucketed(shapes, "powersgd") == [[4 * 26, 4 * 10, 4 * 100]]  # one bucket: all three after the backward pass
+    assert bucketed([(2**18,), (2**18,), (10,)], "none") == [[4 * 10 + 2**20], [2**20]]  # gradients in reverse order
     with pytest.raises(ValueError, match="int8"):
         collectives(shapes, "int8")
 
@@ -92,6 +142,105 @@ def test_hook_arithmetic_is_timed_and_grows_with_the_work():
     for hook in HOOKS:
         assert 0 < encode_s(small, hook) < encode_s(large, hook), hook
     assert torch.get_num_threads() >= 1  # restored after the one-thread measurement
+
+
+# ---- a run's figures, without training: strong and weak scaling ----
+
+def lenet_figures(processes: int = 1) -> RunFigures:
+    return RunFigures(
+        run="one", model="lenet", batch_size=256, processes=processes, hook=None, powersgd_rank=1, shapes=LENET_SHAPES,
+        net=OmegaConf.create({"_target_": "src.models.lenet.LeNet"}), input_shape=(1, 28, 28), steps_per_epoch=10,
+        epoch_s=1.0, step_s=0.1,
+    )
+
+
+def test_strong_and_weak_scaling_from_one_run():
+    stated = Options(overhead_ms=20.0, skew=0.0, bus_share=1.0)
+    base = Baseline.from_run(lenet_figures(), cores=2, options=stated)
+    assert base.terms.overhead == pytest.approx(0.02) and "stated" in base.origin["overhead"]
+    strong = {r["processes"]: r for r in predictions(base, [NO_LATENCY])if r["hook"] == "none"}
+    assert sorted(strong) == [n for n in PROCESS_COUNTS if 256 % n == 0]
+    assert {r["global_batch"] for r in strong.values()} == {256} and {r["mode"] for r in strong.values()} == {"strong"}
+    assert strong[4]["compute_ms"] == pytest.approx(80 / 4) and strong[4]["overhead_ms"] == pytest.approx(20)
+    weak = {r["processes"]: r for r in predictions(base, [NO_LATENCY], per_process_batch=64) if r["hook"] == "none"}
+    assert sorted(weak) == list(PROCESS_COUNTS)  # no batch to divide
+    assert weak[512]["global_batch"] == 64 * 512 and weak[512]["mode"] == "weak"
+    assert {round(r["compute_ms"], 6) for r in weak.values()} == {20.0}  # 64 of the 256 the step was timed at
+    # One process's epoch: 2560 samples at 64 a step; 4 processes: 10 steps of 256.
+    one_epoch = 40 * 0.04
+    assert weak[1]["epoch_s"] == pytest.approx(one_epoch) and weak[1]["efficiency"] == pytest.approx(1.0)
+    assert weak[4]["epoch_s"] == pytest.approx(10 * (0.04 + weak[4]["exposed_ms"] / 1e3))
+    assert weak[4]["efficiency"] == pytest.approx(one_epoch / weak[4]["epoch_s"] / 4)
+
+
+def test_unstated_terms_are_timed_and_say_so(monkeypatch):
+    monkeypatch.setattr(stepclock, "BUDGET_S", 0.01)  # the fewest repeats: 3 steps at each batch size
+    base = Baseline.from_run(dataclasses.replace(lenet_figures(), batch_size=16), cores=2)
+    assert 0 <= base.terms.overhead < 0.1 and base.terms.skew >= 0 and base.terms.overlap == 0.0
+    assert "timed here" in base.origin["overhead"] and "timed here" in base.origin["skew"]
+    assert "assumed 0" in base.origin["overlap"]
+
+
+# ---- the what-if: no run, a model, a step time, a link ----
+
+WHATIF = ["--params", "1e6", "--step-ms", "100", "--batch", "64", "--bandwidth", "1", "--latency", "0", "--bus-share", "1"]
+
+
+def whatif_rows(result) -> dict[int, list[str]]:
+    assert result.returncode == 0, result.stderr
+    rows = [line for line in result.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    return {int(cells[0]): cells for cells in ([c.strip() for c in line.strip("|").split("|")] for line in rows)}
+
+
+def test_whatif_by_hand():
+    # 10^6 parameters as 1 MiB tensors: buckets of 1,902,848 bytes (the last tensors first), then the 2,097,152 left.
+    result = call_main(main, *WHATIF, "--processes", "1", "2")
+    assert "Mode: strong scaling" in result.stdout and "1,902,848 / 2,097,152" in result.stdout
+    rows = whatif_rows(result)
+    # N = 2 at 1 GB/s: each bucket takes bytes / 1e9 s; the first hides behind the backward pass, the last cannot.
+    step_ms = 50 + 2.097152
+    assert rows[2][:3] == ["2", "64", "32"] and float(rows[2][8]) == pytest.approx(step_ms, abs=0.05)
+    assert float(rows[2][5]) == pytest.approx(4.0, abs=0.05) and float(rows[2][6]) == pytest.approx(2.097, abs=0.05)
+    assert float(rows[2][10]) == pytest.approx(100 / step_ms, abs=0.005)  # 860 steps an epoch either way
+    assert rows[2][11] == f"{100 / step_ms / 2:.1%}"
+    for term in ("overhead", "last bucket", "skew", "bus share 1.00: stated"):
+        assert term in result.stdout
+
+
+def test_whatif_weak_scaling_grows_the_global_batch():
+    rows = whatif_rows(call_main(main, *WHATIF, "--per-process-batch", "64", "--processes", "1", "3", "8"))
+    assert [(n, cells[1], cells[2]) for n, cells in rows.items()] == [(1, "64", "64"), (3, "192", "64"), (8, "512", "64")]
+    assert {cells[3] for cells in rows.values()} == {"100.0"}  # each process's compute stays
+
+
+def test_whatif_names_a_model_and_a_preset_link():
+    result = call_main(main, "--model", "src.models.lenet.LeNet", "--step-ms", "50", "--link", "10gbe", "--processes", "4")
+    assert f"{sum(math.prod(s) for s in LENET_SHAPES):,} parameters" in result.stdout
+    link = PRESETS["10gbe"]
+    assert f"{link.bandwidth / 1e9:.4g} GB/s line rate x bus share {link.bus_share:.2f}" in result.stdout
+    assert whatif_rows(result)[4][2] == "64"
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--params", "1e6", "--step-ms", "10", "--link", "5gbe"], ["--link", "10gbe", "nvlink4"]),
+    (["--params", "1e6", "--step-ms", "10"], ["--link", "--bandwidth"]),
+    (["--params", "1e6", "--link", "10gbe"], ["--step-ms"]),
+    (["--params", "0.5", "--step-ms", "10", "--link", "10gbe"], ["--params"]),
+    (["--params", "1e6", "--model", "src.models.lenet.LeNet", "--step-ms", "10", "--link", "10gbe"], ["--model", "--params"]),
+    (["--model", "nowhere.Model", "--step-ms", "10", "--link", "10gbe"], ["--model", "nowhere.Model", "import path"]),
+    (["--params", "1e6", "--step-ms", "10", "--link", "10gbe", "--hook", "int8"], ["--hook", "powersgd"]),
+    (["--params", "1e6", "--step-ms", "10", "--link", "10gbe", "--hook", "powersgd"], ["--hook", "--model"]),
+    (["--params", "1e6", "--step-ms", "10", "--link", "10gbe", "--processes", "0"], ["--processes"]),
+    (["--params", "1e6", "--step-ms", "10", "--link", "10gbe", "--processes", "3"], ["--processes", "--per-process-batch"]),
+    (["--params", "1e6", "--step-ms", "10", "--link", "10gbe", "--per-process-batch", "0"], ["--per-process-batch"]),
+    (["--params", "1e6", "--step-ms", "10", "--link", "10gbe", "--bus-share", "0"], ["--bus-share"]),
+    (["--params", "1e6", "--step-ms", "10", "--link", "10gbe", "--bandwidth", "1"], ["--link"]),
+    (["--params", "1e6", "--step-ms", "10", "--bandwidth", "-1", "--latency", "1"], ["--bandwidth"]),
+    (["--model", "src.models.lenet.LeNet", "--link", "10gbe", "--input", "28"], ["--input", "CxHxW"]),
+    (["outputs", "--step-ms", "10"], ["--step-ms", "--model"]),
+])
+def test_whatif_bad_input_is_one_line(args, words):
+    assert_one_error_line(call_main(main, *args), *words)
 
 
 # ---- the probe's fit ----

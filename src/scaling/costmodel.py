@@ -4,14 +4,16 @@ The model behind `python -m src.scaling` (docs/scaling.md), kept free of file re
 every formula can be checked by hand:
 
 - bytes: what one process hands to all-reduce per optimizer step under each DDP hook, the same
-  payload `comm/bytes_per_step` counts (`collectives`);
+  payload `comm/bytes_per_step` counts (`collectives`), bucket by bucket (`bucketed`);
 - time of one ring all-reduce of b bytes over N processes (Thakur et al., 2005): 2(N-1) steps of
-  latency plus 2(N-1)/N x b / bandwidth (`ring_allreduce_s`);
-- a step: compute shrinks as 1/N because `data.batch_size` is the GLOBAL batch (strong scaling:
-  the steps per epoch stay fixed); communication hides behind the backward pass for the share
-  overlap_frac of min(comm, backward compute) (`predict_step`).
+  latency plus 2(N-1)/N x b / (bus share x bandwidth) (`ring_allreduce_s`);
+- a step (`predict_step`): each process computes its share of the batch (strong scaling: the
+  global batch is split; weak scaling: each process keeps its own batch), plus the terms of
+  `Terms`: a per-step overhead that does not shrink with N, the last bucket's all-reduce, which
+  cannot overlap with the backward pass, and the wait for the slowest rank (skew).
 """
 
+import functools
 import math
 import statistics
 import time
@@ -31,35 +33,58 @@ BACKWARD_SHARE = 2 / 3  # backward ~ twice the forward pass: the share used when
 class Interconnect:
     """A link between neighbouring processes of the ring.
 
+    `bus_share`: the share of `bandwidth` a ring all-reduce really reaches (nccl-tests' bus
+    bandwidth over the line rate); 1 for a fit to measured all-reduces, which already holds it.
     `cores`: the processes share this many CPU cores (the machine the runs were measured on), so
     compute per step stops shrinking beyond that many processes; None: one device per process.
     """
 
     name: str
-    bandwidth: float  # bytes/s, one direction
+    bandwidth: float  # bytes/s, one direction, nominal
     latency: float  # s, per ring step
     source: str = ""
     cores: int | None = None
+    bus_share: float = 1.0
 
+    @property
+    def bus_bandwidth(self) -> float:
+        """Bytes/s an all-reduce's ring steps really move: the line rate times `bus_share`."""
+        return self.bandwidth * self.bus_share
+
+
+# Assumed, not measured: what an all-reduce reaches of a named link's line rate. nccl-tests
+# defines bus bandwidth as algorithm bandwidth x 2(N-1)/N, comparable with the line rate
+# (NVIDIA/nccl-tests, doc/PERFORMANCE.md); well-tuned collectives reach some 70-90 % of it.
+PRESET_BUS_SHARE = 0.8
 
 # Nominal one-direction line rates from the standards, and the order of magnitude of one hop's
-# latency as collective libraries see it. Real all-reduces reach some 70-90 % of the line rate
-# (nccl-tests' "bus bandwidth"), so these figures are the best case.
-INTERCONNECTS = (
-    Interconnect("PCIe 4 x16", 31.5e9, 2e-6, "PCIe 4.0: 16 GT/s x 16 lanes, 128b/130b coding; ~2 us through the root complex"),
-    Interconnect("NVLink 4", 450e9, 1e-6, "H100 SXM: 18 NVLink 4 links, 900 GB/s both directions; ~1 us"),
-    Interconnect("10 GbE", 1.25e9, 20e-6, "IEEE 802.3 10GBASE: 10 Gb/s; ~20 us per TCP hop through the kernel"),
-    Interconnect("100 GbE", 12.5e9, 5e-6, "IEEE 802.3 100GBASE: 100 Gb/s; ~5 us with RDMA (RoCE)"),
-    Interconnect("400 Gb InfiniBand", 50e9, 1.5e-6, "InfiniBand NDR: 400 Gb/s per port; ~1.5 us through one switch"),
-)
+# latency as collective libraries see it. `--link` names them by key.
+PRESETS = {
+    "nvlink4": Interconnect("NVLink 4", 450e9, 1e-6, "H100 SXM: 18 NVLink 4 links, 900 GB/s both directions; ~1 us",
+                            bus_share=PRESET_BUS_SHARE),
+    "pcie4": Interconnect("PCIe 4 x16", 31.5e9, 2e-6, "PCIe 4.0: 16 GT/s x 16 lanes, 128b/130b coding; ~2 us through the root complex",
+                          bus_share=PRESET_BUS_SHARE),
+    "ib400": Interconnect("400 Gb InfiniBand", 50e9, 1.5e-6, "InfiniBand NDR: 400 Gb/s per port; ~1.5 us through one switch",
+                          bus_share=PRESET_BUS_SHARE),
+    "ib100": Interconnect("100 Gb InfiniBand", 12.5e9, 1.5e-6, "InfiniBand EDR: 4 lanes x 25 Gb/s per port; ~1.5 us through one switch",
+                          bus_share=PRESET_BUS_SHARE),
+    "100gbe": Interconnect("100 GbE", 12.5e9, 5e-6, "IEEE 802.3 100GBASE: 100 Gb/s; ~5 us with RDMA (RoCE)", bus_share=PRESET_BUS_SHARE),
+    "25gbe": Interconnect("25 GbE", 3.125e9, 10e-6, "IEEE 802.3by 25GBASE: 25 Gb/s; ~10 us with RDMA (RoCE)", bus_share=PRESET_BUS_SHARE),
+    "10gbe": Interconnect("10 GbE", 1.25e9, 20e-6, "IEEE 802.3 10GBASE: 10 Gb/s; ~20 us per TCP hop through the kernel",
+                          bus_share=PRESET_BUS_SHARE),
+}
+INTERCONNECTS = tuple(PRESETS.values())
 
 
 def ring_allreduce_s(nbytes: float, processes: int, link: Interconnect) -> float:
-    """Seconds of one ring all-reduce: reduce-scatter then all-gather, 2(N-1) steps of b/N bytes each."""
+    """Seconds of one ring all-reduce: reduce-scatter then all-gather, 2(N-1) steps of b/N bytes each.
+
+    Each process sends 2(N-1)/N of the bytes, at the link's bus bandwidth.
+    """
     if processes <= 1:
         return 0.0
     steps = 2 * (processes - 1)
-    return steps * link.latency + steps / processes * nbytes / link.bandwidth
+    return steps * link.latency + steps / processes * nbytes / link.bus_bandwidth
 
 
 def ddp_buckets(numels: Sequence[int], first_cap: int = MIB, cap: int = 25 * MIB) -> list[int]:
@@ -95,8 +120,10 @@ def powersgd_sizes(shapes: Sequence[Sequence[int]], rank: int) -> tuple[int, int
     return uncompressed, ps, qs
 
 
-def collectives(shapes: Sequence[Sequence[int]], hook: str, rank: int = 1) -> list[int]:
-    """Bytes of each all-reduce one process issues per optimizer step under `hook`.
+def bucketed(shapes: Sequence[Sequence[int]], hook: str, rank: int = 1) -> list[list[int]]:
+    """Bytes of each all-reduce one process issues per optimizer step under `hook`, bucket by bucket,
+    in the order DDP launches them: the last bucket holds the first layers, ready only when the
+    backward pass ends.
 
     none: every bucket as fp32; fp16/bf16: the same buckets at 2 bytes per element; powersgd:
     three all-reduces (uncompressed tensors, all P, all Q) of one bucket, as this project's gloo
@@ -104,13 +131,18 @@ def collectives(shapes: Sequence[Sequence[int]], hook: str, rank: int = 1) -> li
     """
     numels = [math.prod(shape) for shape in shapes]
     if hook == "none":
-        return ddp_buckets(numels)
+        return [[b] for b in ddp_buckets(numels)]
     if hook in ("fp16", "bf16"):
-        return [b * HALF_BYTES // FP32_BYTES for b in ddp_buckets(numels)]
+        return [[b * HALF_BYTES // FP32_BYTES] for b in ddp_buckets(numels)]
     if hook in ("powersgd", "powersgd_fp16"):
         size = FP32_BYTES if hook == "powersgd" else HALF_BYTES
-        return [elements * size for elements in powersgd_sizes(shapes, rank)]
+        return [[elements * size for elements in powersgd_sizes(shapes, rank)]]
     raise ValueError(f"unknown hook {hook!r}; one of {', '.join(HOOKS)}")
+
+
+def collectives(shapes: Sequence[Sequence[int]], hook: str, rank: int = 1) -> list[int]:
+    """Bytes of each all-reduce one process issues per optimizer step under `hook` (`bucketed`, flat)."""
+    return [b for bucket in bucketed(shapes, hook, rank) for b in bucket]
 
 
 def _median_s(work: Callable[[], object], repeats: int = 3) -> float:
@@ -166,13 +198,49 @@ def _encode_s(shapes: Sequence[Sequence[int]], hook: str, rank: int) -> float:
     return _median_s(powersgd)
 
 
+@functools.cache
+def expected_max_normal(n: int) -> float:
+    """E[max of n independent standard normal draws]: how far the slowest of n ranks lags the mean, in standard deviations.
+
+    0 for one rank, 0.56 for 2, 1.03 for 4, 3.04 for 512; by numerical integration of n x phi(x) Phi(x)^(n-1).
+    """
+    if n <= 1:
+        return 0.0
+    xs = torch.linspace(-10, 10, 20001, dtype=torch.float64)
+    pdf = torch.exp(-xs**2 / 2) / math.sqrt(2 * math.pi)
+    cdf = 0.5 * (1 + torch.erf(xs / math.sqrt(2)))
+    return float(torch.trapezoid(xs * n * pdf * cdf ** (n - 1), xs))
+
+
+@dataclass(frozen=True)
+class Terms:
+    """What a step costs beyond its share of the compute and the ring's bytes; docs/scaling.md says where each comes from.
+
+    overhead: seconds per step that do not shrink with more processes (the training loop, the
+    optimizer's per-tensor work, kernel launches), part of one process's measured step;
+    skew: spread of one process's step time (standard deviation / mean); every all-reduce waits
+    for the slowest of N ranks, expected_max_normal(N) standard deviations behind the mean;
+    overlap: the share of the communication of every bucket but the last that runs while the
+    backward pass still computes (DDP launches a bucket's all-reduce as soon as it is full; the
+    last bucket is full only when the backward pass ends, so it never overlaps);
+    backward_share: the backward pass's share of the step's compute.
+    """
+
+    overhead: float = 0.0
+    skew: float = 0.0
+    overlap: float = 0.0
+    backward_share: float = BACKWARD_SHARE
+
+
 @dataclass(frozen=True)
 class Step:
-    """One optimizer step on N processes, in seconds."""
+    """One optimizer step on N processes, in seconds of wall time."""
 
-    compute: float
+    compute: float  # the part that shrinks with the per-process batch
     comm: float  # the hook's arithmetic plus its all-reduces
     hidden: float  # the part of comm that runs while the backward pass still computes
+    overhead: float = 0.0  # per step, whatever the batch
+    skew: float = 0.0  # waiting for the slowest rank
 
     @property
     def exposed(self) -> float:
@@ -180,7 +248,7 @@ class Step:
 
     @property
     def total(self) -> float:
-        return self.compute + self.exposed
+        return self.compute + self.overhead + self.exposed + self.skew
 
 
 def parallel_share(processes: int, link: Interconnect) -> int:
@@ -189,18 +257,31 @@ def parallel_share(processes: int, link: Interconnect) -> int:
 
 
 def predict_step(
-    compute_1: float, backward_1: float | None, overlap_frac: float, sizes: Sequence[int], encode: float,
-    processes: int, link: Interconnect,
+    compute_1: float, buckets: Sequence[Sequence[int]], encode: float, processes: int, link: Interconnect,
+    terms: Terms = Terms(), batch_share: float | None = None,
 ) -> Step:
-    """One step on N processes from one process's step compute (s) and the hook's all-reduce sizes (bytes).
+    """One step on N processes from one process's step time `compute_1` (s, overhead included) and the hook's buckets (bytes).
 
-    Strong scaling: the global batch is split over the processes, so each computes 1/N of it.
-    `backward_1`: one process's backward pass (s); None: BACKWARD_SHARE of its step compute.
+    `batch_share`: each process's batch over the batch `compute_1` was timed at; None: 1/N, strong
+    scaling (the global batch split over the processes); weak scaling keeps it fixed. Processes
+    beyond the cores they share take turns: each core runs N / min(N, cores) of them one after the other.
     """
-    share = parallel_share(processes, link)
-    compute = compute_1 / share
+    share = 1 / processes if batch_share is None else batch_share
+    turns = processes / parallel_share(processes, link)
+    compute = (compute_1 - terms.overhead) * share * turns
+    overhead = terms.overhead * turns
     if processes <= 1:
-        return Step(compute, 0.0, 0.0)
-    comm = encode + sum(ring_allreduce_s(b, processes, link) for b in sizes)
-    backward = (BACKWARD_SHARE * compute_1 if backward_1 is None else backward_1) / share
-    return Step(compute, comm, overlap_frac * min(comm, backward))
+        return Step(compute, 0.0, 0.0, overhead)
+    ring = [sum(ring_allreduce_s(b, processes, link) for b in bucket) for bucket in buckets]
+    total_bytes = sum(sum(bucket) for bucket in buckets) or 1
+    early_bytes = total_bytes - sum(buckets[-1]) if buckets else 0
+    comm = encode + sum(ring)
+    early = sum(ring[:-1]) + encode * early_bytes / total_bytes  # what may overlap: every bucket but the last
+    hidden = terms.overlap * min(early, terms.backward_share * compute)
+    skew = terms.skew * (compute + overhead) * expected_max_normal(processes)
+    return Step(compute, comm, hidden, overhead, skew)
+
+
+def epoch_steps(samples: int, global_batch: int) -> int:
+    """Optimizer steps in an epoch of `samples` at `global_batch` (the last, partial batch counts)."""
+    return -(-samples // global_batch)

@@ -2,7 +2,10 @@
 
     python -m src.scaling outputs/runs/<run>                # scaling.md, scaling.csv, scaling_<model>.png there
     python -m src.scaling outputs/multirun/<sweep> --probe  # also time gloo here: the "measured" interconnect
+    python -m src.scaling outputs/runs/<run> --per-process-batch 64   # weak scaling: 64 per process, the global batch grows
     python -m src.scaling --probe                           # only the probe: outputs/probe.json
+    python -m src.scaling --model torchvision.models.resnet50 --step-ms 164 --batch 32 --link 25gbe --processes 8 64
+                                                            # a what-if without a run (src.scaling.whatif)
 
 From each model's run with the fewest processes (its step time, and under DDP what it timed of
 its backward pass and communication), the model's gradient shapes, and the cost model of
@@ -14,7 +17,8 @@ import csv
 import os
 import statistics
 from argparse import Namespace
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 from pathlib import Path
 
 from hydra.utils import instantiate
@@ -26,12 +30,16 @@ from src.errors import UsageError
 from src.launch.console import processes
 from src.runs import ArgumentParser, RunFolder, median, output_folder, read_runs, require_folder, usage_errors_exit
 from src.scaling import probe as gloo_probe
-from src.scaling.costmodel import INTERCONNECTS, Interconnect, Step, collectives, encode_s, predict_step
+from src.scaling import stepclock, whatif
+from src.scaling.costmodel import (
+    BACKWARD_SHARE, INTERCONNECTS, PRESET_BUS_SHARE, Interconnect, Step, Terms, bucketed, encode_s, epoch_steps, predict_step,
+)
 from src.strategies.ddp import HOOKS
 
 PROCESS_COUNTS = tuple(2**k for k in range(11))  # 1 ... 1024
-COLUMNS = ("model", "batch_size", "interconnect", "hook", "processes", "bytes_per_step", "compute_ms", "comm_ms",
-           "exposed_ms", "epoch_s", "speedup")
+IMAGE_SIZE = 28  # Fashion-MNIST's images, as the data module serves them
+COLUMNS = ("model", "batch_size", "mode", "interconnect", "hook", "processes", "global_batch", "bytes_per_step", "compute_ms",
+           "overhead_ms", "comm_ms", "exposed_ms", "skew_ms", "epoch_s", "speedup", "efficiency")
 
 
 @dataclass
@@ -45,6 +53,8 @@ class RunFigures:
     hook: str | None  # None: one process without DDP
     powersgd_rank: int
     shapes: list[tuple[int, ...]]
+    net: Any  # the model's `net` config, to time its step here
+    input_shape: tuple[int, int, int]
     steps_per_epoch: int
     epoch_s: float  # median over epochs
     step_s: float  # median over epochs of epoch_s / steps
@@ -79,6 +89,7 @@ def read_figures(run: RunFolder) -> RunFigures | None:
         processes=int(config.devices) * int(config.num_nodes) if is_ddp else 1, hook=str(strategy.hook) if is_ddp else None,
         powersgd_rank=int(OmegaConf.select(strategy, "powersgd_rank", default=1)),
         shapes=[tuple(p.shape) for p in instantiate(config.model.net).parameters() if p.requires_grad],
+        net=config.model.net, input_shape=(int(config.data.in_channels), IMAGE_SIZE, IMAGE_SIZE),
         steps_per_epoch=int(statistics.median(steps)), epoch_s=statistics.median(s for _, s in epochs),
         step_s=statistics.median(s / n for (_, s), n in zip(epochs, steps)),
     )
@@ -106,29 +117,68 @@ def collect(root: Path) -> list[RunFigures]:
     return runs
 
 
+@dataclass(frozen=True)
+class Options:
+    """The command line's say over the model's terms; None: measured (or the run's own figure)."""
+
+    overlap: float | None = None
+    overhead_ms: float | None = None
+    skew: float | None = None
+    bus_share: float | None = None
+    per_process_batch: int | None = None  # None: strong scaling
+
+
 @dataclass
 class Baseline:
     """One process's figures for a model and global batch, derived from its run with the fewest processes."""
 
     run: RunFigures
-    compute_1: float  # s per step on one process (device)
-    backward_1: float | None
-    overlap_frac: float
-    sizes: dict[str, list[int]]  # bytes of each all-reduce per hook
+    compute_1: float  # s per step on one process (device), at the run's global batch, overhead included
+    terms: Terms
+    origin: dict[str, str]  # how each term was found, in words
+    buckets: dict[str, list[list[int]]]  # bytes of each all-reduce per hook, bucket by bucket
     encode: dict[str, float]  # s per step of each hook's own arithmetic, on this CPU
 
     @classmethod
-    def from_run(cls, run: RunFigures, cores: int, overlap: float) -> "Baseline":
-        """Undo the run's own scaling: its processes shared `cores` cores and computed 1/N of the batch each."""
+    def from_run(cls, run: RunFigures, cores: int, options: Options = Options()) -> "Baseline":
+        """Undo the run's own scaling (its processes shared `cores` cores and computed 1/N of the batch each), and time
+        the model's step here for the overhead and skew the options do not state."""
         share = min(run.processes, cores)
         compute_1 = (run.step_s - run.exposed_comm_s) * share
         backward_1 = None if run.backward_s is None else run.backward_s * share
+        origin = {}
+        if options.overhead_ms is None or options.skew is None:
+            clock = stepclock.measure(instantiate(run.net), run.input_shape, max(1, run.batch_size // run.processes))
+        if options.overhead_ms is None:
+            overhead = clock.overhead_share * compute_1
+            origin["overhead"] = (f"{clock.overhead_share:.0%} of the step: the model's step timed here at batch "
+                                  f"{max(1, run.batch_size // run.processes)} and a quarter of it, one thread (--overhead-ms)")
+        else:
+            overhead = min(options.overhead_ms / 1000, compute_1)
+            origin["overhead"] = "stated (--overhead-ms)"
+        if options.skew is None:
+            skew = clock.skew
+            origin["skew"] = "standard deviation / mean of the model's step timed here, one thread (--skew)"
+        else:
+            skew, origin["skew"] = options.skew, "stated (--skew)"
+        if run.overlap_frac is not None:
+            overlap, origin["overlap"] = run.overlap_frac, f"`comm/overlap_frac` of {run.run}"
+        else:
+            overlap = 0.0 if options.overlap is None else options.overlap
+            origin["overlap"] = "a one-process run measures none: " + ("assumed 0 (--overlap)" if options.overlap is None else "stated (--overlap)")
+        backward_share = BACKWARD_SHARE if backward_1 is None else min(1.0, backward_1 / compute_1)
+        origin["backward"] = ("2/3 of the compute (assumed: backward about twice the forward pass)" if backward_1 is None
+                              else f"`comm/backward_compute_ms` of {run.run}")
         rank = run.powersgd_rank
-        return cls(run, compute_1, backward_1, overlap if run.overlap_frac is None else run.overlap_frac,
-                   {h: collectives(run.shapes, h, rank) for h in HOOKS}, {h: encode_s(run.shapes, h, rank) for h in HOOKS})
+        return cls(run, compute_1, Terms(overhead, skew, overlap, backward_share), origin,
+                   {h: bucketed(run.shapes, h, rank) for h in HOOKS}, {h: encode_s(run.shapes, h, rank) for h in HOOKS})
 
-    def step(self, hook: str, processes: int, link: Interconnect) -> Step:
-        return predict_step(self.compute_1, self.backward_1, self.overlap_frac, self.sizes[hook], self.encode[hook], processes, link)
+    def sizes(self, hook: str) -> list[int]:
+        return [b for bucket in self.buckets[hook] for b in bucket]
+
+    def step(self, hook: str, processes: int, link: Interconnect, per_process_batch: int | None = None) -> Step:
+        batch_share = None if per_process_batch is None else per_process_batch / self.run.batch_size
+        return predict_step(self.compute_1, self.buckets[hook], self.encode[hook], processes, link, self.terms, batch_share)
 
 
 def load_probe(path: Path | None) -> gloo_probe.Probe | None:
@@ -155,21 +205,32 @@ def link_for(processes: int, measured: dict[int, Interconnect]) -> Interconnect:
     return measured[max(below) if below else min(measured)]
 
 
-def predictions(base: Baseline, links: list[Interconnect]) -> list[dict]:
-    """One row per interconnect, hook and process count that splits the global batch evenly."""
+def predictions(base: Baseline, links: list[Interconnect], per_process_batch: int | None = None) -> list[dict]:
+    """One row per interconnect, hook and process count.
+
+    Strong scaling (per_process_batch None): the run's global batch split over the processes, so
+    only counts that divide it. Weak scaling: `per_process_batch` on each process, the global batch
+    N times that, over the samples of the run's epoch.
+    """
     run, rows = base.run, []
+    samples = run.steps_per_epoch * run.batch_size
     for link in links:
         for hook in HOOKS:
+            one = None
             for n in PROCESS_COUNTS:
-                if run.batch_size % n:
+                if per_process_batch is None and run.batch_size % n:
                     continue
-                step = base.step(hook, n, link)
-                epoch_s = run.steps_per_epoch * step.total
+                step = base.step(hook, n, link, per_process_batch)
+                global_batch = run.batch_size if per_process_batch is None else per_process_batch * n
+                steps = run.steps_per_epoch if per_process_batch is None else epoch_steps(samples, global_batch)
+                epoch_s = steps * step.total
+                one = epoch_s if n == 1 else one
                 rows.append({
-                    "model": run.model, "batch_size": run.batch_size, "interconnect": link.name, "hook": hook, "processes": n,
-                    "bytes_per_step": sum(base.sizes[hook]) if n > 1 else 0, "compute_ms": step.compute * 1e3,
-                    "comm_ms": step.comm * 1e3, "exposed_ms": step.exposed * 1e3, "epoch_s": epoch_s,
-                    "speedup": run.steps_per_epoch * base.compute_1 / epoch_s,
+                    "model": run.model, "batch_size": run.batch_size, "mode": "strong" if per_process_batch is None else "weak",
+                    "interconnect": link.name, "hook": hook, "processes": n, "global_batch": global_batch,
+                    "bytes_per_step": sum(base.sizes(hook)) if n > 1 else 0, "compute_ms": step.compute * 1e3,
+                    "overhead_ms": step.overhead * 1e3, "comm_ms": step.comm * 1e3, "exposed_ms": step.exposed * 1e3,
+                    "skew_ms": step.skew * 1e3, "epoch_s": epoch_s, "speedup": one / epoch_s, "efficiency": one / epoch_s / n,
                 })
     return rows
 
@@ -197,32 +258,51 @@ def checks(base: Baseline, runs: list[RunFigures], measured: dict[int, Interconn
         if run.processes < 2 or run.hook is None or (run.model, run.batch_size) != (base.run.model, base.run.batch_size):
             continue
         link = link_for(run.processes, measured)
-        step = base.step(run.hook, run.processes, link)
+        step = base.step(run.hook, run.processes, link)  # as the run ran: its global batch split over its processes
         epoch_s = run.steps_per_epoch * step.total
         hook_ms = None if run.hook_s is None else run.hook_s * 1e3
         rows.append(" | ".join([
-            "", run.run, run.hook, str(run.processes), link.name, f"{sum(base.sizes[run.hook]):,}",
+            "", run.run, run.hook, str(run.processes), link.name, f"{sum(base.sizes(run.hook)):,}",
             "" if run.bytes_per_step is None else f"{run.bytes_per_step:,.0f}", f"{step.comm * 1e3:.1f}",
             "" if hook_ms is None else f"{hook_ms:.1f}", _pct_error(step.comm * 1e3, hook_ms),
+            f"{step.compute * 1e3:.1f} + {step.overhead * 1e3:.1f} + {step.exposed * 1e3:.1f} + {step.skew * 1e3:.1f}",
             f"{epoch_s:.2f}", f"{run.epoch_s:.2f}", _pct_error(epoch_s, run.epoch_s), "",
         ]).strip())
     return rows
 
 
-def section(base: Baseline, rows: list[dict], measured: dict[int, Interconnect], runs: list[RunFigures], plot: str) -> str:
-    """The Markdown of one model: what was measured, speed-ups, where compression pays off, the checks."""
-    run, links = base.run, [*measured.values(), *INTERCONNECTS]
+def terms_lines(base: Baseline) -> list[str]:
+    """The model's terms for this baseline, each with how it was found."""
+    terms, origin = base.terms, base.origin
+    return [
+        f"- per-step overhead, the same on any number of processes: {terms.overhead * 1e3:.1f} ms; {origin['overhead']}",
+        f"- skew between ranks: {terms.skew:.3f} of the step per standard deviation, times the expected lag of the slowest of "
+        f"N ranks (0.56 at 2, 1.03 at 4, 1.42 at 8 standard deviations); {origin['skew']}",
+        f"- overlap: {terms.overlap:.2f} of every bucket's all-reduce but the last runs during the backward pass "
+        f"({origin['overlap']}); the last bucket never does; the backward pass: {terms.backward_share:.2f} of the compute, "
+        f"{origin['backward']}",
+        "- bus share: the share of each link's bandwidth an all-reduce reaches, in the interconnect table; each process "
+        "sends and receives 2(N-1)/N of the bytes",
+    ]
+
+
+def section(base: Baseline, rows: list[dict], measured: dict[int, Interconnect], runs: list[RunFigures], plot: str,
+            links: list[Interconnect], per_process_batch: int | None = None) -> str:
+    """The Markdown of one model: what was measured, the terms, speed-ups, where compression pays off, the checks."""
+    run = base.run
     counts = sorted({r["processes"] for r in rows})
+    mode = ("strong scaling: the global batch of the run split over the processes" if per_process_batch is None else
+            f"weak scaling: {per_process_batch} samples per process, the global batch {per_process_batch} x N")
     lines = [
         f"## {run.model}, global batch {run.batch_size}", "",
         f"From `{run.run}` ({processes(run.processes)}, {run.steps_per_epoch} steps per epoch, median "
-        f"{run.step_s * 1e3:.1f} ms per step): one process computes a step in {base.compute_1 * 1e3:.1f} ms"
-        + ("" if base.backward_1 is None else f", {base.backward_1 * 1e3:.1f} ms of it backward")
-        + f"; overlap_frac {base.overlap_frac:.2f}. Bytes per step and process, and the hook's own arithmetic on this CPU:", "",
+        f"{run.step_s * 1e3:.1f} ms per step): one process takes {base.compute_1 * 1e3:.1f} ms a step. Mode: {mode}.", "",
+        "Terms of the model:", "", *terms_lines(base), "",
+        "Bytes per step and process, bucket by bucket (the last one cannot overlap), and the hook's own arithmetic on this CPU:", "",
         "| hook | all-reduces (bytes) | bytes per step | arithmetic ms |", "|---|---|---:|---:|",
-        *[f"| {h} | {', '.join(f'{b:,}' for b in base.sizes[h])} | {sum(base.sizes[h]):,} | {base.encode[h] * 1e3:.1f} |"
-          for h in HOOKS], "",
-        "Speed-up over one process, by interconnect, hook and processes:", "",
+        *[f"| {h} | {' / '.join(', '.join(f'{b:,}' for b in bucket) for bucket in base.buckets[h])} | {sum(base.sizes(h)):,} "
+          f"| {base.encode[h] * 1e3:.1f} |" for h in HOOKS], "",
+        f"Speed-up over one process ({mode.split(':')[0]}), by interconnect, hook and processes:", "",
         "| interconnect | hook | " + " | ".join(str(n) for n in counts) + " |", "|---|---|" + "---:|" * len(counts),
     ]
     speedup = {(r["interconnect"], r["hook"], r["processes"]): r["speedup"] for r in rows}
@@ -240,7 +320,8 @@ def section(base: Baseline, rows: list[dict], measured: dict[int, Interconnect],
     if compared:
         lines += ["Predicted against measured, on the measured interconnect (this machine's cores shared):", "",
                   "| run | hook | processes | fit | bytes/step predicted | measured | hook_ms predicted | measured | error "
-                  "| epoch s predicted | measured | error |", "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+                  "| step ms: compute + overhead + exposed comm + skew | epoch s predicted | measured | error |",
+                  "|---|---|---:|---|---:|---:|---:|---:|---:|---|---:|---:|---:|",
                   *compared, ""]
     return "\n".join(lines)
 
@@ -266,46 +347,57 @@ def plot(base: Baseline, rows: list[dict], links: list[Interconnect], path: Path
     figure.savefig(path, dpi=110)
 
 
-def assumptions(links: list[Interconnect], has_probe: bool) -> str:
-    lines = [
+def assumptions(links: list[Interconnect], has_probe: bool, per_process_batch: int | None = None) -> str:
+    scaling = (
         "Strong scaling: `data.batch_size` is the global batch, split over the processes, so the steps per epoch stay "
-        "fixed and each process computes 1/N of a step (on the measured interconnect, 1/min(N, cores): processes beyond "
-        "the cores share them). A process count that does not divide the batch is left out. Per step: comm = the hook's "
-        "arithmetic + one ring all-reduce per collective, 2(N-1) x latency + 2(N-1)/N x bytes / bandwidth; hidden = "
-        "overlap_frac x min(comm, backward compute); epoch = steps x (compute + comm - hidden). The compute and the "
-        "hook's arithmetic are this machine's, for every interconnect. Speed-up = one process's epoch / N processes'.", "",
-        "| interconnect | bandwidth GB/s | latency us | source |", "|---|---:|---:|---|",
-        *[f"| {link.name} | {link.bandwidth / 1e9:.3g} | {link.latency * 1e6:.3g} | {link.source} |" for link in links],
+        "fixed and each process computes 1/N of the batch. A process count that does not divide the batch is left out."
+        if per_process_batch is None else
+        f"Weak scaling (`--per-process-batch {per_process_batch}`): each process computes {per_process_batch} samples a "
+        f"step, the global batch grows as {per_process_batch} x N and an epoch of the run's samples takes fewer steps."
+    )
+    lines = [
+        f"{scaling} On the measured interconnect, processes beyond the cores take turns on them. Per step: compute = one "
+        "process's step, less the overhead, times its share of the batch; overhead = the per-step cost that no split "
+        "shrinks; comm = the hook's arithmetic + one ring all-reduce per collective, 2(N-1) x latency + 2(N-1)/N x bytes / "
+        "(bus share x bandwidth); hidden = overlap x min(comm of every bucket but the last, backward compute); skew = the "
+        "step's spread x the expected lag of the slowest of N ranks; step = compute + overhead + comm - hidden + skew. The "
+        "compute and the hook's arithmetic are this machine's, for every interconnect. Speed-up = one process's epoch / "
+        "N processes'; efficiency = speed-up / N.", "",
+        "| interconnect | bandwidth GB/s | bus share | latency us | source |", "|---|---:|---:|---:|---|",
+        *[f"| {link.name} | {link.bandwidth / 1e9:.3g} | {link.bus_share:.2f} | {link.latency * 1e6:.3g} | {link.source} |"
+          for link in links],
     ]
     if not has_probe:
         lines += ["", "No probe: run `python -m src.scaling <folder> --probe` for the measured interconnect."]
     return "\n".join(lines)
 
 
-def write_scaling(root: Path, out: Path | None = None, probe: gloo_probe.Probe | None = None, overlap: float = 0.0) -> str:
+def write_scaling(root: Path, out: Path | None = None, probe: gloo_probe.Probe | None = None,
+                  options: Options = Options()) -> str:
     """Write scaling.md, scaling.csv and one plot per model into `out` (default `root`); returns the Markdown sections."""
     out = output_folder(root if out is None else out)
     runs = collect(root)
     cores = probe.cores if probe is not None else len(os.sched_getaffinity(0))
     measured = measured_links(probe)
-    links = [*measured.values(), *INTERCONNECTS]
+    named = [link if options.bus_share is None else replace(link, bus_share=options.bus_share) for link in INTERCONNECTS]
+    links = [*measured.values(), *named]
     groups: dict[tuple[str, int], list[RunFigures]] = {}
     for run in sorted(runs, key=lambda r: (r.model, r.batch_size, r.processes, r.run)):
         groups.setdefault((run.model, run.batch_size), []).append(run)
     out.mkdir(parents=True, exist_ok=True)
     sections, all_rows = [], []
     for (model, batch), group in groups.items():
-        base = Baseline.from_run(group[0], cores, overlap)
-        rows = predictions(base, links)
+        base = Baseline.from_run(group[0], cores, options)
+        rows = predictions(base, links, options.per_process_batch)
         name = f"scaling_{model}_{batch}.png" if sum(m == model for m, _ in groups) > 1 else f"scaling_{model}.png"
         plot(base, rows, links, out / name)
-        sections.append(section(base, rows, measured, group, name))
+        sections.append(section(base, rows, measured, group, name, links, options.per_process_batch))
         all_rows += rows
     with (out / "scaling.csv").open("w", newline="") as file:
         writer = csv.DictWriter(file, fieldnames=COLUMNS)
         writer.writeheader()
         writer.writerows(all_rows)
-    body = "\n".join([assumptions(links, probe is not None), "", *sections])
+    body = "\n".join([assumptions(links, probe is not None, options.per_process_batch), "", *sections])
     (out / "scaling.md").write_text(f"# Scaling: {root}\n\n{body}")
     return body
 
@@ -316,18 +408,50 @@ def _parse(argv: list[str] | None) -> Namespace:
     parser.add_argument("--out", type=Path, help="where to write (default: the folder; outputs/ for --probe alone)")
     parser.add_argument("--probe", action="store_true", help="time gloo all-reduces here first and save probe.json")
     parser.add_argument("--probe-file", type=Path, help="a saved probe.json (default: probe.json in the folder, if any)")
-    parser.add_argument("--overlap", type=float, default=0.0, help="overlap_frac where the run logged none (default 0)")
+    parser.add_argument("--per-process-batch", type=int, help="weak scaling: samples per process and step (default: strong "
+                        "scaling, the global batch split over the processes)")
+    terms = parser.add_argument_group("terms of the model (default: measured, or the assumption docs/scaling.md states)")
+    terms.add_argument("--overlap", type=float, help="share of every bucket's all-reduce but the last that hides behind the "
+                       "backward pass, where the run logged none (default 0; what-if: 1)")
+    terms.add_argument("--overhead-ms", type=float, help="per-step overhead that does not shrink with more processes "
+                       "(default: timed here; what-if: 0)")
+    terms.add_argument("--skew", type=float, help="spread of one process's step time, standard deviation / mean "
+                       "(default: timed here; what-if: 0)")
+    terms.add_argument("--bus-share", type=float, help="share of a named link's bandwidth an all-reduce reaches "
+                       f"(default {PRESET_BUS_SHARE}; the probe's fit: 1)")
+    whatif.add_arguments(parser)
     args = parser.parse_args(argv)
-    if args.folder is None and not args.probe:
-        raise UsageError("give a run or sweep folder, or --probe")
-    if not 0 <= args.overlap <= 1:
-        raise UsageError(f"--overlap {args.overlap} is not allowed; it must be between 0 and 1")
+    whatif_mode = args.model is not None or args.params is not None
+    if args.folder is None and not args.probe and not whatif_mode:
+        raise UsageError("give a run or sweep folder, --probe, or a what-if (--model or --params)")
+    for name, low, high in (("overlap", 0, 1), ("skew", 0, 10), ("bus_share", 0, 1)):
+        value = getattr(args, name)
+        if value is not None and not (low <= value <= high) or (name == "bus_share" and value == 0):
+            raise UsageError(f"--{name.replace('_', '-')} {value} is not allowed; it must be "
+                             + (f"between {low} and {high}" if name != "bus_share" else "above 0 and at most 1"))
+    if args.overhead_ms is not None and args.overhead_ms < 0:
+        raise UsageError(f"--overhead-ms {args.overhead_ms} is not allowed; it must be 0 or more")
+    if args.per_process_batch is not None and args.per_process_batch < 1:
+        raise UsageError(f"--per-process-batch {args.per_process_batch} is not allowed; it must be a whole number of 1 or more")
+    if whatif_mode:
+        if args.folder is not None or args.probe:
+            raise UsageError("--model/--params is a what-if without a run: give no run folder and no --probe with it")
+        whatif.check(args)
+    else:
+        whatif.refuse(args)
     return args
+
+
+def options_from(args: Namespace) -> Options:
+    return Options(args.overlap, args.overhead_ms, args.skew, args.bus_share, args.per_process_batch)
 
 
 def main(argv: list[str] | None = None) -> None:
     with usage_errors_exit():
         args = _parse(argv)
+        if args.model is not None or args.params is not None:
+            print(whatif.report(args))
+            return
         out = args.out or args.folder or Path("outputs")
         if args.folder is not None:
             require_folder(args.folder)
@@ -345,5 +469,5 @@ def main(argv: list[str] | None = None) -> None:
         else:
             probe = load_probe(args.folder / "probe.json")
         if args.folder is not None:
-            write_scaling(args.folder, out, probe, args.overlap)
+            write_scaling(args.folder, out, probe, options_from(args))
             print(f"-> {out / 'scaling.md'}")

@@ -1,0 +1,221 @@
+"""A what-if without a run: `python -m src.scaling --model <import path> | --params <count> ...`.
+
+    python -m src.scaling --model torchvision.models.resnet50 --step-ms 164 --batch 32 --per-process-batch 32 \
+        --link 25gbe --processes 8 64 256
+    python -m src.scaling --model src.models.lenet.LeNet --batch 256 --link 10gbe --processes 2 4   # step timed here
+    python -m src.scaling --params 25.6e6 --step-ms 164 --batch 32 --bandwidth 6.25 --latency 10 --processes 2 4
+
+The model gives the gradient bytes (its parameters, in DDP's buckets); the step time is stated
+(`--step-ms`, one process at `--batch`) or timed here on one thread; the link is a named preset
+(`costmodel.PRESETS`) or a bandwidth and latency. The terms of `costmodel.Terms` are stated by
+flags, and 0 (overlap: 1) where not: published step times already hold their own overhead.
+"""
+
+import importlib
+import math
+import warnings
+from argparse import ArgumentParser, Namespace
+
+import torch
+
+from src.errors import UsageError
+from src.scaling import stepclock
+from src.scaling.costmodel import (
+    BACKWARD_SHARE, PRESET_BUS_SHARE, PRESETS, Interconnect, Terms, bucketed, epoch_steps, expected_max_normal, predict_step,
+)
+from src.strategies.ddp import HOOKS
+
+TRAIN_SAMPLES = 55_000  # this project's training split: Fashion-MNIST's 60,000 less data.val_size
+CHUNK = 2**18  # --params: gradients as 1 MiB fp32 tensors, so that DDP's buckets fill as they would
+DEFAULT_PROCESSES = (1, 2, 4, 8, 16, 32, 64)
+
+
+def add_arguments(parser: ArgumentParser) -> None:
+    group = parser.add_argument_group("what-if without a run (python -m src.scaling --model ... or --params ...)")
+    group.add_argument("--model", help="import path of a class or function that builds the model, e.g. "
+                       "torchvision.models.resnet50 or src.models.lenet.LeNet")
+    group.add_argument("--params", type=float, help="the model's parameter count instead of --model, e.g. 25.6e6")
+    group.add_argument("--step-ms", type=float, help="one process's step at --batch, in ms (default: timed here, needs --model)")
+    group.add_argument("--batch", type=int, help="the batch --step-ms is for; the global batch of strong scaling (default 256)")
+    group.add_argument("--input", default="1x28x28", help="one sample's shape, to time --model here (default 1x28x28)")
+    group.add_argument("--link", choices=sorted(PRESETS), help="a named link: " + ", ".join(
+        f"{key} ({link.name})" for key, link in PRESETS.items()))
+    group.add_argument("--bandwidth", type=float, help="a link's line rate in GB/s, one direction (with --latency)")
+    group.add_argument("--latency", type=float, help="a link's latency per ring step in us (with --bandwidth)")
+    group.add_argument("--processes", type=int, nargs="+", help=f"process counts (default {' '.join(map(str, DEFAULT_PROCESSES))})")
+    group.add_argument("--hook", default="none", help=f"the DDP hook: {', '.join(HOOKS)} (default none)")
+    group.add_argument("--samples", type=int, help=f"training samples per epoch (default {TRAIN_SAMPLES:,})")
+
+
+WHATIF_ONLY = ("params", "step_ms", "batch", "link", "bandwidth", "latency", "processes", "samples")
+
+
+def refuse(args: Namespace) -> None:
+    """What-if options without --model or --params: one line saying so."""
+    given = [name for name in WHATIF_ONLY if getattr(args, name) is not None]
+    if given or args.hook != "none" or args.input != "1x28x28":
+        name = given[0] if given else ("hook" if args.hook != "none" else "input")
+        raise UsageError(f"--{name.replace('_', '-')} belongs to a what-if: give --model or --params with it")
+
+
+def check(args: Namespace) -> None:
+    """Every what-if option, before anything is built or timed."""
+    if (args.model is None) == (args.params is None):
+        raise UsageError("give one of --model (an import path) and --params (a parameter count), not both")
+    if args.params is not None and not (args.params >= 1 and args.params == int(args.params)):
+        raise UsageError(f"--params {args.params:g} is not allowed; it must be a whole number of 1 or more")
+    if args.hook not in HOOKS:
+        raise UsageError(f"--hook {args.hook} is not allowed; it must be one of {', '.join(HOOKS)}")
+    if args.params is not None and args.hook.startswith("powersgd"):
+        raise UsageError(f"--hook {args.hook} needs the gradients' shapes: give --model instead of --params")
+    if args.step_ms is None and args.model is None:
+        raise UsageError("--step-ms is needed with --params: only a model given by --model can be timed here")
+    if args.step_ms is not None and not args.step_ms > 0:
+        raise UsageError(f"--step-ms {args.step_ms:g} is not allowed; it must be above 0")
+    for name in ("batch", "samples"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise UsageError(f"--{name} {value} is not allowed; it must be a whole number of 1 or more")
+    if args.link is None and (args.bandwidth is None or args.latency is None):
+        raise UsageError(f"give a link: --link (one of {', '.join(sorted(PRESETS))}) or both --bandwidth and --latency")
+    if args.link is not None and (args.bandwidth is not None or args.latency is not None):
+        raise UsageError("--link names a preset: give it alone, or --bandwidth and --latency instead")
+    if args.bandwidth is not None and not (args.bandwidth > 0 and args.latency >= 0):
+        raise UsageError(f"--bandwidth {args.bandwidth:g} --latency {args.latency:g} is not allowed; bandwidth above 0 GB/s, latency 0 us or more")
+    if args.processes is not None and min(args.processes) < 1:
+        raise UsageError(f"--processes {min(args.processes)} is not allowed; process counts are whole numbers of 1 or more")
+    batch = args.batch or 256
+    if args.per_process_batch is None and args.processes and any(batch % n for n in args.processes):
+        bad = next(n for n in args.processes if batch % n)
+        raise UsageError(f"--processes {bad} does not divide the global batch {batch}; strong scaling needs counts that "
+                         "divide --batch (or give --per-process-batch for weak scaling)")
+    input_shape(args.input)
+
+
+def input_shape(text: str) -> tuple[int, ...]:
+    try:
+        shape = tuple(int(part) for part in text.lower().split("x"))
+    except ValueError:
+        shape = ()
+    if not shape or min(shape) < 1:
+        raise UsageError(f"--input {text} is not allowed; give one sample's shape as CxHxW, e.g. 3x224x224")
+    return shape
+
+
+def build(path: str, device: str | None = None) -> torch.nn.Module:
+    """The model an import path names, built with its defaults (on the meta device: shapes only, no memory)."""
+    module_name, _, attribute = path.rpartition(".")
+    try:
+        factory = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError, ValueError) as error:
+        raise UsageError(f"--model {path}: cannot import it ({type(error).__name__}: {error}); give an import path "
+                         "such as torchvision.models.resnet50 or src.models.lenet.LeNet") from error
+    try:
+        with warnings.catch_warnings(), torch.device(device or "cpu"):
+            warnings.simplefilter("ignore")
+            model = factory()
+    except Exception as error:
+        raise UsageError(f"--model {path}: building it with its defaults failed ({type(error).__name__}: {error})") from error
+    if not isinstance(model, torch.nn.Module):
+        raise UsageError(f"--model {path} built a {type(model).__name__}, not a torch.nn.Module")
+    return model
+
+
+def gradient_shapes(args: Namespace) -> list[tuple[int, ...]]:
+    if args.model is not None:
+        return [tuple(p.shape) for p in build(args.model, "meta").parameters() if p.requires_grad]
+    full, rest = divmod(int(args.params), CHUNK)
+    return [(CHUNK,)] * full + ([(rest,)] if rest else [])
+
+
+def the_link(args: Namespace) -> tuple[Interconnect, str]:
+    if args.link is not None:
+        link, origin = PRESETS[args.link], f"--link {args.link}"
+    else:
+        link = Interconnect(f"{args.bandwidth:g} GB/s, {args.latency:g} us", args.bandwidth * 1e9, args.latency * 1e-6,
+                            "stated", bus_share=PRESET_BUS_SHARE)
+        origin = "--bandwidth, --latency"
+    if args.bus_share is not None:
+        return Interconnect(link.name, link.bandwidth, link.latency, link.source, bus_share=args.bus_share), origin
+    return link, origin
+
+
+def report(args: Namespace) -> str:
+    """The what-if's Markdown: what it assumed, then one row per process count."""
+    batch = args.batch or 256
+    shapes = gradient_shapes(args)
+    parameters = sum(math.prod(s) for s in shapes)
+    buckets = bucketed(shapes, args.hook)
+    if args.step_ms is not None:
+        step_1, step_origin = args.step_ms / 1000, "stated (--step-ms)"
+    else:
+        try:
+            clock = stepclock.measure(build(args.model), input_shape(args.input), batch)
+        except Exception as error:
+            reason = " ".join(str(error).split())[:200]
+            raise UsageError(f"--input {args.input}: timing --model {args.model} on it failed ({type(error).__name__}: "
+                             f"{reason}); give one sample's shape as CxHxW, e.g. 3x224x224, or --step-ms") from error
+        step_1, step_origin = clock.step_s, f"timed here: one thread, input {args.input}, fp32 SGD step"
+    overhead = 0.0 if args.overhead_ms is None else min(args.overhead_ms / 1000, step_1)
+    terms = Terms(overhead, args.skew or 0.0, 1.0 if args.overlap is None else args.overlap, BACKWARD_SHARE)
+    link, link_origin = the_link(args)
+    counts = sorted(set(args.processes or DEFAULT_PROCESSES))
+    samples = args.samples or TRAIN_SAMPLES
+    per_process = args.per_process_batch
+    mode = (f"strong scaling: the global batch {batch} split over the processes" if per_process is None else
+            f"weak scaling: {per_process} samples per process, the global batch {per_process} x N")
+    last = sum(buckets[-1])
+    lines = [
+        f"# What-if: {args.model or f'{parameters:,} parameters'}, hook {args.hook}", "",
+        f"Mode: {mode}; {samples:,} samples per epoch.", "",
+        f"- model: {parameters:,} parameters; {sum(sum(b) for b in buckets):,} bytes per step and process in "
+        f"{len(buckets)} bucket(s): {' / '.join(f'{sum(b):,}' for b in buckets)}",
+        f"- one process's step: {step_1 * 1e3:.1f} ms at batch {batch}, {step_origin}",
+        f"- link: {link.name} ({link_origin}): {link.bandwidth / 1e9:.4g} GB/s line rate x bus share {link.bus_share:.2f} "
+        f"= {link.bus_bandwidth / 1e9:.4g} GB/s, {link.latency * 1e6:.3g} us per ring step"
+        + (f"; {link.source}" if link.source != "stated" else ""),
+        "- ring all-reduce: each process sends and receives 2(N-1)/N of the bytes, in 2(N-1) steps",
+        f"- bus share {link.bus_share:.2f}: " + ("stated (--bus-share)" if args.bus_share is not None else
+                                                  "assumed for every link (nccl-tests' bus bandwidth over the line rate; --bus-share)"),
+        f"- per-step overhead that does not shrink with more processes: {overhead * 1e3:.1f} ms, "
+        + ("stated (--overhead-ms)" if args.overhead_ms is not None else "assumed 0: a stated step time holds its own (--overhead-ms)"),
+        f"- last bucket ({last:,} bytes) never overlaps; the other buckets' all-reduces overlap with the backward pass "
+        f"({BACKWARD_SHARE:.2f} of the compute, assumed) for a share {terms.overlap:.2f}, "
+        + ("stated (--overlap)" if args.overlap is not None else "assumed: DDP, Horovod and Caffe2 start each bucket during the backward pass (--overlap)"),
+        f"- skew between ranks: {terms.skew:.3f} of the step per standard deviation, "
+        + ("stated (--skew)" if args.skew is not None else "assumed 0 (--skew)")
+        + f"; the slowest of N ranks lags by {expected_max_normal(2):.2f} (N=2) to {expected_max_normal(max(counts)):.2f} "
+        f"(N={max(counts)}) standard deviations",
+        "- the hook's own arithmetic: 0 (on a GPU, next to nothing for none, fp16 and bf16)",
+        "",
+        "| processes | global batch | per process | compute ms | overhead ms | comm ms | exposed ms | skew ms | step ms "
+        "| epoch s | speed-up | efficiency |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in rows(step_1, batch, buckets, terms, link, counts, samples, per_process):
+        lines.append(
+            f"| {row['processes']} | {row['global_batch']} | {row['per_process']:g} | {row['compute_ms']:.1f} "
+            f"| {row['overhead_ms']:.1f} | {row['comm_ms']:.1f} | {row['exposed_ms']:.1f} | {row['skew_ms']:.1f} "
+            f"| {row['step_ms']:.1f} | {row['epoch_s']:.4g} | {row['speedup']:.2f} | {row['efficiency']:.1%} |")
+    return "\n".join(lines)
+
+
+def rows(step_1: float, batch: int, buckets: list[list[int]], terms: Terms, link: Interconnect, counts: list[int],
+         samples: int, per_process_batch: int | None) -> list[dict]:
+    """Predicted step and epoch for each process count; speed-up and efficiency against one process in the same mode."""
+
+    def predict(n: int) -> dict:
+        share = None if per_process_batch is None else per_process_batch / batch
+        step = predict_step(step_1, buckets, 0.0, n, link, terms, share)
+        global_batch = batch if per_process_batch is None else per_process_batch * n
+        return {"processes": n, "global_batch": global_batch, "per_process": global_batch / n,
+                "compute_ms": step.compute * 1e3, "overhead_ms": step.overhead * 1e3, "comm_ms": step.comm * 1e3,
+                "exposed_ms": step.exposed * 1e3, "skew_ms": step.skew * 1e3, "step_ms": step.total * 1e3,
+                "epoch_s": epoch_steps(samples, global_batch) * step.total}
+
+    one = predict(1)["epoch_s"]
+    table = [predict(n) for n in counts]
+    for row in table:
+        row["speedup"] = one / row["epoch_s"]
+        row["efficiency"] = row["speedup"] / row["processes"]
+    return table
