@@ -207,6 +207,15 @@ def test_whatif_by_hand():
         assert term in result.stdout
 
 
+def test_whatif_bucket_cap_sets_the_last_bucket():
+    # 2 MiB buckets after the first: 1,902,848 then the 2,097,152 left fill exactly one more, the last.
+    result = call_main(main, *WHATIF, "--bucket-mb", "2", "--processes", "2")
+    assert "1,902,848 / 2,097,152" in result.stdout
+    result = call_main(main, *WHATIF, "--bucket-mb", "1", "--processes", "2")
+    assert "1,902,848 / 1,048,576 / 1,048,576" in result.stdout  # a smaller last bucket: less that cannot overlap
+    assert float(whatif_rows(result)[2][6]) == pytest.approx(1.049, abs=0.05)
+
+
 def test_whatif_weak_scaling_grows_the_global_batch():
     rows = whatif_rows(call_main(main, *WHATIF, "--per-process-batch", "64", "--processes", "1", "3", "8"))
     assert [(n, cells[1], cells[2]) for n, cells in rows.items()] == [(1, "64", "64"), (3, "192", "64"), (8, "512", "64")]
@@ -238,6 +247,7 @@ def test_whatif_names_a_model_and_a_preset_link():
     (["--params", "1e6", "--step-ms", "10", "--bandwidth", "-1", "--latency", "1"], ["--bandwidth"]),
     (["--model", "src.models.lenet.LeNet", "--link", "10gbe", "--input", "28"], ["--input", "CxHxW"]),
     (["outputs", "--step-ms", "10"], ["--step-ms", "--model"]),
+    (["--params", "1e6", "--step-ms", "10", "--link", "10gbe", "--bucket-mb", "0"], ["--bucket-mb"]),
 ])
 def test_whatif_bad_input_is_one_line(args, words):
     assert_one_error_line(call_main(main, *args), *words)

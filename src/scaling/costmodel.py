@@ -120,10 +120,10 @@ def powersgd_sizes(shapes: Sequence[Sequence[int]], rank: int) -> tuple[int, int
     return uncompressed, ps, qs
 
 
-def bucketed(shapes: Sequence[Sequence[int]], hook: str, rank: int = 1) -> list[list[int]]:
+def bucketed(shapes: Sequence[Sequence[int]], hook: str, rank: int = 1, cap: int = 25 * MIB) -> list[list[int]]:
     """Bytes of each all-reduce one process issues per optimizer step under `hook`, bucket by bucket,
     in the order DDP launches them: the last bucket holds the first layers, ready only when the
-    backward pass ends.
+    backward pass ends. `cap`: DDP's `bucket_cap_mb` in bytes (the first bucket stays 1 MiB).
 
     none: every bucket as fp32; fp16/bf16: the same buckets at 2 bytes per element; powersgd:
     three all-reduces (uncompressed tensors, all P, all Q) of one bucket, as this project's gloo
@@ -131,9 +131,9 @@ def bucketed(shapes: Sequence[Sequence[int]], hook: str, rank: int = 1) -> list[
     """
     numels = [math.prod(shape) for shape in shapes]
     if hook == "none":
-        return [[b] for b in ddp_buckets(numels)]
+        return [[b] for b in ddp_buckets(numels, cap=cap)]
     if hook in ("fp16", "bf16"):
-        return [[b * HALF_BYTES // FP32_BYTES] for b in ddp_buckets(numels)]
+        return [[b * HALF_BYTES // FP32_BYTES] for b in ddp_buckets(numels, cap=cap)]
     if hook in ("powersgd", "powersgd_fp16"):
         size = FP32_BYTES if hook == "powersgd" else HALF_BYTES
         return [[elements * size for elements in powersgd_sizes(shapes, rank)]]

@@ -34,7 +34,7 @@ from src.scaling import stepclock, whatif
 from src.scaling.costmodel import (
     BACKWARD_SHARE, INTERCONNECTS, PRESET_BUS_SHARE, Interconnect, Step, Terms, bucketed, encode_s, epoch_steps, predict_step,
 )
-from src.strategies.ddp import HOOKS
+from src.strategies.ddp import HOOKS, MIB
 
 PROCESS_COUNTS = tuple(2**k for k in range(11))  # 1 ... 1024
 IMAGE_SIZE = 28  # Fashion-MNIST's images, as the data module serves them
@@ -126,6 +126,7 @@ class Options:
     skew: float | None = None
     bus_share: float | None = None
     per_process_batch: int | None = None  # None: strong scaling
+    bucket_mb: float = 25.0  # DDP's bucket_cap_mb
 
 
 @dataclass
@@ -171,7 +172,8 @@ class Baseline:
                               else f"`comm/backward_compute_ms` of {run.run}")
         rank = run.powersgd_rank
         return cls(run, compute_1, Terms(overhead, skew, overlap, backward_share), origin,
-                   {h: bucketed(run.shapes, h, rank) for h in HOOKS}, {h: encode_s(run.shapes, h, rank) for h in HOOKS})
+                   {h: bucketed(run.shapes, h, rank, int(options.bucket_mb * MIB)) for h in HOOKS},
+                   {h: encode_s(run.shapes, h, rank) for h in HOOKS})
 
     def sizes(self, hook: str) -> list[int]:
         return [b for bucket in self.buckets[hook] for b in bucket]
@@ -271,23 +273,24 @@ def checks(base: Baseline, runs: list[RunFigures], measured: dict[int, Interconn
     return rows
 
 
-def terms_lines(base: Baseline) -> list[str]:
+def terms_lines(base: Baseline, bucket_mb: float = 25.0) -> list[str]:
     """The model's terms for this baseline, each with how it was found."""
     terms, origin = base.terms, base.origin
+    last = sum(base.buckets["none"][-1])
     return [
         f"- per-step overhead, the same on any number of processes: {terms.overhead * 1e3:.1f} ms; {origin['overhead']}",
         f"- skew between ranks: {terms.skew:.3f} of the step per standard deviation, times the expected lag of the slowest of "
         f"N ranks (0.56 at 2, 1.03 at 4, 1.42 at 8 standard deviations); {origin['skew']}",
         f"- overlap: {terms.overlap:.2f} of every bucket's all-reduce but the last runs during the backward pass "
-        f"({origin['overlap']}); the last bucket never does; the backward pass: {terms.backward_share:.2f} of the compute, "
-        f"{origin['backward']}",
+        f"({origin['overlap']}); the last bucket never does ({last:,} bytes under `none`: DDP's buckets of {bucket_mb:g} MiB "
+        f"after a first of 1 MiB, --bucket-mb); the backward pass: {terms.backward_share:.2f} of the compute, {origin['backward']}",
         "- bus share: the share of each link's bandwidth an all-reduce reaches, in the interconnect table; each process "
         "sends and receives 2(N-1)/N of the bytes",
     ]
 
 
 def section(base: Baseline, rows: list[dict], measured: dict[int, Interconnect], runs: list[RunFigures], plot: str,
-            links: list[Interconnect], per_process_batch: int | None = None) -> str:
+            links: list[Interconnect], per_process_batch: int | None = None, bucket_mb: float = 25.0) -> str:
     """The Markdown of one model: what was measured, the terms, speed-ups, where compression pays off, the checks."""
     run = base.run
     counts = sorted({r["processes"] for r in rows})
@@ -297,7 +300,7 @@ def section(base: Baseline, rows: list[dict], measured: dict[int, Interconnect],
         f"## {run.model}, global batch {run.batch_size}", "",
         f"From `{run.run}` ({processes(run.processes)}, {run.steps_per_epoch} steps per epoch, median "
         f"{run.step_s * 1e3:.1f} ms per step): one process takes {base.compute_1 * 1e3:.1f} ms a step. Mode: {mode}.", "",
-        "Terms of the model:", "", *terms_lines(base), "",
+        "Terms of the model:", "", *terms_lines(base, bucket_mb), "",
         "Bytes per step and process, bucket by bucket (the last one cannot overlap), and the hook's own arithmetic on this CPU:", "",
         "| hook | all-reduces (bytes) | bytes per step | arithmetic ms |", "|---|---|---:|---:|",
         *[f"| {h} | {' / '.join(', '.join(f'{b:,}' for b in bucket) for bucket in base.buckets[h])} | {sum(base.sizes(h)):,} "
@@ -391,7 +394,7 @@ def write_scaling(root: Path, out: Path | None = None, probe: gloo_probe.Probe |
         rows = predictions(base, links, options.per_process_batch)
         name = f"scaling_{model}_{batch}.png" if sum(m == model for m, _ in groups) > 1 else f"scaling_{model}.png"
         plot(base, rows, links, out / name)
-        sections.append(section(base, rows, measured, group, name, links, options.per_process_batch))
+        sections.append(section(base, rows, measured, group, name, links, options.per_process_batch, options.bucket_mb))
         all_rows += rows
     with (out / "scaling.csv").open("w", newline="") as file:
         writer = csv.DictWriter(file, fieldnames=COLUMNS)
@@ -417,6 +420,8 @@ def _parse(argv: list[str] | None) -> Namespace:
                        "(default: timed here; what-if: 0)")
     terms.add_argument("--skew", type=float, help="spread of one process's step time, standard deviation / mean "
                        "(default: timed here; what-if: 0)")
+    terms.add_argument("--bucket-mb", type=float, default=25.0, help="DDP's bucket_cap_mb: the size of the buckets, and "
+                       "so of the last one, which cannot overlap (default 25)")
     terms.add_argument("--bus-share", type=float, help="share of a named link's bandwidth an all-reduce reaches "
                        f"(default {PRESET_BUS_SHARE}; the probe's fit: 1)")
     whatif.add_arguments(parser)
@@ -429,6 +434,8 @@ def _parse(argv: list[str] | None) -> Namespace:
         if value is not None and not (low <= value <= high) or (name == "bus_share" and value == 0):
             raise UsageError(f"--{name.replace('_', '-')} {value} is not allowed; it must be "
                              + (f"between {low} and {high}" if name != "bus_share" else "above 0 and at most 1"))
+    if not args.bucket_mb > 0:
+        raise UsageError(f"--bucket-mb {args.bucket_mb:g} is not allowed; it must be above 0")
     if args.overhead_ms is not None and args.overhead_ms < 0:
         raise UsageError(f"--overhead-ms {args.overhead_ms} is not allowed; it must be 0 or more")
     if args.per_process_batch is not None and args.per_process_batch < 1:
@@ -443,7 +450,7 @@ def _parse(argv: list[str] | None) -> Namespace:
 
 
 def options_from(args: Namespace) -> Options:
-    return Options(args.overlap, args.overhead_ms, args.skew, args.bus_share, args.per_process_batch)
+    return Options(args.overlap, args.overhead_ms, args.skew, args.bus_share, args.per_process_batch, args.bucket_mb)
 
 
 def main(argv: list[str] | None = None) -> None:

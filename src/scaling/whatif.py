@@ -23,7 +23,7 @@ from src.scaling import stepclock
 from src.scaling.costmodel import (
     BACKWARD_SHARE, PRESET_BUS_SHARE, PRESETS, Interconnect, Terms, bucketed, epoch_steps, expected_max_normal, predict_step,
 )
-from src.strategies.ddp import HOOKS
+from src.strategies.ddp import HOOKS, MIB
 
 TRAIN_SAMPLES = 55_000  # this project's training split: Fashion-MNIST's 60,000 less data.val_size
 CHUNK = 2**18  # --params: gradients as 1 MiB fp32 tensors, so that DDP's buckets fill as they would
@@ -145,7 +145,7 @@ def report(args: Namespace) -> str:
     batch = args.batch or 256
     shapes = gradient_shapes(args)
     parameters = sum(math.prod(s) for s in shapes)
-    buckets = bucketed(shapes, args.hook)
+    buckets = bucketed(shapes, args.hook, cap=int(args.bucket_mb * MIB))
     if args.step_ms is not None:
         step_1, step_origin = args.step_ms / 1000, "stated (--step-ms)"
     else:
@@ -179,7 +179,7 @@ def report(args: Namespace) -> str:
                                                   "assumed for every link (nccl-tests' bus bandwidth over the line rate; --bus-share)"),
         f"- per-step overhead that does not shrink with more processes: {overhead * 1e3:.1f} ms, "
         + ("stated (--overhead-ms)" if args.overhead_ms is not None else "assumed 0: a stated step time holds its own (--overhead-ms)"),
-        f"- last bucket ({last:,} bytes) never overlaps; the other buckets' all-reduces overlap with the backward pass "
+        f"- last bucket ({last:,} bytes; buckets of {args.bucket_mb:g} MiB after a first of 1, --bucket-mb) never overlaps; the other buckets' all-reduces overlap with the backward pass "
         f"({BACKWARD_SHARE:.2f} of the compute, assumed) for a share {terms.overlap:.2f}, "
         + ("stated (--overlap)" if args.overlap is not None else "assumed: DDP, Horovod and Caffe2 start each bucket during the backward pass (--overlap)"),
         f"- skew between ranks: {terms.skew:.3f} of the step per standard deviation, "
