@@ -6,6 +6,7 @@ import csv
 import dataclasses
 import json
 import math
+import shlex
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,7 @@ from src.scaling.predict import COLUMNS, PROCESS_COUNTS, Baseline, Options, RunF
 from src.scaling import stepclock
 from src.scaling.stepclock import overhead_share
 from src.strategies.ddp import HOOKS
-from tests.helpers import QUICK, call_main, run_cli, scalars, train
+from tests.helpers import QUICK, REPO, call_main, run_cli, scalars, train
 
 LINK = Interconnect("test", bandwidth=1e9, latency=1e-5)
 LENET_SHAPES = [tuple(p.shape) for p in LeNet().parameters()]
@@ -228,6 +229,26 @@ def test_whatif_names_a_model_and_a_preset_link():
     link = PRESETS["10gbe"]
     assert f"{link.bandwidth / 1e9:.4g} GB/s line rate x bus share {link.bus_share:.2f}" in result.stdout
     assert whatif_rows(result)[4][2] == "64"
+
+
+def published_rows() -> list[tuple[list[str], str]]:
+    """(what-if arguments, predicted efficiency) of each predicted row of docs/scaling.md's published table."""
+    text = (REPO / "docs" / "scaling.md").read_text()
+    table = text.split("## Against published measurements")[1].split("\n\n")[2]
+    rows = []
+    for line in table.splitlines()[2:]:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if cells[4].startswith("`--"):
+            rows.append((shlex.split(cells[4].strip("`")), cells[5]))
+    return rows
+
+
+def test_whatif_reproduces_the_published_table():
+    rows = published_rows()
+    assert len(rows) >= 6
+    for args, predicted in rows:
+        last = max(whatif_rows(call_main(main, *args)).items())[1]
+        assert last[11] == predicted, args
 
 
 @pytest.mark.parametrize("args, words", [

@@ -11,6 +11,7 @@ The model gives the gradient bytes (its parameters, in DDP's buckets); the step 
 flags, and 0 (overlap: 1) where not: published step times already hold their own overhead.
 """
 
+import functools
 import importlib
 import math
 import warnings
@@ -121,9 +122,15 @@ def build(path: str, device: str | None = None) -> torch.nn.Module:
     return model
 
 
+@functools.cache
+def model_shapes(path: str) -> tuple[tuple[int, ...], ...]:
+    """The shapes of the gradients of the model `path` builds, in parameter order."""
+    return tuple(tuple(p.shape) for p in build(path, "meta").parameters() if p.requires_grad)
+
+
 def gradient_shapes(args: Namespace) -> list[tuple[int, ...]]:
     if args.model is not None:
-        return [tuple(p.shape) for p in build(args.model, "meta").parameters() if p.requires_grad]
+        return list(model_shapes(args.model))
     full, rest = divmod(int(args.params), CHUNK)
     return [(CHUNK,)] * full + ([(rest,)] if rest else [])
 
