@@ -382,6 +382,18 @@ def test_cli_writes_table_plot_and_checks_for_real_runs(runs, tmp_path):
 
 
 @pytest.mark.slow
+def test_cli_weak_scaling_from_real_runs(runs, tmp_path):
+    out = tmp_path / "weak"
+    result = call_main(main, str(runs), "--out", str(out), "--per-process-batch", "64", "--overhead-ms", "0", "--skew", "0")
+    assert result.returncode == 0, result.stderr
+    rows = [r for r in read_rows(out / "scaling.csv") if r["interconnect"] == "NVLink 4" and r["hook"] == "none"]
+    assert {r["mode"] for r in rows} == {"weak"} and [int(r["processes"]) for r in rows] == list(PROCESS_COUNTS)
+    assert [int(r["global_batch"]) for r in rows] == [64 * n for n in PROCESS_COUNTS]
+    assert len({round(float(r["compute_ms"]), 6) for r in rows}) == 1  # each process computes 64 samples, whatever N
+    assert "Weak scaling (`--per-process-batch 64`)" in (out / "scaling.md").read_text()
+
+
+@pytest.mark.slow
 def test_report_includes_the_scaling_table(runs, tmp_path):
     result = run_cli("src.report", str(runs), "--out", str(tmp_path / "report"))
     assert result.returncode == 0, result.stderr
@@ -414,6 +426,11 @@ def test_folder_without_runs_writes_nothing(tmp_path):
 
 def test_bad_options_name_what_is_allowed(tmp_path):
     assert_one_error_line(call_main(main, str(tmp_path), "--overlap", "2"), "--overlap", "between 0 and 1")
+    assert_one_error_line(call_main(main, str(tmp_path), "--skew", "-0.1"), "--skew", "between 0 and 10")
+    assert_one_error_line(call_main(main, str(tmp_path), "--bus-share", "1.5"), "--bus-share", "at most 1")
+    assert_one_error_line(call_main(main, str(tmp_path), "--overhead-ms", "-1"), "--overhead-ms", "0 or more")
+    assert_one_error_line(call_main(main, str(tmp_path), "--per-process-batch", "0"), "--per-process-batch", "whole number")
+    assert_one_error_line(call_main(main, str(tmp_path), "--batch", "64"), "--batch", "what-if")
     assert_one_error_line(call_main(main, str(tmp_path), "--probe-file", str(tmp_path / "none.json")), "--probe-file")
     (tmp_path / "bad.json").write_text(json.dumps({"cores": 2}))
     assert_one_error_line(call_main(main, str(tmp_path), "--probe-file", str(tmp_path / "bad.json")), "--probe-file", "not a probe")

@@ -429,17 +429,7 @@ def _parse(argv: list[str] | None) -> Namespace:
     whatif_mode = args.model is not None or args.params is not None
     if args.folder is None and not args.probe and not whatif_mode:
         raise UsageError("give a run or sweep folder, --probe, or a what-if (--model or --params)")
-    for name, low, high in (("overlap", 0, 1), ("skew", 0, 10), ("bus_share", 0, 1)):
-        value = getattr(args, name)
-        if value is not None and not (low <= value <= high) or (name == "bus_share" and value == 0):
-            raise UsageError(f"--{name.replace('_', '-')} {value} is not allowed; it must be "
-                             + (f"between {low} and {high}" if name != "bus_share" else "above 0 and at most 1"))
-    if not args.bucket_mb > 0:
-        raise UsageError(f"--bucket-mb {args.bucket_mb:g} is not allowed; it must be above 0")
-    if args.overhead_ms is not None and args.overhead_ms < 0:
-        raise UsageError(f"--overhead-ms {args.overhead_ms} is not allowed; it must be 0 or more")
-    if args.per_process_batch is not None and args.per_process_batch < 1:
-        raise UsageError(f"--per-process-batch {args.per_process_batch} is not allowed; it must be a whole number of 1 or more")
+    _check_terms(args)
     if whatif_mode:
         if args.folder is not None or args.probe:
             raise UsageError("--model/--params is a what-if without a run: give no run folder and no --probe with it")
@@ -447,6 +437,22 @@ def _parse(argv: list[str] | None) -> Namespace:
     else:
         whatif.refuse(args)
     return args
+
+
+def _check_terms(args: Namespace) -> None:
+    """The terms' flags and --per-process-batch, each within what it can mean."""
+    allowed = [
+        ("--overlap", args.overlap, args.overlap is None or 0 <= args.overlap <= 1, "between 0 and 1"),
+        ("--skew", args.skew, args.skew is None or 0 <= args.skew <= 10, "between 0 and 10"),
+        ("--bus-share", args.bus_share, args.bus_share is None or 0 < args.bus_share <= 1, "above 0 and at most 1"),
+        ("--bucket-mb", args.bucket_mb, args.bucket_mb > 0, "above 0"),
+        ("--overhead-ms", args.overhead_ms, args.overhead_ms is None or args.overhead_ms >= 0, "0 or more"),
+        ("--per-process-batch", args.per_process_batch, args.per_process_batch is None or args.per_process_batch >= 1,
+         "a whole number of 1 or more"),
+    ]
+    for option, value, ok, rule in allowed:
+        if not ok:
+            raise UsageError(f"{option} {value:g} is not allowed; it must be {rule}")
 
 
 def options_from(args: Namespace) -> Options:
