@@ -208,6 +208,13 @@ def test_whatif_by_hand():
         assert term in result.stdout
 
 
+def test_whatif_times_the_step_here_when_not_stated(monkeypatch):
+    monkeypatch.setattr(stepclock, "BUDGET_S", 0.01)
+    result = call_main(main, "--model", "src.models.lenet.LeNet", "--batch", "16", "--link", "10gbe", "--processes", "2")
+    assert result.stdout.count("timed here") == 3  # the step, its overhead and its skew
+    assert float(whatif_rows(result)[2][8]) > 0
+
+
 def test_whatif_bucket_cap_sets_the_last_bucket():
     # 2 MiB buckets after the first: 1,902,848 then the 2,097,152 left fill exactly one more, the last.
     result = call_main(main, *WHATIF, "--bucket-mb", "2", "--processes", "2")

@@ -8,7 +8,8 @@
 The model gives the gradient bytes (its parameters, in DDP's buckets); the step time is stated
 (`--step-ms`, one process at `--batch`) or timed here on one thread; the link is a named preset
 (`costmodel.PRESETS`) or a bandwidth and latency. The terms of `costmodel.Terms` are stated by
-flags, and 0 (overlap: 1) where not: published step times already hold their own overhead.
+flags; where not, a step timed here gives overhead and skew as for a run (`stepclock`), a stated
+step 0 for both (a published step time already holds its own overhead), and overlap is 1.
 """
 
 import functools
@@ -153,6 +154,7 @@ def report(args: Namespace) -> str:
     shapes = gradient_shapes(args)
     parameters = sum(math.prod(s) for s in shapes)
     buckets = bucketed(shapes, args.hook, cap=int(args.bucket_mb * MIB))
+    clock = None
     if args.step_ms is not None:
         step_1, step_origin = args.step_ms / 1000, "stated (--step-ms)"
     else:
@@ -163,8 +165,20 @@ def report(args: Namespace) -> str:
             raise UsageError(f"--input {args.input}: timing --model {args.model} on it failed ({type(error).__name__}: "
                              f"{reason}); give one sample's shape as CxHxW, e.g. 3x224x224, or --step-ms") from error
         step_1, step_origin = clock.step_s, f"timed here: one thread, input {args.input}, fp32 SGD step"
-    overhead = 0.0 if args.overhead_ms is None else min(args.overhead_ms / 1000, step_1)
-    terms = Terms(overhead, args.skew or 0.0, 1.0 if args.overlap is None else args.overlap, BACKWARD_SHARE)
+    if args.overhead_ms is not None:
+        overhead, overhead_origin = min(args.overhead_ms / 1000, step_1), "stated (--overhead-ms)"
+    elif clock is not None:
+        overhead = clock.overhead_share * step_1
+        overhead_origin = f"timed here: the line through the step at batch {batch} and at a quarter of it (--overhead-ms)"
+    else:
+        overhead, overhead_origin = 0.0, "assumed 0: a stated step time holds its own (--overhead-ms)"
+    if args.skew is not None:
+        skew, skew_origin = args.skew, "stated (--skew)"
+    elif clock is not None:
+        skew, skew_origin = clock.skew, "timed here: standard deviation / mean of the timed steps (--skew)"
+    else:
+        skew, skew_origin = 0.0, "assumed 0 (--skew)"
+    terms = Terms(overhead, skew, 1.0 if args.overlap is None else args.overlap, BACKWARD_SHARE)
     link, link_origin = the_link(args)
     counts = sorted(set(args.processes or DEFAULT_PROCESSES))
     samples = args.samples or TRAIN_SAMPLES
@@ -185,12 +199,12 @@ def report(args: Namespace) -> str:
         f"- bus share {link.bus_share:.2f}: " + ("stated (--bus-share)" if args.bus_share is not None else
                                                   "assumed for every link (nccl-tests' bus bandwidth over the line rate; --bus-share)"),
         f"- per-step overhead that does not shrink with more processes: {overhead * 1e3:.1f} ms, "
-        + ("stated (--overhead-ms)" if args.overhead_ms is not None else "assumed 0: a stated step time holds its own (--overhead-ms)"),
+        + overhead_origin,
         f"- last bucket ({last:,} bytes; buckets of {args.bucket_mb:g} MiB after a first of 1, --bucket-mb) never overlaps; the other buckets' all-reduces overlap with the backward pass "
         f"({BACKWARD_SHARE:.2f} of the compute, assumed) for a share {terms.overlap:.2f}, "
         + ("stated (--overlap)" if args.overlap is not None else "assumed: DDP, Horovod and Caffe2 start each bucket during the backward pass (--overlap)"),
         f"- skew between ranks: {terms.skew:.3f} of the step per standard deviation, "
-        + ("stated (--skew)" if args.skew is not None else "assumed 0 (--skew)")
+        + skew_origin
         + f"; the slowest of N ranks lags by {expected_max_normal(2):.2f} (N=2) to {expected_max_normal(max(counts)):.2f} "
         f"(N={max(counts)}) standard deviations",
         "- the hook's own arithmetic: 0 (on a GPU, next to nothing for none, fp16 and bf16)",
