@@ -229,6 +229,17 @@ def with_identity(marked: set[str], names: Iterable[str]) -> set[str]:
     return marked
 
 
+def trial_name(run_dir: Path) -> str:
+    """The run folder's name without its date, what a sweep varied first (`seed=1 lenet_auto_1dev_32-true`):
+    the HParams table cuts a trial id to its first characters."""
+    name = STAMP.sub("", run_dir.name)
+    saved = run_dir / "config.yaml"
+    label = str(OmegaConf.load(saved).get("run_name") or "") if saved.is_file() else ""
+    if label and name.startswith(label + "_"):
+        return f"{name[len(label) + 1:]} {label}"
+    return name
+
+
 def trial_id(name: str, params: Mapping[str, Any]) -> str:
     """The run's name in HParams' trial column: short, with a digest of its settings, so that two
     runs of the same name but other settings are not taken for one."""
@@ -246,7 +257,7 @@ def log_hparams(logger: TensorBoardLogger, params: dict[str, Any], run_dir: Path
     when the test ended); TensorBoard reads every event file of a run.
     """
     sweep_job = str(OmegaConf.select(hydra_record(run_dir), "mode", default="")) == "MULTIRUN"
-    name = STAMP.sub("", run_dir.name)
+    name = trial_name(run_dir)
     writer = FileWriter(logger.experiment.get_logdir())
     if not sweep_job:
         writer.add_summary(experiment([params], changed_names(params, typed_keys(run_dir))))

@@ -73,6 +73,16 @@ def sweep_job_dirname(job_overrides: list[str], job_num: int, sweep_dir: str, la
     return "_".join([label, ",".join(parts)]) if parts else label
 
 
+def job_folder_name(sweep_dir: Path, overrides: list[str], job_num: int) -> str:
+    """The folder a job of this sweep ran in, found by the overrides Hydra saved there (its name holds
+    what the job resolved, which a submitter on another machine may not: `precision=auto`); named
+    by the swept keys alone for a job that never started."""
+    for saved in sweep_dir.glob("*/.hydra/overrides.yaml"):
+        if list(OmegaConf.load(saved)) == list(overrides):
+            return saved.parent.parent.name
+    return sweep_job_dirname(overrides, job_num, str(sweep_dir))
+
+
 def claim_dir(path: str, kind: str = "run") -> str:
     """`path`, or `path-2`, `path-3`, ... if taken: created here, atomically, so that two runs (or
     sweeps, `kind=sweep`) started in the same second never share a folder.
