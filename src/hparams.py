@@ -50,7 +50,6 @@ DERIVED = {
     "world_size": ("devices", "num_nodes", "strategy"),
     "precision_used": ("precision", "accelerator"),
     "lr_used": ("optim.lr", "optim.lr_scaling", "optim.base_batch_size", "data.batch_size"),
-    "params/total": ("model.*",), "params/trainable": ("model.*",), "params/non_trainable": ("model.*",),
 }
 # Settings recorded under a short name, with the config key they come from.
 SOURCES = {"batch_size": "data.batch_size", "optimizer": "optim", "lr": "optim.lr", "lr_scaling": "optim.lr_scaling"}
@@ -114,7 +113,7 @@ def _sources(name: str) -> tuple[str, ...]:
         return DERIVED[name]
     if name in SOURCES:
         return (SOURCES[name],)
-    if "." not in name and name not in ("model", "strategy", "experiment") and name not in _TOP_LEVEL:
+    if "." not in name and "/" not in name and name not in ("model", "strategy", "experiment") and name not in _TOP_LEVEL:
         return (f"optim.{name}",)  # the optimizer's own arguments
     return (name,)
 
@@ -123,12 +122,6 @@ _TOP_LEVEL = {"devices", "precision", "num_nodes", "accelerator", "max_epochs", 
               "channels_last", "compile", "ckpt_path", "tags", "cuda_graphs", "steps_per_execution"}
 
 
-def _matches(source: str, typed: str) -> bool:
-    """Whether setting `typed` on the command line changes config key `source` (`model.*`: anything under model)."""
-    if source.endswith(".*"):
-        node = source[:-2]
-        return typed == node or typed.startswith(node + ".")
-    return typed == source or source.startswith(typed + ".")
 
 
 def hydra_record(run_dir: Path) -> DictConfig:
@@ -155,8 +148,8 @@ def typed_keys(run_dir: Path) -> list[str]:
 
 def changed_names(params: Iterable[str], typed: Iterable[str]) -> set[str]:
     """The settings that the keys typed on the command line changed, or that follow from them."""
-    typed = list(typed)
-    return {name for name in params if any(_matches(s, t) for s in _sources(name) for t in typed)}
+    typed = set(typed)  # a config group chosen (`optim=adam`) marks its own column, not every key it brings
+    return {name for name in params if typed & set(_sources(name))}
 
 
 def hparam_info(name: str, values: list[Any], differs: bool) -> api_pb2.HParamInfo:
