@@ -29,7 +29,7 @@ board=$!
 trap 'kill $board 2>/dev/null || true' EXIT
 expected=$(find "$sweep" -name 'events.out.tfevents.*' -printf '%h\n' | sort -u | wc -l)
 for _ in $(seq 120); do  # until every run folder is served
-    served=$(curl -sf "http://127.0.0.1:$port/data/runs" | "$python" -c 'import json, sys; print(len(json.load(sys.stdin)))' || echo 0)
+    served=$(curl -sf "http://127.0.0.1:$port/data/runs" | "$python" -c 'import json, sys; print(len(json.load(sys.stdin)))' 2>/dev/null || echo 0)
     [ "$served" -ge "$expected" ] && break
     sleep 0.5
 done

@@ -119,6 +119,8 @@ def add_speedups(runs: list[Run]) -> None:
             single[run.model, run.strategy, run.precision].append(run.epoch_s)
     for run in runs:
         baseline = single.get((run.model, run.strategy, run.precision))
+        if run.total_devices == 1 and baseline is not None and len(baseline) > 1:
+            continue  # one of several one-device runs: against their median it would show seed noise
         run.speedup = statistics.median(baseline) / run.epoch_s if baseline and run.epoch_s else None
 
 
@@ -329,8 +331,9 @@ def markdown_report(runs: list[Run], root: Path, scaling: str = "", failed: dict
     devices differ, seed statistics only for settings run with several seeds."""
     groups = seed_groups(runs)
     by_devices = varies(runs, "total_devices")
-    speedup = ("Speed-up is the median epoch time of the run on one device (devices x num_nodes = 1) with the same "
-               "model, strategy and precision, divided by this run's; empty where there is no such run. ") if by_devices else ""
+    speedup = ("Speed-up is the median epoch time of the runs on one device (devices x num_nodes = 1) with the same "
+               "model, strategy and precision, divided by this run's; empty where there is no such run, and for those "
+               "runs themselves where there are several. ") if by_devices else ""
     return "\n".join([
         f"# Report: {root}", "",
         f"{counted(len(runs), 'run')}. Epoch times exclude validation. {speedup}".rstrip(), "",
