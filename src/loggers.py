@@ -35,6 +35,24 @@ DESCRIPTIONS = {
 }
 
 
+# TensorBoard's Custom Scalars tab: the answer first (accuracy, loss, time), communication after it.
+# Time Series orders its groups by name, so there `comm` comes first. Each chart's tags are regexes.
+LAYOUT = {
+    "accuracy": {"test and validation": ["Multiline", ["test/acc$", "val/acc$", "val/acc_best$"]],
+                 "training": ["Multiline", ["train/acc$"]]},
+    "loss": {"training and validation": ["Multiline", ["train/loss$", "val/loss$", "test/loss$"]]},
+    "time": {"epoch seconds (validation excluded)": ["Multiline", ["time/epoch_s$", "time/epoch_s_median$"]],
+             "images per second": ["Multiline", ["time/samples_per_s$", "time/samples_per_s_median$"]]},
+    "communication (DDP)": {
+        "bytes per optimizer step": ["Multiline", ["comm/bytes_per_step$", "comm/bytes_per_step_epoch$"]],
+        "hook ms": ["Multiline", ["comm/hook_ms$", "comm/hook_ms_epoch$"]],
+        "backward pass ms": ["Multiline", ["comm/backward_compute_ms$", "comm/backward_comm_ms$", "comm/overlap_ms$"]],
+        "share of communication hidden": ["Multiline", ["comm/overlap_frac$", "comm/overlap_frac_epoch$"]],
+        "compression": ["Multiline", ["comm/compression_ratio$", "comm/buckets_per_step$"]],
+    },
+}
+
+
 def description(tag: str) -> str | None:
     """A tag's description; `comm/<name>_epoch` is the epoch's mean of `comm/<name>`."""
     if tag in DESCRIPTIONS:
@@ -46,16 +64,21 @@ def description(tag: str) -> str | None:
 
 class RunLogger(TensorBoardLogger):
     """Lightning's TensorBoard logger, with Lightning's `epoch` counter filed as `trainer/epoch`, so
-    that it joins a group of its own instead of standing first among the run's scalars, and each
-    known tag's description written with its first point (Lightning's logger passes none)."""
+    that it joins a group of its own instead of standing first among the run's scalars, each known
+    tag's description written with its first point (Lightning's logger passes none), and the
+    Custom Scalars layout (`LAYOUT`) with the run's first points."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._described: set[str] = set()
+        self._laid_out = False
 
     @rank_zero_only  # as Lightning's: the other ranks' loggers write nothing
     def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
         metrics = {EPOCH_TAG if name == "epoch" else name: value for name, value in metrics.items()}
+        if not self._laid_out:  # the run's first points: the Custom Scalars layout goes with them
+            self._laid_out = True
+            self.experiment.add_custom_scalars(LAYOUT)
         for tag in [t for t in metrics if t not in self._described and description(t)]:
             self._described.add(tag)
             value = float(metrics.pop(tag))

@@ -133,6 +133,8 @@ def test_scalars_have_descriptions_and_no_comm_bytes_on_one_process(served_sweep
     for tag in ("test/acc", "val/acc", "time/epoch_s", "time/epoch_s_median", "train/loss"):
         assert tags[tag]["description"], tag
     assert not any(tag.startswith("comm/") for tag in tags)
+    layout = served_sweep.get("/data/plugin/custom_scalars/layout")
+    assert [category["title"] for category in layout["category"]][:3] == ["accuracy", "loss", "time"]
 
 
 def test_sweep_report_groups_the_seeds(sweep):
@@ -183,3 +185,15 @@ def test_the_default_loader_agrees(sweep):
         process.wait(timeout=15)
     assert default_columns(experiment)[0] == ["devices", "model", "precision_used", "seed", "strategy"]
     assert all(tags[run]["test/acc"]["description"] for run in tags)
+
+
+def test_a_swept_precision_is_shown_as_typed_where_the_name_does_not(tmp_path):
+    from omegaconf import OmegaConf
+
+    from src.launch.naming import sweep_job_dirname
+
+    OmegaConf.save(OmegaConf.create({"hydra": {"overrides": {"task": ["precision=32,bf16-mixed", "seed=1,2"]}}}),
+                   tmp_path / "multirun.yaml")
+    named = {sweep_job_dirname([f"precision={p}", "seed=1"], 0, str(tmp_path), f"lenet_auto_1dev_{used}")
+             for p, used in (("32", "32-true"), ("bf16-mixed", "bf16-mixed"))}
+    assert named == {"lenet_auto_1dev_32-true_precision=32,seed=1", "lenet_auto_1dev_bf16-mixed_seed=1"}
