@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Screenshots of TensorBoard's Time Series and HParams views of a small sweep, taken in headless
+# Screenshots of TensorBoard's Time Series, HParams and Custom Scalars views of a small sweep, taken in headless
 # Chromium (Debian: apt-get install chromium), for the README.
 #
 #   bash benchmarks/tensorboard_screenshots.sh <data root> [<out folder, default docs/img>] [<sweep folder>]
@@ -40,4 +40,5 @@ shot() {  # <view> <file>: the page after its scripts and data requests have set
 }
 shot timeseries "$out/tensorboard_time_series.png"
 shot hparams "$out/tensorboard_hparams.png"
-echo "screenshots of $sweep -> $out/tensorboard_time_series.png, $out/tensorboard_hparams.png"
+shot custom_scalars "$out/tensorboard_custom_scalars.png"
+echo "screenshots of $sweep -> $out/tensorboard_{time_series,hparams,custom_scalars}.png"
