@@ -52,14 +52,14 @@ def resolve_accelerator(requested: str) -> str:
     return "gpu" if requested == "cuda" else requested
 
 
-def resolve_precision(requested: object, accelerator: str) -> str:
+def resolve_precision(requested: object, accelerator: str, quiet: bool = False) -> str:
     """The precision Lightning will really use: `auto` picks by hardware; fp16 autocast exists only on
-    CUDA, so CPU gets bf16."""
+    CUDA, so CPU gets bf16 (said once, by the run; `quiet` where only the name is wanted)."""
     precision = str(requested)
     if precision == "auto":
         return auto_precision(accelerator)
     if accelerator == "cpu" and precision in ("16", "16-mixed"):
-        if is_rank_zero():
+        if is_rank_zero() and not quiet:
             log.warning(f"precision={precision} needs a CUDA GPU; this CPU run uses bf16-mixed instead")
         return "bf16-mixed"
     return precision

@@ -1,5 +1,23 @@
-"""The record of a run in TensorBoard's HParams tab: its settings beside its final metrics."""
+"""The record of a run in TensorBoard's HParams tab: its settings beside its final metrics.
 
+TensorBoard's HParams tab reads one experiment summary per log folder (the hparams and metric
+columns, in order) and one session summary per run (its values). It shows the first five hparams
+after sorting them "differs first, then by name", and the first five metrics in the order given.
+So that it opens on the settings that tell runs apart:
+
+- a single run writes its experiment summary with the settings typed on its command line
+  marked as differing (`changed_names`);
+- a sweep job writes only its session; when the sweep ends, `write_experiment` declares the
+  union of the jobs' settings in the sweep's `report/` run, marking those whose values differ.
+
+Where fewer than five are marked, model, strategy, devices and precision used fill the default
+columns (`with_identity`) instead of the settings that come first by name (accelerator, ...).
+"""
+
+import hashlib
+import re
+import time
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -7,42 +25,245 @@ from lightning import Trainer
 from lightning.pytorch.loggers import TensorBoardLogger
 from omegaconf import DictConfig, OmegaConf
 from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
-from torch.utils.tensorboard.summary import hparams
+from tensorboard.compat.proto.summary_pb2 import Summary
+from tensorboard.plugins.hparams import api_pb2, metadata, plugin_data_pb2
 from torch.utils.tensorboard.writer import FileWriter
 
-# Scalars compared across runs in TensorBoard's HParams tab.
-HPARAM_METRICS = ("test/acc", "val/acc", "val/acc_best", "train/acc", "time/epoch_s", "time/samples_per_s")
+# Metric columns, in the order TensorBoard shows them (the first five by default): the scalar tag,
+# its column title and what it is. TensorBoard shows a tag's last value: the medians are logged once.
+METRICS: tuple[tuple[str, str, str], ...] = (
+    ("test/acc", "test acc", "accuracy on the test images, at the end"),
+    ("val/acc_best", "best val acc", "best validation accuracy over the epochs"),
+    ("time/epoch_s_median", "epoch s (median)", "median wall seconds of a training epoch, validation excluded"),
+    ("time/samples_per_s_median", "samples/s (median)", "median training images per second over all processes"),
+    ("val/acc", "last val acc", "validation accuracy after the last epoch"),
+    ("train/acc", "train acc", "training accuracy of the last epoch"),
+    ("train/loss", "train loss", "training loss of the last epoch"),
+)
+HPARAM_METRICS = tuple(tag for tag, _, _ in METRICS)
+
+# What a run is: the columns a run with nothing typed on its command line opens on.
+IDENTITY = ("model", "strategy", "devices", "precision_used")
+SHOWN = 5  # hparams columns TensorBoard's HParams tab ticks by default
+# Settings whose value follows from others: marked as changed when any of these config keys is.
+DERIVED = {
+    "world_size": ("devices", "num_nodes", "strategy"),
+    "precision_used": ("precision", "accelerator"),
+    "lr_used": ("optim.lr", "optim.lr_scaling", "optim.base_batch_size", "data.batch_size"),
+}
+# Settings recorded under a short name, with the config key they come from.
+SOURCES = {"batch_size": "data.batch_size", "optimizer": "optim", "lr": "optim.lr", "lr_scaling": "optim.lr_scaling"}
+# Config keys under these nodes are recorded as `<node>.<key>`, unless they name a class or are
+# copied from another key (num_classes, in_channels, data.seed).
+NESTED = ("model.net", "model.loss", "data", "strategy", "trainer", "checkpoint")
+NOT_SETTINGS = {"data.root", "data.download", "data.batch_size", "data.num_classes", "data.in_channels", "data.seed",
+                "model.net.num_classes", "model.net.in_channels"}
+
+
+def _plain(value: Any) -> bool | int | float | str:
+    return value if isinstance(value, (bool, int, float, str)) else str(value)
+
+
+def _nested(cfg: DictConfig, node: str) -> dict[str, Any]:
+    """`node.key: value` of every plain setting under `node`; None (a library default) is left out."""
+    values = OmegaConf.select(cfg, node)
+    if values is None:
+        return {}
+    items = OmegaConf.to_container(values, resolve=True)
+    assert isinstance(items, dict)
+    return {f"{node}.{key}": _plain(value) for key, value in items.items()
+            if not str(key).startswith("_") and value is not None and not isinstance(value, dict)
+            and f"{node}.{key}" not in NOT_SETTINGS}
+
+
+def parameter_counts(trainer: Trainer) -> dict[str, int]:
+    """Total, trainable and non-trainable parameters of the model, as the Lightning + Hydra template logs them."""
+    model = trainer.lightning_module
+    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return {"params/total": total, "params/trainable": trainable, "params/non_trainable": total - trainable}
 
 
 def run_hparams(cfg: DictConfig, trainer: Trainer, lr_used: float) -> dict[str, Any]:
-    """The flat settings shown per run in TensorBoard's HParams tab.
+    """The flat settings shown per run in TensorBoard's HParams tab: every key a command line can set.
 
-    TensorBoard shows the first few of them before any is ticked: model, strategy, devices and
-    precision come first. The optimizer's own arguments follow its class name, whichever it is.
+    Model, strategy, devices and precision come first; the optimizer's own arguments follow its
+    class name, whichever it is; keys of the config's nested nodes are named by their path.
     """
     optim = {k: v for k, v in OmegaConf.to_container(cfg.optim, resolve=True).items() if not k.startswith("_")}
+    choices = OmegaConf.select(hydra_record(Path(cfg.output_dir)), "runtime.choices.experiment", default=None)
     return {
         "model": cfg.model_name, "strategy": cfg.strategy_name, "devices": cfg.devices, "precision": str(cfg.precision),
         "num_nodes": cfg.num_nodes, "world_size": trainer.world_size, "precision_used": str(trainer.precision),
         "accelerator": trainer.accelerator.__class__.__name__.replace("Accelerator", "").lower(),
+        "experiment": str(choices or ""),
         "batch_size": cfg.data.batch_size, "optimizer": str(cfg.optim._target_).rpartition(".")[2],
         "lr": optim.pop("lr"), "lr_scaling": optim.pop("lr_scaling", "none"), "lr_used": lr_used,
-        **{k: v if isinstance(v, (bool, int, float, str)) else str(v) for k, v in optim.items()},
+        **{k: _plain(v) for k, v in optim.items()},
         "max_epochs": cfg.max_epochs, "seed": cfg.seed,
         "sync_batchnorm": cfg.sync_batchnorm, "channels_last": cfg.channels_last, "compile": cfg.compile,
-        "ckpt_path": str(cfg.ckpt_path or ""),
+        "ckpt_path": str(cfg.ckpt_path or ""), "tags": ",".join(str(tag) for tag in cfg.get("tags") or []),
+        **parameter_counts(trainer),
+        **{k: v for node in NESTED for k, v in _nested(cfg, node).items()},
     }
 
 
-def log_hparams(logger: TensorBoardLogger, params: dict[str, Any], metrics: dict[str, float]) -> None:
-    """Write the HParams summary pointing at scalars already logged, so no metric is written twice.
+def _sources(name: str) -> tuple[str, ...]:
+    if name in DERIVED:
+        return DERIVED[name]
+    if name in SOURCES:
+        return (SOURCES[name],)
+    if "." not in name and "/" not in name and name not in ("model", "strategy", "experiment") and name not in _TOP_LEVEL:
+        return (f"optim.{name}",)  # the optimizer's own arguments
+    return (name,)
 
-    SummaryWriter.add_hparams would log the metrics again, in a folder of their own; an event file of
-    its own in the run folder (the logger's was closed when the test ended) is what TensorBoard reads.
+
+_TOP_LEVEL = {"devices", "precision", "num_nodes", "accelerator", "max_epochs", "seed", "sync_batchnorm",
+              "channels_last", "compile", "ckpt_path", "tags", "cuda_graphs", "steps_per_execution"}
+
+
+
+
+def hydra_record(run_dir: Path) -> DictConfig:
+    """Hydra's own settings of the run (`.hydra/hydra.yaml`: its mode, the config group options chosen);
+    read from the folder, since DDP workers have no Hydra of their own."""
+    saved = run_dir / ".hydra" / "hydra.yaml"
+    return OmegaConf.load(saved).hydra if saved.is_file() else OmegaConf.create()  # type: ignore[union-attr,return-value]
+
+
+STAMP = re.compile(r"^(\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d|torchrun-[^_]+|slurm-[^_]+)_")
+
+
+def typed_keys(run_dir: Path) -> list[str]:
+    """The keys and config groups set on the run's command line (Hydra's `.hydra/overrides.yaml`)."""
+    saved = run_dir / ".hydra" / "overrides.yaml"
+    if not saved.is_file():
+        return []
+    keys = []
+    for override in OmegaConf.load(saved):
+        key = str(override).split("=", 1)[0].lstrip("+~")
+        keys.append(re.sub(r"@.*$", "", key))
+    return keys
+
+
+def changed_names(params: Iterable[str], typed: Iterable[str]) -> set[str]:
+    """The settings that the keys typed on the command line changed, or that follow from them."""
+    typed = set(typed)  # a config group chosen (`optim=adam`) marks its own column, not every key it brings
+    return {name for name in params if typed & set(_sources(name))}
+
+
+def hparam_info(name: str, values: list[Any], differs: bool) -> api_pb2.HParamInfo:
+    """A column: its type from the values, their domain, and whether it differs between runs."""
+    info = api_pb2.HParamInfo(name=name, differs=differs)
+    if all(isinstance(v, bool) for v in values):
+        info.type = api_pb2.DATA_TYPE_BOOL
+        info.domain_discrete.extend(sorted(set(values)))
+    elif all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+        info.type = api_pb2.DATA_TYPE_FLOAT64
+        info.domain_interval.min_value, info.domain_interval.max_value = min(values), max(values)
+    else:
+        info.type = api_pb2.DATA_TYPE_STRING
+        info.domain_discrete.extend(sorted({str(v) for v in values}))
+    return info
+
+
+def _summary(tag: str, data: plugin_data_pb2.HParamsPluginData) -> Summary:
+    """An HParams record as TensorBoard reads it: summary metadata only, no value."""
+    return Summary(value=[Summary.Value(tag=tag, metadata=metadata.create_summary_metadata(data))])
+
+
+def session_start(params: Mapping[str, Any], group_name: str) -> Summary:
+    info = plugin_data_pb2.SessionStartInfo(group_name=group_name, start_time_secs=time.time())
+    for name, value in params.items():
+        if isinstance(value, bool):
+            info.hparams[name].bool_value = value
+        elif isinstance(value, (int, float)):
+            info.hparams[name].number_value = value
+        else:
+            info.hparams[name].string_value = str(value)
+    return _summary(metadata.SESSION_START_INFO_TAG, plugin_data_pb2.HParamsPluginData(session_start_info=info))
+
+
+def session_end() -> Summary:
+    info = plugin_data_pb2.SessionEndInfo(status=api_pb2.STATUS_SUCCESS, end_time_secs=time.time())
+    return _summary(metadata.SESSION_END_INFO_TAG, plugin_data_pb2.HParamsPluginData(session_end_info=info))
+
+
+def metric_infos() -> list[api_pb2.MetricInfo]:
+    return [api_pb2.MetricInfo(name=api_pb2.MetricName(tag=tag), display_name=title, description=description)
+            for tag, title, description in METRICS]
+
+
+def experiment(runs: list[Mapping[str, Any]], differing: set[str] | None = None) -> Summary:
+    """The experiment summary of `runs`' settings: the union of their names, in the order first seen.
+
+    `differing`: the names to mark; by default those whose value is not the same in every run.
     """
+    names: dict[str, None] = {}
+    for params in runs:
+        names.update(dict.fromkeys(params))
+    if differing is None:
+        differing = {name for name in names if len({repr(params.get(name, ...)) for params in runs}) > 1}
+    differing = with_identity(differing, names)
+    infos = [hparam_info(name, [params[name] for params in runs if name in params], name in differing) for name in names]
+    data = api_pb2.Experiment(hparam_infos=infos, metric_infos=metric_infos(), time_created_secs=time.time())
+    return _summary(metadata.EXPERIMENT_TAG, plugin_data_pb2.HParamsPluginData(experiment=data))
+
+
+def with_identity(marked: set[str], names: Iterable[str]) -> set[str]:
+    """`marked`, and while they are fewer than the five columns TensorBoard shows, what the runs are
+    (model, strategy, devices, precision used) rather than the settings that come first by name."""
+    marked = set(marked)
+    for name in IDENTITY:
+        if len(marked) >= SHOWN:
+            break
+        if name in names:
+            marked.add(name)
+    return marked
+
+
+def trial_name(run_dir: Path) -> str:
+    """The run folder's name without its date, what a sweep varied first (`seed=1 lenet_auto_1dev_32-true`):
+    the HParams table cuts a trial id to its first characters."""
+    name = STAMP.sub("", run_dir.name)
+    saved = run_dir / "config.yaml"
+    label = str(OmegaConf.load(saved).get("run_name") or "") if saved.is_file() else ""
+    if label and name.startswith(label + "_"):
+        return f"{name[len(label) + 1:]} {label}"
+    return name
+
+
+def trial_id(name: str, params: Mapping[str, Any]) -> str:
+    """The run's name in HParams' trial column: short, with a digest of its settings, so that two
+    runs of the same name but other settings are not taken for one."""
+    settings = {k: v for k, v in params.items() if k not in ("tags", "ckpt_path")}
+    digest = hashlib.sha1(repr(sorted(settings.items())).encode()).hexdigest()[:4]
+    return f"{name} #{digest}"
+
+
+def log_hparams(logger: TensorBoardLogger, params: dict[str, Any], run_dir: Path) -> None:
+    """Write the run's HParams summaries, pointing at scalars already logged, so no metric is written twice.
+
+    A sweep job writes only its session (the sweep declares the columns when it ends, `write_experiment`);
+    a single run also its experiment, with the settings typed on its command line marked as differing.
+    The summaries go into an event file of their own in the run folder (the logger's was closed
+    when the test ended); TensorBoard reads every event file of a run.
+    """
+    sweep_job = str(OmegaConf.select(hydra_record(run_dir), "mode", default="")) == "MULTIRUN"
+    name = trial_name(run_dir)
     writer = FileWriter(logger.experiment.get_logdir())
-    for summary in hparams(params, {name: metrics[name] for name in HPARAM_METRICS if name in metrics}):
-        writer.add_summary(summary)
+    if not sweep_job:
+        writer.add_summary(experiment([params], changed_names(params, typed_keys(run_dir))))
+    writer.add_summary(session_start(params, trial_id(name, params)))
+    writer.add_summary(session_end())
+    writer.close()
+
+
+def write_experiment(runs: list[Mapping[str, Any]], log_dir: Path) -> None:
+    """The sweep's experiment summary, in its own run folder: the columns of every job's settings,
+    those that differ between the jobs marked, so that TensorBoard shows them first."""
+    writer = FileWriter(str(log_dir))
+    writer.add_summary(experiment(runs))
     writer.close()
 
 

@@ -4,18 +4,91 @@ from pathlib import Path
 from typing import Any
 
 from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.utilities import rank_zero_only
+from tensorboard.compat.proto.summary_pb2 import DataClass, Summary, SummaryMetadata
 
 from src.checkpoints import Saved
 
 EPOCH_TAG = "trainer/epoch"
 
+# What each scalar is, shown in TensorBoard beside its chart (the card's info button in Time Series).
+DESCRIPTIONS = {
+    "train/loss": "training loss, mean over the epoch's global batches",
+    "train/acc": "training accuracy over the epoch's global batches",
+    "val/acc": "accuracy on the held-out validation images (data.val_size), after each epoch",
+    "val/acc_best": "best val/acc so far",
+    "test/acc": "accuracy on the 10,000 test images, at the end",
+    "test/loss": "loss on the test images, at the end",
+    "time/epoch_s": "wall seconds of the training epoch, validation excluded, CUDA synchronized",
+    "time/samples_per_s": "training images per second over all processes, this epoch",
+    "time/epoch_s_median": "median of time/epoch_s over the run's epochs: the figure of the result line and report.md",
+    "time/samples_per_s_median": "median of time/samples_per_s over the run's epochs",
+    EPOCH_TAG: "Lightning's epoch counter (from 0) at each epoch-end point",
+    "comm/bytes_per_step": "bytes of every all-reduce the DDP hook issued in the optimizer step, per process (payload)",
+    "comm/compression_ratio": "the step's gradients as fp32 bytes divided by comm/bytes_per_step",
+    "comm/hook_ms": "sum over the step's buckets of the time from the hook's call to its result (may overlap backward)",
+    "comm/buckets_per_step": "DDP buckets reduced in the optimizer step (hook calls)",
+    "comm/backward_compute_ms": "DDP's timing: start of the backward pass to the last gradient ready",
+    "comm/backward_comm_ms": "DDP's timing: first bucket's all-reduce launched to the last one done",
+    "comm/overlap_ms": "the part of comm/backward_comm_ms spent while gradients were still computed",
+    "comm/overlap_frac": "comm/overlap_ms / comm/backward_comm_ms: the share of communication hidden behind backward",
+}
+
+
+# TensorBoard's Custom Scalars tab: the answer first (accuracy, loss, time), communication after it.
+# Time Series orders its groups by name, so there `comm` comes first. Each chart's tags are regexes.
+LAYOUT = {
+    "accuracy": {"test and validation": ["Multiline", ["test/acc$", "val/acc$", "val/acc_best$"]],
+                 "training": ["Multiline", ["train/acc$"]]},
+    "loss": {"training and validation": ["Multiline", ["train/loss$", "val/loss$", "test/loss$"]]},
+    "time": {"epoch seconds (validation excluded)": ["Multiline", ["time/epoch_s$", "time/epoch_s_median$"]],
+             "images per second": ["Multiline", ["time/samples_per_s$", "time/samples_per_s_median$"]]},
+    "communication (DDP)": {
+        "bytes per optimizer step": ["Multiline", ["comm/bytes_per_step$", "comm/bytes_per_step_epoch$"]],
+        "hook ms": ["Multiline", ["comm/hook_ms$", "comm/hook_ms_epoch$"]],
+        "backward pass ms": ["Multiline", ["comm/backward_compute_ms$", "comm/backward_comm_ms$", "comm/overlap_ms$"]],
+        "share of communication hidden": ["Multiline", ["comm/overlap_frac$", "comm/overlap_frac_epoch$"]],
+        "compression": ["Multiline", ["comm/compression_ratio$", "comm/buckets_per_step$"]],
+    },
+}
+
+
+def description(tag: str) -> str | None:
+    """A tag's description; `comm/<name>_epoch` is the epoch's mean of `comm/<name>`."""
+    if tag in DESCRIPTIONS:
+        return DESCRIPTIONS[tag]
+    if tag.startswith("comm/") and tag.endswith("_epoch") and tag[: -len("_epoch")] in DESCRIPTIONS:
+        return f"mean over the epoch of {tag[: -len('_epoch')]}: " + DESCRIPTIONS[tag[: -len("_epoch")]]
+    return None
+
 
 class RunLogger(TensorBoardLogger):
     """Lightning's TensorBoard logger, with Lightning's `epoch` counter filed as `trainer/epoch`, so
-    that it joins a group of its own instead of standing first among the run's scalars."""
+    that it joins a group of its own instead of standing first among the run's scalars, each known
+    tag's description written with its first point (Lightning's logger passes none), and the
+    Custom Scalars layout (`LAYOUT`) with the run's first points."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._described: set[str] = set()
+        self._laid_out = False
+
+    @rank_zero_only  # as Lightning's: the other ranks' loggers write nothing
     def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
-        super().log_metrics({EPOCH_TAG if name == "epoch" else name: value for name, value in metrics.items()}, step)
+        metrics = {EPOCH_TAG if name == "epoch" else name: value for name, value in metrics.items()}
+        if not self._laid_out:  # the run's first points: the Custom Scalars layout goes with them
+            self._laid_out = True
+            self.experiment.add_custom_scalars(LAYOUT)
+        for tag in [t for t in metrics if t not in self._described and description(t)]:
+            self._described.add(tag)
+            value = float(metrics.pop(tag))
+            # TensorBoard keeps a tag's first metadata: a plain scalar point that carries the description.
+            # TensorBoard's Rust loader takes it only with the scalar data class set as well.
+            about = SummaryMetadata(summary_description=description(tag), data_class=DataClass.DATA_CLASS_SCALAR,
+                                    plugin_data=SummaryMetadata.PluginData(plugin_name="scalars"))
+            point = Summary.Value(tag=tag, simple_value=value, metadata=about)
+            self.experiment._get_file_writer().add_summary(Summary(value=[point]), step)
+        super().log_metrics(metrics, step)
 
 
 def purge_step(resumed: Saved | None, run_dir: Path) -> int | None:

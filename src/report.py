@@ -1,15 +1,19 @@
-"""`python -m src.report <folder> [--out DIR]`: one table and two plots comparing every run below a folder.
+"""`python -m src.report <folder> [--out DIR]`: tables and plots comparing every run below a folder.
 
     python -m src.report outputs/multirun/2026-01-01_12-00-00     # writes report.* into the sweep folder
     python -m src.report outputs --out /tmp/report                 # every run ever made
 
 A run folder is one holding `.hydra/config.yaml` and TensorBoard event files. Writes `report.md`,
-`report.csv`, `val_acc.png` and `epoch_time.png`, and the predicted scaling of `src.scaling`
-(`scaling.*`, also shown in report.md). `SweepReport` does the same when a sweep ends.
+`report.csv` and `val_acc.png`, and only where they apply: `epoch_time.png` (against devices) when
+the runs differ in devices, the predicted scaling of `src.scaling` (`scaling.*`, also shown in
+report.md) when a run used DDP, and per setting run with several seeds, the mean, standard
+deviation and 95 % confidence interval of test accuracy and epoch time (`seeds.csv`, in report.md).
+`SweepReport` does the same when a sweep ends, and declares the sweep's HParams columns to TensorBoard.
 """
 
 import csv
 import logging
+import math
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -23,6 +27,7 @@ from matplotlib.ticker import MaxNLocator
 from omegaconf import DictConfig
 
 from src.errors import UsageError
+from src.hparams import write_experiment
 from src.launch.console import counted
 from src.loggers import EPOCH_TAG
 from src.runs import ArgumentParser, RunFolder, median, output_folder, read_runs, usage_errors_exit
@@ -33,10 +38,12 @@ log = logging.getLogger(__name__)
 # CSV header, in order; the Markdown table shows the same columns under the titles beside them.
 COLUMNS = {
     "run": "run", "model": "model", "strategy": "strategy", "devices": "devices", "num_nodes": "nodes",
-    "precision": "precision", "test_acc": "test acc", "epoch_s": "epoch s (median)",
+    "precision": "precision", "seed": "seed", "test_acc": "test acc", "epoch_s": "epoch s (median)",
     "samples_per_s": "samples/s (median)", "comm_bytes_per_step": "comm bytes/step (median)", "speedup": "speed-up",
 }
-FILES = ("report.md", "report.csv", "val_acc.png", "epoch_time.png")
+FILES = ("report.md", "report.csv", "val_acc.png", "epoch_time.png")  # the last only where devices differ; seeds.csv where seeds do
+# Settings that do not make two runs different settings: repeats with other seeds are one setting.
+NOT_A_SETTING = ("seed", "tags", "ckpt_path")
 
 
 @dataclass
@@ -49,12 +56,25 @@ class Run:
     devices: int
     num_nodes: int
     precision: str
+    seed: int | None
     test_acc: float | None
     epoch_s: float | None
     samples_per_s: float | None
     comm_bytes_per_step: float | None
     val_acc: list[tuple[int, float]] = field(default_factory=list)
     speedup: float | None = None
+    ddp: bool = False
+    params: dict[str, Any] = field(default_factory=dict)  # its HParams record
+
+    @property
+    def setting(self) -> tuple:
+        """What the run ran, but for its seed: runs with the same setting are repeats."""
+        rest = tuple(sorted((k, str(v)) for k, v in self.params.items() if k not in NOT_A_SETTING))
+        return (self.model, self.strategy, self.devices, self.num_nodes, self.precision, rest)
+
+    @property
+    def label(self) -> str:
+        return f"{self.model} {self.strategy} {self.total_devices} dev {self.precision}"
 
     @property
     def total_devices(self) -> int:
@@ -68,37 +88,51 @@ def read_run(run: RunFolder) -> Run:
     epoch_at_step = {step: int(epoch) for step, epoch in run.scalars(EPOCH_TAG, "epoch")}
     val_acc = [(epoch_at_step.get(step, index) + 1, acc) for index, (step, acc) in enumerate(run.scalars("val/acc"))]
     test_acc = run.values("test/acc")
+    params = run.hparams()
+    seed = params.get("seed", run.value("seed"))
     return Run(
         run=run.name,
         model=str(run.value("model_name", "model")),
         strategy=str(run.value("strategy_name", "strategy")),
         devices=int(run.value("devices")),
         num_nodes=int(run.value("num_nodes")),
-        precision=str(run.hparams().get("precision_used", run.value("precision"))),
+        precision=str(params.get("precision_used", run.value("precision"))),
+        seed=None if seed is None else int(seed),
         test_acc=test_acc[-1] if test_acc else None,
         epoch_s=median(run.values("time/epoch_s")),
         samples_per_s=median(run.values("time/samples_per_s")),
         comm_bytes_per_step=median(run.values("comm/bytes_per_step")),
         val_acc=val_acc,
+        ddp="hook" in (run.value("strategy") or {}),
+        params=params,
     )
 
 
 def add_speedups(runs: list[Run]) -> None:
-    """speed-up = median epoch time of the one-device run of the same model/strategy/precision / this run's."""
+    """speed-up = median epoch time of the one-device runs of the same model/strategy/precision / this run's;
+    only where the runs differ in devices: between repeats of one setting it would be seed noise."""
+    if not varies(runs, "total_devices"):
+        return
     single: dict[tuple[str, str, str], list[float]] = defaultdict(list)
     for run in runs:
         if run.total_devices == 1 and run.epoch_s:
             single[run.model, run.strategy, run.precision].append(run.epoch_s)
     for run in runs:
         baseline = single.get((run.model, run.strategy, run.precision))
+        if run.total_devices == 1 and baseline is not None and len(baseline) > 1:
+            continue  # one of several one-device runs: against their median it would show seed noise
         run.speedup = statistics.median(baseline) / run.epoch_s if baseline and run.epoch_s else None
+
+
+def varies(runs: list[Run], attribute: str) -> bool:
+    return len({getattr(run, attribute) for run in runs}) > 1
 
 
 def collect_runs(root: Path) -> list[Run]:
     """All runs below `root`, sorted for reading, speed-ups filled in."""
     runs = read_runs(root, read_run)
     add_speedups(runs)
-    return sorted(runs, key=lambda r: (r.model, r.strategy, r.precision, r.total_devices, r.run))
+    return sorted(runs, key=lambda r: (r.model, r.strategy, r.precision, r.total_devices, r.seed or 0, r.run))
 
 
 def _cell(value: Any, digits: int) -> str:
@@ -107,11 +141,22 @@ def _cell(value: Any, digits: int) -> str:
     return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
 
 
+def shown_columns(runs: list[Run]) -> list[str]:
+    """The table's columns: seed only where seeds differ, speed-up only where devices do."""
+    hidden = {"seed"} if not varies(runs, "seed") else set()
+    if not varies(runs, "total_devices"):
+        hidden.add("speedup")
+    if all(run.comm_bytes_per_step is None for run in runs):
+        hidden.add("comm_bytes_per_step")
+    return [key for key in COLUMNS if key not in hidden]
+
+
 def markdown_table(runs: list[Run]) -> str:
     digits = {"test_acc": 4, "epoch_s": 3, "samples_per_s": 1, "comm_bytes_per_step": 0, "speedup": 2}
-    lines = ["| " + " | ".join(COLUMNS.values()) + " |", "|" + "---|" * len(COLUMNS)]
+    columns = shown_columns(runs)
+    lines = ["| " + " | ".join(COLUMNS[key] for key in columns) + " |", "|" + "---|" * len(columns)]
     for run in runs:
-        lines.append("| " + " | ".join(_cell(getattr(run, key), digits.get(key, 0)) for key in COLUMNS) + " |")
+        lines.append("| " + " | ".join(_cell(getattr(run, key), digits.get(key, 0)) for key in columns) + " |")
     return "\n".join(lines)
 
 
@@ -121,6 +166,90 @@ def write_csv(runs: list[Run], path: Path) -> None:
         writer.writerow(COLUMNS)
         for run in runs:
             writer.writerow(["" if getattr(run, key) is None else getattr(run, key) for key in COLUMNS])
+
+
+# Student's t at 97.5 % for 1 to 30 degrees of freedom (two-sided 95 %).
+T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def t_975(df: int) -> float:
+    """Student's t quantile for a two-sided 95 % interval; beyond the table, its expansion in 1/df."""
+    if df <= len(T_975):
+        return T_975[df - 1]
+    z = 1.959964
+    return z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
+
+
+@dataclass
+class Spread:
+    """n values: their mean, sample standard deviation and the 95 % confidence interval of the mean (Student t)."""
+
+    n: int
+    mean: float
+    sd: float
+    low: float
+    high: float
+
+    @classmethod
+    def of(cls, values: list[float]) -> "Spread | None":
+        if len(values) < 2:
+            return None
+        mean, sd = statistics.mean(values), statistics.stdev(values)
+        half = t_975(len(values) - 1) * sd / math.sqrt(len(values))
+        return cls(len(values), mean, sd, mean - half, mean + half)
+
+
+@dataclass
+class SeedGroup:
+    """Runs of one setting that differ only in their seed."""
+
+    label: str
+    runs: list[Run]
+
+    @property
+    def seeds(self) -> str:
+        return ",".join(str(run.seed) for run in self.runs)
+
+    def spread(self, attribute: str) -> Spread | None:
+        return Spread.of([v for v in (getattr(run, attribute) for run in self.runs) if v is not None])
+
+
+def seed_groups(runs: list[Run]) -> list[SeedGroup]:
+    """Settings run more than once, each with its runs; settings are told apart by what differs between them."""
+    by_setting: dict[tuple, list[Run]] = defaultdict(list)
+    for run in runs:
+        by_setting[run.setting].append(run)
+    repeated = [group for group in by_setting.values() if len(group) > 1]
+    labels = _labels([group[0] for group in repeated], with_seed=False)
+    return [SeedGroup(label, sorted(group, key=lambda r: r.seed or 0)) for label, group in zip(labels, repeated)]
+
+
+SEED_COLUMNS = ("setting", "seeds", "n", "test acc mean", "test acc sd", "test acc 95% CI",
+                "epoch s mean", "epoch s sd", "epoch s 95% CI")
+
+
+def _spread_cells(spread: Spread | None, digits: int) -> list[str]:
+    if spread is None:
+        return ["", "", ""]
+    return [f"{spread.mean:.{digits}f}", f"{spread.sd:.{digits}f}", f"[{spread.low:.{digits}f}, {spread.high:.{digits}f}]"]
+
+
+def seed_rows(groups: list[SeedGroup]) -> list[list[str]]:
+    return [[group.label, group.seeds, str(len(group.runs)), *_spread_cells(group.spread("test_acc"), 4),
+             *_spread_cells(group.spread("epoch_s"), 3)] for group in groups]
+
+
+def seed_table(groups: list[SeedGroup]) -> str:
+    lines = ["| " + " | ".join(SEED_COLUMNS) + " |", "|" + "---|" * len(SEED_COLUMNS)]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in seed_rows(groups)])
+
+
+def write_seed_csv(groups: list[SeedGroup], path: Path) -> None:
+    with path.open("w", newline="") as file:
+        writer = csv.writer(file)
+        writer.writerow(SEED_COLUMNS)
+        writer.writerows(seed_rows(groups))
 
 
 def _save(figure: Figure, path: Path) -> None:
@@ -134,19 +263,36 @@ def _save(figure: Figure, path: Path) -> None:
     figure.savefig(path, dpi=120)
 
 
-def _labels(runs: list[Run]) -> list[str]:
-    """Short legend labels; runs that share one get their row number in the table."""
-    labels = [f"{r.model} {r.strategy} {r.total_devices} dev {r.precision}" for r in runs]
-    return [f"{label} (row {row})" if labels.count(label) > 1 else label for row, label in enumerate(labels, 1)]
+def _labels(runs: list[Run], with_seed: bool = True) -> list[str]:
+    """Short legend labels: what the run is, its seed where seeds differ, then what else tells it apart
+    (another setting of the same name, by the first key that differs; else its row in the table)."""
+    seeds = with_seed and varies(runs, "seed")
+    labels = [run.label + (f" seed {run.seed}" if seeds else "") for run in runs]
+    for label in set(labels):
+        same = [i for i, other in enumerate(labels) if other == label]
+        if len(same) < 2:
+            continue
+        keys = sorted({k for i in same for k in runs[i].params} - set(NOT_A_SETTING) - ({"seed"} if seeds else set()))
+        differing = [k for k in keys if len({str(runs[i].params.get(k)) for i in same}) > 1]
+        for i in same:
+            labels[i] += f" {differing[0]}={runs[i].params.get(differing[0])}" if differing else f" (row {i + 1})"
+    return labels
 
 
 def plot_val_acc(runs: list[Run], path: Path) -> None:
+    """One line per run; repeats of a setting share a colour and differ in line style and marker."""
     figure = Figure(figsize=(8, 5))
     axes = figure.add_subplot()
+    colours: dict[tuple, str] = {}
+    repeats: dict[tuple, int] = defaultdict(int)
+    styles = [("-", "o"), ("--", "s"), (":", "^"), ("-.", "D")]
     for run, label in zip(runs, _labels(runs)):
         if run.val_acc:
             epochs, accs = zip(*run.val_acc)
-            axes.plot(epochs, accs, marker="o", label=label)
+            colour = colours.setdefault(run.setting, f"C{len(colours) % 10}")
+            line, marker = styles[repeats[run.setting] % len(styles)]
+            repeats[run.setting] += 1
+            axes.plot(epochs, accs, color=colour, linestyle=line, marker=marker, label=label)
     axes.set(xlabel="epoch", ylabel="val/acc", title="Validation accuracy per epoch")
     axes.xaxis.set_major_locator(MaxNLocator(integer=True))
     _save(figure, path)
@@ -181,15 +327,24 @@ def failed_table(failed: dict[str, str]) -> str:
 
 
 def markdown_report(runs: list[Run], root: Path, scaling: str = "", failed: dict[str, str] | None = None) -> str:
+    """The sections that apply to these runs: speed-ups and epoch time against devices only where
+    devices differ, seed statistics only for settings run with several seeds."""
+    groups = seed_groups(runs)
+    by_devices = varies(runs, "total_devices")
+    speedup = ("Speed-up is the median epoch time of the runs on one device (devices x num_nodes = 1) with the same "
+               "model, strategy and precision, divided by this run's; empty where there is no such run, and for those "
+               "runs themselves where there are several. ") if by_devices else ""
     return "\n".join([
         f"# Report: {root}", "",
-        f"{counted(len(runs), 'run')}. Epoch times exclude validation. Speed-up is the median epoch time of the run on one "
-        "device (devices x num_nodes = 1) with the same model, strategy and precision, divided by this run's; "
-        "empty where there is no such run.", "",
+        f"{counted(len(runs), 'run')}. Epoch times exclude validation. {speedup}".rstrip(), "",
         markdown_table(runs), "",
         *([f"{counted(len(failed), 'job')} failed:", "", failed_table(failed), ""] if failed else []),
+        *(["## Seeds", "",
+           "Runs of one setting that differ only in their seed: mean, sample standard deviation and the 95 % "
+           "confidence interval of the mean (Student t, n - 1 degrees of freedom) over the seeds (`seeds.csv`).", "",
+           seed_table(groups), ""] if groups else []),
         "![validation accuracy per epoch](val_acc.png)", "",
-        "![median epoch time against devices](epoch_time.png)", "",
+        *(["![median epoch time against devices](epoch_time.png)", ""] if by_devices else []),
         *(["# Predicted scaling (scaling.md, `python -m src.scaling`)", "", scaling, ""] if scaling else []),
     ])
 
@@ -205,15 +360,20 @@ def scaling_section(root: Path, out: Path) -> str:
 
 def write_report(root: Path, out: Path | None = None, failed: dict[str, str] | None = None) -> list[Run]:
     """Read every run below `root` and write the report files into `out` (default: `root`); `failed`:
-    the sweep's failed jobs with their error lines, listed below the table."""
+    the sweep's failed jobs with their error lines, listed below the table. Predicted scaling only
+    when a run used DDP: without one, the sweep asked nothing of communication."""
     out = output_folder(root if out is None else out)
     runs = collect_runs(root)
     out.mkdir(parents=True, exist_ok=True)
-    scaling = scaling_section(root, out)
+    scaling = scaling_section(root, out) if any(run.ddp for run in runs) else ""
     (out / "report.md").write_text(markdown_report(runs, root, scaling, failed))
     write_csv(runs, out / "report.csv")
     plot_val_acc(runs, out / "val_acc.png")
-    plot_epoch_time(runs, out / "epoch_time.png")
+    if varies(runs, "total_devices"):
+        plot_epoch_time(runs, out / "epoch_time.png")
+    groups = seed_groups(runs)
+    if groups:
+        write_seed_csv(groups, out / "seeds.csv")
     return runs
 
 
@@ -226,7 +386,8 @@ def write_tensorboard_text(runs: list[Run], log_dir: Path) -> None:
 
 
 class SweepReport(Callback):
-    """Hydra callback: when a sweep ends, the report goes into the sweep folder and `<sweep>/report` in TensorBoard."""
+    """Hydra callback: when a sweep ends, the report goes into the sweep folder, and `<sweep>/report` in
+    TensorBoard gets its table and the HParams columns of the sweep (`src.hparams.write_experiment`)."""
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         from src.launch.cli import failed_jobs  # filled by the jobs (locally) or by the launcher that waited for them
@@ -238,6 +399,8 @@ class SweepReport(Callback):
             log.warning(f"no sweep report: {error}")
             return
         write_tensorboard_text(runs, sweep_dir / "report")
+        if any(run.params for run in runs):
+            write_experiment([run.params for run in runs if run.params], sweep_dir / "report")
         log.info(f"sweep report of {counted(len(runs), 'run')}: {sweep_dir / 'report.md'}")
 
 

@@ -148,7 +148,7 @@ def run(cfg: DictConfig, fit: bool = True) -> dict[str, float]:
         if resumed_at is None or not has_hparams(output_dir):  # a run resumed in its folder keeps the one record
             params = run_hparams(cfg, trainer, optimizer.keywords["lr"])
             params.update(cuda_graphs=fast_steps.cuda_graphs, steps_per_execution=fast_steps.steps_per_execution)
-            log_hparams(logger, params, metrics)
+            log_hparams(logger, params, output_dir)
         how = f"precision {precision}, {processes(world_size)}"
         log.info(result_line(metrics, fit, how, None if checkpoint is None else checkpoint.path, output_dir))
     return metrics

@@ -91,9 +91,10 @@ def test_top_level_interface_keys_exist():
         assert OmegaConf.select(cfg, key, throw_on_missing=True) is not None or key in ("ckpt_path", "trainer.limit_train_batches")
 
 
-def test_run_folder_is_named_after_model_strategy_devices_and_precision():
-    cfg = composed("model=resnet18", "strategy=ddp", "devices=4", "precision=16-mixed")
-    assert cfg.run_name == "resnet18_ddp_4dev_16-mixed"
+def test_run_folder_is_named_after_model_strategy_devices_and_precision_used():
+    cfg = composed("model=resnet18", "strategy=ddp", "devices=4", "precision=16-mixed", "accelerator=cpu")
+    assert cfg.run_name == "resnet18_ddp_4dev_bf16-mixed"  # fp16 autocast needs CUDA: the run uses bf16
+    assert composed("precision=32", "num_nodes=2").run_name == "lenet_auto_1dev_2nodes_32-true"
     run_dir = OmegaConf.to_container(cfg.hydra.run, resolve=False)["dir"]  # resolving it would claim the folder
     assert run_dir == "${claim_dir:outputs/runs/${run_stamp:}_${run_name}}"
 

@@ -2,7 +2,12 @@
 
 import pytest
 
+from lightning.fabric.connector import _convert_precision_to_unified_args
+
+from src.fast_path import auto_precision
 from tests.helpers import QUICK, REPO, hparams, scalars, train
+
+PRECISION = str(_convert_precision_to_unified_args(auto_precision("cpu")))  # what precision=auto uses here
 
 
 def snapshot(folder):
@@ -17,7 +22,7 @@ def test_sweep_over_strategy_and_devices_runs_each_job_in_its_own_folder(tmp_pat
                    f"hydra.sweep.dir={sweep}", timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
 
-    jobs = {f"strategy={s},devices={d}": (s, d) for s in ("ddp", "ddp_fp16") for d in (1, 2)}
+    jobs = {f"lenet_{s}_{d}dev_{PRECISION}": (s, d) for s in ("ddp", "ddp_fp16") for d in (1, 2)}
     folders = {p.name for p in sweep.iterdir() if p.is_dir() and p.name != "report"}
     assert folders == set(jobs)
     for name, (strategy, devices) in jobs.items():
@@ -46,4 +51,4 @@ def test_a_bad_job_fails_alone_and_the_sweep_exits_non_zero(tmp_path, data_root)
     assert result.returncode == 2
     assert "error: strategy=auto runs on one device" in result.stderr
     assert result.stderr.strip().splitlines()[-1].startswith("error: 1 sweep job failed")
-    assert {p.name for p in sweep.iterdir() if p.is_dir() and p.name != "report"} == {"strategy=ddp"}  # only swept keys name the folder
+    assert {p.name for p in sweep.iterdir() if p.is_dir() and p.name != "report"} == {f"lenet_ddp_2dev_{PRECISION}"}

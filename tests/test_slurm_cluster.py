@@ -20,7 +20,13 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 
+from lightning.fabric.connector import _convert_precision_to_unified_args
+
+from src.fast_path import auto_precision
 from tests.helpers import DATA_ROOT, REPO, user_env
+
+# A job's folder: what it runs (the one-node cluster is this machine, so precision=auto uses what it does here).
+LABEL = f"lenet_auto_1dev_{_convert_precision_to_unified_args(auto_precision('cpu'))}"
 
 CLUSTER_DOC = REPO / "docs" / "cluster.md"
 WAIT_S = 600  # generous: the machine may be busy; every wait ends as soon as its event happens
@@ -128,8 +134,8 @@ def test_launcher_sweep_on_a_cpu_cluster(checkout):
     array_id = scripts[0].parent.name
     for task, seed in ((0, 1), (1, 2)):
         assert (sweep / ".submitit" / f"{array_id}_{task}" / f"{array_id}_{task}_0_result.pkl").is_file()
-        assert "test/acc=" in (sweep / f"seed={seed}" / "train.log").read_text()
-        assert (sweep / f"seed={seed}" / "checkpoints" / "last.ckpt").is_file()
+        assert "test/acc=" in (sweep / f"{LABEL}_seed={seed}" / "train.log").read_text()
+        assert (sweep / f"{LABEL}_seed={seed}" / "checkpoints" / "last.ckpt").is_file()
     assert "2 runs" in (sweep / "report.md").read_text()  # the end-of-sweep callback ran on the submitter
 
 
@@ -331,6 +337,6 @@ def test_a_launcher_job_cancelled_by_hand_fails_the_sweep(checkout):
             submitter.communicate()
     assert submitter.returncode == 1, err[-3000:]
     last = err.strip().splitlines()[-1]
-    assert re.fullmatch(rf"error: 1 sweep job failed: job0: run stopped by SIGTERM during epoch \d+ \(step \d+\); "
+    assert re.fullmatch(rf"error: 1 sweep job failed: {LABEL}: run stopped by SIGTERM during epoch \d+ \(step \d+\); "
                         rf".*last\.ckpt holds the last finished epoch \(SLURM job {array_id}(_0)?\)", last), last
     assert "Traceback" not in err

@@ -4,7 +4,7 @@ Rank 0's figures, per process and per optimizer step (micro-batches that only ac
 gradients send nothing and fold into the next step):
 
 - `comm/bytes_per_step`: bytes of every all-reduce the hook issued (its payload, not the wire
-  traffic of the all-reduce algorithm).
+  traffic of the all-reduce algorithm); not logged by a run of one process, which sends nothing.
 - `comm/compression_ratio`: the same buckets' gradients as fp32 bytes, divided by bytes_per_step.
 - `comm/hook_ms`: the sum over the step's buckets of the wall time from the hook's call to the
   completion of the future it returned (compression, all-reduces and decompression, including
@@ -66,9 +66,10 @@ class CommLogger(Callback):
         step = self._meter.take()
         if step.buckets == 0:
             return
+        sent = () if trainer.world_size == 1 else (  # one process: the all-reduces send nothing
+            ("comm/bytes_per_step", float(step.bytes_sent)), ("comm/compression_ratio", step.compression_ratio))
         for name, value in (
-            ("comm/bytes_per_step", float(step.bytes_sent)),
-            ("comm/compression_ratio", step.compression_ratio),
+            *sent,
             ("comm/hook_ms", step.hook_s * 1000),
             ("comm/buckets_per_step", float(step.buckets)),
         ):

@@ -1,6 +1,7 @@
 """Wall time of each training epoch, validation excluded."""
 
 import logging
+import statistics
 import time
 
 import torch
@@ -17,7 +18,9 @@ def _sync(device: torch.device) -> None:
 
 
 class EpochTimer(Callback):
-    """Logs `time/epoch_s` and `time/samples_per_s` once per training epoch, at the step val/acc uses.
+    """Logs `time/epoch_s` and `time/samples_per_s` once per training epoch, at the step val/acc uses,
+    and their medians over the run's epochs once when training ends (`time/epoch_s_median`,
+    `time/samples_per_s_median`: the figures of the result line, the report and the HParams tab).
 
     Validation runs inside Lightning's training epoch; its time is measured and subtracted so
     that the figure is comparable with a plain training loop and with the book's s/epoch. So is
@@ -26,6 +29,7 @@ class EpochTimer(Callback):
 
     def __init__(self) -> None:
         self.epoch_times: list[float] = []
+        self.samples_per_s: list[float] = []
         self._start = 0.0
         self._paused_at: float | None = None
         self._paused = 0.0
@@ -60,6 +64,7 @@ class EpochTimer(Callback):
         seconds = time.perf_counter() - self._start - self._paused - warmup
         self.epoch_times.append(seconds)
         samples_per_s = self._samples / seconds if seconds > 0 else 0.0
+        self.samples_per_s.append(samples_per_s)
         if trainer.is_global_zero and trainer.logger is not None:
             # The step Lightning gives the epoch's other scalars (train/loss, val/acc): that of its last batch.
             step = trainer.global_step - 1
@@ -70,3 +75,9 @@ class EpochTimer(Callback):
             metrics = " ".join(f"{k}={v:.4f}" for k, v in shown.items())
             log.info(f"epoch {trainer.current_epoch + 1}/{trainer.max_epochs} step {trainer.global_step}: {metrics} "
                      f"{seconds:.2f} s {samples_per_s:.0f} images/s")
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.epoch_times and trainer.is_global_zero and trainer.logger is not None:
+            trainer.logger.log_metrics({"time/epoch_s_median": statistics.median(self.epoch_times),
+                                        "time/samples_per_s_median": statistics.median(self.samples_per_s)},
+                                       step=max(trainer.global_step - 1, 0))

@@ -125,6 +125,7 @@ SCHEMA: dict[str, Rule] = {
     "seed": whole(0, SEED_MAX),
     "ckpt_path": NULL | TEXT,  # a file, `last` or `auto`; src/checkpoints.py says whether it exists
     "checkpoint.every_n_train_steps": whole(0),
+    "tags": Rule(lambda v: isinstance(v, list) and all(isinstance(t, str) and t for t in v), "a list of words, e.g. tags=[baseline,lr-sweep]"),
     "model_name": TEXT,
     "strategy_name": TEXT,
     "run_name": TEXT,

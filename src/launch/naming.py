@@ -1,6 +1,7 @@
 """Names of run and sweep-job folders, so that TensorBoard's run list reads as the runs."""
 
 import sys
+import warnings
 from pathlib import Path
 
 from hydra.core.hydra_config import HydraConfig
@@ -35,11 +36,51 @@ def sweep_args(sweep_dir: str) -> list[str]:
     return sys.argv[1:]
 
 
-def sweep_job_dirname(job_overrides: list[str], job_num: int, sweep_dir: str) -> str:
-    """`strategy=ddp,devices=2` from the job's own values of the swept keys; the job number if none."""
+def run_label(model: str, strategy: str, devices: int, num_nodes: int, precision: object, accelerator: str) -> str:
+    """`lenet_ddp_2dev_bf16-mixed`: what the run is, with the precision it uses (`auto` resolved, Lightning's
+    spelling: `32` is `32-true`), so that runs read apart in folder lists and in TensorBoard."""
+    from lightning.fabric.connector import _convert_precision_to_unified_args
+
+    from src.fast_path import resolve_accelerator, resolve_precision
+
+    used = resolve_precision(precision, resolve_accelerator(str(accelerator)), quiet=True)
+    try:
+        with warnings.catch_warnings():  # an old spelling (`bf16`): the run itself says so
+            warnings.simplefilter("ignore")
+            used = str(_convert_precision_to_unified_args(used))  # type: ignore[arg-type]
+    except ValueError:
+        pass  # refused in one line by the config checks
+    nodes = f"_{num_nodes}nodes" if int(num_nodes) > 1 else ""
+    return f"{model}_{strategy}_{devices}dev{nodes}_{used}"
+
+
+# Swept keys the run label already shows by value.
+LABELLED = ("model", "strategy", "devices", "num_nodes")
+
+
+def sweep_job_dirname(job_overrides: list[str], job_num: int, sweep_dir: str, label: str = "") -> str:
+    """The job's run label, then the job's values of the swept keys it does not show:
+    `lenet_ddp_2dev_32-true` for `devices=1,2`, `lenet_auto_1dev_32-true_seed=2` for `seed=1,2`.
+
+    A swept precision is shown as typed unless the label shows it as typed (`32` is `32-true`
+    there, and `auto` may become any), so two jobs never share a folder.
+    """
     values = dict(item.split("=", 1) for item in job_overrides if "=" in item)
-    parts = [f"{key}={values[key]}" for key in swept_keys(sweep_args(sweep_dir)) if key in values]
-    return ",".join(parts) if parts else f"job{job_num}"
+    parts = [f"{key}={values[key]}" for key in swept_keys(sweep_args(sweep_dir))
+             if key in values and key not in LABELLED and not (key == "precision" and label.endswith("_" + values[key]))]
+    if not label:
+        return ",".join(parts) if parts else f"job{job_num}"
+    return "_".join([label, ",".join(parts)]) if parts else label
+
+
+def job_folder_name(sweep_dir: Path, overrides: list[str], job_num: int) -> str:
+    """The folder a job of this sweep ran in, found by the overrides Hydra saved there (its name holds
+    what the job resolved, which a submitter on another machine may not: `precision=auto`); named
+    by the swept keys alone for a job that never started."""
+    for saved in sweep_dir.glob("*/.hydra/overrides.yaml"):
+        if list(OmegaConf.load(saved)) == list(overrides):
+            return saved.parent.parent.name
+    return sweep_job_dirname(overrides, job_num, str(sweep_dir))
 
 
 def claim_dir(path: str, kind: str = "run") -> str:
@@ -76,7 +117,10 @@ def register_resolvers() -> None:
         OmegaConf.register_new_resolver("run_stamp", run_stamp, use_cache=True)
     if not OmegaConf.has_resolver("claim_dir"):
         OmegaConf.register_new_resolver("claim_dir", claim_dir, use_cache=True)
+    if not OmegaConf.has_resolver("run_label"):
+        OmegaConf.register_new_resolver("run_label", run_label, use_cache=True)
     if not OmegaConf.has_resolver("sweep_job_dirname"):
         OmegaConf.register_new_resolver(
-            "sweep_job_dirname", lambda overrides, num, sweep_dir: sweep_job_dirname(list(overrides), num, sweep_dir)
+            "sweep_job_dirname",
+            lambda overrides, num, sweep_dir, label="": sweep_job_dirname(list(overrides), num, sweep_dir, str(label)),
         )

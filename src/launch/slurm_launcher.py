@@ -27,7 +27,7 @@ from omegaconf import OmegaConf, open_dict
 from submitit.core.utils import UncompletedJobError, cloudpickle_dump, temporary_save_path
 
 from src.launch import cli, workers
-from src.launch.naming import sweep_job_dirname
+from src.launch.naming import job_folder_name
 from src.launch.workers import RunStopped
 
 log = logging.getLogger(__name__)
@@ -71,7 +71,7 @@ class SlurmLauncher(SubmititSlurmLauncher):
         except RunStopped as stop:
             cancel(jobs)
             raise RunStopped(stop.signum, f"; cancelled SLURM job {jobs[0].job_id.split('_')[0]}") from None
-        names = [sweep_job_dirname(list(overrides), number, str(sweep_dir)) for number, overrides in zip(numbers, job_overrides)]
+        names = [job_folder_name(sweep_dir, list(overrides), number) for number, overrides in zip(numbers, job_overrides)]
         return [result(job, overrides, name) for job, overrides, name in zip(jobs, job_overrides, names)]
 
     # ------------------------------------------------------------ in each SLURM task

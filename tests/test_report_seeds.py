@@ -1,0 +1,66 @@
+"""The sweep report on runs whose numbers are known: repeats with other seeds are grouped with their
+statistics, and sections that do not apply to the runs are left out."""
+
+import csv
+import math
+import statistics
+
+import pytest
+from matplotlib.image import imread
+
+from src.report import main as report_main
+from src.report import t_975
+from tests.helpers import call_main
+from tests.test_report import config, write_run
+
+ACC = {1: 0.80, 2: 0.84, 3: 0.85}
+EPOCH_S = {1: [2.0, 3.0], 2: [2.5, 2.5], 3: [4.0, 3.0]}
+
+
+@pytest.fixture
+def seeds(tmp_path):
+    """Three seeds of one single-device setting, and one run of another learning rate."""
+    root = tmp_path / "sweep"
+    for seed, acc in ACC.items():
+        write_run(root / f"lenet_auto_1dev_32-true_seed={seed}", {**config("auto", 1), "seed": seed},
+                  {"time/epoch_s": EPOCH_S[seed], "test/acc": [acc], "val/acc": [acc - 0.1, acc]},
+                  {"seed": seed, "lr": 0.1, "precision_used": "32-true"})
+    write_run(root / "lenet_auto_1dev_32-true_optim.lr=0.2", {**config("auto", 1), "seed": 1},
+              {"time/epoch_s": [1.0], "test/acc": [0.7]}, {"seed": 1, "lr": 0.2, "precision_used": "32-true"})
+    return root
+
+
+def test_t_quantiles():
+    assert t_975(1) == 12.706 and t_975(2) == 4.303 and t_975(30) == 2.042
+    assert t_975(40) == pytest.approx(2.021, abs=1e-3) and t_975(120) == pytest.approx(1.980, abs=1e-3)
+
+
+def test_repeats_with_other_seeds_are_grouped_with_mean_sd_and_interval(seeds):
+    result = call_main(report_main, str(seeds))
+    assert result.returncode == 0, result.stderr
+    with (seeds / "seeds.csv").open(newline="") as file:
+        [row] = list(csv.DictReader(file))  # the lr=0.2 run has no repeat: no row
+    accs, times = list(ACC.values()), [statistics.median(t) for t in EPOCH_S.values()]
+    assert (row["seeds"], row["n"]) == ("1,2,3", "3")
+    assert float(row["test acc mean"]) == pytest.approx(statistics.mean(accs), abs=1e-4)
+    assert float(row["test acc sd"]) == pytest.approx(statistics.stdev(accs), abs=1e-4)
+    half = 4.303 * statistics.stdev(accs) / math.sqrt(3)
+    low, high = (float(x) for x in row["test acc 95% CI"].strip("[]").split(", "))
+    assert (low, high) == (pytest.approx(statistics.mean(accs) - half, abs=1e-4), pytest.approx(statistics.mean(accs) + half, abs=1e-4))
+    assert float(row["epoch s mean"]) == pytest.approx(statistics.mean(times), abs=1e-3)
+
+    markdown = (seeds / "report.md").read_text()
+    assert "## Seeds" in markdown and "| seed |" in markdown
+    # One device everywhere: no speed-ups between seeds, no plot against devices, no scaling without DDP.
+    assert "speed-up" not in markdown.lower() and "epoch_time.png" not in markdown and "Predicted scaling" not in markdown
+    assert not (seeds / "epoch_time.png").exists() and not (seeds / "scaling.md").exists()
+    assert imread(seeds / "val_acc.png").shape[0] > 100
+
+
+def test_legend_tells_seeds_and_settings_apart(seeds):
+    from src.report import _labels, collect_runs
+
+    labels = _labels(collect_runs(seeds))
+    assert len(set(labels)) == len(labels) == 4
+    assert sum(" seed 1" in label for label in labels) == 2  # two settings ran seed 1: told apart by lr
+    assert any("lr=0.2" in label for label in labels)
