@@ -37,6 +37,7 @@ class TrainConfig:
     max_epochs: int = MISSING
     seed: int = MISSING
     ckpt_path: str | None = None
+    test_weights: str = MISSING
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     model_name: str = MISSING
     strategy_name: str = MISSING
