@@ -279,7 +279,7 @@ class FashionMNISTDataModule(LightningDataModule):
         float16 for `16-true`): Lightning converts inputs before this hook, while they are uint8.
         """
         images, labels = batch
-        if self.trainer and self.trainer.training and (self.random_crop or self.hflip):
+        if (self.random_crop or self.hflip) and self.trainer and self.trainer.training:
             images = augment(images, self.random_crop, self.hflip)
         dtype = self.trainer.precision_plugin.convert_input(torch.zeros(())).dtype if self.trainer else torch.float32
         return images.to(dtype).div_(255).sub_(MEAN).div_(STD), labels
