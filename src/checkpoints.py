@@ -5,8 +5,12 @@ A run folder's `checkpoints/` holds:
 - `last.ckpt`: the end of the last finished epoch, rewritten after every epoch;
 - `step.ckpt`: with `checkpoint.every_n_train_steps=N`, the newest mid-epoch state, every N steps;
 - `best-epoch<k>.ckpt`: the epoch with the best `val/acc`.
+
+A run tests, and `python -m src.eval` given a run folder scores, the best checkpoint unless
+`test_weights=last`; a run that saved none (validation off) tests its last weights instead.
 """
 
+import logging
 import os
 import pickle
 import re
@@ -19,6 +23,8 @@ import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from src.errors import UsageError
+
+log = logging.getLogger(__name__)
 
 RESUMABLE = ("last.ckpt", "step.ckpt")  # in order of preference when both hold the same step
 CKPT_WORDS = ("last", "auto")
@@ -139,15 +145,34 @@ def resolve_ckpt_path(ckpt_path: str | None, run_dir: Path) -> Saved | None:
     return open_checkpoint(path)
 
 
-def checkpoint_to_evaluate(ckpt_path: str | None) -> Saved:
-    """A checkpoint file, or a run folder standing for its newest resumable checkpoint, read once."""
+def best_checkpoint(run_dir: Path) -> Path | None:
+    """The run's `best-*.ckpt` written last: one is kept, and each new best `val/acc` replaces the one before."""
+    found = sorted((run_dir / "checkpoints").glob("best-*.ckpt"), key=lambda path: path.stat().st_mtime)
+    return found[-1] if found else None
+
+
+def tested_weights(path: Path | None) -> str:
+    """`best` or `last` for the weights a run tested (None: those training ended with); another file by its name."""
+    if path is None or path.name in RESUMABLE:
+        return "last"
+    return "best" if path.name.startswith("best-") else path.name
+
+
+def checkpoint_to_evaluate(ckpt_path: str | None, test_weights: str = "best") -> Saved:
+    """A checkpoint file, or a run folder standing for its best checkpoint (`test_weights=best`, when it
+    has one) or its newest resumable one, read once."""
     if ckpt_path is None:
         raise UsageError("ckpt_path is required: give a .ckpt file or a run folder, e.g. ckpt_path=outputs/runs/<run>")
     path = Path(str(ckpt_path))
     if path.is_dir():
+        best = best_checkpoint(path) if test_weights == "best" else None
+        if best is not None:
+            return open_checkpoint(best)
         found = newest(path)
         if found is None:
             raise UsageError(f"ckpt_path={ckpt_path}: no checkpoint in {path / 'checkpoints'} (looked for {' and '.join(RESUMABLE)})")
+        if test_weights == "best":
+            log.info(f"test_weights=best: {path} holds no best-*.ckpt (it ran without validation); scoring its last weights, {found.path.name}")
         return found
     if not path.is_file():
         raise UsageError(f"ckpt_path={ckpt_path}: no checkpoint at {path}; give a .ckpt file or a run folder")

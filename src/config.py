@@ -38,6 +38,7 @@ class TrainConfig:
     seed: int = MISSING
     ckpt_path: str | None = None
     tags: list[str] = field(default_factory=list)
+    test_weights: str = MISSING
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     model_name: str = MISSING
     strategy_name: str = MISSING

@@ -1,6 +1,7 @@
 """`python -m src.eval ckpt_path=<file or run folder>`: test accuracy and loss of a saved model, without training.
 
-    python -m src.eval ckpt_path=outputs/runs/<run>                       # its newest checkpoint
+    python -m src.eval ckpt_path=outputs/runs/<run>                       # its best checkpoint
+    python -m src.eval ckpt_path=outputs/runs/<run> test_weights=last     # its newest of last.ckpt and step.ckpt
     python -m src.eval ckpt_path=outputs/runs/<run>/checkpoints/best-epoch7.ckpt strategy=ddp devices=2
 
 Any strategy and number of processes: every test image counts once. The model is the one the

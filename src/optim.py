@@ -5,9 +5,13 @@ and its arguments; `optim.lr_scaling=none|linear` and `optim.base_batch_size` ar
 never reach the optimizer. With more processes the global batch grows and SGD takes fewer,
 larger-batch steps per epoch. The linear rule (Goyal et al., 2017) keeps the update per sample
 about the same by scaling the learning rate with the batch: lr_used = lr * global_batch / base_batch_size.
+
+`optim.schedule` and `optim.warmup` (also read here) move the learning rate over the run's optimizer
+steps; the Classifier steps the scheduler after every optimizer step.
 """
 
 import functools
+import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -15,11 +19,15 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from torch import nn
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LambdaLR
 
 from src.errors import UsageError
 
 LR_SCALINGS = ("none", "linear")
 SCALING_KEYS = ("lr_scaling", "base_batch_size")
+SCHEDULES = ("none", "cosine")
+SCHEDULE_KEYS = ("schedule", "warmup")
 
 
 def scaled_lr(lr: float, global_batch: int, lr_scaling: str = "none", base_batch_size: int = 256) -> float:
@@ -41,6 +49,8 @@ def optimizer_config(optim: Mapping[str, Any], global_batch: int) -> dict[str, A
     assert isinstance(args, dict)
     lr_scaling = args.pop("lr_scaling", "none")
     base_batch_size = args.pop("base_batch_size", 256)
+    for key in SCHEDULE_KEYS:
+        args.pop(key, None)
     args["lr"] = scaled_lr(args["lr"], global_batch, lr_scaling, base_batch_size)
     return args
 
@@ -65,3 +75,39 @@ def check_optimizer(factory: functools.partial, params: Iterable[nn.Parameter]) 
         target = getattr(factory.func, "__qualname__", str(factory.func))
         raise UsageError(f"optim: {target} refuses its arguments ({str(error).splitlines()[0]}); "
                          "see conf/optim/ and the optimizer's documentation") from None
+
+
+class Schedule:
+    """The learning rate over a run's optimizer steps, as a factor of `lr`.
+
+    `none` keeps it. `cosine` rises linearly over the first `warmup` share of the steps, then falls
+    along a half cosine to zero by the last step: the shape of Smith's one-cycle policy, without its
+    momentum cycle. A large rate early, a small one late is what lets a short run settle.
+    A plain class: Hydra's `instantiate` would turn a dataclass handed to the Classifier into a config.
+    """
+
+    def __init__(self, name: str = "none", warmup: float = 0.0) -> None:
+        self.name, self.warmup = name, warmup
+
+    def factor(self, step: int, total_steps: int) -> float:
+        if self.name == "none":
+            return 1.0
+        warmup_steps = round(self.warmup * total_steps)
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    def scheduler(self, optimizer: Optimizer, total_steps: int) -> LambdaLR:
+        """Stepped once per optimizer step; a partial, not a lambda, so that its state is saved in checkpoints."""
+        return LambdaLR(optimizer, functools.partial(self.factor, total_steps=total_steps))
+
+
+def build_schedule(optim: Mapping[str, Any]) -> Schedule:
+    """The `optim.schedule` and `optim.warmup` of the config (`none` and 0 when absent)."""
+    name, warmup = optim.get("schedule", "none"), optim.get("warmup", 0.0)
+    if name not in SCHEDULES:
+        raise UsageError(f"optim.schedule={name} is not an option; choose one of: {', '.join(SCHEDULES)}")
+    if isinstance(warmup, bool) or not isinstance(warmup, (int, float)) or not 0 <= warmup < 1:
+        raise UsageError(f"optim.warmup={warmup} is not allowed; it must be a share of the steps from 0 up to (not including) 1")
+    return Schedule(name, float(warmup))

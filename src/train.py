@@ -14,6 +14,7 @@ from typing import Any
 import hydra
 from hydra.utils import instantiate
 from lightning import Callback, Trainer, seed_everything
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy, Strategy
 from omegaconf import DictConfig, OmegaConf
 
@@ -21,7 +22,7 @@ from src import checks
 from src.build import build
 from src.callbacks.model_summary import without_zero_flops
 from src.launch import cli, workers
-from src.checkpoints import AtomicCheckpointIO, checkpoint_to_evaluate, resolve_ckpt_path
+from src.checkpoints import AtomicCheckpointIO, checkpoint_to_evaluate, resolve_ckpt_path, tested_weights
 from src.data.fashion_mnist import per_process_batch
 from src.launch.console import processes
 from src.launch.ranks import is_launching_process, is_rank_zero
@@ -30,7 +31,7 @@ from src.fast_path import apply_fast_steps, cudnn_benchmark, resolve_accelerator
 from src.hparams import has_hparams, log_hparams, run_hparams
 from src.launch.naming import register_resolvers
 from src.loggers import purge_step
-from src.optim import build_optimizer, check_optimizer
+from src.optim import build_optimizer, build_schedule, check_optimizer
 from src.strategies.sync_batchnorm import SyncBatchNormPlugin
 
 log = logging.getLogger(__name__)
@@ -78,6 +79,22 @@ def scalar_metrics(trainer: Trainer) -> dict[str, float]:
     return {name: float(value) for name, value in trainer.callback_metrics.items() if value.numel() == 1}
 
 
+def weights_to_test(test_weights: str, best: Callback | None) -> Path | None:
+    """The best checkpoint's file for `test_weights=best`; None for the weights training ended with.
+
+    Every process asks its own ModelCheckpoint, which knows the file rank 0 wrote (also after a resume
+    in the run folder), so all of them test the same weights.
+    """
+    if test_weights == "last":
+        return None
+    if isinstance(best, ModelCheckpoint) and best.best_model_path:
+        return Path(best.best_model_path)
+    if is_rank_zero():
+        log.info("test_weights=best: no best checkpoint was saved (validation off, or no callbacks.best_checkpoint); "
+                 "testing the last weights")
+    return None
+
+
 def run(cfg: DictConfig, fit: bool = True) -> dict[str, float]:
     """Fit (unless `fit` is false) and test one configuration; returns the final metrics."""
     # Check every value and this machine; read the checkpoint once. Nothing is written before the checks pass.
@@ -86,7 +103,7 @@ def run(cfg: DictConfig, fit: bool = True) -> dict[str, float]:
     output_dir = Path(cfg.output_dir)
     accelerator = resolve_accelerator(cfg.accelerator)
     precision = resolve_precision(cfg.precision, accelerator)
-    checkpoint = resolve_ckpt_path(cfg.ckpt_path, output_dir) if fit else checkpoint_to_evaluate(cfg.ckpt_path)
+    checkpoint = resolve_ckpt_path(cfg.ckpt_path, output_dir) if fit else checkpoint_to_evaluate(cfg.ckpt_path, cfg.test_weights)
     strategy = build("strategy", cfg.strategy, _convert_="all")
     world_size = processes_per_node(strategy, cfg.devices) * cfg.num_nodes
     step_batch = per_process_batch(cfg.data.batch_size, world_size)
@@ -99,7 +116,9 @@ def run(cfg: DictConfig, fit: bool = True) -> dict[str, float]:
         datamodule.setup()
 
     optimizer = build_optimizer(cfg.optim, cfg.data.batch_size)
-    model = build("model", cfg.model, optimizer=optimizer)
+    schedule = build_schedule(cfg.optim)
+    # A LightningModule of one's own (docs/extending.md) is handed a schedule only when one is asked for.
+    model = build("model", cfg.model, optimizer=optimizer, **({} if schedule.name == "none" else {"schedule": schedule}))
     checks.check_model(model, cfg.model.get("_target_"))
     check_optimizer(optimizer, model.parameters())
     checks.check_checkpoint(checkpoint, cfg.ckpt_path, model, cfg.model_name)
@@ -135,9 +154,13 @@ def run(cfg: DictConfig, fit: bool = True) -> dict[str, float]:
             trainer.fit(model, datamodule=datamodule, ckpt_path=None if checkpoint is None else str(checkpoint.path),
                         weights_only=True)
             metrics = scalar_metrics(trainer)
+            tested = weights_to_test(cfg.test_weights, dict(zip(cfg.callbacks, callbacks)).get("best_checkpoint"))
         else:  # the weights alone: the training run's callbacks and loops have nothing to do here
             model.load_state_dict(checkpoint.contents["state_dict"])
-        trainer.test(model, datamodule=datamodule, verbose=False, weights_only=True)  # SLURM: Lightning may load hpc_ckpt_*
+            tested = checkpoint.path
+        # A file named here is read for its weights only; none leaves the model's (SLURM: Lightning may load hpc_ckpt_*).
+        trainer.test(model, datamodule=datamodule, ckpt_path=str(tested) if fit and tested else None,
+                     verbose=False, weights_only=True)
         metrics.update(scalar_metrics(trainer))
 
     # Log the result.
@@ -147,9 +170,12 @@ def run(cfg: DictConfig, fit: bool = True) -> dict[str, float]:
     if trainer.is_global_zero:
         if resumed_at is None or not has_hparams(output_dir):  # a run resumed in its folder keeps the one record
             params = run_hparams(cfg, trainer, optimizer.keywords["lr"])
-            params.update(cuda_graphs=fast_steps.cuda_graphs, steps_per_execution=fast_steps.steps_per_execution)
+            params.update(cuda_graphs=fast_steps.cuda_graphs, steps_per_execution=fast_steps.steps_per_execution,
+                          tested_weights=tested_weights(tested))
             log_hparams(logger, params, output_dir)
         how = f"precision {precision}, {processes(world_size)}"
+        if fit:
+            how += f", tested {tested.name if tested else 'the last weights'}"
         log.info(result_line(metrics, fit, how, None if checkpoint is None else checkpoint.path, output_dir))
     return metrics
 

@@ -8,7 +8,7 @@ from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 from torch.utils.data import DistributedSampler
 from torchvision.datasets import FashionMNIST
 
-from src.data.fashion_mnist import MEAN, RAW_FILES, STD, FashionMNISTDataModule, ShardOrder, TensorImages, per_process_batch
+from src.data.fashion_mnist import MEAN, RAW_FILES, STD, FashionMNISTDataModule, ShardOrder, TensorImages, augment, per_process_batch
 from src.errors import UsageError
 from tests.helpers import write_idx, write_tiny_fashion_mnist
 
@@ -256,3 +256,20 @@ def test_on_a_gpu_the_split_moves_once_and_batches_are_gathered_there(tmp_path):
     on_cpu = loader_batches(dm, "train", 1, 0)
     assert all(x.is_cuda and y.is_cuda for x, y in on_gpu)
     assert all(torch.equal(a.cpu(), b) for (a, _), (b, _) in zip(on_gpu, on_cpu))  # the same batches as on the CPU
+
+
+def test_augment_shifts_within_the_padding_and_mirrors_whole_images():
+    torch.manual_seed(0)
+    images = torch.randint(1, 256, (64, 1, 28, 28), dtype=torch.uint8)  # no zero pixel: zeros come from the padding
+    assert augment(images, 0, False).equal(images)
+    flipped = augment(images, 0, True)
+    same = [(flipped[i].equal(images[i]), flipped[i].equal(images[i].flip(-1))) for i in range(64)]
+    assert all(a or b for a, b in same) and 10 < sum(b for _, b in same) < 54
+    shifted = augment(images, 2, False)
+    assert shifted.shape == images.shape
+    zero_rows = (shifted == 0).all(dim=3).sum(dim=(1, 2))  # rows of padding brought in by a vertical shift
+    assert zero_rows.max() <= 2 and zero_rows.sum() > 0
+    for i in range(64):  # the middle 24 x 24 of every shifted image is a window of the original
+        windows = {(dy, dx) for dy in range(-2, 3) for dx in range(-2, 3)
+                   if shifted[i, 0, 2:26, 2:26].equal(images[i, 0, 2 + dy:26 + dy, 2 + dx:26 + dx])}
+        assert windows

@@ -68,3 +68,19 @@ def test_networks_take_the_input_channels_and_classes_of_the_data(build):
     assert net(torch.zeros(2, 3, 28, 28)).shape == (2, 7)
     with pytest.raises(RuntimeError, match="channels"):
         net(torch.zeros(2, 1, 28, 28))
+
+
+def test_lenet_options_add_batch_norm_max_pool_and_kaiming_init():
+    torch.manual_seed(0)
+    net = LeNet(batch_norm=True, pool="max", init="kaiming")
+    assert net(torch.zeros(5, 1, 28, 28)).shape == (5, 10)
+    assert [type(m) for m in net if isinstance(m, (nn.BatchNorm2d, nn.BatchNorm1d))] == [nn.BatchNorm2d, nn.BatchNorm2d, nn.BatchNorm1d]
+    assert sum(isinstance(m, nn.MaxPool2d) for m in net) == 2 and not any(isinstance(m, nn.AvgPool2d) for m in net)
+    first = next(m for m in net if isinstance(m, nn.Conv2d))
+    assert first.weight.std().item() == pytest.approx((2 / 9) ** 0.5, rel=0.2)  # He: sqrt(2 / fan_in), fan_in 1 x 3 x 3
+
+
+@pytest.mark.parametrize("option", [{"pool": "min"}, {"init": "xavier"}])
+def test_lenet_refuses_an_unknown_option(option):
+    with pytest.raises(ValueError, match=next(iter(option))):
+        LeNet(**option)

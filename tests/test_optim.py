@@ -5,7 +5,7 @@ from omegaconf import OmegaConf
 from src.errors import UsageError
 from src.models.lenet import LeNet
 from src.models.module import Classifier
-from src.optim import LR_SCALINGS, build_optimizer, check_optimizer, optimizer_config, scaled_lr
+from src.optim import LR_SCALINGS, Schedule, build_optimizer, build_schedule, check_optimizer, optimizer_config, scaled_lr
 
 
 @pytest.mark.parametrize("global_batch", [32, 256, 1024])
@@ -85,3 +85,33 @@ def test_an_argument_the_optimizer_refuses_is_one_line_before_training():
     factory = build_optimizer({**SGD, "lr": 0.1, "nesterov_typo": True}, 256)
     with pytest.raises(UsageError, match="^optim: SGD refuses its arguments .*nesterov_typo"):
         check_optimizer(factory, LeNet().parameters())
+
+
+def test_cosine_schedule_warms_up_then_falls_to_zero():
+    schedule = Schedule("cosine", warmup=0.1)
+    factors = [schedule.factor(step, total_steps=100) for step in range(101)]
+    assert factors[0] == pytest.approx(0.1) and factors[9] == pytest.approx(1.0)
+    assert factors[10] == pytest.approx(1.0) and factors[55] == pytest.approx(0.5) and factors[100] == pytest.approx(0.0)
+    assert all(a >= b for a, b in zip(factors[10:], factors[11:]))
+    assert Schedule().factor(50, 100) == 1.0
+
+
+def test_the_classifier_steps_its_schedule_every_optimizer_step(data_root, tmp_path):
+    from lightning import Trainer
+    from src.data.fashion_mnist import FashionMNISTDataModule
+
+    optimizer = build_optimizer(OmegaConf.create({"_target_": "torch.optim.SGD", "_partial_": True, "lr": 0.1}), 256)
+    module = Classifier(LeNet(), optimizer, schedule=Schedule("cosine"))
+    trainer = Trainer(max_epochs=1, limit_train_batches=4, limit_val_batches=0, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    trainer.fit(module, datamodule=FashionMNISTDataModule(root=str(data_root), batch_size=64))
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.0, abs=1e-12)  # 4 of 4 steps taken
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("schedule", "step", "optim.schedule=step is not an option; choose one of: none, cosine"),
+    ("warmup", 1.0, "optim.warmup=1.0 is not allowed"),
+])
+def test_build_schedule_refuses_bad_values(key, value, message):
+    with pytest.raises(UsageError, match=message.replace(".", r"\.")):
+        build_schedule({key: value})

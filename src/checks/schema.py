@@ -124,6 +124,7 @@ SCHEMA: dict[str, Rule] = {
     "max_epochs": whole(1),
     "seed": whole(0, SEED_MAX),
     "ckpt_path": NULL | TEXT,  # a file, `last` or `auto`; src/checkpoints.py says whether it exists
+    "test_weights": one_of("best", "last"),
     "checkpoint.every_n_train_steps": whole(0),
     "tags": Rule(lambda v: isinstance(v, list) and all(isinstance(t, str) and t for t in v), "a list of words, e.g. tags=[baseline,lr-sweep]"),
     "model_name": TEXT,
@@ -139,6 +140,8 @@ SCHEMA: dict[str, Rule] = {
     "optim.weight_decay": number(0),
     "optim.lr_scaling": one_of("none", "linear"),
     "optim.base_batch_size": whole(1),
+    "optim.schedule": one_of("none", "cosine"),
+    "optim.warmup": number(0, 1, hi_open=True),
     "optim.*": ANY,
     # conf/model: a LightningModule and its parts; num_classes and in_channels must be the data's
     # (checks.check_across_keys), the objects check their other arguments when built
@@ -156,6 +159,8 @@ SCHEMA: dict[str, Rule] = {
     "data.download": BOOL,
     "data.shuffle": BOOL,
     "data.seed": whole(0, SEED_MAX),
+    "data.random_crop": whole(0),
+    "data.hflip": BOOL,
     "data.*": ANY,  # a new data module's own arguments, which it checks itself
     # conf/strategy: the strategy object checks its own options
     "strategy.*": ANY,

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 from lightning import LightningDataModule
+from torch import nn
 from torch.utils.data import Dataset
 from torchvision.datasets import FashionMNIST
 from torchvision.datasets.mnist import read_sn3_pascalvincent_tensor
@@ -119,6 +120,23 @@ class DeviceLoader:
         self.resume_at = (state["epoch"], state["batches_seen"])
 
 
+def augment(images: torch.Tensor, pad: int, hflip: bool) -> torch.Tensor:
+    """Each image shifted by up to `pad` pixels each way (a random crop of the image padded with
+    background), and mirrored left-right with probability 1/2 if `hflip`: on the device, one gather."""
+    n, _, height, width = images.shape
+    rows = torch.arange(height, device=images.device).expand(n, height)
+    cols = torch.arange(width, device=images.device).expand(n, width)
+    if pad:
+        images = nn.functional.pad(images, (pad, pad, pad, pad))
+        rows = rows + torch.randint(0, 2 * pad + 1, (n, 1), device=images.device)
+        cols = cols + torch.randint(0, 2 * pad + 1, (n, 1), device=images.device)
+    if hflip:
+        flip = torch.rand(n, 1, device=images.device) < 0.5
+        cols = torch.where(flip, cols.flip(1), cols)
+    picked = images[torch.arange(n, device=images.device)[:, None, None], :, rows[:, :, None], cols[:, None, :]]
+    return picked.permute(0, 3, 1, 2)  # the indexed dimensions come first: N x H x W x C
+
+
 def per_process_batch(batch_size: int, world_size: int) -> int:
     """The global batch split evenly over all processes."""
     if batch_size < 1 or batch_size % world_size:
@@ -149,8 +167,11 @@ class FashionMNISTDataModule(LightningDataModule):
         seed: int = 42,
         num_classes: int = 10,
         in_channels: int = 1,
+        random_crop: int = 0,
+        hflip: bool = False,
     ) -> None:
         super().__init__()
+        self.random_crop, self.hflip = random_crop, hflip  # training images only (`augment`)
         self.num_classes = num_classes  # given to the model too (conf/model: ${data.num_classes})
         self.in_channels = in_channels
         self.root = Path(root)
@@ -251,11 +272,14 @@ class FashionMNISTDataModule(LightningDataModule):
         return self._loader("test")
 
     def on_after_batch_transfer(self, batch: tuple[torch.Tensor, torch.Tensor], dataloader_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Normalise on the device, where the uint8 split already sits (a quarter of the float size).
+        """Augment training images if asked, then normalise, on the device, where the uint8 split already
+        sits (a quarter of the float size).
 
         The images get the dtype the precision plugin gives inputs (float64 for `precision=64`,
         float16 for `16-true`): Lightning converts inputs before this hook, while they are uint8.
         """
         images, labels = batch
+        if (self.random_crop or self.hflip) and self.trainer and self.trainer.training:
+            images = augment(images, self.random_crop, self.hflip)
         dtype = self.trainer.precision_plugin.convert_input(torch.zeros(())).dtype if self.trainer else torch.float32
         return images.to(dtype).div_(255).sub_(MEAN).div_(STD), labels

@@ -1,29 +1,44 @@
-"""LeNet as in the multi-GPU chapters of Dive into Deep Learning."""
+"""LeNet as in the multi-GPU chapters of Dive into Deep Learning, with options of this project's own."""
 
 from torch import nn
+
+POOLS = {"avg": nn.AvgPool2d, "max": nn.MaxPool2d}
+INITS = ("normal", "kaiming")
 
 
 class LeNet(nn.Sequential):
     """conv 20@3x3, ReLU, avg-pool, conv 50@5x5, ReLU, avg-pool, 800 -> 128 -> 10, for 28x28 images.
 
-    Weights are drawn from N(0, 0.01) and biases start at zero, as the book's
-    from-scratch version does; that small scale is why it needs a large learning rate.
+    With the defaults it is the book's network: weights drawn from N(0, 0.01) and biases at zero, as
+    the book's from-scratch version does; that small scale is why it needs a large learning rate.
+    `batch_norm` adds a BatchNorm after each convolution and the hidden linear layer, `pool=max`
+    max-pools, and `init=kaiming` draws weights at the scale that keeps ReLU activations steady
+    (He et al., 2015): the changes of `experiment=lenet_plus` (docs/results.md).
     """
 
-    def __init__(self, num_classes: int = 10, in_channels: int = 1, init_std: float = 0.01) -> None:
+    def __init__(self, num_classes: int = 10, in_channels: int = 1, init_std: float = 0.01,
+                 batch_norm: bool = False, pool: str = "avg", init: str = "normal") -> None:
+        if pool not in POOLS:
+            raise ValueError(f"pool={pool!r}; choose one of: {', '.join(POOLS)}")
+        if init not in INITS:
+            raise ValueError(f"init={init!r}; choose one of: {', '.join(INITS)}")
+
+        def block(layer: nn.Module, features: int, norm: type[nn.Module]) -> list[nn.Module]:
+            return [layer, *([norm(features)] if batch_norm else []), nn.ReLU()]
+
         super().__init__(
-            nn.Conv2d(in_channels, 20, kernel_size=3),
-            nn.ReLU(),
-            nn.AvgPool2d(kernel_size=2, stride=2),
-            nn.Conv2d(20, 50, kernel_size=5),
-            nn.ReLU(),
-            nn.AvgPool2d(kernel_size=2, stride=2),
+            *block(nn.Conv2d(in_channels, 20, kernel_size=3), 20, nn.BatchNorm2d),
+            POOLS[pool](kernel_size=2, stride=2),
+            *block(nn.Conv2d(20, 50, kernel_size=5), 50, nn.BatchNorm2d),
+            POOLS[pool](kernel_size=2, stride=2),
             nn.Flatten(),
-            nn.Linear(800, 128),
-            nn.ReLU(),
+            *block(nn.Linear(800, 128), 128, nn.BatchNorm1d),
             nn.Linear(128, num_classes),
         )
         for layer in self:
             if isinstance(layer, (nn.Conv2d, nn.Linear)):
-                nn.init.normal_(layer.weight, std=init_std)
+                if init == "kaiming":
+                    nn.init.kaiming_normal_(layer.weight, nonlinearity="relu")
+                else:
+                    nn.init.normal_(layer.weight, std=init_std)
                 nn.init.zeros_(layer.bias)

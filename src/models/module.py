@@ -13,6 +13,7 @@ from torchmetrics import MaxMetric, MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 from src.fast_path import FastSteps, GraphedStep
+from src.optim import Schedule
 
 log = logging.getLogger(__name__)
 
@@ -44,12 +45,14 @@ class Classifier(LightningModule):
         optimizer: OptimizerFactory = default_optimizer,
         num_classes: int = 10,
         loss: nn.Module | None = None,
+        schedule: Schedule | None = None,
     ) -> None:
         super().__init__()
         # Objects stay out of the checkpoint's hyperparameters: a checkpoint is read with weights_only.
-        self.save_hyperparameters(ignore=["net", "optimizer", "loss"], logger=False)
+        self.save_hyperparameters(ignore=["net", "optimizer", "loss", "schedule"], logger=False)
         self.net = net
         self.optimizer = optimizer
+        self.schedule = schedule or Schedule()
         self.loss = loss if loss is not None else nn.CrossEntropyLoss()
         # Per stage, the epoch's accuracy and image-weighted mean loss, updated at every step. Images
         # are weighted so that processes holding one image more or less than the others (unpadded
@@ -137,6 +140,8 @@ class Classifier(LightningModule):
             optimizer.zero_grad(set_to_none=self.graphed is None)
             loss, logits = self.forward_backward(x, y)
         optimizer.step()
+        if (scheduler := self.lr_schedulers()) is not None:  # Lightning steps it only under automatic optimization
+            scheduler.step()
         self._end_warmup()
         self.update_metrics("train", loss, logits, y)
         return loss.detach().clone()  # a replay overwrites the graph's own loss tensor
@@ -211,4 +216,10 @@ class Classifier(LightningModule):
             target.update(copy.deepcopy(source))
 
     def configure_optimizers(self) -> Any:
-        return self.optimizer(self.parameters())
+        optimizer = self.optimizer(self.parameters())
+        if self.schedule.name == "none":
+            return optimizer
+        # Lightning counts training batches; with steps_per_execution=K each batch is K optimizer steps.
+        total_steps = int(self.trainer.estimated_stepping_batches) * self.fast_steps.steps_per_execution
+        scheduler = self.schedule.scheduler(optimizer, total_steps)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
