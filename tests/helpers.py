@@ -10,6 +10,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,7 +104,9 @@ def in_process(module: str, *args: str, timeout: float = 300, workers: bool = Fa
     `timeout` seconds ends the test session with every thread's traceback, as a hung subprocess would
     end its test with a timeout. `workers=True`, for a run that starts worker processes (local DDP):
     the output is taken from file descriptors 1 and 2, which the workers inherit, so that what they
-    print is in the result as it would be in a subprocess's.
+    print is in the result as it would be in a subprocess's; after `timeout` seconds the workers are
+    killed, which ends the run as a failed one (this test fails, the session goes on), and the
+    session ends only if the run is still going a minute later.
     """
     import faulthandler
     import importlib
@@ -139,7 +142,12 @@ def in_process(module: str, *args: str, timeout: float = 300, workers: bool = Fa
                 stack.enter_context(contextlib.redirect_stderr(stderr))
             stack.enter_context(warnings.catch_warnings())
             warnings.showwarning = show
-            faulthandler.dump_traceback_later(timeout, exit=True, file=hang_report)
+            if workers:
+                timer = threading.Timer(timeout, _kill_workers)
+                timer.daemon = True
+                timer.start()
+                stack.callback(timer.cancel)
+            faulthandler.dump_traceback_later(timeout + 60 if workers else timeout, exit=True, file=hang_report)
             importlib.import_module("src.train").ignore_known_warnings()  # as at the import in a process of its own
             try:
                 entry.main()
@@ -161,6 +169,18 @@ def in_process(module: str, *args: str, timeout: float = 300, workers: bool = Fa
         GlobalHydra.instance().clear()
         cli.failed_jobs.clear()
     return subprocess.CompletedProcess([module, *args], status, stdout.getvalue(), stderr.getvalue())
+
+
+def _kill_workers() -> None:
+    """SIGKILL this process's worker children (started by multiprocessing's spawn), as a timeout kills a subprocess."""
+    import signal
+
+    sys.stderr.write("error: the run's workers were still going at the test's timeout; killed\n")
+    for children in Path(f"/proc/{os.getpid()}/task").glob("*/children"):
+        for pid in children.read_text().split():
+            with contextlib.suppress(OSError):
+                if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    os.kill(int(pid), signal.SIGKILL)
 
 
 @contextlib.contextmanager
