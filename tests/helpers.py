@@ -220,13 +220,15 @@ def starts_workers(args: tuple[str, ...]) -> bool:
 
 
 def needs_own_process(args: tuple[str, ...]) -> bool:
-    """A sweep, a run of several processes that is not local DDP (`starts_workers`), a DDP or dp strategy
-    on one device (a process group of its own), or a fault of tests/faults.py (which may kill its
-    process): what needs a process of its own."""
+    """A sweep, a run of several processes that is not local DDP (`starts_workers`), a DDP strategy on
+    one device (a process group of its own), or a fault of tests/faults.py (which may kill its
+    process): what needs a process of its own. strategy=dp is one process with no process group, on
+    any number of devices."""
     if starts_workers(args):
         return False
-    devices = [a.split("=", 1)[1] for a in args if a.startswith(("devices=", "num_nodes="))]
-    return (any(a in ("-m", "--multirun") or "tests.faults" in a or a.startswith(("strategy=ddp", "strategy=dp")) for a in args)
+    dp = any(a.startswith("strategy=dp") for a in args)
+    devices = [a.split("=", 1)[1] for a in args if a.startswith("num_nodes=") or (a.startswith("devices=") and not dp)]
+    return (any(a in ("-m", "--multirun") or "tests.faults" in a or a.startswith("strategy=ddp") for a in args)
             or any(d not in ("1", "auto") for d in devices))
 
 
