@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from tests.helpers import DATA_ROOT
+from tests.helpers import DATA_ROOT, LINEAR_LR, QUICK, Run, train
 
 
 @pytest.fixture(scope="session")
@@ -28,3 +28,24 @@ def exact_cuda_math():
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
     yield
     torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+def _trained(tmp_path_factory: pytest.TempPathFactory, name: str, *args: str) -> Run:
+    run_dir = tmp_path_factory.mktemp(name) / "run"
+    result = train(*args, f"hydra.run.dir={run_dir}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return Run(result, run_dir)
+
+
+@pytest.fixture(scope="session")
+def quick_run(tmp_path_factory, data_root) -> Run:
+    """`python -m src.train debug=quick` (LeNet, one process), trained once for every test that reads
+    such a run; a test that changes the folder works in a `Run.copy` of it."""
+    return _trained(tmp_path_factory, "quick_run", *QUICK)
+
+
+@pytest.fixture(scope="session")
+def ddp_run(tmp_path_factory, data_root) -> Run:
+    """The same on 2 DDP processes, with a global batch of 128 and linear learning-rate scaling
+    (`LINEAR_LR`), trained once for every test that reads such a run."""
+    return _trained(tmp_path_factory, "ddp_run", *QUICK, "strategy=ddp", "devices=2", *LINEAR_LR)

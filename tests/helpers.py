@@ -4,14 +4,19 @@ import contextlib
 import gzip
 import io
 import os
+import shutil
 import socket
 import struct
 import subprocess
 import sys
-from collections.abc import Callable
+import tempfile
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 # Set by torchrun, torch's elastic agent or Lightning for the processes they start; a user's shell has none.
@@ -23,6 +28,37 @@ DATA_ROOT = Path(os.environ.get("FASHION_MNIST_ROOT", REPO.parent / "shared" / "
 # Keeps command-line tests small (conf/debug/quick.yaml: one short epoch, few batches, no progress
 # bar) on the offline data, which is machine-specific and so not part of that file.
 QUICK = [f"data.root={DATA_ROOT}", "debug=quick"]
+# The global batch and learning rate of the session's shared DDP run (conftest.py's `ddp_run`): linear
+# scaling from a base batch of 32, so that one run also shows the rate that scaling gives.
+LINEAR_LR = ["data.batch_size=128", "optim.lr=0.2", "optim.lr_scaling=linear", "optim.base_batch_size=32"]
+INTERFACE_SCALARS = {"train/loss", "train/acc", "val/acc", "test/acc", "time/epoch_s", "time/samples_per_s"}
+
+
+@dataclass(frozen=True)
+class Run:
+    """A finished command: its result (exit status, output) and its run folder."""
+
+    result: subprocess.CompletedProcess
+    dir: Path
+
+    def copy(self, folder: Path) -> Path:
+        """The run folder copied to `folder/run`, for a test that goes on in it (resumes, or starts there again)."""
+        return Path(shutil.copytree(self.dir, folder / "run"))
+
+
+def assert_finished_run(result: subprocess.CompletedProcess, run_dir: Path) -> dict[str, list[float]]:
+    """A run that ended well: its result line, every interface scalar, its configs and checkpoints."""
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "test/acc=" in result.stdout
+    series = scalars(run_dir)
+    assert INTERFACE_SCALARS <= set(series), sorted(series)
+    assert all(v > 0 for v in series["time/epoch_s"] + series["time/samples_per_s"])
+    assert (run_dir / ".hydra" / "config.yaml").is_file()
+    resolved = OmegaConf.load(run_dir / "config.yaml")
+    assert "${" not in OmegaConf.to_yaml(resolved) and resolved.output_dir == str(run_dir)
+    assert (run_dir / "checkpoints" / "last.ckpt").is_file()
+    assert any(p.name.startswith("best-") for p in (run_dir / "checkpoints").iterdir())
+    return series
 
 
 def user_env() -> dict[str, str]:
@@ -40,7 +76,7 @@ def free_port() -> int:
 def run_cli(module: str, *args: str, timeout: float = 300, cwd: Path = REPO) -> subprocess.CompletedProcess:
     """Run `python -m <module> <args>` as a user would, capturing its output."""
     if module == "src.eval" and cwd == REPO and not needs_own_process(args):
-        return in_process(module, *args, timeout=timeout)
+        return in_process(module, *args, timeout=timeout, workers=starts_workers(args))
     return subprocess.run(
         [sys.executable, "-m", module, *args], cwd=cwd, env=user_env(), capture_output=True, text=True, timeout=timeout
     )
@@ -58,7 +94,7 @@ def call_main(main: Callable[[list[str]], object], *args: str) -> subprocess.Com
     return subprocess.CompletedProcess(list(args), status, stdout.getvalue(), stderr.getvalue())
 
 
-def in_process(module: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def in_process(module: str, *args: str, timeout: float = 300, workers: bool = False) -> subprocess.CompletedProcess:
     """`python -m <module> <args>` run through the module's own `main()` in this process: the same
     command-line check, Hydra, run folder, log and exit status, without starting Python and torch again.
 
@@ -66,7 +102,11 @@ def in_process(module: str, *args: str, timeout: float = 300) -> subprocess.Comp
     handlers (closing the run's `train.log`), Hydra's global state and the sweep's failed jobs.
     Warnings go to the run's stderr, as they would in its own process. A run still going after
     `timeout` seconds ends the test session with every thread's traceback, as a hung subprocess would
-    end its test with a timeout.
+    end its test with a timeout. `workers=True`, for a run that starts worker processes (local DDP):
+    the output is taken from file descriptors 1 and 2, which the workers inherit, so that what they
+    print is in the result as it would be in a subprocess's; after `timeout` seconds the workers are
+    killed, which ends the run as a failed one (this test fails, the session goes on), and the
+    session ends only if the run is still going a minute later.
     """
     import faulthandler
     import importlib
@@ -85,17 +125,29 @@ def in_process(module: str, *args: str, timeout: float = 300) -> subprocess.Comp
     stop_signals = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
     saved_signals = {signum: signal.getsignal(signum) for signum in stop_signals}
     cli.failed_jobs.clear()
+    hang_report = open(os.dup(sys.__stderr__.fileno()), "w")  # this stderr, also while fd 2 is redirected
     sys.argv = [f"{module.replace('.', '/')}.py", *args]
-    saved_main = os.environ.get("HYDRA_MAIN_MODULE")
+    saved_env = dict(os.environ)  # a launcher sets some for its workers
     os.environ["HYDRA_MAIN_MODULE"] = "__main__"  # find conf/ beside the entry's file, as `python -m` does
 
     def show(message, category, filename, lineno, file=None, line=None) -> None:
         sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
 
     try:
-        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr), warnings.catch_warnings():
+        with contextlib.ExitStack() as stack:
+            if workers:
+                stdout, stderr = stack.enter_context(inherited_output())
+            else:
+                stack.enter_context(contextlib.redirect_stdout(stdout))
+                stack.enter_context(contextlib.redirect_stderr(stderr))
+            stack.enter_context(warnings.catch_warnings())
             warnings.showwarning = show
-            faulthandler.dump_traceback_later(timeout, exit=True, file=sys.__stderr__)
+            if workers:
+                timer = threading.Timer(timeout, _kill_workers)
+                timer.daemon = True
+                timer.start()
+                stack.callback(timer.cancel)
+            faulthandler.dump_traceback_later(timeout + 60 if workers else timeout, exit=True, file=hang_report)
             importlib.import_module("src.train").ignore_known_warnings()  # as at the import in a process of its own
             try:
                 entry.main()
@@ -103,11 +155,10 @@ def in_process(module: str, *args: str, timeout: float = 300) -> subprocess.Comp
                 status = exit_.code if isinstance(exit_.code, int) else 0 if exit_.code is None else 1
     finally:
         faulthandler.cancel_dump_traceback_later()
+        hang_report.close()
         sys.argv = saved_argv
-        if saved_main is None:
-            os.environ.pop("HYDRA_MAIN_MODULE")
-        else:
-            os.environ["HYDRA_MAIN_MODULE"] = saved_main
+        os.environ.clear()
+        os.environ.update(saved_env)
         for handler in root.handlers[:]:
             if handler not in saved_root[0]:
                 handler.close()
@@ -120,21 +171,75 @@ def in_process(module: str, *args: str, timeout: float = 300) -> subprocess.Comp
     return subprocess.CompletedProcess([module, *args], status, stdout.getvalue(), stderr.getvalue())
 
 
+def _kill_workers() -> None:
+    """SIGKILL this process's worker children (started by multiprocessing's spawn), as a timeout kills a subprocess."""
+    import signal
+
+    sys.stderr.write("error: the run's workers were still going at the test's timeout; killed\n")
+    for children in Path(f"/proc/{os.getpid()}/task").glob("*/children"):
+        for pid in children.read_text().split():
+            with contextlib.suppress(OSError):
+                if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    os.kill(int(pid), signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def inherited_output() -> Iterator[tuple[io.StringIO, io.StringIO]]:
+    """File descriptors 1 and 2 pointed at temporary files while the run lasts, with sys.stdout and
+    sys.stderr writing there: the processes the run starts inherit them, so their output lands in the
+    same place and order as this process's. What was written is in the yielded texts at the end."""
+    texts = io.StringIO(), io.StringIO()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        os.dup2(out.fileno(), 1)
+        os.dup2(err.fileno(), 2)
+        streams = [open(fd, "w", buffering=1, errors="replace", closefd=False) for fd in (1, 2)]
+        try:
+            with contextlib.redirect_stdout(streams[0]), contextlib.redirect_stderr(streams[1]):
+                yield texts
+        finally:
+            for stream in streams:
+                stream.close()
+            for fd, copy in zip((1, 2), saved):
+                os.dup2(copy, fd)
+                os.close(copy)
+            for file, text in zip((out, err), texts):
+                file.seek(0)
+                text.write(file.read().decode(errors="replace"))
+
+
+def starts_workers(args: tuple[str, ...]) -> bool:
+    """Local DDP on several devices of one node, not in a sweep: the command's own process only checks,
+    starts one worker process per device and waits for them, so it may be this one."""
+    values = dict(a.split("=", 1) for a in args if "=" in a)
+    devices, nodes = values.get("devices", "1"), values.get("num_nodes", "1")
+    return (values.get("strategy", "").startswith("ddp") and devices.isdigit() and int(devices) > 1 and nodes == "1"
+            and not any(a in ("-m", "--multirun") or "tests.faults" in a for a in args))
+
+
 def needs_own_process(args: tuple[str, ...]) -> bool:
-    """A sweep, a run of several processes, a DDP or dp strategy (a process group of its own, even on one
-    device), or a fault of tests/faults.py (which may kill its process): what needs a process of its own."""
-    devices = [a.split("=", 1)[1] for a in args if a.startswith(("devices=", "num_nodes="))]
-    return (any(a in ("-m", "--multirun") or "tests.faults" in a or a.startswith(("strategy=ddp", "strategy=dp")) for a in args)
+    """A sweep, a run of several processes that is not local DDP (`starts_workers`), a DDP strategy on
+    one device (a process group of its own), or a fault of tests/faults.py (which may kill its
+    process): what needs a process of its own. strategy=dp is one process with no process group, on
+    any number of devices."""
+    if starts_workers(args):
+        return False
+    dp = any(a.startswith("strategy=dp") for a in args)
+    devices = [a.split("=", 1)[1] for a in args if a.startswith("num_nodes=") or (a.startswith("devices=") and not dp)]
+    return (any(a in ("-m", "--multirun") or "tests.faults" in a or a.startswith("strategy=ddp") for a in args)
             or any(d not in ("1", "auto") for d in devices))
 
 
 def train(*args: str, timeout: float = 300, subprocess_: bool = False) -> subprocess.CompletedProcess:
-    """`python -m src.train <args>`: in this process for a one-process run, else as a real command.
+    """`python -m src.train <args>`: in this process for a one-process run or a local DDP launcher, else
+    as a real command.
 
     `subprocess_=True` runs it as a real command anyway, where the process itself is what a test checks."""
     if subprocess_ or needs_own_process(args):
         return run_cli("src.train", *args, timeout=timeout)
-    return in_process("src.train", *args, timeout=timeout)
+    return in_process("src.train", *args, timeout=timeout, workers=starts_workers(args))
 
 
 def scalars(run_dir: Path) -> dict[str, list[float]]:

@@ -306,7 +306,7 @@ BAD_INPUTS = {
     "run folder below /proc": (["hydra.run.dir=/proc/nope/run"], "hydra.run.dir=/proc/nope/run is not allowed"),
     "negative learning rate": (["optim.lr=-0.1"], "optim.lr=-0.1 is not allowed; optim.lr must be a number above 0"),
     "batch not divisible": (["strategy=ddp", "devices=2", "data.batch_size=255"], "data.batch_size=255"),
-    "strategy knob": (["strategy=ddp", "strategy.hook=zip"], "strategy.hook=zip is not an option"),
+    "strategy knob": (["strategy=ddp", "devices=2", "strategy.hook=zip"], "strategy.hook=zip is not an option"),
     "classes the data lacks": (["data.num_classes=5"], "data.num_classes=5 is not allowed; Fashion-MNIST has 10 classes"),
     "optimizer argument": (["optim=adam", "optim.betas=[0.9,1.5]"], "optim: Adam refuses its arguments (Invalid beta parameter"),
 }

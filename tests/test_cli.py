@@ -1,38 +1,18 @@
-"""The real command line, in subprocesses, as a user runs it."""
-
-from pathlib import Path
+"""The real command line as a user runs it: in this process where its own process is not the point."""
 
 import pytest
 import torch
 from lightning.pytorch.utilities import rank_zero_only
-from omegaconf import OmegaConf
 
 from src.errors import UsageError
 from src.fast_path import auto_precision
 from src.launch.cli import report_failure
-from tests.helpers import QUICK, hparams, hparams_order, scalars, train, write_tiny_fashion_mnist
-
-INTERFACE_SCALARS = {"train/loss", "train/acc", "val/acc", "test/acc", "time/epoch_s", "time/samples_per_s"}
+from tests.helpers import QUICK, Run, assert_finished_run, hparams, hparams_order, scalars, train, write_tiny_fashion_mnist
 
 
-def assert_finished_run(result, run_dir: Path) -> dict[str, list[float]]:
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "test/acc=" in result.stdout
-    series = scalars(run_dir)
-    assert INTERFACE_SCALARS <= set(series), sorted(series)
-    assert all(v > 0 for v in series["time/epoch_s"] + series["time/samples_per_s"])
-    assert (run_dir / ".hydra" / "config.yaml").is_file()
-    resolved = OmegaConf.load(run_dir / "config.yaml")
-    assert "${" not in OmegaConf.to_yaml(resolved) and resolved.output_dir == str(run_dir)
-    assert (run_dir / "checkpoints" / "last.ckpt").is_file()
-    assert any(p.name.startswith("best-") for p in (run_dir / "checkpoints").iterdir())
-    return series
-
-
-def test_single_device_run_logs_every_interface_scalar(tmp_path, data_root):
-    run_dir = tmp_path / "run"
-    result = train(*QUICK, f"hydra.run.dir={run_dir}")
-    assert_finished_run(result, run_dir)
+def test_single_device_run_logs_every_interface_scalar(quick_run: Run):
+    run_dir = quick_run.dir
+    assert_finished_run(quick_run.result, run_dir)
     params = hparams(run_dir)
     assert params["model"] == "lenet" and params["strategy"] == "auto" and params["world_size"] == 1
     assert params["precision_used"] == {"bf16-mixed": "bf16-mixed", "32": "32-true"}[auto_precision("cpu")]  # precision=auto
@@ -40,38 +20,29 @@ def test_single_device_run_logs_every_interface_scalar(tmp_path, data_root):
     assert "epoch" not in scalars(run_dir) and "trainer/epoch" in scalars(run_dir), "the epoch counter has a group of its own"
 
 
-def test_ddp_on_two_cpu_processes_writes_one_run_folder(tmp_path, data_root):
-    run_dir = tmp_path / "run"
-    result = train(*QUICK, "strategy=ddp", "devices=2", f"hydra.run.dir={run_dir}")
-    assert_finished_run(result, run_dir)
+def test_ddp_on_two_cpu_processes_writes_one_run_folder(ddp_run: Run):
+    run_dir = ddp_run.dir
+    assert_finished_run(ddp_run.result, run_dir)
     assert hparams(run_dir)["world_size"] == 2
     assert (run_dir / "train_rank_1.log").exists()
     # 4 steps, fewer than log_every_n_steps: no per-step comm/ points, but every comm/ scalar's epoch mean.
     series = scalars(run_dir)
     assert "comm/bytes_per_step" not in series
     assert {"comm/bytes_per_step_epoch", "comm/hook_ms_epoch", "comm/backward_comm_ms_epoch", "comm/overlap_frac_epoch"} <= set(series)
-    assert [p.name for p in tmp_path.iterdir()] == ["run"]
+    assert [p.name for p in run_dir.parent.iterdir()] == ["run"]
     assert len(list(run_dir.glob("events.out.tfevents.*"))) >= 1
     # Only rank 0 writes TensorBoard files: every event file comes from one process id.
     assert len({p.name.split(".")[4] for p in run_dir.glob("events.out.tfevents.*")}) == 1
 
 
-@pytest.mark.slow
-def test_ddp_on_four_cpu_processes(tmp_path, data_root):
-    run_dir = tmp_path / "run"
-    result = train(*QUICK, "strategy=ddp", "devices=4", "model=lenet", f"hydra.run.dir={run_dir}", timeout=600)
-    assert_finished_run(result, run_dir)
-    assert hparams(run_dir)["world_size"] == 4
+# Four processes: tests/test_readme.py, whose README command trains ResNet-18 under strategy=ddp devices=4.
 
 
-def test_linear_lr_scaling_grows_the_rate_with_the_global_batch(tmp_path, data_root):
-    run_dir = tmp_path / "run"
-    result = train(*QUICK, "strategy=ddp", "devices=2", "data.batch_size=128", "optim.lr=0.2",
-                   "optim.lr_scaling=linear", "optim.base_batch_size=32", f"hydra.run.dir={run_dir}")
-    assert result.returncode == 0, result.stderr[-3000:]
-    params = hparams(run_dir)
+def test_linear_lr_scaling_grows_the_rate_with_the_global_batch(ddp_run: Run):
+    """The shared DDP run: data.batch_size=128 optim.lr=0.2 optim.lr_scaling=linear optim.base_batch_size=32."""
+    params = hparams(ddp_run.dir)
     assert params["lr"] == pytest.approx(0.2) and params["lr_used"] == pytest.approx(0.2 * 128 / 32)
-    state = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)
+    state = torch.load(ddp_run.dir / "checkpoints" / "last.ckpt", weights_only=False)
     assert state["optimizer_states"][0]["param_groups"][0]["lr"] == pytest.approx(0.8)
 
 
@@ -86,10 +57,8 @@ def test_16_mixed_on_cpu_says_so_and_records_bf16(tmp_path, data_root):
     assert params["precision"] == "16-mixed" and params["precision_used"] == "bf16-mixed"
 
 
-def test_resume_from_last_checkpoint_continues_where_it_stopped(tmp_path, data_root):
-    run_dir = tmp_path / "run"
-    first = train(*QUICK, f"hydra.run.dir={run_dir}")
-    assert first.returncode == 0, first.stderr[-3000:]
+def test_resume_from_last_checkpoint_continues_where_it_stopped(tmp_path, quick_run: Run):
+    run_dir = quick_run.copy(tmp_path)
     steps_first = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)["global_step"]
     second = train(*QUICK, "max_epochs=2", "ckpt_path=last", f"hydra.run.dir={run_dir}")
     assert second.returncode == 0, second.stderr[-3000:]

@@ -109,14 +109,15 @@ def test_a_hook_with_state_gets_it_built_from_the_strategy_file(tmp_path, data_r
      "error: strategy: Error locating target 'tests.examples.hooks.Nothing'"),
 ])
 def test_a_bad_hook_state_is_one_line(tmp_path, args, message):
-    result = train(*QUICK, "strategy=ddp", *args, f"hydra.run.dir={tmp_path / 'run'}")
+    result = train(*QUICK, "strategy=ddp", "devices=2", *args, f"hydra.run.dir={tmp_path / 'run'}")
     assert result.returncode == 2, result.stderr[-3000:]
     assert result.stderr.strip().splitlines()[-1].startswith(message)
     assert "Traceback" not in result.stderr and not (tmp_path / "run").exists()
 
 
 def test_an_unknown_hook_path_is_one_line(tmp_path):
-    result = train(*QUICK, "strategy=ddp", "strategy.hook=tests.examples.hooks.nothing_here", f"hydra.run.dir={tmp_path / 'run'}")
+    result = train(*QUICK, "strategy=ddp", "devices=2", "strategy.hook=tests.examples.hooks.nothing_here",
+                   f"hydra.run.dir={tmp_path / 'run'}")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1].startswith(
         "error: strategy.hook=tests.examples.hooks.nothing_here is not an option; choose one of: none, fp16")

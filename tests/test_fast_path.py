@@ -9,7 +9,7 @@ from src import fast_path
 from src.fast_path import cudnn_benchmark, resolve_precision, speed_up
 from src.models.lenet import LeNet
 from src.models.resnet import resnet18
-from tests.helpers import QUICK, hparams, train
+from tests.helpers import QUICK, Run, hparams, train
 
 
 @pytest.mark.parametrize(("cpu_bf16", "expected"), [(True, "bf16-mixed"), (False, "32")])
@@ -46,12 +46,9 @@ def test_channels_last_changes_the_layout_not_the_numbers(make):
     torch.testing.assert_close(fast(x), plain(x), rtol=1e-4, atol=1e-5)
 
 
-def test_defaults_are_the_fast_path(tmp_path):
+def test_defaults_are_the_fast_path(quick_run: Run):
     """A run with no speed options uses precision=auto and channels_last, and says what auto chose."""
-    run_dir = tmp_path / "run"
-    result = train(*QUICK, f"hydra.run.dir={run_dir}")
-    assert result.returncode == 0, result.stderr[-3000:]
-    params = hparams(run_dir)
+    params = hparams(quick_run.dir)
     assert params["precision"] == "auto" and params["channels_last"] == 1 and params["compile"] == 0  # TensorBoard keeps bools as numbers
     assert params["precision_used"] == fast_path.auto_precision("cpu").replace("32", "32-true")
 

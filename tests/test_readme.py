@@ -7,24 +7,29 @@ the offline Fashion-MNIST copy, as on the machine the README describes. Its `dat
 what the first run would have downloaded (a link to the same copy), since these tests have no
 network. Its own `outputs/` keeps the runs out of this checkout.
 
-A command that would train more than one full epoch (the README's default is 10) gets
+A command that would train one full epoch or more (the README's default is 10) gets
 ` debug=quick` appended, after its trailing comment is dropped: one epoch of 4 batches, so the
 test takes seconds and still runs everything the command does (folders, checkpoints, the result
-line, the sweep's report). The setup and test commands are not run (the setup installs, the test
-command is this suite); they must be the very lines `.ci/run` runs.
+line, the sweep's report). Each command runs once; the tests below read what it left. The setup
+and test commands are not run (the setup installs, the test command is this suite); they must be
+the very lines `.ci/run` runs.
 """
 
 import os
 import re
 import shlex
 import subprocess
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
+from lightning.fabric.connector import _convert_precision_to_unified_args
 
 from src.checks import CONF_DIR
-from tests.helpers import DATA_ROOT, REPO, user_env
+from src.fast_path import auto_precision
+from tests.helpers import DATA_ROOT, REPO, assert_finished_run, hparams, scalars, user_env
 
 README = REPO / "README.md"
 CHECKOUT_PARTS = ("src", "conf", "pyproject.toml", ".venv")
@@ -57,7 +62,34 @@ def epochs_trained(command: str) -> int:
 
 def as_run(command: str) -> str:
     """The command as the test runs it: verbatim, or with ` debug=quick` appended (see the module's docstring)."""
-    return f"{without_comment(command)} debug=quick" if epochs_trained(command) > 1 else command
+    return f"{without_comment(command)} debug=quick" if epochs_trained(command) >= 1 else command
+
+
+def overrides(command: str) -> list[str]:
+    args = shlex.split(without_comment(command))
+    return [arg for arg in args[args.index("src.train") + 1:] if "=" in arg]
+
+
+def is_sweep(command: str) -> bool:
+    return " -m " in f" {command.split('src.train', 1)[1]} "
+
+
+def processes(command: str) -> int:
+    """The processes a run of the command trains on: its devices under DDP, else one."""
+    values = dict(arg.split("=", 1) for arg in overrides(command))
+    return int(values.get("devices", 1)) if values.get("strategy", "auto").startswith("ddp") else 1
+
+
+def sweep_jobs(command: str) -> dict[str, dict[str, str]]:
+    """A sweep's job folders (`lenet_ddp_2dev_32-true`: model, strategy, devices, precision used), each
+    with the values it sweeps; for sweeps over those keys only, as the README's are."""
+    swept = [arg.split("=", 1) for arg in overrides(command) if "," in arg]
+    assert {key for key, _ in swept} <= {"model", "strategy", "devices"}, command
+    precision = str(_convert_precision_to_unified_args(auto_precision("cpu")))  # what precision=auto uses here
+    jobs = [dict(arg.split("=", 1) for arg in overrides(command) if "," not in arg and "=" in arg)]
+    for key, values in swept:
+        jobs = [{**job, key: value} for job in jobs for value in values.split(",")]
+    return {f"{job.get('model', 'lenet')}_{job['strategy']}_{job['devices']}dev_{precision}": job for job in jobs}
 
 
 @pytest.fixture(scope="module")
@@ -99,27 +131,85 @@ def test_the_commands_run_in_a_shell_without_the_virtualenv(checkout):
 
 TRAIN = section_commands("Train")
 SLOW = r"devices=[\d,]*4\b"  # four processes (a sweep job or a run): minutes on a 2-core machine
+SWEEPS = [c for c in TRAIN if is_sweep(c)]
+
+
+@dataclass(frozen=True)
+class Ran:
+    """A README command's run: its result, the folders it added under outputs/, and this checkout's outputs/ before and after."""
+
+    result: subprocess.CompletedProcess
+    new: set[Path]
+    ours_before: list[Path]
+    ours_after: list[Path]
+
+
+def snapshot(folder: Path) -> list[Path]:
+    return sorted(p.relative_to(folder) for p in folder.rglob("*")) if folder.exists() else []
+
+
+@pytest.fixture(scope="module")
+def ran(checkout) -> Callable[[str], Ran]:
+    """Runs a README command once in the fresh checkout; later calls return what that run left."""
+    runs: dict[str, Ran] = {}
+
+    def run(command: str) -> Ran:
+        if command not in runs:
+            before, ours = set((checkout / "outputs").glob("*/*")), snapshot(REPO / "outputs")
+            result = fresh_shell(as_run(command), checkout)
+            runs[command] = Ran(result, set((checkout / "outputs").glob("*/*")) - before, ours, snapshot(REPO / "outputs"))
+        return runs[command]
+
+    return run
 
 
 @pytest.mark.parametrize("command", [pytest.param(c, marks=pytest.mark.slow) if re.search(SLOW, c) else c for c in TRAIN])
-def test_a_readme_train_command_runs_as_written(checkout, command):
-    before = set((checkout / "outputs").glob("*/*"))
-    result = fresh_shell(as_run(command), checkout)
+def test_a_readme_train_command_runs_as_written(ran, command):
+    result, new = ran(command).result, ran(command).new
     assert result.returncode == 0, f"{as_run(command)}\n{result.stderr[-3000:]}"
     lines = [line for line in result.stdout.splitlines() if re.search(RESULT, line)]
-    new = set((checkout / "outputs").glob("*/*")) - before
-    if " -m " in f" {command.split('src.train', 1)[1]} ":  # a sweep: one result line per job, then its report
+    if is_sweep(command):  # one result line per job, then its report
         jobs = [p for sweep in new for p in sweep.iterdir() if (p / "config.yaml").is_file()]
         assert len(lines) == len(jobs) > 1 and all((sweep / "report.md").is_file() for sweep in new)
     else:
         assert len(lines) == 1 and len(new) == 1
-        assert (next(iter(new)) / "checkpoints" / "last.ckpt").is_file()
+        run_dir = next(iter(new))
+        assert_finished_run(result, run_dir)
+        assert hparams(run_dir)["world_size"] == processes(command)
 
 
-def test_the_readme_eval_commands_score_the_newest_run(checkout):
+@pytest.mark.slow
+@pytest.mark.parametrize("command", SWEEPS)
+def test_the_readme_sweep_runs_each_job_in_its_own_folder(ran, checkout, command):
+    """Each job in a folder named by its swept values, with its own TensorBoard run, logs and checkpoint; no other folder."""
+    run = ran(command)
+    assert run.result.returncode == 0, run.result.stderr[-3000:]
+    [sweep] = run.new
+    jobs = sweep_jobs(command)
+    assert {p.name for p in sweep.iterdir() if p.is_dir() and p.name != "report"} == set(jobs)
+    for name, values in jobs.items():
+        job = sweep / name
+        devices = int(values.get("devices", 1))
+        params = hparams(job)
+        assert (params["strategy"], params["world_size"]) == (values["strategy"], devices)
+        assert {"train/loss", "val/acc", "test/acc", "time/epoch_s"} <= set(scalars(job))
+        # One TensorBoard run per job: event files only in the job folder, from one process.
+        assert {p.parent for p in sweep.rglob("events.out.tfevents.*") if name in str(p)} == {job}
+        assert len({p.name.split(".")[4] for p in job.glob("events.out.tfevents.*")}) == 1
+        assert sorted(p.name for p in job.glob("train_rank_*.log")) == [f"train_rank_{r}.log" for r in range(1, devices)]
+        assert (job / ".hydra" / "config.yaml").is_file() and (job / "checkpoints" / "last.ckpt").is_file()
+    # Workers ran their own job only: no stray sweep or run folders anywhere else.
+    assert run.ours_after == run.ours_before
+    assert not (checkout / "lightning_logs").exists() and not (REPO / "lightning_logs").exists()
+    assert run.result.stdout.count("test/acc=") == len(jobs)
+    # The sweep writes its report when it ends: one row per job.
+    assert (sweep / "report.md").is_file() and len((sweep / "report.csv").read_text().splitlines()) == len(jobs) + 1
+
+
+def test_the_readme_eval_commands_score_the_newest_run(ran, checkout):
     """After a README train command, the eval block runs as one script: its lines share the shell."""
     if not any((checkout / "outputs" / "runs").glob("*")):
-        assert fresh_shell(as_run(TRAIN[0]), checkout).returncode == 0
+        assert ran(TRAIN[0]).result.returncode == 0
     script = "set -e\n" + "\n".join(section_commands("Evaluate a checkpoint"))
     result = fresh_shell(script, checkout)
     assert result.returncode == 0, f"{script}\n{result.stderr[-3000:]}"

@@ -10,7 +10,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 
-from tests.helpers import QUICK, REPO, free_port, train, user_env
+from tests.helpers import LINEAR_LR, QUICK, REPO, Run, free_port, train, user_env
 
 # Ten batches an epoch, three epochs; the fault callback kills a process after a given step.
 LONGER = [*QUICK, "max_epochs=3", "trainer.limit_train_batches=10", "data.batch_size=128", "optim.momentum=0.9"]
@@ -125,11 +125,9 @@ def test_torchrun_restart_resumes_from_the_run_folder(tmp_path, unbroken):
 
 
 @pytest.mark.slow
-def test_resume_under_another_world_size_says_so_and_keeps_one_hparams_record(tmp_path, data_root):
-    run_dir = tmp_path / "run"
-    first = train(*QUICK, "strategy=ddp", "devices=2", f"hydra.run.dir={run_dir}")
-    assert first.returncode == 0, first.stderr[-3000:]
-    second = train(*QUICK, "max_epochs=2", "ckpt_path=last", f"hydra.run.dir={run_dir}")
+def test_resume_under_another_world_size_says_so_and_keeps_one_hparams_record(tmp_path, ddp_run: Run):
+    run_dir = ddp_run.copy(tmp_path)  # trained on 2 DDP processes
+    second = train(*QUICK, *LINEAR_LR, "max_epochs=2", "ckpt_path=last", f"hydra.run.dir={run_dir}")
     assert second.returncode == 0, second.stderr[-3000:]
     notes = [line for line in second.stdout.splitlines() if "resuming a checkpoint of 2 processes on 1" in line]
     assert len(notes) == 1
@@ -141,9 +139,8 @@ def test_resume_under_another_world_size_says_so_and_keeps_one_hparams_record(tm
     assert len(records) == 1
 
 
-def test_a_new_run_does_not_write_into_a_folder_that_holds_a_run(tmp_path, data_root):
-    run_dir = tmp_path / "run"
-    assert train(*QUICK, f"hydra.run.dir={run_dir}").returncode == 0
+def test_a_new_run_does_not_write_into_a_folder_that_holds_a_run(tmp_path, quick_run: Run):
+    run_dir = quick_run.copy(tmp_path)
     before = {p.name: p.stat().st_mtime_ns for p in (run_dir / "checkpoints").iterdir()}
     again = train(*QUICK, f"hydra.run.dir={run_dir}")
     assert again.returncode == 2
