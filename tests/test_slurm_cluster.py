@@ -164,10 +164,11 @@ def test_a_failed_launcher_job_fails_in_slurm_and_the_sweep_exits_2(checkout):
     assert (fields["JobState"], fields["ExitCode"]) == ("FAILED", "2:0"), fields
 
     sweep = checkout / "sweep"
-    assert {p.name for p in sweep.iterdir() if p.name.startswith("strategy=")} == {"strategy=ddp"}
+    ddp_name = LABEL.replace("_auto_1dev_", "_ddp_2dev_")
+    assert {p.name for p in sweep.iterdir() if p.name.startswith("lenet_")} == {ddp_name}
     report = (sweep / "report.md").read_text()
     assert "1 job failed:" in report and line in report
-    ddp = sweep / "strategy=ddp"
+    ddp = sweep / ddp_name
     assert "test/acc=" in (ddp / "train.log").read_text()
     done = "Job completed successfully"  # submitit's line, one per rank
     assert (ddp / "train.log").read_text().count(done) == 1 and done in (ddp / "train_rank_1.log").read_text()

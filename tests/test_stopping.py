@@ -16,9 +16,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from lightning.fabric.connector import _convert_precision_to_unified_args
 from omegaconf import OmegaConf
 
 from src.errors import UsageError
+from src.fast_path import auto_precision
 from src.strategies.ddp import CommHookDDPStrategy
 from tests.helpers import QUICK, REPO, hparams, scalars, train, user_env
 
@@ -214,12 +216,13 @@ def test_killing_the_launcher_leaves_no_worker_behind(tmp_path, data_root):
 
 def test_signal_stops_the_whole_sweep(tmp_path, data_root):
     sweep = tmp_path / "sweep"
+    job = f"lenet_auto_1dev_{_convert_precision_to_unified_args(auto_precision('cpu'))}_seed="  # + the job's seed
     with Run(sweep, "-m", *LONG, "seed=1,2", f"hydra.sweep.dir={sweep}") as run:
-        run.wait_training(checkpoint=sweep / "seed=1" / "checkpoints" / "last.ckpt")
+        run.wait_training(checkpoint=sweep / f"{job}1" / "checkpoints" / "last.ckpt")
         os.kill(run.proc.pid, signal.SIGTERM)
         run.wait_exit()
-    assert_stopped(run, 143, r"^error: run stopped by SIGTERM during epoch \d+ \(step \d+\); ", run_dir=sweep / "seed=1")
-    assert not (sweep / "seed=2").exists()
+    assert_stopped(run, 143, r"^error: run stopped by SIGTERM during epoch \d+ \(step \d+\); ", run_dir=sweep / f"{job}1")
+    assert not (sweep / f"{job}2").exists()
 
 
 @pytest.mark.parametrize("timeout_s", [0, -5, "soon", True, float("inf"), float("nan")])
