@@ -28,6 +28,13 @@ DATA_ROOT = Path(os.environ.get("FASHION_MNIST_ROOT", REPO.parent / "shared" / "
 # Keeps command-line tests small (conf/debug/quick.yaml: one short epoch, few batches, no progress
 # bar) on the offline data, which is machine-specific and so not part of that file.
 QUICK = [f"data.root={DATA_ROOT}", "debug=quick"]
+
+
+def cpu_precision() -> str:
+    """The precision `precision=auto` runs at on this machine's CPU, as Lightning names it (and run folders show it)."""
+    from src.fast_path import auto_precision
+
+    return {"bf16-mixed": "bf16-mixed", "32": "32-true"}[auto_precision("cpu")]
 # The global batch and learning rate of the session's shared DDP run (conftest.py's `ddp_run`): linear
 # scaling from a base batch of 32, so that one run also shows the rate that scaling gives.
 LINEAR_LR = ["data.batch_size=128", "optim.lr=0.2", "optim.lr_scaling=linear", "optim.base_batch_size=32"]

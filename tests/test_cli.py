@@ -5,9 +5,8 @@ import torch
 from lightning.pytorch.utilities import rank_zero_only
 
 from src.errors import UsageError
-from src.fast_path import auto_precision
 from src.launch.cli import report_failure
-from tests.helpers import QUICK, Run, assert_finished_run, hparams, hparams_order, scalars, train, write_tiny_fashion_mnist
+from tests.helpers import QUICK, Run, assert_finished_run, cpu_precision, hparams, hparams_order, scalars, train, write_tiny_fashion_mnist
 
 
 def test_single_device_run_logs_every_interface_scalar(quick_run: Run):
@@ -15,7 +14,7 @@ def test_single_device_run_logs_every_interface_scalar(quick_run: Run):
     assert_finished_run(quick_run.result, run_dir)
     params = hparams(run_dir)
     assert params["model"] == "lenet" and params["strategy"] == "auto" and params["world_size"] == 1
-    assert params["precision_used"] == {"bf16-mixed": "bf16-mixed", "32": "32-true"}[auto_precision("cpu")]  # precision=auto
+    assert params["precision_used"] == cpu_precision()  # precision=auto
     assert hparams_order(run_dir)[:4] == ["model", "strategy", "devices", "precision"], "the columns shown by default"
     assert "epoch" not in scalars(run_dir) and "trainer/epoch" in scalars(run_dir), "the epoch counter has a group of its own"
 

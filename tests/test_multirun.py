@@ -6,12 +6,10 @@ which runs the README's sweep (`-m strategy=ddp,ddp_fp16 devices=1,2,4`) and che
 
 import pytest
 
-from lightning.fabric.connector import _convert_precision_to_unified_args
 
-from src.fast_path import auto_precision
-from tests.helpers import QUICK, train
+from tests.helpers import QUICK, cpu_precision, train
 
-PRECISION = str(_convert_precision_to_unified_args(auto_precision("cpu")))  # what precision=auto uses here
+PRECISION = cpu_precision()  # what precision=auto uses here
 
 
 @pytest.mark.slow

@@ -25,11 +25,9 @@ from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
-from lightning.fabric.connector import _convert_precision_to_unified_args
 
 from src.checks import CONF_DIR
-from src.fast_path import auto_precision
-from tests.helpers import DATA_ROOT, REPO, assert_finished_run, hparams, scalars, user_env
+from tests.helpers import DATA_ROOT, REPO, assert_finished_run, cpu_precision, hparams, scalars, user_env
 
 README = REPO / "README.md"
 CHECKOUT_PARTS = ("src", "conf", "pyproject.toml", ".venv")
@@ -85,7 +83,7 @@ def sweep_jobs(command: str) -> dict[str, dict[str, str]]:
     with the values it sweeps; for sweeps over those keys only, as the README's are."""
     swept = [arg.split("=", 1) for arg in overrides(command) if "," in arg]
     assert {key for key, _ in swept} <= {"model", "strategy", "devices"}, command
-    precision = str(_convert_precision_to_unified_args(auto_precision("cpu")))  # what precision=auto uses here
+    precision = cpu_precision()  # what precision=auto uses here
     jobs = [dict(arg.split("=", 1) for arg in overrides(command) if "," not in arg and "=" in arg)]
     for key, values in swept:
         jobs = [{**job, key: value} for job in jobs for value in values.split(",")]

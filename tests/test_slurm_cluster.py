@@ -20,13 +20,10 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 
-from lightning.fabric.connector import _convert_precision_to_unified_args
-
-from src.fast_path import auto_precision
-from tests.helpers import DATA_ROOT, REPO, user_env
+from tests.helpers import DATA_ROOT, REPO, cpu_precision, user_env
 
 # A job's folder: what it runs (the one-node cluster is this machine, so precision=auto uses what it does here).
-LABEL = f"lenet_auto_1dev_{_convert_precision_to_unified_args(auto_precision('cpu'))}"
+LABEL = f"lenet_auto_1dev_{cpu_precision()}"
 
 CLUSTER_DOC = REPO / "docs" / "cluster.md"
 WAIT_S = 600  # generous: the machine may be busy; every wait ends as soon as its event happens

@@ -16,13 +16,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from lightning.fabric.connector import _convert_precision_to_unified_args
 from omegaconf import OmegaConf
 
 from src.errors import UsageError
-from src.fast_path import auto_precision
 from src.strategies.ddp import CommHookDDPStrategy
-from tests.helpers import QUICK, REPO, hparams, scalars, train, user_env
+from tests.helpers import QUICK, REPO, cpu_precision, hparams, scalars, train, user_env
 
 # Long enough to be signalled: 50 short epochs, each checkpointed in `checkpoints/last.ckpt`.
 LONG = [*QUICK, "max_epochs=50", "data.batch_size=64", "trainer.limit_train_batches=10"]
@@ -216,7 +214,7 @@ def test_killing_the_launcher_leaves_no_worker_behind(tmp_path, data_root):
 
 def test_signal_stops_the_whole_sweep(tmp_path, data_root):
     sweep = tmp_path / "sweep"
-    job = f"lenet_auto_1dev_{_convert_precision_to_unified_args(auto_precision('cpu'))}_seed="  # + the job's seed
+    job = f"lenet_auto_1dev_{cpu_precision()}_seed="  # + the job's seed
     with Run(sweep, "-m", *LONG, "seed=1,2", f"hydra.sweep.dir={sweep}") as run:
         run.wait_training(checkpoint=sweep / f"{job}1" / "checkpoints" / "last.ckpt")
         os.kill(run.proc.pid, signal.SIGTERM)

@@ -14,15 +14,13 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from lightning.fabric.connector import _convert_precision_to_unified_args
 from tensorboard import default, program
 from tensorboard.backend import application
 from werkzeug.test import Client
 
-from src.fast_path import auto_precision
-from tests.helpers import QUICK, free_port, in_process, scalars
+from tests.helpers import QUICK, cpu_precision, free_port, in_process, scalars
 
-PRECISION = str(_convert_precision_to_unified_args(auto_precision("cpu")))  # what precision=auto uses here
+PRECISION = cpu_precision()  # what precision=auto uses here
 LABEL = f"lenet_auto_1dev_{PRECISION}"
 FIRST_METRICS = ["test/acc", "val/acc_best", "time/epoch_s_median", "time/samples_per_s_median"]
 SHOWN = 5  # hparams and metric columns the HParams tab ticks by default

@@ -4,11 +4,9 @@ import subprocess
 import sys
 
 import pytest
-from lightning.fabric.connector import _convert_precision_to_unified_args
 
-from src.fast_path import auto_precision
 
-from tests.helpers import QUICK, REPO, free_port, hparams, scalars, user_env
+from tests.helpers import QUICK, REPO, cpu_precision, free_port, hparams, scalars, user_env
 
 
 @pytest.mark.slow
@@ -30,7 +28,7 @@ def test_two_torchrun_nodes_train_one_run_with_world_size_nodes_times_devices(tm
     assert [node.returncode for node in nodes] == [0, 0], "\n".join(log[-3000:] for log in logs)
 
     runs = list((outputs / "runs").iterdir())
-    precision = str(_convert_precision_to_unified_args(auto_precision("cpu")))  # what precision=auto uses here
+    precision = cpu_precision()  # what precision=auto uses here
     assert [run.name for run in runs] == [f"torchrun-twonodes_lenet_ddp_2dev_2nodes_{precision}"]
     run = runs[0]
     assert hparams(run)["world_size"] == 4 and hparams(run)["num_nodes"] == 2

@@ -1,7 +1,6 @@
 """Names of run and sweep-job folders, so that TensorBoard's run list reads as the runs."""
 
 import sys
-import warnings
 from pathlib import Path
 
 from hydra.core.hydra_config import HydraConfig
@@ -36,20 +35,17 @@ def sweep_args(sweep_dir: str) -> list[str]:
     return sys.argv[1:]
 
 
+# Lightning's full names of the short precision values (`Trainer.precision` reports these).
+LIGHTNING_SPELLING = {"16": "16-mixed", "bf16": "bf16-mixed", "32": "32-true", "64": "64-true"}
+
+
 def run_label(model: str, strategy: str, devices: int, num_nodes: int, precision: object, accelerator: str) -> str:
     """`lenet_ddp_2dev_bf16-mixed`: what the run is, with the precision it uses (`auto` resolved, Lightning's
     spelling: `32` is `32-true`), so that runs read apart in folder lists and in TensorBoard."""
-    from lightning.fabric.connector import _convert_precision_to_unified_args
-
     from src.fast_path import resolve_accelerator, resolve_precision
 
     used = resolve_precision(precision, resolve_accelerator(str(accelerator)), quiet=True)
-    try:
-        with warnings.catch_warnings():  # an old spelling (`bf16`): the run itself says so
-            warnings.simplefilter("ignore")
-            used = str(_convert_precision_to_unified_args(used))  # type: ignore[arg-type]
-    except ValueError:
-        pass  # refused in one line by the config checks
+    used = LIGHTNING_SPELLING.get(used, used)  # a value Lightning refuses is refused in one line by the config checks
     nodes = f"_{num_nodes}nodes" if int(num_nodes) > 1 else ""
     return f"{model}_{strategy}_{devices}dev{nodes}_{used}"
 
