@@ -108,6 +108,11 @@ def run_hparams(cfg: DictConfig, trainer: Trainer, lr_used: float) -> dict[str, 
     }
 
 
+# Top-level keys recorded under their own name; other plain names are the optimizer's arguments.
+_TOP_LEVEL = {"devices", "precision", "num_nodes", "accelerator", "max_epochs", "seed", "sync_batchnorm",
+              "channels_last", "compile", "ckpt_path", "tags", "cuda_graphs", "steps_per_execution"}
+
+
 def _sources(name: str) -> tuple[str, ...]:
     if name in DERIVED:
         return DERIVED[name]
@@ -116,12 +121,6 @@ def _sources(name: str) -> tuple[str, ...]:
     if "." not in name and "/" not in name and name not in ("model", "strategy", "experiment") and name not in _TOP_LEVEL:
         return (f"optim.{name}",)  # the optimizer's own arguments
     return (name,)
-
-
-_TOP_LEVEL = {"devices", "precision", "num_nodes", "accelerator", "max_epochs", "seed", "sync_batchnorm",
-              "channels_last", "compile", "ckpt_path", "tags", "cuda_graphs", "steps_per_execution"}
-
-
 
 
 def hydra_record(run_dir: Path) -> DictConfig:
@@ -168,7 +167,9 @@ def hparam_info(name: str, values: list[Any], differs: bool) -> api_pb2.HParamIn
 
 
 def _summary(tag: str, data: plugin_data_pb2.HParamsPluginData) -> Summary:
-    """An HParams record as TensorBoard reads it: summary metadata only, no value."""
+    """An HParams record as TensorBoard reads it: summary metadata only, no value. Written here because
+    torch's `hparams()` can neither mark a column as differing nor name a trial, and TensorBoard's
+    own `hparams.summary` needs TensorFlow."""
     return Summary(value=[Summary.Value(tag=tag, metadata=metadata.create_summary_metadata(data))])
 
 

@@ -87,6 +87,8 @@ class RunLogger(TensorBoardLogger):
             about = SummaryMetadata(summary_description=description(tag), data_class=DataClass.DATA_CLASS_SCALAR,
                                     plugin_data=SummaryMetadata.PluginData(plugin_name="scalars"))
             point = Summary.Value(tag=tag, simple_value=value, metadata=about)
+            # SummaryWriter has no public call for a Summary of one's own; `_get_file_writer` (private) also
+            # reopens the writer Lightning closed when fitting ended, as add_scalar would.
             self.experiment._get_file_writer().add_summary(Summary(value=[point]), step)
         super().log_metrics(metrics, step)
 
