@@ -3,8 +3,8 @@
     .venv/bin/python benchmarks/comm_bytes.py --data-root ../shared/data
 
 Runs the real CLI once per strategy for a few steps and reads back what rank 0 logged to
-TensorBoard: `comm/bytes_per_step`, `comm/compression_ratio`, `comm/hook_ms` and
-`comm/buckets_per_step`. PowerSGD starts after 2 plain all-reduce steps; the table shows the
+TensorBoard: `xfer/bytes_per_step`, `xfer/compression_ratio`, `xfer/hook_ms` and
+`xfer/buckets_per_step`. PowerSGD starts after 2 plain all-reduce steps; the table shows the
 steps after that warm-up (the median over them). Prints a markdown table.
 """
 
@@ -53,7 +53,7 @@ def measure(strategy: str, run_dir: Path, args: argparse.Namespace) -> dict[str,
     if result.returncode != 0:
         sys.exit(f"{strategy} failed (exit {result.returncode}):\n{result.stdout[-2000:]}{result.stderr[-2000:]}")
     scalars = read_scalars(run_dir)
-    return {name: statistics.median(scalars[f"comm/{name}"][WARMUP_STEPS:])
+    return {name: statistics.median(scalars[f"xfer/{name}"][WARMUP_STEPS:])
             for name in ("bytes_per_step", "compression_ratio", "hook_ms", "buckets_per_step")}
 
 
@@ -67,7 +67,7 @@ def main() -> None:
 
     params = resnet18_params()
     print(f"ResNet-18: {params:,} parameters = {params * 4 / MB:.2f} MB of fp32 gradients; 2 CPU processes (gloo)\n")
-    print("| strategy | comm/bytes_per_step | MB per step | comm/compression_ratio | comm/hook_ms (median) | buckets per step |")
+    print("| strategy | xfer/bytes_per_step | MB per step | xfer/compression_ratio | xfer/hook_ms (median) | buckets per step |")
     print("|---|---:|---:|---:|---:|---:|")
     with tempfile.TemporaryDirectory(prefix="comm_bytes_") as tmp:
         for strategy in STRATEGIES:

@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/powersgd_repeat.py --data-root ../shared/data --without-fix --runs 5
 
 A run passes when it exits 0 within its timeout and rank 0 logged PowerSGD-compressed steps
-(comm/compression_ratio > 1). Exits 1 when any run fails.
+(xfer/compression_ratio > 1). Exits 1 when any run fails.
 
 `--without-fix` swaps in `UnfixedPowerSGDStrategy`, which keeps DDP's default buckets (three for
 ResNet-18). PowerSGD then issues all-reduces from gloo's threads for several buckets at once, in a
@@ -39,7 +39,7 @@ class UnfixedPowerSGDStrategy(CommHookDDPStrategy):
 
 def compressed_steps(run_dir: Path) -> int:
     """Optimizer steps rank 0 logged with PowerSGD compression."""
-    return sum(ratio > 1 for ratio in read_scalars(run_dir).get("comm/compression_ratio", []))
+    return sum(ratio > 1 for ratio in read_scalars(run_dir).get("xfer/compression_ratio", []))
 
 
 def run_once(run_dir: Path, args: argparse.Namespace) -> tuple[bool, str]:

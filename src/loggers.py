@@ -24,19 +24,20 @@ DESCRIPTIONS = {
     "time/epoch_s_median": "median of time/epoch_s over the run's epochs: the figure of the result line and report.md",
     "time/samples_per_s_median": "median of time/samples_per_s over the run's epochs",
     EPOCH_TAG: "Lightning's epoch counter (from 0) at each epoch-end point",
-    "comm/bytes_per_step": "bytes of every all-reduce the DDP hook issued in the optimizer step, per process (payload)",
-    "comm/compression_ratio": "the step's gradients as fp32 bytes divided by comm/bytes_per_step",
-    "comm/hook_ms": "sum over the step's buckets of the time from the hook's call to its result (may overlap backward)",
-    "comm/buckets_per_step": "DDP buckets reduced in the optimizer step (hook calls)",
-    "comm/backward_compute_ms": "DDP's timing: start of the backward pass to the last gradient ready",
-    "comm/backward_comm_ms": "DDP's timing: first bucket's all-reduce launched to the last one done",
-    "comm/overlap_ms": "the part of comm/backward_comm_ms spent while gradients were still computed",
-    "comm/overlap_frac": "comm/overlap_ms / comm/backward_comm_ms: the share of communication hidden behind backward",
+    "xfer/bytes_per_step": "bytes of every all-reduce the DDP hook issued in the optimizer step, per process (payload)",
+    "xfer/compression_ratio": "the step's gradients as fp32 bytes divided by xfer/bytes_per_step",
+    "xfer/hook_ms": "sum over the step's buckets of the time from the hook's call to its result (may overlap backward)",
+    "xfer/buckets_per_step": "DDP buckets reduced in the optimizer step (hook calls)",
+    "xfer/backward_compute_ms": "DDP's timing: start of the backward pass to the last gradient ready",
+    "xfer/backward_comm_ms": "DDP's timing: first bucket's all-reduce launched to the last one done",
+    "xfer/overlap_ms": "the part of xfer/backward_comm_ms spent while gradients were still computed",
+    "xfer/overlap_frac": "xfer/overlap_ms / xfer/backward_comm_ms: the share of communication hidden behind backward",
 }
 
 
 # TensorBoard's Custom Scalars tab: the answer first (accuracy, loss, time), communication after it.
-# Time Series orders its groups by name, so there `comm` comes first. Each chart's tags are regexes.
+# Time Series orders its groups by name: the transfer scalars are `xfer/*` so that they come after the
+# answer (test, time, train, val). Each chart's tags are regexes.
 LAYOUT = {
     "accuracy": {"test and validation": ["Multiline", ["test/acc$", "val/acc$", "val/acc_best$"]],
                  "training": ["Multiline", ["train/acc$"]]},
@@ -44,20 +45,20 @@ LAYOUT = {
     "time": {"epoch seconds (validation excluded)": ["Multiline", ["time/epoch_s$", "time/epoch_s_median$"]],
              "images per second": ["Multiline", ["time/samples_per_s$", "time/samples_per_s_median$"]]},
     "communication (DDP)": {
-        "bytes per optimizer step": ["Multiline", ["comm/bytes_per_step$", "comm/bytes_per_step_epoch$"]],
-        "hook ms": ["Multiline", ["comm/hook_ms$", "comm/hook_ms_epoch$"]],
-        "backward pass ms": ["Multiline", ["comm/backward_compute_ms$", "comm/backward_comm_ms$", "comm/overlap_ms$"]],
-        "share of communication hidden": ["Multiline", ["comm/overlap_frac$", "comm/overlap_frac_epoch$"]],
-        "compression": ["Multiline", ["comm/compression_ratio$", "comm/buckets_per_step$"]],
+        "bytes per optimizer step": ["Multiline", ["xfer/bytes_per_step$", "xfer/bytes_per_step_epoch$"]],
+        "hook ms": ["Multiline", ["xfer/hook_ms$", "xfer/hook_ms_epoch$"]],
+        "backward pass ms": ["Multiline", ["xfer/backward_compute_ms$", "xfer/backward_comm_ms$", "xfer/overlap_ms$"]],
+        "share of communication hidden": ["Multiline", ["xfer/overlap_frac$", "xfer/overlap_frac_epoch$"]],
+        "compression": ["Multiline", ["xfer/compression_ratio$", "xfer/buckets_per_step$"]],
     },
 }
 
 
 def description(tag: str) -> str | None:
-    """A tag's description; `comm/<name>_epoch` is the epoch's mean of `comm/<name>`."""
+    """A tag's description; `xfer/<name>_epoch` is the epoch's mean of `xfer/<name>`."""
     if tag in DESCRIPTIONS:
         return DESCRIPTIONS[tag]
-    if tag.startswith("comm/") and tag.endswith("_epoch") and tag[: -len("_epoch")] in DESCRIPTIONS:
+    if tag.startswith("xfer/") and tag.endswith("_epoch") and tag[: -len("_epoch")] in DESCRIPTIONS:
         return f"mean over the epoch of {tag[: -len('_epoch')]}: " + DESCRIPTIONS[tag[: -len("_epoch")]]
     return None
 

@@ -101,7 +101,7 @@ def read_run(run: RunFolder) -> Run:
         test_acc=test_acc[-1] if test_acc else None,
         epoch_s=median(run.values("time/epoch_s")),
         samples_per_s=median(run.values("time/samples_per_s")),
-        comm_bytes_per_step=median(run.values("comm/bytes_per_step")),
+        comm_bytes_per_step=median(run.values("xfer/bytes_per_step")),
         val_acc=val_acc,
         ddp="hook" in (run.value("strategy") or {}),
         params=params,

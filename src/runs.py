@@ -36,6 +36,11 @@ EVENT_FILES = "events.out.tfevents.*"
 T = TypeVar("T")
 
 
+def legacy_names(tag: str) -> tuple[str, ...]:
+    """Older names of a scalar: `xfer/<name>` was `comm/<name>`."""
+    return ("comm/" + tag.removeprefix("xfer/"),) if tag.startswith("xfer/") else ()
+
+
 def median(values: Iterable[float]) -> float | None:
     """The median; None when there are no values (a scalar the run did not log)."""
     values = list(values)
@@ -72,9 +77,10 @@ class RunFolder:
         return events
 
     def scalars(self, *tags: str) -> list[tuple[int, float]]:
-        """(step, value) of the first of `tags` that the run logged; empty when it logged none of them."""
+        """(step, value) of the first of `tags` that the run logged; empty when it logged none of them.
+        Runs made before the transfer scalars moved to `xfer/` logged them as `comm/`: read as the same."""
         logged = set(self._events.Tags()["scalars"])
-        for tag in tags:
+        for tag in (name for tag in tags for name in (tag, *legacy_names(tag))):
             if tag in logged:
                 return [(int(e.step), e.value) for e in self._events.Scalars(tag)]
         return []

@@ -41,12 +41,12 @@ register_resolvers()
 def ignore_known_warnings() -> None:
     """Hide Lightning's and torch's warnings that ask nothing of this project's users."""
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")  # torch 2.14 vs Lightning 2.6
-    # The comm/ epoch means are rank 0's own figures by design (src/callbacks/comm.py), not a sum over ranks.
-    warnings.filterwarnings("ignore", message=r"It is recommended to use `self.log\('comm/")
+    # The xfer/ epoch means are rank 0's own figures by design (src/callbacks/comm.py), not a sum over ranks.
+    warnings.filterwarnings("ignore", message=r"It is recommended to use `self.log\('xfer/")
     # Lightning's hint to prepend `srun` wherever the command exists: a run started without it on a SLURM
     # login or build node is a local run by choice (docs/cluster.md says how to run under SLURM).
     warnings.filterwarnings("ignore", message=r"The `srun` command is available on your system but is not used")
-    # Every scalar has per-epoch points (comm/ its `_epoch` means), so a run of fewer steps than
+    # Every scalar has per-epoch points (xfer/ its `_epoch` means), so a run of fewer steps than
     # trainer.log_every_n_steps loses no curve: Lightning's advice to lower the interval does not apply.
     warnings.filterwarnings("ignore", message=r"The number of training batches \(\d+\) is smaller than the logging interval")
 

@@ -24,10 +24,10 @@ def test_ddp_on_two_cpu_processes_writes_one_run_folder(ddp_run: Run):
     assert_finished_run(ddp_run.result, run_dir)
     assert hparams(run_dir)["world_size"] == 2
     assert (run_dir / "train_rank_1.log").exists()
-    # 4 steps, fewer than log_every_n_steps: no per-step comm/ points, but every comm/ scalar's epoch mean.
+    # 4 steps, fewer than log_every_n_steps: no per-step xfer/ points, but every xfer/ scalar's epoch mean.
     series = scalars(run_dir)
-    assert "comm/bytes_per_step" not in series
-    assert {"comm/bytes_per_step_epoch", "comm/hook_ms_epoch", "comm/backward_comm_ms_epoch", "comm/overlap_frac_epoch"} <= set(series)
+    assert "xfer/bytes_per_step" not in series
+    assert {"xfer/bytes_per_step_epoch", "xfer/hook_ms_epoch", "xfer/backward_comm_ms_epoch", "xfer/overlap_frac_epoch"} <= set(series)
     assert [p.name for p in run_dir.parent.iterdir()] == ["run"]
     assert len(list(run_dir.glob("events.out.tfevents.*"))) >= 1
     # Only rank 0 writes TensorBoard files: every event file comes from one process id.

@@ -84,8 +84,8 @@ def final_params(run_dir: Path) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("hook", HOOKS)
 def test_hook_runs_on_cpu_and_its_bytes_are_counted(train, hook: str) -> None:
     logged = scalars(train(hook))
-    sent, ratio = logged["comm/bytes_per_step"], logged["comm/compression_ratio"]
-    buckets, hook_ms = logged["comm/buckets_per_step"], logged["comm/hook_ms"]
+    sent, ratio = logged["xfer/bytes_per_step"], logged["xfer/compression_ratio"]
+    buckets, hook_ms = logged["xfer/buckets_per_step"], logged["xfer/hook_ms"]
     assert len(sent) == len(ratio) == len(buckets) == len(hook_ms) == BATCHES
 
     # The hook ran on every step (its futures completed) and took measurable time.
@@ -104,17 +104,17 @@ def test_hook_runs_on_cpu_and_its_bytes_are_counted(train, hook: str) -> None:
     assert ratio == pytest.approx([PARAMS * 4 / e for e in expected], rel=1e-6)
 
 
-DDP_TIMINGS = ("comm/backward_compute_ms", "comm/backward_comm_ms", "comm/overlap_ms", "comm/overlap_frac")
-HOOK_FIGURES = ("comm/bytes_per_step", "comm/compression_ratio", "comm/hook_ms", "comm/buckets_per_step")
+DDP_TIMINGS = ("xfer/backward_compute_ms", "xfer/backward_comm_ms", "xfer/overlap_ms", "xfer/overlap_frac")
+HOOK_FIGURES = ("xfer/bytes_per_step", "xfer/compression_ratio", "xfer/hook_ms", "xfer/buckets_per_step")
 
 
 def test_ddp_backward_timings_and_epoch_means_are_logged(train) -> None:
     logged = scalars(train("none"))
     for name in DDP_TIMINGS:  # every step but the last: DDP files a step's timings in the next forward pass
         assert len(logged[name]) == BATCHES - 1, name
-    assert all(ms > 0 for ms in logged["comm/backward_compute_ms"] + logged["comm/backward_comm_ms"])
-    assert all(0 <= overlap <= comm for overlap, comm in zip(logged["comm/overlap_ms"], logged["comm/backward_comm_ms"]))
-    assert all(0 <= share <= 1 for share in logged["comm/overlap_frac"])
+    assert all(ms > 0 for ms in logged["xfer/backward_compute_ms"] + logged["xfer/backward_comm_ms"])
+    assert all(0 <= overlap <= comm for overlap, comm in zip(logged["xfer/overlap_ms"], logged["xfer/backward_comm_ms"]))
+    assert all(0 <= share <= 1 for share in logged["xfer/overlap_frac"])
     for name in (*HOOK_FIGURES, *DDP_TIMINGS):
         assert logged[f"{name}_epoch"] == [pytest.approx(sum(logged[name]) / len(logged[name]), rel=1e-5)], name
 
@@ -122,11 +122,11 @@ def test_ddp_backward_timings_and_epoch_means_are_logged(train) -> None:
 def test_accumulation_skips_the_all_reduce(train) -> None:
     plain, accumulated = scalars(train("none")), scalars(train("none", accumulate=2))
     # The same batches make half as many optimizer steps, each sending the full gradients once.
-    assert len(plain["comm/bytes_per_step"]) == BATCHES
-    assert accumulated["comm/bytes_per_step"] == [PARAMS * 4] * (BATCHES // 2)
+    assert len(plain["xfer/bytes_per_step"]) == BATCHES
+    assert accumulated["xfer/bytes_per_step"] == [PARAMS * 4] * (BATCHES // 2)
     # Once DDP has rebuilt its buckets (after step 0), the hook runs half as often per batch.
-    plain_calls_per_batch = plain["comm/buckets_per_step"][-1] / 1
-    accumulated_calls_per_batch = accumulated["comm/buckets_per_step"][-1] / 2
+    plain_calls_per_batch = plain["xfer/buckets_per_step"][-1] / 1
+    accumulated_calls_per_batch = accumulated["xfer/buckets_per_step"][-1] / 2
     assert plain_calls_per_batch > 1
     assert accumulated_calls_per_batch == plain_calls_per_batch / 2
 
@@ -198,7 +198,7 @@ def test_powersgd_still_learns(tmp_path: Path, data_root: Path) -> None:
         accuracy[name] = scalars(run_dir)["test/acc"][-1]
     assert accuracy["ddp"] > 0.8  # the baseline learned, so the comparison means something
     assert accuracy["powersgd"] >= accuracy["ddp"] - 0.02, accuracy
-    assert max(scalars(tmp_path / "powersgd")["comm/compression_ratio"]) > 20  # it really compressed
+    assert max(scalars(tmp_path / "powersgd")["xfer/compression_ratio"]) > 20  # it really compressed
 
 
 # ---------------------------------------------------------------- the counting, in 2 spawned gloo processes
@@ -364,7 +364,7 @@ def test_a_group_that_cannot_count_leaves_the_run_uncounted_with_one_line(tmp_pa
         dist.all_reduce(ones, group=group)  # the plain group still reduces
         assert not meter.counting and ones.tolist() == [1.0] * 3
         assert [r.getMessage() for r in caplog.records if "not counted" in r.getMessage()] == [
-            f"comm/bytes_per_step is not counted on this torch ({torch.__version__}) and backend (gloo): "
+            f"xfer/bytes_per_step is not counted on this torch ({torch.__version__}) and backend (gloo): "
             "collective not dispatched to a Python group; the run goes on with a plain gloo group"]
     finally:
         dist.destroy_process_group()

@@ -87,7 +87,7 @@ def test_a_new_comm_hook_is_a_function_and_a_strategy_file(tmp_path, data_root, 
     assert config.strategy.hook == "tests.examples.hooks.fp16_allreduce_hook"
     series = scalars(run_dir)
     # Only a hook that sends float16 halves the bytes: plain DDP's ratio is 1.
-    assert series["comm/compression_ratio_epoch"] == [pytest.approx(2.0)]
+    assert series["xfer/compression_ratio_epoch"] == [pytest.approx(2.0)]
     assert hparams(run_dir)["world_size"] == 2
 
 
@@ -97,7 +97,7 @@ def test_a_hook_with_state_gets_it_built_from_the_strategy_file(tmp_path, data_r
                                f"hydra.run.dir={run_dir}", timeout=600), run_dir)
     assert config.strategy.hook_state.warmup_steps == 2
     # The state lives across calls: fp32 for the first two of the four steps, then float16.
-    assert scalars(run_dir)["comm/compression_ratio"] == [pytest.approx(r) for r in (1.0, 1.0, 2.0, 2.0)]
+    assert scalars(run_dir)["xfer/compression_ratio"] == [pytest.approx(r) for r in (1.0, 1.0, 2.0, 2.0)]
 
 
 @pytest.mark.parametrize("args, message", [

@@ -41,7 +41,7 @@ def test_ddp_over_nccl_counts_what_its_hook_sends(tmp_path, data_root, strategy)
                    "trainer.limit_train_batches=12", "strategy.start_powersgd_iter=2", f"hydra.run.dir={run_dir}")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "not counted" not in result.stderr and "Grad strides do not match" not in result.stderr
-    ratio = scalars(run_dir)["comm/compression_ratio_epoch"][-1]
+    ratio = scalars(run_dir)["xfer/compression_ratio_epoch"][-1]
     assert ratio == pytest.approx(2.0) if strategy == "ddp_fp16" else ratio > 20
 
 

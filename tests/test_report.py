@@ -87,9 +87,9 @@ def test_cli_report_matches_the_runs_event_files(sweep, tmp_path):
         assert float(row["epoch_s"]) == pytest.approx(statistics.median(logged["time/epoch_s"]))
         assert float(row["samples_per_s"]) == pytest.approx(statistics.median(logged["time/samples_per_s"]))
         if config.devices == 1:  # one process sends nothing: no bytes are counted
-            assert row["comm_bytes_per_step"] == "" and "comm/bytes_per_step" not in logged
+            assert row["comm_bytes_per_step"] == "" and "xfer/bytes_per_step" not in logged
         else:
-            assert float(row["comm_bytes_per_step"]) == pytest.approx(statistics.median(logged["comm/bytes_per_step"]))
+            assert float(row["comm_bytes_per_step"]) == pytest.approx(statistics.median(logged["xfer/bytes_per_step"]))
         epoch_s[config.devices] = float(row["epoch_s"])
     speedups = {int(r["devices"]): float(r["speedup"]) for r in rows.values()}
     assert speedups[1] == pytest.approx(1.0)
@@ -133,7 +133,7 @@ def synthetic(tmp_path) -> Path:
     write_run(root / "one", config("ddp", 1, precision="16-mixed"),
               {"time/epoch_s": TIMES["one"], "test/acc": [0.5, 0.7]}, {"precision_used": "bf16-mixed"})
     write_run(root / "deep" / "er" / "four", config("ddp", 2, num_nodes=2, precision="16-mixed"),
-              {"time/epoch_s": TIMES["four"], "comm/bytes_per_step": COMM}, {"precision_used": "bf16-mixed"})
+              {"time/epoch_s": TIMES["four"], "xfer/bytes_per_step": COMM}, {"precision_used": "bf16-mixed"})
     write_run(root / "fp32", config("ddp", 4), {"time/epoch_s": TIMES["fp32"]}, {"precision_used": "32-true"})
     write_run(root / "dp", config("dp", 2), {"time/epoch_s": TIMES["dp"]})
     (root / "config_only" / ".hydra").mkdir(parents=True)

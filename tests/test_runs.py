@@ -39,6 +39,12 @@ def test_scalars_come_from_the_first_tag_logged(tmp_path):
     assert median(run.values("a_epoch")) == 2.0 and median([]) is None
 
 
+def test_a_run_logged_before_the_rename_gives_its_transfer_scalars_under_xfer(tmp_path):
+    run = RunFolder(write_run(tmp_path / "run", {}, {"comm/bytes_per_step": [8.0], "xfer/hook_ms": [2.0]}), tmp_path)
+    assert run.values("xfer/bytes_per_step") == [8.0] and run.values("xfer/hook_ms") == [2.0]
+    assert run.values("xfer/overlap_ms") == []
+
+
 def test_only_folders_with_a_config_and_events_are_runs(tmp_path):
     write_run(tmp_path / "deep" / "run", {}, {"x": [1.0]})
     (tmp_path / "config_only" / ".hydra").mkdir(parents=True)

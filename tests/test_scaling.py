@@ -335,7 +335,7 @@ def runs(tmp_path_factory, data_root) -> Path:
 
 @pytest.mark.slow
 def test_byte_model_matches_what_a_real_ddp_run_counted(runs):
-    sent = scalars(runs / "two")["comm/bytes_per_step"]
+    sent = scalars(runs / "two")["xfer/bytes_per_step"]
     assert len(sent) >= 3
     assert max(sent) == sum(collectives(LENET_SHAPES, "none"))  # the warm-up steps: plain fp32 all-reduce
     assert min(sent) == sum(collectives(LENET_SHAPES, "powersgd"))  # then P, Q and the uncompressed tensors

@@ -130,7 +130,7 @@ def test_scalars_have_descriptions_and_no_comm_bytes_on_one_process(served_sweep
     tags = served_sweep.get("/data/plugin/scalars/tags")[f"{LABEL}_seed=1"]
     for tag in ("test/acc", "val/acc", "time/epoch_s", "time/epoch_s_median", "train/loss"):
         assert tags[tag]["description"], tag
-    assert not any(tag.startswith("comm/") for tag in tags)
+    assert not any(tag.startswith("xfer/") for tag in tags)
     layout = served_sweep.get("/data/plugin/custom_scalars/layout")
     assert [category["title"] for category in layout["category"]][:3] == ["accuracy", "loss", "time"]
 

@@ -3,27 +3,27 @@
 Rank 0's figures, per process and per optimizer step (micro-batches that only accumulate
 gradients send nothing and fold into the next step):
 
-- `comm/bytes_per_step`: bytes of every all-reduce the hook issued (its payload, not the wire
+- `xfer/bytes_per_step`: bytes of every all-reduce the hook issued (its payload, not the wire
   traffic of the all-reduce algorithm); not logged by a run of one process, which sends nothing.
-- `comm/compression_ratio`: the same buckets' gradients as fp32 bytes, divided by bytes_per_step.
-- `comm/hook_ms`: the sum over the step's buckets of the wall time from the hook's call to the
+- `xfer/compression_ratio`: the same buckets' gradients as fp32 bytes, divided by bytes_per_step.
+- `xfer/hook_ms`: the sum over the step's buckets of the wall time from the hook's call to the
   completion of the future it returned (compression, all-reduces and decompression, including
   any wait for the other ranks); buckets may overlap each other and the backward pass.
-- `comm/buckets_per_step`: hook calls, one per DDP bucket reduced.
+- `xfer/buckets_per_step`: hook calls, one per DDP bucket reduced.
 
 What DDP itself measured of the step's backward pass (its runtime logging data, recorded for
 every step here rather than DDP's default sample of the first ten and every hundredth):
 
-- `comm/backward_compute_ms`: from the start of the backward pass to the last gradient ready;
-- `comm/backward_comm_ms`: from the first bucket's all-reduce launched to the last one done;
-- `comm/overlap_ms`: the part of backward_comm_ms spent while gradients were still computed;
-- `comm/overlap_frac`: overlap_ms / backward_comm_ms, the share of communication hidden.
+- `xfer/backward_compute_ms`: from the start of the backward pass to the last gradient ready;
+- `xfer/backward_comm_ms`: from the first bucket's all-reduce launched to the last one done;
+- `xfer/overlap_ms`: the part of backward_comm_ms spent while gradients were still computed;
+- `xfer/overlap_frac`: overlap_ms / backward_comm_ms, the share of communication hidden.
 
 DDP files a step's timings during the next step's forward pass, so they are read there and
 logged at the step they belong to; the run's very last step has none.
 
-Every `comm/` scalar is also logged once per epoch as its mean over the epoch's steps,
-`comm/<name>_epoch`, so a run shorter than `trainer.log_every_n_steps` steps still shows it.
+Every `xfer/` scalar is also logged once per epoch as its mean over the epoch's steps,
+`xfer/<name>_epoch`, so a run shorter than `trainer.log_every_n_steps` steps still shows it.
 """
 
 from typing import Any
@@ -35,7 +35,7 @@ from src.strategies.comm import CommMeter
 
 
 class CommLogger(Callback):
-    """Logs the `comm/` scalars after each optimizer step; does nothing when the strategy has no CommMeter."""
+    """Logs the `xfer/` scalars after each optimizer step; does nothing when the strategy has no CommMeter."""
 
     def __init__(self) -> None:
         self._meter: CommMeter | None = None
@@ -67,11 +67,11 @@ class CommLogger(Callback):
         if step.buckets == 0:
             return
         sent = () if trainer.world_size == 1 else (  # one process: the all-reduces send nothing
-            ("comm/bytes_per_step", float(step.bytes_sent)), ("comm/compression_ratio", step.compression_ratio))
+            ("xfer/bytes_per_step", float(step.bytes_sent)), ("xfer/compression_ratio", step.compression_ratio))
         for name, value in (
             *sent,
-            ("comm/hook_ms", step.hook_s * 1000),
-            ("comm/buckets_per_step", float(step.buckets)),
+            ("xfer/hook_ms", step.hook_s * 1000),
+            ("xfer/buckets_per_step", float(step.buckets)),
         ):
             pl_module.log(name, value, on_step=True, on_epoch=False, rank_zero_only=True)
             self._epoch_values.setdefault(name, []).append(value)
@@ -105,10 +105,10 @@ class CommLogger(Callback):
         self._ddp_iteration = data["iteration"]
         compute, comm, overlap = (data[key] / 1e6 for key in keys[1:])
         return {
-            "comm/backward_compute_ms": compute,
-            "comm/backward_comm_ms": comm,
-            "comm/overlap_ms": overlap,
-            "comm/overlap_frac": overlap / comm if comm > 0 else 0.0,
+            "xfer/backward_compute_ms": compute,
+            "xfer/backward_comm_ms": comm,
+            "xfer/overlap_ms": overlap,
+            "xfer/overlap_frac": overlap / comm if comm > 0 else 0.0,
         }
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:

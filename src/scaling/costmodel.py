@@ -4,7 +4,7 @@ The model behind `python -m src.scaling` (docs/scaling.md), kept free of file re
 every formula can be checked by hand:
 
 - bytes: what one process hands to all-reduce per optimizer step under each DDP hook, the same
-  payload `comm/bytes_per_step` counts (`collectives`), bucket by bucket (`bucketed`);
+  payload `xfer/bytes_per_step` counts (`collectives`), bucket by bucket (`bucketed`);
 - time of one ring all-reduce of b bytes over N processes (Thakur et al., 2005): 2(N-1) steps of
   latency plus 2(N-1)/N x b / (bus share x bandwidth) (`ring_allreduce_s`);
 - a step (`predict_step`): each process computes its share of the batch (strong scaling: the

@@ -10,7 +10,7 @@
 From each model's run with the fewest processes (its step time, and under DDP what it timed of
 its backward pass and communication), the model's gradient shapes, and the cost model of
 `src.scaling.costmodel`, for every DDP hook and interconnect. A folder that also holds multi-process DDP
-runs gets a table of predicted against measured `comm/hook_ms` and epoch time. See docs/scaling.md.
+runs gets a table of predicted against measured `xfer/hook_ms` and epoch time. See docs/scaling.md.
 """
 
 import csv
@@ -94,17 +94,17 @@ def read_figures(run: RunFolder) -> RunFigures | None:
         step_s=statistics.median(s / n for (_, s), n in zip(epochs, steps)),
     )
     if is_ddp:
-        comm, overlap = typical("comm/backward_comm_ms"), typical("comm/overlap_ms")
+        comm, overlap = typical("xfer/backward_comm_ms"), typical("xfer/overlap_ms")
         figures.exposed_comm_s = max(0.0, (comm or 0.0) - (overlap or 0.0)) / 1000
-        backward = typical("comm/backward_compute_ms")
+        backward = typical("xfer/backward_compute_ms")
         figures.backward_s = None if backward is None else backward / 1000
-        figures.overlap_frac = typical("comm/overlap_frac")
-        sent = series("comm/bytes_per_step")
+        figures.overlap_frac = typical("xfer/overlap_frac")
+        sent = series("xfer/bytes_per_step")
         if sent:
             smallest = min(v for _, v in sent)
             figures.bytes_per_step = smallest
             steady = {step for step, v in sent if v == smallest}
-            hook_ms = median(v for s, v in series("comm/hook_ms") if s in steady)
+            hook_ms = median(v for s, v in series("xfer/hook_ms") if s in steady)
             figures.hook_s = None if hook_ms is None else hook_ms / 1000
     return figures
 
@@ -163,13 +163,13 @@ class Baseline:
         else:
             skew, origin["skew"] = options.skew, "stated (--skew)"
         if run.overlap_frac is not None:
-            overlap, origin["overlap"] = run.overlap_frac, f"`comm/overlap_frac` of {run.run}"
+            overlap, origin["overlap"] = run.overlap_frac, f"`xfer/overlap_frac` of {run.run}"
         else:
             overlap = 0.0 if options.overlap is None else options.overlap
             origin["overlap"] = "a one-process run measures none: " + ("assumed 0 (--overlap)" if options.overlap is None else "stated (--overlap)")
         backward_share = BACKWARD_SHARE if backward_1 is None else min(1.0, backward_1 / compute_1)
         origin["backward"] = ("2/3 of the compute (assumed: backward about twice the forward pass)" if backward_1 is None
-                              else f"`comm/backward_compute_ms` of {run.run}")
+                              else f"`xfer/backward_compute_ms` of {run.run}")
         rank = run.powersgd_rank
         return cls(run, compute_1, Terms(overhead, skew, overlap, backward_share), origin,
                    {h: bucketed(run.shapes, h, rank, int(options.bucket_mb * MIB)) for h in HOOKS},

@@ -12,7 +12,7 @@ counted, whatever issued it: `dist.all_reduce` (however it was imported), `group
 
 Where the counting group cannot work (a torch whose c10d does not dispatch to Python groups, or a
 backend that refuses the wrapped calls), the run goes on with the plain group, uncounted, and says
-so in one line: the `comm/bytes_per_step` and `comm/compression_ratio` scalars are then absent.
+so in one line: the `xfer/bytes_per_step` and `xfer/compression_ratio` scalars are then absent.
 Collectives that name ranks of the world (`broadcast`, `barrier`, `all_gather_into_tensor`) need a
 group that torch registered; a hook of one's own that issues them gets its group's `inner` group.
 """
@@ -72,7 +72,7 @@ class CommMeter:
             dist.all_reduce(probe, group=group)
         except Exception as error:  # noqa: BLE001  any failure means: go on uncounted, never fail the run
             reason = _first_cause(error)
-            log.warning(f"comm/bytes_per_step is not counted on this torch ({torch.__version__}) and backend "
+            log.warning(f"xfer/bytes_per_step is not counted on this torch ({torch.__version__}) and backend "
                         f"({backend}): {reason}; the run goes on with a plain {backend} group")
             self.counting = False
             return inner

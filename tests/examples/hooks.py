@@ -3,7 +3,7 @@
 
 DDP calls it once per gradient bucket; the future's value replaces the bucket's gradients on
 every process. `CommHookDDPStrategy` passes the process group it made for the hook, so that
-`comm/*` counts what the hook's `dist.all_reduce` calls send.
+`xfer/*` counts what the hook's `dist.all_reduce` calls send.
 """
 
 import torch
