@@ -1,7 +1,9 @@
 import pytest
 import torch
 
-from tests.helpers import DATA_ROOT, LINEAR_LR, QUICK, Run, train
+from tests.helpers import DATA_ROOT, LINEAR_LR, QUICK, REPO, Run, train
+
+OUTPUTS = REPO / "outputs"
 
 
 @pytest.fixture(scope="session")
@@ -19,6 +21,20 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip_gpu)
+
+
+def _checkout_runs() -> set[str]:
+    return {p.relative_to(OUTPUTS).as_posix() for p in OUTPUTS.glob("*/*")}
+
+
+@pytest.fixture(autouse=True)
+def checkout_outputs_untouched():
+    """Every test runs in folders of its own: a folder it leaves in the checkout's outputs/ (a run's,
+    a sweep's, an eval's) is an error of that test, and would mix with a user's runs."""
+    before = _checkout_runs()
+    yield
+    added = _checkout_runs() - before
+    assert not added, f"the test left folders in {OUTPUTS}: {sorted(added)}"
 
 
 @pytest.fixture

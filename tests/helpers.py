@@ -122,6 +122,7 @@ def in_process(module: str, *args: str, timeout: float = 300, workers: bool = Fa
     import warnings
 
     from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
 
     from src.launch import cli
 
@@ -136,6 +137,7 @@ def in_process(module: str, *args: str, timeout: float = 300, workers: bool = Fa
     sys.argv = [f"{module.replace('.', '/')}.py", *args]
     saved_env = dict(os.environ)  # a launcher sets some for its workers
     os.environ["HYDRA_MAIN_MODULE"] = "__main__"  # find conf/ beside the entry's file, as `python -m` does
+    HydraConfig.instance().cfg = None  # as in a new process: no config of an earlier run or test to resolve against
 
     def show(message, category, filename, lineno, file=None, line=None) -> None:
         sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))

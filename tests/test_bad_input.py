@@ -35,8 +35,8 @@ def composed(*overrides: str):
     """The config a run with these overrides gets, as `train()` sees it."""
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("train", overrides=list(overrides), return_hydra_config=True)
-    with open_dict(cfg):
-        cfg.hydra.runtime.output_dir = "/tmp/run"
+    with open_dict(cfg):  # as a run's: its folder chosen (resolving the default would create one)
+        cfg.hydra.run.dir = cfg.hydra.runtime.output_dir = "/tmp/run"
     HydraConfig.instance().set_config(cfg)
     return cfg
 

@@ -10,9 +10,10 @@ network. Its own `outputs/` keeps the runs out of this checkout.
 A command that would train one full epoch or more (the README's default is 10) gets
 ` debug=quick` appended, after its trailing comment is dropped: one epoch of 4 batches, so the
 test takes seconds and still runs everything the command does (folders, checkpoints, the result
-line, the sweep's report). Each command runs once; the tests below read what it left. The setup
-and test commands are not run (the setup installs, the test command is this suite); they must be
-the very lines `.ci/run` runs.
+line, the sweep's report). A command of four processes also gets one batch of each kind, of 8
+images a process (`SMALLEST`): ResNet-18 with bf16 emulated on 2 cores would take minutes. Each
+command runs once; the tests below read what it left. The setup and test commands are not run
+(the setup installs, the test command is this suite); they must be the very lines `.ci/run` runs.
 """
 
 import os
@@ -58,9 +59,17 @@ def epochs_trained(command: str) -> int:
     return cfg.max_epochs if cfg.trainer.limit_train_batches is None else 0
 
 
+SLOW = r"devices=[\d,]*4\b"  # four processes (a sweep job or a run): minutes on a 2-core machine
+# For four processes on 2 cores, on top of debug=quick: one batch of each kind, of 8 images a process.
+SMALLEST = ("trainer.limit_train_batches=1", "trainer.limit_val_batches=1", "trainer.limit_test_batches=1",
+            "trainer.num_sanity_val_steps=0", "data.batch_size=32")
+
+
 def as_run(command: str) -> str:
     """The command as the test runs it: verbatim, or with ` debug=quick` appended (see the module's docstring)."""
-    return f"{without_comment(command)} debug=quick" if epochs_trained(command) >= 1 else command
+    if epochs_trained(command) < 1:
+        return command
+    return " ".join((without_comment(command), "debug=quick", *(SMALLEST if re.search(SLOW, command) else ())))
 
 
 def overrides(command: str) -> list[str]:
@@ -108,7 +117,7 @@ def fresh_shell(command: str, cwd: Path, timeout: float = 1800) -> subprocess.Co
     """`bash -c command` as in a new terminal: no virtualenv on PATH or in the environment.
 
     The timeout only bounds a hang: ResNet-18 on 4 CPU processes with bf16 emulated took 530 s on
-    the 2-core machine under load."""
+    the 2-core machine under load, before `SMALLEST`."""
     env = {k: v for k, v in user_env().items() if k not in ("VIRTUAL_ENV", "FASHION_MNIST_ROOT", "PYTHONHOME")}
     venv_bin = str(REPO / ".venv" / "bin")
     env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep) if p and Path(p).resolve() != Path(venv_bin).resolve())
@@ -131,7 +140,6 @@ def test_the_commands_run_in_a_shell_without_the_virtualenv(checkout):
 
 
 TRAIN = section_commands("Train")
-SLOW = r"devices=[\d,]*4\b"  # four processes (a sweep job or a run): minutes on a 2-core machine
 SWEEPS = [c for c in TRAIN if is_sweep(c)]
 
 
