@@ -187,15 +187,17 @@ def test_powersgd_still_learns(tmp_path: Path, data_root: Path) -> None:
     training, scored on all 10,000 test images.
 
     Rank 4: LeNet's weight matrices are small (the last is 10 x 128), so a rank-1 approximation
-    keeps too little of them (docs/communication.md gives the figures of ranks 1, 2 and 4), and in
-    the first few hundred steps, which is all this test trains, rank 2 still lags by about 3 points.
-    The net is the one of `experiment=lenet_plus` (batch norm, max-pooling, Kaiming init): it passes
-    0.8 within an epoch, where the book's N(0, 0.01) start needs several.
+    keeps too little of them (docs/communication.md gives the figures of ranks 1, 2 and 4). The net
+    is the one of `experiment=lenet_plus` (batch norm, max-pooling, Kaiming init): it passes 0.8
+    within an epoch, where the book's N(0, 0.01) start needs several. The cosine schedule ends both
+    runs at a learning rate near zero, so the test compares where they settle, not the last steps'
+    noise: at a constant rate the gap was 0.8 points on one CPU and 2.4 on another. fp32, so that
+    every CPU runs the same arithmetic whatever `precision=auto` picks there.
     """
     common = [f"data.root={data_root}", "devices=2", "max_epochs=1", "data.batch_size=128", "optim.lr=0.1",
-              "optim.momentum=0.9", "model.net.batch_norm=true", "model.net.pool=max", "model.net.init=kaiming",
+              "optim.momentum=0.9", "optim.schedule=cosine", "model.net.batch_norm=true", "model.net.pool=max", "model.net.init=kaiming",
               "trainer.limit_train_batches=300", "trainer.limit_val_batches=1", "trainer.num_sanity_val_steps=0",
-              "trainer.enable_progress_bar=false"]
+              "trainer.enable_progress_bar=false", "precision=32"]
     accuracy = {}
     for name, strategy in (("ddp", ["strategy=ddp"]), ("powersgd", ["strategy=ddp_powersgd", "strategy.powersgd_rank=4"])):
         run_dir = tmp_path / name
