@@ -34,9 +34,9 @@ for _ in $(seq 120); do  # until every run folder is served
     sleep 0.5
 done
 
-shot() {  # <view> <file>: the page after its scripts and data requests have settled
+shot() {  # <view> <file>: the page after its scripts and data requests have settled, curves unsmoothed
     "$browser" --headless --no-sandbox --disable-gpu --hide-scrollbars --window-size=1600,1000 \
-        --virtual-time-budget=20000 --screenshot="$2" "http://127.0.0.1:$port/#$1" 2>/dev/null
+        --virtual-time-budget=20000 --screenshot="$2" "http://127.0.0.1:$port/?smoothing=0#$1" 2>/dev/null
 }
 shot timeseries "$out/tensorboard_time_series.png"
 shot hparams "$out/tensorboard_hparams.png"
