@@ -180,16 +180,43 @@ def in_process(module: str, *args: str, timeout: float = 300, workers: bool = Fa
     return subprocess.CompletedProcess([module, *args], status, stdout.getvalue(), stderr.getvalue())
 
 
+def children(pid: int) -> list[int]:
+    """A process's children, oldest first ([] for a process that is gone)."""
+    pids: list[int] = []
+    for listing in Path(f"/proc/{pid}/task").glob("*/children"):
+        with contextlib.suppress(OSError):
+            pids += [int(child) for child in listing.read_text().split()]
+    return sorted(pids)
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def worker_pids(launcher: int) -> list[int]:
+    """A launcher's DDP workers, in the order started: the children of its forkserver (or, started by
+    spawn, its own children running `spawn_main`)."""
+    pids = []
+    for child in children(launcher):
+        command = _cmdline(child)
+        if b"multiprocessing.forkserver" in command:
+            pids += children(child)
+        elif b"spawn_main" in command:
+            pids.append(child)
+    return sorted(pids)
+
+
 def _kill_workers() -> None:
-    """SIGKILL this process's worker children (started by multiprocessing's spawn), as a timeout kills a subprocess."""
+    """SIGKILL this process's DDP workers, as a timeout kills a subprocess."""
     import signal
 
     sys.stderr.write("error: the run's workers were still going at the test's timeout; killed\n")
-    for children in Path(f"/proc/{os.getpid()}/task").glob("*/children"):
-        for pid in children.read_text().split():
-            with contextlib.suppress(OSError):
-                if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                    os.kill(int(pid), signal.SIGKILL)
+    for pid in worker_pids(os.getpid()):
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
 
 
 @contextlib.contextmanager

@@ -173,6 +173,13 @@ def test_a_quick_run_reads_cleanly(tmp_path, data_root):
     assert "Trainer already configured with model summary" not in result.stdout
 
 
+def test_a_ddp_run_reads_cleanly(ddp_run):
+    """No line of torch's own C++ log in a healthy run: rank 0 once tried to serve the store that the
+    elastic agent already serves and torch logged `[E1124 ...] ... has failed to bind`."""
+    assert not re.findall(r"^\[[EW]\d{4} .*$", ddp_run.result.stderr, re.M)
+    assert "Traceback" not in ddp_run.result.stderr
+
+
 def help_text(name: str) -> str:
     """`--help` as Hydra renders it from the config's help template."""
     help_cfg = hydra_config(name).hydra.help

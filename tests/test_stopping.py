@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 
 from src.errors import UsageError
 from src.strategies.ddp import CommHookDDPStrategy
-from tests.helpers import QUICK, REPO, cpu_precision, hparams, scalars, train, user_env
+from tests.helpers import QUICK, REPO, cpu_precision, hparams, scalars, train, user_env, worker_pids
 
 # Long enough to be signalled: 50 short epochs, each checkpointed in `checkpoints/last.ckpt`.
 LONG = [*QUICK, "max_epochs=50", "data.batch_size=64", "trainer.limit_train_batches=10"]
@@ -46,24 +46,6 @@ def live_processes(pgid: int) -> list[int]:
     """Processes of a process group that are not yet gone (zombies count as gone)."""
     pids = [int(stat.parent.name) for stat in Path("/proc").glob("[0-9]*/stat")]
     return [pid for pid in pids if (fields := proc_stat(pid)) and int(fields[2]) == pgid and fields[0] != "Z"]
-
-
-def worker_pids(launcher: int) -> list[int]:
-    """The launcher's worker processes (started by multiprocessing's spawn), in the order started."""
-    pids = []
-    for children in Path(f"/proc/{launcher}/task").glob("*/children"):
-        try:
-            pids += [int(child) for child in children.read_text().split()]
-        except OSError:
-            pass
-    return sorted(pid for pid in pids if b"spawn_main" in _cmdline(pid))
-
-
-def _cmdline(pid: int) -> bytes:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return b""
 
 
 def wait_for(condition, what: str) -> None:

@@ -1,7 +1,10 @@
 """Local DDP workers, started in-process by torch's elastic agent (the engine behind `torchrun`).
 
 The process running a Hydra job checks its config, then `start` runs one worker per device, each
-calling the same function with the resolved config. Workers see torchrun's environment (RANK,
+calling the same function with the resolved config. Workers are forked from a forkserver that has
+imported the training code once (Python 3.14's default on Linux), not started as new interpreters
+that each import torch and Lightning again: a launch costs one import, not one per device, and a
+sweep's later jobs none. Workers see torchrun's environment (RANK,
 LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT, TORCHELASTIC_RUN_ID), so Lightning picks its
 TorchElasticEnvironment and starts no processes of its own. The agent forwards signals, notices a
 dead worker and stops the others; what is here covers only what it leaves open, each piece saying why.
@@ -10,13 +13,17 @@ dead worker and stops the others; what is here covers only what it leaves open, 
 import ctypes
 import logging
 import logging.config
+import multiprocessing
 import os
 import signal
 import sys
 import tempfile
+import threading
+import time
 import traceback
 import uuid
 from collections.abc import Callable
+from multiprocessing import reduction
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -33,6 +40,13 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from src.errors import TrainingDiverged, UsageError
 
+# How long a worker that lost its peer waits for the agent, which knows how the peer ended, to end
+# it instead: the agent reports the first worker it finds ended, and this one is 25 ms behind.
+PEER_GONE_GRACE_S = 10.0
+# Where multiprocessing has no forkserver (Windows), a new interpreter per worker.
+START_METHOD = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+# The environment this module was imported in: for a forked worker, the forkserver's at its start.
+_IMPORTED_WITH = dict(os.environ)
 STOP_SIGNALS: tuple[int, ...] = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGINT", "SIGHUP") if hasattr(signal, n))
 # How torch words a collective that lost its peer or ran out of time (gloo, NCCL, the TCP store).
 COLLECTIVE_MARKS = ("gloo", "NCCL", "Connection reset", "Connection closed", "Broken pipe", "Timed out", "timed out")
@@ -141,11 +155,12 @@ def start(function: Callable[..., dict[str, float]], cfg: DictConfig, *args: Any
             config = LaunchConfig(
                 min_nodes=1, max_nodes=1, nproc_per_node=cfg.devices, run_id=uuid.uuid4().hex,
                 rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0",  # port 0: the agent's store takes a free port
-                max_restarts=0, start_method="spawn", logs_specs=DefaultLogsSpecs(log_dir=error_files),
+                max_restarts=0, start_method=START_METHOD, logs_specs=DefaultLogsSpecs(log_dir=error_files),
             )
+            multiprocessing.set_forkserver_preload(_preload(function))  # once the server runs, a no-op
             resolved = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))  # workers have no Hydra to resolve with
             OmegaConf.set_struct(resolved, OmegaConf.is_struct(cfg))
-            results = elastic_launch(config, _worker)(function, resolved, args, _logging_config(), os.getpid())
+            results = elastic_launch(config, _worker)(function, resolved, args, _logging_config(), Inherited(dict(os.environ)))
     except SignalException as stop:  # the agent has stopped the workers with the same signal
         raise RunStopped(int(stop.sigval)) from None
     except ChildFailedError as error:
@@ -159,6 +174,44 @@ def start(function: Callable[..., dict[str, float]], cfg: DictConfig, *args: Any
     if isinstance(result, (UsageError, TrainingDiverged)):
         raise result
     return result
+
+
+def _preload(function: Callable[..., Any]) -> list[str]:
+    """What the forkserver imports once: this module, and every module of `function`'s package that
+    this process has imported, except a `python -m` entry module, which each worker runs itself as
+    `__mp_main__` (imported beforehand, runpy would warn)."""
+    spec = getattr(sys.modules["__main__"], "__spec__", None)
+    entry = spec.name if spec is not None else None
+    package = (entry if function.__module__ == "__main__" else function.__module__) or ""
+    top = package.split(".")[0]
+    ours = [name for name in sys.modules if top and (name == top or name.startswith(f"{top}.")) and name != entry]
+    return [__name__, *sorted(ours)]
+
+
+class Inherited:
+    """What a worker started by spawn inherits from this process at that moment: the environment and
+    file descriptors 1 and 2. A forkserver's worker inherits them from the forkserver instead, as they
+    were when it started (an earlier job of a sweep, an earlier run in a test session), so they are
+    handed over explicitly; the descriptors as multiprocessing hands over a socket."""
+
+    def __init__(self, environ: dict[str, str], stdio: tuple[Any, ...] = ()) -> None:
+        self.environ = environ
+        self.stdio = stdio
+
+    def __reduce__(self) -> tuple[Any, ...]:  # pickled while a worker is being started: it gets copies of 1 and 2
+        return Inherited, (self.environ, (reduction.DupFd(1), reduction.DupFd(2)))
+
+    def take(self) -> None:
+        """In the worker: the launcher's environment under the agent's own variables, and its output."""
+        agent = {name: value for name, value in os.environ.items() if _IMPORTED_WITH.get(name) != value}
+        os.environ.clear()
+        os.environ.update(self.environ)
+        os.environ.update(agent)  # RANK, MASTER_PORT, ...: set by the agent before this function runs
+        for target, handed in zip((1, 2), self.stdio):
+            fd = handed.detach()
+            if fd != target:
+                os.dup2(fd, target)
+                os.close(fd)
 
 
 def _logging_config() -> dict[str, Any] | None:
@@ -176,10 +229,10 @@ def _rank_failure(error: ChildFailedError) -> BaseException:
 
     rank, failure = min(error.failures.items(), key=order)
     who = f"rank {rank} (pid {failure.pid})"
-    if failure.exitcode - 128 in STOP_SIGNALS:
-        return RunStopped(failure.exitcode - 128, f" to {who}")
     if failure.exitcode < 0:
         return RankFailed(f"{who} died: killed by {signal_name(-failure.exitcode)}; run stopped")
+    if failure.exitcode - 128 in STOP_SIGNALS:
+        return RunStopped(failure.exitcode - 128, f" to {who}")
     message = failure.message
     message = str(message.get("message", "") if isinstance(message, dict) else message)
     if message.startswith(f"{RankFailed.__name__}: "):  # the worker's own line
@@ -191,9 +244,10 @@ def _rank_failure(error: ChildFailedError) -> BaseException:
 
 
 def _worker(function: Callable[..., dict[str, float]], cfg: DictConfig, args: tuple[Any, ...],
-            logging_config: dict[str, Any] | None, launcher: int) -> Any:
+            logging_config: dict[str, Any] | None, inherited: Inherited) -> Any:
     """One rank: what `function` returns, or a user's error for the launcher to report."""
-    _die_with(launcher)
+    _die_with_launcher()
+    inherited.take()
     rank = int(os.environ["RANK"])
     rank_zero_only.rank = rank  # Lightning read it at import, before the agent set RANK
     _log_to_file(logging_config, rank)
@@ -211,6 +265,7 @@ def _worker(function: Callable[..., dict[str, float]], cfg: DictConfig, args: tu
         return error
     except Exception as error:
         ignore_stop_signals()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the agent ends the other workers with it: at once
         failure = rank_failure(error, cfg)
         if failure is None:
             traceback.print_exc()
@@ -222,17 +277,31 @@ def _worker(function: Callable[..., dict[str, float]], cfg: DictConfig, args: tu
             get_error_handler().record_exception(failure)
             os.killpg(os.getpgrp(), signal.SIGCONT)
             _exit(1)
+        # Another rank went away: the agent sees how (killed, stopped, failed) and ends this worker
+        # with SIGTERM once it does; only if it does not is this worker's line the run's.
+        time.sleep(PEER_GONE_GRACE_S)
         raise failure from None
 
 
-def _die_with(launcher: int) -> None:
+def _die_with_launcher() -> None:
     """The agent watches its workers from the launcher, so a launcher killed by SIGKILL would leave
-    them waiting in a collective: the kernel ends a worker whose launcher is gone (Linux)."""
+    them waiting in a collective. A thread ends this worker once the launcher is gone; and on Linux
+    the kernel ends it once its parent is (the launcher under spawn, the forkserver otherwise), also
+    while it is stopped."""
     if sys.platform.startswith("linux"):
         pr_set_pdeathsig = 1
         ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
-    if os.getppid() != launcher:  # it was gone before prctl took effect
+    launcher = multiprocessing.parent_process()
+    if launcher is None:
+        return
+    if not launcher.is_alive():  # it was gone before the watch began
         os._exit(1)
+    threading.Thread(target=_end_after, args=(launcher,), name="launcher-watch", daemon=True).start()
+
+
+def _end_after(launcher: multiprocessing.process.BaseProcess) -> None:
+    launcher.join()
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _share_cores(workers: int) -> None:

@@ -69,9 +69,10 @@ def attempt_store(host: str, port: int, rank: int, world_size: int, timeout: tim
     """The store the processes meet on: rank 0 serves it, unless torchrun's agent already serves one there.
 
     torchrun's c10d rendezvous may lend its workers the agent's store at MASTER_ADDR:MASTER_PORT, and
-    says so only in an environment variable it does not document; its port being taken tells the same.
+    says so only in an environment variable it does not document (read first: a failed bind costs a
+    line of torch's error log); where that is missing, the port being taken tells the same.
     """
-    if rank == 0:
+    if rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         try:
             return dist.TCPStore(host, port, world_size, is_master=True, timeout=timeout, multi_tenant=True)
         except dist.DistNetworkError:  # the port is taken: the agent serves its store there
