@@ -17,10 +17,10 @@ from omegaconf import OmegaConf
 
 from src.scaling.costmodel import (
     INTERCONNECTS, PRESETS, Interconnect, Terms, bucketed, collectives, ddp_buckets, encode_s, expected_max_normal,
-    powersgd_sizes, predict_step, ring_allreduce_s,
+    between_timed, powersgd_sizes, predict_step, ring_allreduce_s,
 )
 from src.models.lenet import LeNet
-from src.scaling.probe import Probe, fit_ring, measure, save
+from src.scaling.probe import Probe, fit_ring, load, measure, save
 from src.scaling.predict import COLUMNS, PROCESS_COUNTS, Baseline, Options, RunFigures, main, predictions
 from src.scaling import stepclock
 from src.scaling.stepclock import overhead_share
@@ -99,6 +99,24 @@ def test_processes_beyond_the_cores_take_turns():
     four = predict_step(0.1, [], 0.0, 4, shared, terms)
     assert (four.compute, four.overhead) == (pytest.approx(0.04), pytest.approx(0.04))  # two processes a core, in turn
     assert predict_step(0.1, [], 0.0, 4, LINK, terms).compute == pytest.approx(0.02)
+
+
+def test_a_probed_process_count_reads_its_timed_all_reduces_and_others_the_formula():
+    timed = ((4, 1e-4), (2**18, 6e-4), (2**20, 4e-3))  # gloo here: a jump between 256 KiB and 1 MiB
+    probed = Interconnect("here", bandwidth=1e9, latency=1e-5, cores=2, timed=timed, timed_processes=2)
+    assert between_timed(2, timed) == 1e-4  # below the smallest: the smallest's time
+    assert between_timed(2**18 + (2**20 - 2**18) / 2, timed) == pytest.approx((6e-4 + 4e-3) / 2)  # halfway: halfway
+    assert between_timed(2**21, timed) == pytest.approx(8e-3)  # beyond the largest: its time per byte
+    assert ring_allreduce_s(2**20, 2, probed) == pytest.approx(4e-3)
+    assert ring_allreduce_s(2**20, 4, probed) == pytest.approx(ring_allreduce_s(2**20, 4, dataclasses.replace(probed, timed=())))
+    assert ring_allreduce_s(2**20, 1, probed) == 0.0
+
+
+def test_the_probes_meeting_lag_is_a_share_of_the_turns():
+    lagging = Interconnect("here", bandwidth=1e9, latency=0.0, cores=2, lag=0.05)
+    step = predict_step(0.1, [[4]], 0.0, 4, lagging, Terms(overhead=0.02))
+    assert step.skew == pytest.approx(0.05 * (step.compute + step.overhead)) and step.compute + step.overhead == pytest.approx(0.08)
+    assert predict_step(0.1, [], 0.0, 1, lagging).skew == 0.0  # one process meets nobody
 
 
 def test_weak_scaling_keeps_each_process_batch():
@@ -311,12 +329,36 @@ def test_probe_fits_each_process_count_on_its_own():
     assert fits[4] == (pytest.approx(1e-3), pytest.approx(2e8))
 
 
+def test_a_saved_probe_keeps_its_lags_and_an_older_one_has_none(tmp_path):
+    probe = Probe(synthetic_points(1e-4, 1e9), cores=2, lags={2: 0.03, 4: 0.07})
+    save(probe, tmp_path / "probe.json")
+    again = load(tmp_path / "probe.json")
+    assert (again.points, again.lags, again.cores) == ([tuple(p) for p in probe.points], {2: 0.03, 4: 0.07}, 2)
+    assert again.timed(4) == tuple((b, t) for n, b, t in probe.points if n == 4)
+    older = json.loads((tmp_path / "probe.json").read_text())
+    del older["lag_shares"]
+    (tmp_path / "older.json").write_text(json.dumps(older))
+    assert load(tmp_path / "older.json").lags == {}
+
+
 @pytest.mark.slow
 def test_probe_times_real_gloo_all_reduces():
-    points = measure(2, sizes=[4, 8 * 2**20])
+    points, lag = measure(2, cores=2, sizes=[4, 8 * 2**20])
     assert [(n, b) for n, b, _ in points] == [(2, 4), (2, 8 * 2**20)]
     (_, _, small), (_, _, large) = points
     assert 0 < small < large < 10
+    assert 0 <= lag < 10  # a share of the work's turns: meeting costs far less than the work itself
+
+
+def test_the_step_is_timed_in_the_runs_precision():
+    seen = []
+    net = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(4, 3))
+    net.register_forward_hook(lambda module, args, output: seen.append(output.dtype))
+    stepclock.step_times(net, (2, 2), 8, repeats=2, precision="32-true")
+    assert set(seen) == {torch.float32}
+    seen.clear()
+    stepclock.step_times(net, (2, 2), 8, repeats=2, precision="bf16-mixed")
+    assert seen.count(torch.bfloat16) == 3  # the warm-up step and both timed ones (the class count is read in fp32)
 
 
 # ---- real runs: the byte model against the counted bytes; the command line ----
@@ -360,7 +402,7 @@ def test_cli_writes_table_plot_and_checks_for_real_runs(runs, tmp_path):
     result = run_cli("src.scaling", str(runs), "--out", str(out), "--probe-file", str(write_probe(tmp_path / "probe.json")))
     assert result.returncode == 0, result.stderr
     rows = read_rows(out / "scaling.csv")
-    links = {link.name for link in INTERCONNECTS} | {"gloo here, 2 proc. fit"}
+    links = {link.name for link in INTERCONNECTS} | {"gloo here, 2 proc."}
     counts = [n for n in PROCESS_COUNTS if 256 % n == 0]  # QUICK keeps the global batch of 256
     assert {(r["interconnect"], r["hook"], int(r["processes"])) for r in rows} == {
         (link, hook, n) for link in links for hook in HOOKS for n in counts}
@@ -368,11 +410,11 @@ def test_cli_writes_table_plot_and_checks_for_real_runs(runs, tmp_path):
 
     by_key = {(r["interconnect"], r["hook"], int(r["processes"])): r for r in rows}
     one_step_ms = float(by_key["10 GbE", "none", 1]["compute_ms"])
-    for link in links - {"gloo here, 2 proc. fit"}:
+    for link in links - {"gloo here, 2 proc."}:
         assert float(by_key[link, "none", 1]["speedup"]) == 1.0
         assert float(by_key[link, "fp16", 8]["compute_ms"]) == pytest.approx(one_step_ms / 8)
     # The measured interconnect shares 2 cores: 4 processes compute no faster than 2.
-    assert float(by_key["gloo here, 2 proc. fit", "none", 4]["compute_ms"]) == pytest.approx(one_step_ms / 2)
+    assert float(by_key["gloo here, 2 proc.", "none", 4]["compute_ms"]) == pytest.approx(one_step_ms / 2)
     assert int(by_key["NVLink 4", "none", 2]["bytes_per_step"]) == 4 * sum(math.prod(s) for s in LENET_SHAPES)
     assert int(by_key["NVLink 4", "bf16", 2]["bytes_per_step"]) == 2 * sum(math.prod(s) for s in LENET_SHAPES)
     # The one-process run is the baseline; the DDP run is checked against its prediction.
@@ -382,7 +424,7 @@ def test_cli_writes_table_plot_and_checks_for_real_runs(runs, tmp_path):
     assert "From `one` (1 process," in markdown
     [check] = [line for line in markdown.splitlines() if line.startswith("| two |")]
     cells = [c.strip() for c in check.strip("|").split("|")]
-    assert cells[1:4] == ["powersgd", "2", "gloo here, 2 proc. fit"] and cells[4] == cells[5]  # bytes: predicted = counted
+    assert cells[1:4] == ["powersgd", "2", "gloo here, 2 proc."] and cells[4] == cells[5]  # bytes: predicted = counted
     height, width, _ = imread(out / "scaling_lenet.png").shape
     assert height > 200 and width > 200
     assert not (runs / "scaling.md").exists()

@@ -63,6 +63,7 @@ class RunFigures:
     overlap_frac: float | None = None
     bytes_per_step: float | None = None  # the smallest: PowerSGD's warm-up steps send more
     hook_s: float | None = None  # median over the steps that sent the smallest bytes
+    precision: str = "32-true"  # the precision the run trained in (its `precision_used`), to time its step the same way
 
 
 def read_figures(run: RunFolder) -> RunFigures | None:
@@ -90,6 +91,7 @@ def read_figures(run: RunFolder) -> RunFigures | None:
         powersgd_rank=int(OmegaConf.select(strategy, "powersgd_rank", default=1)),
         shapes=[tuple(p.shape) for p in instantiate(config.model.net).parameters() if p.requires_grad],
         net=config.model.net, input_shape=(int(config.data.in_channels), IMAGE_SIZE, IMAGE_SIZE),
+        precision=str(run.hparams().get("precision_used", "32-true")),
         steps_per_epoch=int(statistics.median(steps)), epoch_s=statistics.median(s for _, s in epochs),
         step_s=statistics.median(s / n for (_, s), n in zip(epochs, steps)),
     )
@@ -149,11 +151,11 @@ class Baseline:
         backward_1 = None if run.backward_s is None else run.backward_s * share
         origin = {}
         if options.overhead_ms is None or options.skew is None:
-            clock = stepclock.measure(instantiate(run.net), run.input_shape, max(1, run.batch_size // run.processes))
+            clock = stepclock.measure(instantiate(run.net), run.input_shape, max(1, run.batch_size // run.processes), run.precision)
         if options.overhead_ms is None:
             overhead = clock.overhead_share * compute_1
             origin["overhead"] = (f"{clock.overhead_share:.0%} of the step: the model's step timed here at batch "
-                                  f"{max(1, run.batch_size // run.processes)} and a quarter of it, one thread (--overhead-ms)")
+                                  f"{max(1, run.batch_size // run.processes)} and a quarter of it, one thread, {run.precision} (--overhead-ms)")
         else:
             overhead = min(options.overhead_ms / 1000, compute_1)
             origin["overhead"] = "stated (--overhead-ms)"
@@ -197,7 +199,8 @@ def measured_links(probe: gloo_probe.Probe | None) -> dict[int, Interconnect]:
     """One interconnect per probed process count: gloo between processes sharing this machine's cores."""
     if probe is None:
         return {}
-    return {n: Interconnect(f"gloo here, {n} proc. fit", bandwidth, latency, "python -m src.scaling --probe", probe.cores)
+    return {n: Interconnect(f"gloo here, {n} proc.", bandwidth, latency, "python -m src.scaling --probe", probe.cores,
+                            timed=probe.timed(n), timed_processes=n, lag=probe.lags.get(n, 0.0))
             for n, (latency, bandwidth) in probe.fits().items()}
 
 
@@ -362,13 +365,15 @@ def assumptions(links: list[Interconnect], has_probe: bool, per_process_batch: i
         f"{scaling} On the measured interconnect, processes beyond the cores take turns on them. Per step: compute = one "
         "process's step, less the overhead, times its share of the batch; overhead = the per-step cost that no split "
         "shrinks; comm = the hook's arithmetic + one ring all-reduce per collective, 2(N-1) x latency + 2(N-1)/N x bytes / "
-        "(bus share x bandwidth); hidden = overlap x min(comm of every bucket but the last, backward compute); skew = the "
-        "step's spread x the expected lag of the slowest of N ranks; step = compute + overhead + comm - hidden + skew. The "
+        "(bus share x bandwidth), on the measured interconnect at a probed process count read between the all-reduces timed "
+        "there; hidden = overlap x min(comm of every bucket but the last, backward compute); skew = (the step's spread x the "
+        "expected lag of the slowest of N ranks + the link's lag) x (compute + overhead); step = compute + overhead + comm - hidden + skew. The "
         "compute and the hook's arithmetic are this machine's, for every interconnect. Speed-up = one process's epoch / "
         "N processes'; efficiency = speed-up / N.", "",
-        "| interconnect | bandwidth GB/s | bus share | latency us | source |", "|---|---:|---:|---:|---|",
-        *[f"| {link.name} | {link.bandwidth / 1e9:.3g} | {link.bus_share:.2f} | {link.latency * 1e6:.3g} | {link.source} |"
-          for link in links],
+        "| interconnect | bandwidth GB/s | bus share | latency us | lag of processes meeting on shared cores | source |",
+        "|---|---:|---:|---:|---:|---|",
+        *[f"| {link.name} | {link.bandwidth / 1e9:.3g} | {link.bus_share:.2f} | {link.latency * 1e6:.3g} | {link.lag:.1%} "
+          f"| {link.source} |" for link in links],
     ]
     if not has_probe:
         lines += ["", "No probe: run `python -m src.scaling <folder> --probe` for the measured interconnect."]
@@ -474,7 +479,8 @@ def main(argv: list[str] | None = None) -> None:
             out.mkdir(parents=True, exist_ok=True)
             gloo_probe.save(probe, out / "probe.json")
             for n, (latency, bandwidth) in probe.fits().items():
-                print(f"gloo, {n} processes: latency {latency * 1e6:.1f} us per ring step, bandwidth {bandwidth / 1e9:.3f} GB/s")
+                print(f"gloo, {n} processes: latency {latency * 1e6:.1f} us per ring step, bandwidth {bandwidth / 1e9:.3f} GB/s, "
+                      f"meeting after equal work {probe.lags.get(n, 0.0):.1%} later than the work")
         elif args.probe_file is not None:
             if not args.probe_file.is_file():
                 raise UsageError(f"--probe-file {args.probe_file}: no such file; give a probe.json that --probe wrote")

@@ -1,12 +1,19 @@
 """The "measured" interconnect: time gloo all-reduces between local processes and fit the ring model to them.
 
-    python -m src.scaling --probe            # 2 and 4 processes, 4 B to 32 MiB, about 20 s on 2 cores
+    python -m src.scaling --probe            # 2 and 4 processes, 4 B to 32 MiB and a meeting, about 25 s on 2 cores
 
 Each size is all-reduced a few times back to back after a barrier, and rank 0 keeps the median.
 The fit is least squares on t = 2(N-1) latency + 2(N-1)/N bytes / bandwidth (`costmodel.ring_allreduce_s`),
 weighted by 1/t so that the microsecond points count as much as the millisecond ones. Each process
 count gets a fit of its own: with more processes than cores, a ring step waits for a process the
 scheduler has put aside, which no latency fitted on fewer processes foresees.
+
+The probe also times a meeting: each process does the same 50 ms of work (matrix products, timed
+alone first), then all-reduces 4 bytes. What that takes beyond the work (times the turns processes
+take on shared cores) and the 4-byte all-reduce is the lag of the slowest process to arrive, a cost
+of training on shared cores that all-reduces started together after a barrier do not show. It is
+kept as a share of the work's turns: from 20 to 100 ms of work it grew with the work (2 processes on
+2 cores: 2 to 3 ms; 4 processes: 0.3 to 8 ms), about 3 to 4 % from 50 ms on.
 Only torch is imported here: every probe process imports this module again.
 """
 
@@ -17,7 +24,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -26,6 +33,8 @@ import torch.multiprocessing as mp
 
 SIZES = tuple(4 * 16**k for k in range(5)) + (2**20, 4 * 2**20, 16 * 2**20, 32 * 2**20)  # 4 B, 64 B, ... 32 MiB
 PROCESSES = (2, 4)
+MEETING_WORK_S = 0.05  # the work each process does before a meeting: of the order of a small model's step
+MEETINGS = 30
 
 
 @dataclass(frozen=True)
@@ -34,6 +43,11 @@ class Probe:
 
     points: list[tuple[int, int, float]]
     cores: int
+    lags: dict[int, float] = field(default_factory=dict)  # processes -> time lost meeting after equal work, a share of the work's turns
+
+    def timed(self, processes: int) -> tuple[tuple[int, float], ...]:
+        """(bytes, seconds) of the all-reduces timed at this process count."""
+        return tuple((b, t) for n, b, t in self.points if n == processes)
 
     def fits(self) -> dict[int, tuple[float, float]]:
         """(latency s, bandwidth bytes/s) fitted to each process count's points."""
@@ -64,8 +78,33 @@ def _repeats(nbytes: int) -> int:
     return 20 if nbytes <= 2**18 else 5
 
 
-def _worker(rank: int, processes: int, port: int, sizes: Sequence[int], result: str) -> None:
-    """One probe process: time every size, rank 0 writes (bytes, median seconds) to `result`."""
+def _work(count: int) -> None:
+    a, b = torch.ones(128, 128), torch.empty(128, 128)
+    for _ in range(count):
+        torch.mm(a, a, out=b)
+
+
+def _work_count() -> tuple[int, float]:
+    """Matrix products that take about MEETING_WORK_S on one thread here, and the seconds they take alone."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _work(20)
+        start = time.perf_counter()
+        _work(200)
+        count = max(1, round(MEETING_WORK_S / ((time.perf_counter() - start) / 200)))
+        seconds = []
+        for _ in range(5):
+            start = time.perf_counter()
+            _work(count)
+            seconds.append(time.perf_counter() - start)
+        return count, statistics.median(seconds)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _worker(rank: int, processes: int, port: int, sizes: Sequence[int], work: int, result: str) -> None:
+    """One probe process: time every size, then the meetings; rank 0 writes the medians to `result`."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=processes)
     timings = []
@@ -79,27 +118,44 @@ def _worker(rank: int, processes: int, port: int, sizes: Sequence[int], result: 
             dist.all_reduce(tensor)
             seconds.append(time.perf_counter() - start)
         timings.append((nbytes, statistics.median(seconds)))
+    small, meetings = torch.ones(1), []
+    for _ in range(MEETINGS):
+        dist.barrier()
+        start = time.perf_counter()
+        _work(work)
+        dist.all_reduce(small)
+        meetings.append(time.perf_counter() - start)
     dist.barrier()
     if rank == 0:
-        Path(result).write_text(json.dumps(timings))
+        Path(result).write_text(json.dumps({"timings": timings, "meeting_s": statistics.median(meetings)}))
     dist.destroy_process_group()
 
 
-def measure(processes: int, sizes: Sequence[int] = SIZES) -> list[tuple[int, int, float]]:
-    """(processes, bytes, median seconds) of a gloo all-reduce for each size, between local processes."""
+def measure(processes: int, cores: int, sizes: Sequence[int] = SIZES) -> tuple[list[tuple[int, int, float]], float]:
+    """(processes, bytes, median seconds) of a gloo all-reduce for each size, between local processes, and
+    the lag of a meeting: its median time beyond the work's turns on `cores` cores and the smallest all-reduce,
+    as a share of those turns."""
+    count, alone = _work_count()
     with tempfile.TemporaryDirectory() as folder:
         result = os.path.join(folder, "timings.json")
-        mp.spawn(_worker, args=(processes, _free_port(), list(sizes), result), nprocs=processes)
-        return [(processes, int(b), float(t)) for b, t in json.loads(Path(result).read_text())]
+        mp.spawn(_worker, args=(processes, _free_port(), list(sizes), count, result), nprocs=processes)
+        data = json.loads(Path(result).read_text())
+    points = [(processes, int(b), float(t)) for b, t in data["timings"]]
+    turns = processes / min(processes, cores)
+    lag = data["meeting_s"] - turns * alone - min(points, key=lambda p: p[1])[2]
+    return points, max(0.0, lag / (turns * alone))
 
 
 def run_probe(processes: Sequence[int] = PROCESSES, sizes: Sequence[int] = SIZES) -> Probe:
-    return Probe([point for n in processes for point in measure(n, sizes)], len(os.sched_getaffinity(0)))
+    cores = len(os.sched_getaffinity(0))
+    measured = {n: measure(n, cores, sizes) for n in processes}
+    return Probe([point for points, _ in measured.values() for point in points], cores,
+                 {n: lag for n, (_, lag) in measured.items()})
 
 
 def save(probe: Probe, path: Path) -> None:
     fits = {n: {"latency_s": lat, "bandwidth_bytes_per_s": bw} for n, (lat, bw) in probe.fits().items()}
-    path.write_text(json.dumps({"cores": probe.cores, "fits": fits, "points": probe.points}, indent=1))
+    path.write_text(json.dumps({"cores": probe.cores, "fits": fits, "lag_shares": probe.lags, "points": probe.points}, indent=1))
 
 
 def load(path: Path) -> Probe:
@@ -107,6 +163,7 @@ def load(path: Path) -> Probe:
     try:
         data = json.loads(path.read_text())
         points = [(int(n), int(b), float(t)) for n, b, t in data["points"]]
-        return Probe(points, int(data["cores"]))
+        lags = {int(n): float(s) for n, s in data.get("lag_shares", {}).items()}  # a probe saved before lags were timed: none
+        return Probe(points, int(data["cores"]), lags)
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise ValueError(f"{path}: not a probe result ({type(error).__name__}: {error})") from error

@@ -8,7 +8,8 @@ terms of the cost model that one run's averages cannot give.
   ranks, every all-reduce waits for the slowest; `costmodel.expected_max_normal` says how far
   behind the mean that one is.
 
-Forward pass, cross-entropy on random labels, backward pass and a plain SGD step, in fp32: the
+Forward pass, cross-entropy on random labels, backward pass and a plain SGD step, in the run's
+precision (bf16 and fp16 autocast add a cast per layer, a cost the batch does not shrink): the
 figures are shares of a step, applied to a run's own step time.
 """
 
@@ -30,7 +31,11 @@ class StepClock:
     skew: float  # standard deviation / mean of step_s
 
 
-def step_times(net: nn.Module, input_shape: Sequence[int], batch: int, repeats: int | None = None) -> list[float]:
+AUTOCAST = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}  # Lightning's names; any other: no autocast
+
+
+def step_times(net: nn.Module, input_shape: Sequence[int], batch: int, repeats: int | None = None,
+               precision: str = "32-true") -> list[float]:
     """Seconds of each of `repeats` training steps at `batch` (after one warm-up step); None: as many as fit BUDGET_S."""
     images = torch.randn(batch, *input_shape)
     optimizer = torch.optim.SGD(net.parameters(), lr=1e-3)
@@ -40,7 +45,9 @@ def step_times(net: nn.Module, input_shape: Sequence[int], batch: int, repeats: 
     def step() -> float:
         start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
-        nn.functional.cross_entropy(net(images), labels).backward()
+        with torch.autocast("cpu", dtype=AUTOCAST.get(precision, torch.bfloat16), enabled=precision in AUTOCAST):
+            loss = nn.functional.cross_entropy(net(images), labels)
+        loss.backward()
         optimizer.step()
         return time.perf_counter() - start
 
@@ -49,15 +56,15 @@ def step_times(net: nn.Module, input_shape: Sequence[int], batch: int, repeats: 
     return [step() for _ in range(count)]
 
 
-def measure(net: nn.Module, input_shape: Sequence[int], batch: int) -> StepClock:
-    """Time `net`'s step at `batch` and at a quarter of it, with one thread; restore the thread count after."""
+def measure(net: nn.Module, input_shape: Sequence[int], batch: int, precision: str = "32-true") -> StepClock:
+    """Time `net`'s step at `batch` and at a quarter of it, with one thread, in `precision`; restore the thread count after."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         net.train()
-        full = step_times(net, input_shape, batch)
+        full = step_times(net, input_shape, batch, precision=precision)
         small_batch = max(1, batch // 4)
-        small = statistics.median(step_times(net, input_shape, small_batch))
+        small = statistics.median(step_times(net, input_shape, small_batch, precision=precision))
     finally:
         torch.set_num_threads(threads)
     step = statistics.median(full)
