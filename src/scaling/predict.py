@@ -150,12 +150,13 @@ class Baseline:
         compute_1 = (run.step_s - run.exposed_comm_s) * share
         backward_1 = None if run.backward_s is None else run.backward_s * share
         origin = {}
+        batch = max(1, run.batch_size // run.processes)  # each process's, as the run computed it
         if options.overhead_ms is None or options.skew is None:
-            clock = stepclock.measure(instantiate(run.net), run.input_shape, max(1, run.batch_size // run.processes), run.precision)
+            clock = stepclock.measure(instantiate(run.net), run.input_shape, batch, run.precision)
         if options.overhead_ms is None:
             overhead = clock.overhead_share * compute_1
-            origin["overhead"] = (f"{clock.overhead_share:.0%} of the step: the model's step timed here at batch "
-                                  f"{max(1, run.batch_size // run.processes)} and a quarter of it, one thread, {run.precision} (--overhead-ms)")
+            origin["overhead"] = (f"{clock.overhead_share:.0%} of the step: the model's step timed here at batch {batch} "
+                                  f"and a quarter of it, one thread, {run.precision} (--overhead-ms)")
         else:
             overhead = min(options.overhead_ms / 1000, compute_1)
             origin["overhead"] = "stated (--overhead-ms)"
@@ -367,8 +368,8 @@ def assumptions(links: list[Interconnect], has_probe: bool, per_process_batch: i
         "shrinks; comm = the hook's arithmetic + one ring all-reduce per collective, 2(N-1) x latency + 2(N-1)/N x bytes / "
         "(bus share x bandwidth), on the measured interconnect at a probed process count read between the all-reduces timed "
         "there; hidden = overlap x min(comm of every bucket but the last, backward compute); skew = (the step's spread x the "
-        "expected lag of the slowest of N ranks + the link's lag) x (compute + overhead); step = compute + overhead + comm - hidden + skew. The "
-        "compute and the hook's arithmetic are this machine's, for every interconnect. Speed-up = one process's epoch / "
+        "expected lag of the slowest of N ranks + the link's lag) x (compute + overhead); step = compute + overhead + comm "
+        "- hidden + skew. The compute and the hook's arithmetic are this machine's, for every interconnect. Speed-up = one process's epoch / "
         "N processes'; efficiency = speed-up / N.", "",
         "| interconnect | bandwidth GB/s | bus share | latency us | lag of processes meeting on shared cores | source |",
         "|---|---:|---:|---:|---:|---|",

@@ -41,11 +41,12 @@ def step_times(net: nn.Module, input_shape: Sequence[int], batch: int, repeats: 
     optimizer = torch.optim.SGD(net.parameters(), lr=1e-3)
     classes = int(net(images[:1]).shape[-1])
     labels = torch.randint(0, classes, (batch,))
+    autocast = AUTOCAST.get(precision)
 
     def step() -> float:
         start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=AUTOCAST.get(precision, torch.bfloat16), enabled=precision in AUTOCAST):
+        with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
             loss = nn.functional.cross_entropy(net(images), labels)
         loss.backward()
         optimizer.step()
