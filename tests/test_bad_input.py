@@ -6,6 +6,7 @@ the checkpoint is read, inside Lightning's fit, and a loss that diverges).
 """
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -431,3 +432,17 @@ def test_a_checkpoint_due_between_the_checks_is_not_written_after_a_bad_step(tmp
         trainer.fit(DivergesAt(5))
     assert trainer.global_step == 6
     assert [path.name for path in (tmp_path / "checkpoints").iterdir()] == ["epoch=0-step=4.ckpt"]
+
+
+def test_across_processes_the_record_is_read_every_50_steps_whatever_the_logging_interval():
+    """A read across processes is a collective, a meeting of every rank: per-step logging must not add one per step."""
+    check = FiniteLossCheck()
+    trainer = SimpleNamespace(world_size=2, log_every_n_steps=1, global_step=0, current_epoch=0)
+    check.on_train_start(trainer, SimpleNamespace(device=torch.device("cpu")))
+    reads = []
+    check.check = lambda trainer: reads.append(trainer.global_step)
+    for batch_idx in range(120):
+        trainer.global_step = batch_idx
+        check.on_train_batch_start(trainer, None, None, batch_idx)
+        check.on_train_batch_end(trainer, None, torch.tensor(1.0), None, batch_idx)
+    assert reads == [49, 99]

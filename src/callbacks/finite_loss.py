@@ -11,6 +11,9 @@ from lightning.pytorch.trainer.states import TrainerFn
 from src.errors import TrainingDiverged
 
 
+ACROSS_PROCESSES_EVERY_N_STEPS = 50  # a read there is a collective: not every step, whatever the logging interval
+
+
 class FiniteLossCheck(Callback):
     """Raises `TrainingDiverged` naming the first step whose `train/loss` was not finite.
 
@@ -19,8 +22,9 @@ class FiniteLossCheck(Callback):
     `every_n_steps` steps, before validation, at the end of each epoch and before any checkpoint
     is written (Lightning asks every callback for its state first), so no checkpoint of a
     diverged model is written. `every_n_steps=None` reads every step
-    in one CPU process, where it costs nothing, and every `trainer.log_every_n_steps` steps across
-    processes, where a read is a collective. In one CUDA process it never waits for the device
+    in one CPU process, where it costs nothing, and every `ACROSS_PROCESSES_EVERY_N_STEPS` steps across
+    processes, where a read is a collective: a meeting of every rank that would otherwise wait for
+    the slowest once more per step. In one CUDA process it never waits for the device
     during the epoch: after each batch the record is copied to pinned host memory without waiting,
     and the copy is read once a CUDA event says it has landed, a batch or two later.
     """
@@ -36,7 +40,7 @@ class FiniteLossCheck(Callback):
         device = pl_module.device
         cheap = device.type == "cpu" and trainer.world_size == 1
         lagged = device.type == "cuda" and trainer.world_size == 1
-        self._interval = self.every_n_steps or (1 if cheap else 0 if lagged else trainer.log_every_n_steps)
+        self._interval = self.every_n_steps or (1 if cheap else 0 if lagged else ACROSS_PROCESSES_EVERY_N_STEPS)
         dtype = torch.float32 if device.type == "mps" else torch.float64
         self._first = torch.tensor([-1.0, -1.0, 0.0], dtype=dtype, device=device)
         self._landing = (torch.full((3,), -1.0, dtype=dtype, pin_memory=True), torch.cuda.Event()) if lagged else None

@@ -23,7 +23,9 @@ class EpochTimer(Callback):
     `time/samples_per_s_median`: the figures of the result line, the report and the HParams tab).
 
     Validation runs inside Lightning's training epoch; its time is measured and subtracted so
-    that the figure is comparable with a plain training loop and with the book's s/epoch. So is
+    that the figure is comparable with a plain training loop and with the book's s/epoch. The
+    pause lasts until training goes on (the next batch, or the epoch's end), so the checkpoint
+    that follows validation is left out too: under DDP it is a meeting of every process. So is
     the one-off warm-up a module reports in `warmup_s` (the capture of a CUDA graph).
     """
 
@@ -45,6 +47,9 @@ class EpochTimer(Callback):
         self._start, self._paused, self._paused_at, self._samples = time.perf_counter(), 0.0, None, 0
         self._warmup_at_start = getattr(pl_module, "warmup_s", 0.0)
 
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch, batch_idx: int) -> None:
+        self._resume()
+
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
         self._samples += len(batch[1]) * trainer.world_size
 
@@ -53,13 +58,15 @@ class EpochTimer(Callback):
             _sync(pl_module.device)
             self._paused_at = time.perf_counter()
 
-    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+    def _resume(self) -> None:
+        """End a pause for validation and what follows it."""
         if self._paused_at is not None:
             self._paused += time.perf_counter() - self._paused_at
             self._paused_at = None
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         _sync(pl_module.device)
+        self._resume()
         warmup = getattr(pl_module, "warmup_s", 0.0) - self._warmup_at_start
         seconds = time.perf_counter() - self._start - self._paused - warmup
         self.epoch_times.append(seconds)
