@@ -11,9 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from matplotlib.image import imread
 
 from omegaconf import OmegaConf
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
 from src.scaling.costmodel import (
     INTERCONNECTS, PRESETS, Interconnect, Terms, bucketed, collectives, ddp_buckets, encode_s, expected_max_normal,
@@ -161,6 +163,27 @@ def test_hook_arithmetic_is_timed_and_grows_with_the_work():
     for hook in HOOKS:
         assert 0 < encode_s(small, hook) < encode_s(large, hook), hook
     assert torch.get_num_threads() >= 1  # restored after the one-thread measurement
+
+
+def test_each_hook_is_timed_as_torch_runs_it_on_a_one_process_group(monkeypatch):
+    calls = []
+    real = powerSGD_hook.powerSGD_hook
+    monkeypatch.setattr(powerSGD_hook, "powerSGD_hook", lambda state, bucket: calls.append(bucket.index()) or real(state, bucket))
+    times = stepclock.hook_times(LeNet(), (1, 28, 28), HOOKS, repeats=2)
+    assert set(times) == set(HOOKS) and all(t > 0 for t in times.values())
+    assert len(calls) == 2 * (2 + 1 + 2)  # powersgd and powersgd_fp16: the plain steps first, then the timed ones
+    assert set(calls) == {0}  # one bucket, as PowerSGD under gloo runs
+    assert times["powersgd"] > times["none"]  # error feedback, products and three all-reduces in a chain
+    assert not dist.is_initialized()  # its group is gone again
+
+
+def test_a_process_that_has_a_group_keeps_it_and_gets_no_hook_times():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert stepclock.hook_times(LeNet(), (1, 28, 28), HOOKS, repeats=1) is None
+        assert dist.is_initialized()
+    finally:
+        dist.destroy_process_group()
 
 
 # ---- a run's figures, without training: strong and weak scaling ----

@@ -260,7 +260,7 @@ class Step:
     """One optimizer step on N processes, in seconds of wall time."""
 
     compute: float  # the part that shrinks with the per-process batch
-    comm: float  # the hook's arithmetic plus its all-reduces
+    comm: float  # the hook itself plus its all-reduces' transfer
     hidden: float  # the part of comm that runs while the backward pass still computes
     overhead: float = 0.0  # per step, whatever the batch
     skew: float = 0.0  # waiting for the slowest rank: the step's spread and the link's lag

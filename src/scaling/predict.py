@@ -140,7 +140,7 @@ class Baseline:
     terms: Terms
     origin: dict[str, str]  # how each term was found, in words
     buckets: dict[str, list[list[int]]]  # bytes of each all-reduce per hook, bucket by bucket
-    encode: dict[str, float]  # s per step of each hook's own arithmetic, on this CPU
+    encode: dict[str, float]  # s per step of each hook itself, its all-reduces' transfer aside, on this CPU
 
     @classmethod
     def from_run(cls, run: RunFigures, cores: int, options: Options = Options()) -> "Baseline":
@@ -174,9 +174,13 @@ class Baseline:
         origin["backward"] = ("2/3 of the compute (assumed: backward about twice the forward pass)" if backward_1 is None
                               else f"`xfer/backward_compute_ms` of {run.run}")
         rank = run.powersgd_rank
+        hooks = stepclock.hook_times(instantiate(run.net), run.input_shape, HOOKS, rank, options.bucket_mb)
+        origin["hook"] = ("torch's hook timed here in a DDP model of these shapes on a one-process gloo group, one thread"
+                          if hooks is not None else "the hook's arithmetic estimated on tensors of these shapes, one thread "
+                          "(this process already has a process group)")
         return cls(run, compute_1, Terms(overhead, skew, overlap, backward_share), origin,
                    {h: bucketed(run.shapes, h, rank, int(options.bucket_mb * MIB)) for h in HOOKS},
-                   {h: encode_s(run.shapes, h, rank) for h in HOOKS})
+                   hooks or {h: encode_s(run.shapes, h, rank) for h in HOOKS})
 
     def sizes(self, hook: str) -> list[int]:
         return [b for bucket in self.buckets[hook] for b in bucket]
@@ -305,8 +309,9 @@ def section(base: Baseline, rows: list[dict], measured: dict[int, Interconnect],
         f"From `{run.run}` ({processes(run.processes)}, {run.steps_per_epoch} steps per epoch, median "
         f"{run.step_s * 1e3:.1f} ms per step): one process takes {base.compute_1 * 1e3:.1f} ms a step. Mode: {mode}.", "",
         "Terms of the model:", "", *terms_lines(base, bucket_mb), "",
-        "Bytes per step and process, bucket by bucket (the last one cannot overlap), and the hook's own arithmetic on this CPU:", "",
-        "| hook | all-reduces (bytes) | bytes per step | arithmetic ms |", "|---|---|---:|---:|",
+        "Bytes per step and process, bucket by bucket (the last one cannot overlap), and the hook's own time on this CPU "
+        f"({base.origin['hook']}):", "",
+        "| hook | all-reduces (bytes) | bytes per step | hook ms |", "|---|---|---:|---:|",
         *[f"| {h} | {' / '.join(', '.join(f'{b:,}' for b in bucket) for bucket in base.buckets[h])} | {sum(base.sizes(h)):,} "
           f"| {base.encode[h] * 1e3:.1f} |" for h in HOOKS], "",
         f"Speed-up over one process ({mode.split(':')[0]}), by interconnect, hook and processes:", "",
@@ -365,11 +370,11 @@ def assumptions(links: list[Interconnect], has_probe: bool, per_process_batch: i
     lines = [
         f"{scaling} On the measured interconnect, processes beyond the cores take turns on them. Per step: compute = one "
         "process's step, less the overhead, times its share of the batch; overhead = the per-step cost that no split "
-        "shrinks; comm = the hook's arithmetic + one ring all-reduce per collective, 2(N-1) x latency + 2(N-1)/N x bytes / "
+        "shrinks; comm = the hook itself + one ring all-reduce per collective, 2(N-1) x latency + 2(N-1)/N x bytes / "
         "(bus share x bandwidth), on the measured interconnect at a probed process count read between the all-reduces timed "
         "there; hidden = overlap x min(comm of every bucket but the last, backward compute); skew = (the step's spread x the "
         "expected lag of the slowest of N ranks + the link's lag) x (compute + overhead); step = compute + overhead + comm "
-        "- hidden + skew. The compute and the hook's arithmetic are this machine's, for every interconnect. Speed-up = one process's epoch / "
+        "- hidden + skew. The compute and the hook itself are this machine's, for every interconnect. Speed-up = one process's epoch / "
         "N processes'; efficiency = speed-up / N.", "",
         "| interconnect | bandwidth GB/s | bus share | latency us | lag of processes meeting on shared cores | source |",
         "|---|---:|---:|---:|---:|---|",

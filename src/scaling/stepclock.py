@@ -11,15 +11,25 @@ terms of the cost model that one run's averages cannot give.
 Forward pass, cross-entropy on random labels, backward pass and a plain SGD step, in the run's
 precision (bf16 and fp16 autocast add a cast per layer, a cost the batch does not shrink): the
 figures are shares of a step, applied to a run's own step time.
+
+- hook: what each DDP communication hook costs a step besides its all-reduces' transfer: torch's
+  own hook (PowerSGD's error feedback, products, orthogonalisation and the chain of futures its
+  three all-reduces complete on), timed in a DDP model of the run's shapes on a one-process gloo group.
 """
 
+import copy
 import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from src.strategies.comm import CommMeter
+from src.strategies.ddp import CommHookDDPStrategy, one_bucket_cap_mb
 
 BUDGET_S = 1.0  # timing per batch size: enough repeats for a median, few enough for a report
 
@@ -78,3 +88,39 @@ def overhead_share(step: float, batch: int, small_step: float, small_batch: int)
         return 0.0
     intercept = (small_step * batch - step * small_batch) / (batch - small_batch)
     return min(max(intercept / step, 0.0), 0.99)
+
+
+def hook_times(net: nn.Module, input_shape: Sequence[int], hooks: Sequence[str], rank: int = 1,
+               bucket_cap_mb: float = 25.0, repeats: int = 5) -> dict[str, float] | None:
+    """Seconds per step each hook takes from its call to its future's completion, as in training, on one thread.
+
+    A one-process gloo group makes every all-reduce a local no-op, so what is left is the hook
+    itself. None where this process already has a process group, which a group of its own would
+    replace; the caller then estimates the hooks' arithmetic instead (`costmodel.encode_s`).
+    """
+    if dist.is_initialized():
+        return None
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        return {hook: _hook_s(net, input_shape, hook, rank, bucket_cap_mb, repeats) for hook in hooks}
+    finally:
+        dist.destroy_process_group()
+        torch.set_num_threads(threads)
+
+
+def _hook_s(net: nn.Module, input_shape: Sequence[int], hook: str, rank: int, bucket_cap_mb: float, repeats: int) -> float:
+    strategy = CommHookDDPStrategy(hook=hook, powersgd_rank=rank, start_powersgd_iter=2)
+    # PowerSGD gets one bucket, as this project's gloo runs give it (`CommHookDDPStrategy.ddp_bucket_cap_mb`).
+    cap = max(bucket_cap_mb, one_bucket_cap_mb(net)) if hook.startswith("powersgd") else bucket_cap_mb
+    model = DistributedDataParallel(copy.deepcopy(net), bucket_cap_mb=cap)
+    meter = CommMeter()
+    state, function = strategy.build_hook(dist.group.WORLD)
+    model.register_comm_hook(state, meter.wrap(function))
+    image = torch.randn(1, *input_shape)  # one image: the gradients, all the hook sees, do not depend on the batch
+    times = []
+    for _ in range(strategy.start_powersgd_iter + 1 + repeats):  # PowerSGD's first steps are plain all-reduces
+        model(image).float().sum().backward()
+        times.append(meter.take().hook_s)
+    return statistics.median(times[-repeats:])
