@@ -7,6 +7,7 @@
 #
 #     bash benchmarks/scaling_check.sh [DATA_ROOT] [OUT]    # defaults: ../shared/data, outputs/scaling_check
 #     MODELS=lenet bash benchmarks/scaling_check.sh ...      # one model only (default: lenet resnet18)
+#     REPEATS=1 bash benchmarks/scaling_check.sh ...         # each setting once (default: 3)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DATA=${1:-../shared/data}
@@ -20,22 +21,29 @@ COMMON=(data.root="$DATA" max_epochs=3 trainer.limit_val_batches=1 trainer.limit
 # threads of one process mostly wait for each other.
 export OMP_NUM_THREADS=1
 LOAD_LIMIT=${LOAD_LIMIT:-2.5}
+REPEATS=${REPEATS:-3}
 
 wait_for_quiet() {
   while awk -v limit="$LOAD_LIMIT" '{exit !($1 > limit)}' /proc/loadavg; do echo "load $(cut -d' ' -f1 /proc/loadavg): waiting"; sleep 60; done
   echo "load $(cut -d' ' -f1-3 /proc/loadavg) at $(date +%T): $*"
 }
 
-for model in $MODELS; do
-  if [ "$model" = lenet ]; then SIZE=(data.batch_size=256 trainer.limit_train_batches=30)
-  else SIZE=(data.batch_size=32 trainer.limit_train_batches=5); fi
-  wait_for_quiet "$model, 1 process"
-  $PY -m src.train model=$model "${SIZE[@]}" "${COMMON[@]}" hydra.run.dir="$OUT/$model/1proc" 2>&1 | tail -1
-  wait_for_quiet "$model, DDP on 2 processes, each hook"
-  $PY -m src.train -m model=$model strategy=ddp,ddp_fp16,ddp_bf16 devices=2 "${SIZE[@]}" "${COMMON[@]}" hydra.sweep.dir="$OUT/$model/ddp2" 2>&1 | grep -E "test/acc|error" || true
-  $PY -m src.train model=$model strategy=ddp_powersgd devices=2 strategy.start_powersgd_iter=2 "${SIZE[@]}" "${COMMON[@]}" hydra.run.dir="$OUT/$model/ddp2/powersgd" 2>&1 | tail -1
-  wait_for_quiet "$model, DDP on 4 processes"
-  $PY -m src.train model=$model strategy=ddp devices=4 "${SIZE[@]}" "${COMMON[@]}" hydra.run.dir="$OUT/$model/ddp4" 2>&1 | tail -1
+# A run's epoch time here varies by 10 to 15 % from one run to the next: every setting runs REPEATS
+# times, the repeats interleaved so that a slow spell touches all settings alike, and
+# `src.scaling` compares the medians.
+for repeat in $(seq 1 "$REPEATS"); do
+  for model in $MODELS; do
+    if [ "$model" = lenet ]; then SIZE=(data.batch_size=256 trainer.limit_train_batches=30)
+    else SIZE=(data.batch_size=32 trainer.limit_train_batches=5); fi
+    DIR="$OUT/$model/r$repeat"
+    wait_for_quiet "$model, repeat $repeat, 1 process"
+    $PY -m src.train model=$model "${SIZE[@]}" "${COMMON[@]}" hydra.run.dir="$DIR/1proc" 2>&1 | tail -1
+    wait_for_quiet "$model, repeat $repeat, DDP on 2 processes, each hook"
+    $PY -m src.train -m model=$model strategy=ddp,ddp_fp16,ddp_bf16 devices=2 "${SIZE[@]}" "${COMMON[@]}" hydra.sweep.dir="$DIR/ddp2" 2>&1 | grep -E "test/acc|error" || true
+    $PY -m src.train model=$model strategy=ddp_powersgd devices=2 strategy.start_powersgd_iter=2 "${SIZE[@]}" "${COMMON[@]}" hydra.run.dir="$DIR/ddp2/powersgd" 2>&1 | tail -1
+    wait_for_quiet "$model, repeat $repeat, DDP on 4 processes"
+    $PY -m src.train model=$model strategy=ddp devices=4 "${SIZE[@]}" "${COMMON[@]}" hydra.run.dir="$DIR/ddp4" 2>&1 | tail -1
+  done
 done
 wait_for_quiet "probe and prediction"
 $PY -m src.scaling "$OUT" --probe

@@ -23,7 +23,7 @@ from src.scaling.costmodel import (
 )
 from src.models.lenet import LeNet
 from src.scaling.probe import Probe, fit_ring, load, measure, save
-from src.scaling.predict import COLUMNS, PROCESS_COUNTS, Baseline, Options, RunFigures, main, predictions
+from src.scaling.predict import COLUMNS, PROCESS_COUNTS, Baseline, Options, RunFigures, main, merge_repeats, predictions
 from src.scaling import stepclock
 from src.scaling.stepclock import overhead_share
 from src.strategies.ddp import HOOKS
@@ -194,6 +194,22 @@ def lenet_figures(processes: int = 1) -> RunFigures:
         net=OmegaConf.create({"_target_": "src.models.lenet.LeNet"}), input_shape=(1, 28, 28), steps_per_epoch=10,
         epoch_s=1.0, step_s=0.1,
     )
+
+
+def test_repeats_of_a_setting_become_their_medians():
+    one = lenet_figures()
+    repeats = [dataclasses.replace(one, run=f"r{i}/1proc", epoch_s=e, step_s=e / 10) for i, e in ((2, 1.3), (1, 1.0), (3, 1.1))]
+    ddp = [dataclasses.replace(one, run=f"r{i}/ddp2", processes=2, hook="none", epoch_s=e, step_s=e / 10, hook_s=h)
+           for i, e, h in ((1, 0.8, 0.004), (2, 0.6, None))]
+    other = dataclasses.replace(one, run="bf16", precision="bf16-mixed", epoch_s=0.5, step_s=0.05)
+    merged = {r.run: r for r in merge_repeats([*repeats, *ddp, other])}
+    assert sorted(merged) == ["bf16", "r1/1proc, median of 3 runs", "r1/ddp2, median of 2 runs"]
+    assert merged["r1/1proc, median of 3 runs"].epoch_s == pytest.approx(1.1)
+    assert merged["r1/1proc, median of 3 runs"].step_s == pytest.approx(0.11)
+    assert merged["r1/1proc, median of 3 runs"].repeats == 3
+    assert merged["r1/ddp2, median of 2 runs"].epoch_s == pytest.approx(0.7)
+    assert merged["r1/ddp2, median of 2 runs"].hook_s == pytest.approx(0.004)  # a run that logged none does not count
+    assert merged["bf16"] == other  # another precision is another setting
 
 
 def test_strong_and_weak_scaling_from_one_run():

@@ -64,6 +64,11 @@ class RunFigures:
     bytes_per_step: float | None = None  # the smallest: PowerSGD's warm-up steps send more
     hook_s: float | None = None  # median over the steps that sent the smallest bytes
     precision: str = "32-true"  # the precision the run trained in (its `precision_used`), to time its step the same way
+    repeats: int = 1  # runs of the same setting whose medians these figures are (`merge_repeats`)
+
+    def setting(self) -> tuple:
+        """What makes two runs repeats of each other: the same model, batch, processes, hook and precision."""
+        return self.model, self.batch_size, self.processes, self.hook, self.powersgd_rank, self.precision, self.steps_per_epoch
 
 
 def read_figures(run: RunFolder) -> RunFigures | None:
@@ -109,6 +114,29 @@ def read_figures(run: RunFolder) -> RunFigures | None:
             hook_ms = median(v for s, v in series("xfer/hook_ms") if s in steady)
             figures.hook_s = None if hook_ms is None else hook_ms / 1000
     return figures
+
+
+TIMED = ("epoch_s", "step_s", "exposed_comm_s", "backward_s", "overlap_frac", "bytes_per_step", "hook_s")
+
+
+def merge_repeats(runs: list[RunFigures]) -> list[RunFigures]:
+    """One figure set per setting: where several runs repeat a setting, the median of each timed figure.
+
+    A single run's epoch time here varies by 10 to 15 % from one run to the next (other processes,
+    the cores' clocks), as much as the differences the model predicts; repeats narrow it.
+    """
+    settings: dict[tuple, list[RunFigures]] = {}
+    for run in sorted(runs, key=lambda r: r.run):
+        settings.setdefault(run.setting(), []).append(run)
+    merged = []
+    for repeats in settings.values():
+        if len(repeats) == 1:
+            merged.append(repeats[0])
+            continue
+        medians = {name: median(v for r in repeats if (v := getattr(r, name)) is not None) for name in TIMED}
+        merged.append(replace(repeats[0], run=f"{repeats[0].run}, median of {len(repeats)} runs", repeats=len(repeats),
+                              **{name: value for name, value in medians.items() if value is not None}))
+    return merged
 
 
 def collect(root: Path) -> list[RunFigures]:
@@ -390,7 +418,7 @@ def write_scaling(root: Path, out: Path | None = None, probe: gloo_probe.Probe |
                   options: Options = Options()) -> str:
     """Write scaling.md, scaling.csv and one plot per model into `out` (default `root`); returns the Markdown sections."""
     out = output_folder(root if out is None else out)
-    runs = collect(root)
+    runs = merge_repeats(collect(root))
     cores = probe.cores if probe is not None else len(os.sched_getaffinity(0))
     measured = measured_links(probe)
     named = [link if options.bus_share is None else replace(link, bus_share=options.bus_share) for link in INTERCONNECTS]
