@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
 
 # torch's own all_reduce, bound at import: a wrapper put in place of dist.all_reduce later would never see calls
@@ -117,6 +118,13 @@ def test_ddp_backward_timings_and_epoch_means_are_logged(train) -> None:
     assert all(0 <= share <= 1 for share in logged["xfer/overlap_frac"])
     for name in (*HOOK_FIGURES, *DDP_TIMINGS):
         assert logged[f"{name}_epoch"] == [pytest.approx(sum(logged[name]) / len(logged[name]), rel=1e-5)], name
+    # Each figure sits at the step of the optimizer step it measured, numbered as Lightning numbers its own (from 0).
+    events = EventAccumulator(str(train("none")), size_guidance={"scalars": 0})
+    events.Reload()
+    for name in HOOK_FIGURES:
+        assert [e.step for e in events.Scalars(name)] == list(range(BATCHES)), name
+    for name in DDP_TIMINGS:
+        assert [e.step for e in events.Scalars(name)] == list(range(BATCHES - 1)), name
 
 
 def test_accumulation_skips_the_all_reduce(train) -> None:
