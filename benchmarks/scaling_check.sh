@@ -28,8 +28,8 @@ wait_for_quiet() {
   echo "load $(cut -d' ' -f1-3 /proc/loadavg) at $(date +%T): $*"
 }
 
-# A run's epoch time here varies by 10 to 15 % from one run to the next: every setting runs REPEATS
-# times, the repeats interleaved so that a slow spell touches all settings alike, and
+# One run's epoch time here can differ from the next one's by as much as the model's error: every
+# setting runs REPEATS times, the repeats interleaved so that a slow spell touches all settings alike, and
 # `src.scaling` compares the medians.
 for repeat in $(seq 1 "$REPEATS"); do
   for model in $MODELS; do

@@ -67,7 +67,7 @@ class RunFigures:
     repeats: int = 1  # runs of the same setting whose medians these figures are (`merge_repeats`)
 
     def setting(self) -> tuple:
-        """What makes two runs repeats of each other: the same model, batch, processes, hook and precision."""
+        """What makes two runs repeats of each other: the same model, batch, processes, hook, rank, precision and epoch."""
         return self.model, self.batch_size, self.processes, self.hook, self.powersgd_rank, self.precision, self.steps_per_epoch
 
 
@@ -122,8 +122,8 @@ TIMED = ("epoch_s", "step_s", "exposed_comm_s", "backward_s", "overlap_frac", "b
 def merge_repeats(runs: list[RunFigures]) -> list[RunFigures]:
     """One figure set per setting: where several runs repeat a setting, the median of each timed figure.
 
-    A single run's epoch time here varies by 10 to 15 % from one run to the next (other processes,
-    the cores' clocks), as much as the differences the model predicts; repeats narrow it.
+    On shared cores one run's epoch time can differ from the next one's (other processes, the cores'
+    clocks) by as much as the differences the model predicts; repeats narrow it.
     """
     settings: dict[tuple, list[RunFigures]] = {}
     for run in sorted(runs, key=lambda r: r.run):
