@@ -1,8 +1,14 @@
-"""Callbacks that show, from inside a run's processes, what they see (`+callbacks.probe._target_=tests.probes.ShowVariable`)."""
+"""Callbacks that show, from inside a run's processes, what they see (`+callbacks.probe._target_=tests.probes.ShowVariable`),
+and a DDP hook that does the same (`strategy.hook=tests.probes.noted_allreduce_hook`)."""
 
 import os
 
+import torch
+import torch.distributed as dist
 from lightning import Callback, LightningModule, Trainer
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+HOOK_NOTES = "HOOK_NOTES"  # the environment variable naming the file noted_allreduce_hook appends to
 
 
 class ShowVariable(Callback):
@@ -14,3 +20,10 @@ class ShowVariable(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # One write: the processes share one output, and a print may write its line and its end apart.
         os.write(1, f"{self.name}={os.environ.get(self.name)} rank {trainer.global_rank}\n".encode())
+
+
+def noted_allreduce_hook(process_group: dist.ProcessGroup, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """torch's plain all-reduce hook that first appends a line with the bucket's size to the file `$HOOK_NOTES` names."""
+    with open(os.environ[HOOK_NOTES], "a") as notes:
+        notes.write(f"{bucket.buffer().numel()}\n")
+    return default_hooks.allreduce_hook(process_group, bucket)

@@ -15,7 +15,6 @@ import torch.distributed as dist
 from matplotlib.image import imread
 
 from omegaconf import OmegaConf
-from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
 from src.scaling.costmodel import (
     INTERCONNECTS, PRESETS, Interconnect, Terms, bucketed, collectives, ddp_buckets, encode_s, expected_max_normal,
@@ -28,6 +27,7 @@ from src.scaling import stepclock
 from src.scaling.stepclock import overhead_share
 from src.strategies.ddp import HOOKS
 from tests.helpers import QUICK, REPO, call_main, run_cli, scalars, train
+from tests.probes import HOOK_NOTES
 
 LINK = Interconnect("test", bandwidth=1e9, latency=1e-5)
 LENET_SHAPES = [tuple(p.shape) for p in LeNet().parameters()]
@@ -165,25 +165,30 @@ def test_hook_arithmetic_is_timed_and_grows_with_the_work():
     assert torch.get_num_threads() >= 1  # restored after the one-thread measurement
 
 
-def test_each_hook_is_timed_as_torch_runs_it_on_a_one_process_group(monkeypatch):
-    calls = []
-    real = powerSGD_hook.powerSGD_hook
-    monkeypatch.setattr(powerSGD_hook, "powerSGD_hook", lambda state, bucket: calls.append(bucket.index()) or real(state, bucket))
-    times = stepclock.hook_times(LeNet(), (1, 28, 28), HOOKS, repeats=2)
-    assert set(times) == set(HOOKS) and all(t > 0 for t in times.values())
-    assert len(calls) == 2 * (2 + 1 + 2)  # powersgd and powersgd_fp16: the plain steps first, then the timed ones
-    assert set(calls) == {0}  # one bucket, as PowerSGD under gloo runs
-    assert times["powersgd"] > times["none"]  # error feedback, products and three all-reduces in a chain
-    assert not dist.is_initialized()  # its group is gone again
+LENET = OmegaConf.create({"_target_": "src.models.lenet.LeNet"})
 
 
-def test_a_process_that_has_a_group_keeps_it_and_gets_no_hook_times():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+def test_each_hook_is_timed_as_torch_runs_it_in_a_process_of_its_own(monkeypatch, tmp_path):
+    notes = tmp_path / "notes"
+    monkeypatch.setenv(HOOK_NOTES, str(notes))
+    hooks = (*HOOKS, "tests.probes.noted_allreduce_hook")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # a group of the caller's own
     try:
-        assert stepclock.hook_times(LeNet(), (1, 28, 28), HOOKS, repeats=1) is None
-        assert dist.is_initialized()
+        times = stepclock.hook_times(LENET, (1, 28, 28), hooks, repeats=2)
+        assert dist.is_initialized() and dist.get_world_size() == 1  # the caller's group is untouched
     finally:
         dist.destroy_process_group()
+    assert set(times) == set(hooks) and all(t > 0 for t in times.values())
+    assert times["powersgd"] > times["none"]  # error feedback, products and three all-reduces in a chain
+    # The hook named by its import path ran once a step, on one bucket of all of LeNet's gradients: PowerSGD's
+    # plain warm-up steps and one more, then the two timed.
+    assert notes.read_text().split() == [str(sum(math.prod(s) for s in LENET_SHAPES))] * (2 + 1 + 2)
+
+
+def test_hooks_that_cannot_be_timed_are_estimated(caplog):
+    broken = OmegaConf.create({"_target_": "nowhere.Model"})
+    assert stepclock.hook_times(broken, (1, 28, 28), HOOKS, repeats=1) is None
+    assert "the DDP hooks could not be timed" in caplog.text
 
 
 # ---- a run's figures, without training: strong and weak scaling ----

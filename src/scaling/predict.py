@@ -202,10 +202,10 @@ class Baseline:
         origin["backward"] = ("2/3 of the compute (assumed: backward about twice the forward pass)" if backward_1 is None
                               else f"`xfer/backward_compute_ms` of {run.run}")
         rank = run.powersgd_rank
-        hooks = stepclock.hook_times(instantiate(run.net), run.input_shape, HOOKS, rank, options.bucket_mb)
+        hooks = stepclock.hook_times(run.net, run.input_shape, HOOKS, rank, options.bucket_mb)
         origin["hook"] = ("torch's hook timed here in a DDP model of these shapes on a one-process gloo group, one thread"
                           if hooks is not None else "the hook's arithmetic estimated on tensors of these shapes, one thread "
-                          "(this process already has a process group)")
+                          "(the hooks could not be timed)")
         return cls(run, compute_1, Terms(overhead, skew, overlap, backward_share), origin,
                    {h: bucketed(run.shapes, h, rank, int(options.bucket_mb * MIB)) for h in HOOKS},
                    hooks or {h: encode_s(run.shapes, h, rank) for h in HOOKS})

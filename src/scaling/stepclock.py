@@ -18,18 +18,25 @@ figures are shares of a step, applied to a run's own step time.
 """
 
 import copy
+import logging
+import multiprocessing
 import statistics
 import time
 from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from hydra.utils import instantiate
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from src.strategies.comm import CommMeter
 from src.strategies.ddp import CommHookDDPStrategy, one_bucket_cap_mb
+
+log = logging.getLogger(__name__)
 
 BUDGET_S = 1.0  # timing per batch size: enough repeats for a median, few enough for a report
 
@@ -90,24 +97,30 @@ def overhead_share(step: float, batch: int, small_step: float, small_batch: int)
     return min(max(intercept / step, 0.0), 0.99)
 
 
-def hook_times(net: nn.Module, input_shape: Sequence[int], hooks: Sequence[str], rank: int = 1,
+def hook_times(net: Any, input_shape: Sequence[int], hooks: Sequence[str], rank: int = 1,
                bucket_cap_mb: float = 25.0, repeats: int = 5) -> dict[str, float] | None:
     """Seconds per step each hook takes from its call to its future's completion, as in training, on one thread.
 
-    A one-process gloo group makes every all-reduce a local no-op, so what is left is the hook
-    itself. None where this process already has a process group, which a group of its own would
-    replace; the caller then estimates the hooks' arithmetic instead (`costmodel.encode_s`).
+    `net`: the model's config (`_target_` and its arguments). A one-process gloo group makes every
+    all-reduce a local no-op, so what is left is the hook itself. It runs in a process of its own:
+    the group, DDP's threads and any failure stay there, away from the caller's process and its
+    groups. None, with the reason logged, when that process fails; the caller then estimates the
+    hooks' arithmetic instead (`costmodel.encode_s`).
     """
-    if dist.is_initialized():
-        return None
-    threads = torch.get_num_threads()
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        try:
+            return pool.submit(_hook_times, net, tuple(input_shape), tuple(hooks), rank, bucket_cap_mb, repeats).result()
+        except Exception as error:  # noqa: BLE001  a figure that cannot be timed is estimated instead
+            log.warning(f"the DDP hooks could not be timed ({type(error).__name__}: {error}); their arithmetic is estimated")
+            return None
+
+
+def _hook_times(net: Any, input_shape: tuple[int, ...], hooks: tuple[str, ...], rank: int, bucket_cap_mb: float,
+                repeats: int) -> dict[str, float]:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        return {hook: _hook_s(net, input_shape, hook, rank, bucket_cap_mb, repeats) for hook in hooks}
-    finally:
-        dist.destroy_process_group()
-        torch.set_num_threads(threads)
+    model = instantiate(net)
+    return {hook: _hook_s(model, input_shape, hook, rank, bucket_cap_mb, repeats) for hook in hooks}
 
 
 def _hook_s(net: nn.Module, input_shape: Sequence[int], hook: str, rank: int, bucket_cap_mb: float, repeats: int) -> float:
