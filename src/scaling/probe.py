@@ -13,7 +13,8 @@ alone first), then all-reduces 4 bytes. What that takes beyond the work (times t
 take on shared cores) and the 4-byte all-reduce is the lag of the slowest process to arrive, a cost
 of training on shared cores that all-reduces started together after a barrier do not show. It is
 kept as a share of the work's turns: from 20 to 100 ms of work it grew with the work (2 processes on
-2 cores: 2 to 3 ms; 4 processes: 0.3 to 8 ms), about 3 to 4 % from 50 ms on.
+2 cores: 2 to 3 ms; 4 processes: 0.3 to 8 ms), about 3 to 4 % from 50 ms on; on a later day, 3 to
+16 % between probes a few minutes apart. The median meeting: the mean followed the outliers.
 Only torch is imported here: every probe process imports this module again.
 """
 
@@ -127,14 +128,13 @@ def _worker(rank: int, processes: int, port: int, sizes: Sequence[int], work: in
         meetings.append(time.perf_counter() - start)
     dist.barrier()
     if rank == 0:
-        # The mean, not the median: an epoch is the sum of its steps, and the slowest process's late arrivals are rare but long.
-        Path(result).write_text(json.dumps({"timings": timings, "meeting_s": statistics.fmean(meetings)}))
+        Path(result).write_text(json.dumps({"timings": timings, "meeting_s": statistics.median(meetings)}))
     dist.destroy_process_group()
 
 
 def measure(processes: int, cores: int, sizes: Sequence[int] = SIZES) -> tuple[list[tuple[int, int, float]], float]:
     """(processes, bytes, median seconds) of a gloo all-reduce for each size, between local processes, and
-    the lag of a meeting: its mean time beyond the work's turns on `cores` cores and the smallest all-reduce,
+    the lag of a meeting: its median time beyond the work's turns on `cores` cores and the smallest all-reduce,
     as a share of those turns."""
     count, alone = _work_count()
     with tempfile.TemporaryDirectory() as folder:
