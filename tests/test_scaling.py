@@ -174,15 +174,15 @@ def test_each_hook_is_timed_as_torch_runs_it_in_a_process_of_its_own(monkeypatch
     hooks = (*HOOKS, "tests.probes.noted_allreduce_hook")
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # a group of the caller's own
     try:
-        times = stepclock.hook_times(LENET, (1, 28, 28), hooks, repeats=2)
+        times = stepclock.hook_times(LENET, (1, 28, 28), hooks, repeats=5)  # a median of 5: one preempted step cannot decide it
         assert dist.is_initialized() and dist.get_world_size() == 1  # the caller's group is untouched
     finally:
         dist.destroy_process_group()
     assert set(times) == set(hooks) and all(t > 0 for t in times.values())
     assert times["powersgd"] > times["none"]  # error feedback, products and three all-reduces in a chain
     # The hook named by its import path ran once a step, on one bucket of all of LeNet's gradients: PowerSGD's
-    # plain warm-up steps and one more, then the two timed.
-    assert notes.read_text().split() == [str(sum(math.prod(s) for s in LENET_SHAPES))] * (2 + 1 + 2)
+    # plain warm-up steps and one more, then the five timed.
+    assert notes.read_text().split() == [str(sum(math.prod(s) for s in LENET_SHAPES))] * (2 + 1 + 5)
 
 
 def test_hooks_that_cannot_be_timed_are_estimated(caplog):
@@ -211,7 +211,6 @@ def test_repeats_of_a_setting_become_their_medians():
     assert sorted(merged) == ["bf16", "r1/1proc, median of 3 runs", "r1/ddp2, median of 2 runs"]
     assert merged["r1/1proc, median of 3 runs"].epoch_s == pytest.approx(1.1)
     assert merged["r1/1proc, median of 3 runs"].step_s == pytest.approx(0.11)
-    assert merged["r1/1proc, median of 3 runs"].repeats == 3
     assert merged["r1/ddp2, median of 2 runs"].epoch_s == pytest.approx(0.7)
     assert merged["r1/ddp2, median of 2 runs"].hook_s == pytest.approx(0.004)  # a run that logged none does not count
     assert merged["bf16"] == other  # another precision is another setting

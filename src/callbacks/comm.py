@@ -66,26 +66,27 @@ class CommLogger(Callback):
         step = self._meter.take()
         if step.buckets == 0:
             return
-        sent = () if trainer.world_size == 1 else (  # one process: the all-reduces send nothing
-            ("xfer/bytes_per_step", float(step.bytes_sent)), ("xfer/compression_ratio", step.compression_ratio))
-        values = dict((*sent, ("xfer/hook_ms", step.hook_s * 1000), ("xfer/buckets_per_step", float(step.buckets))))
-        for name, value in values.items():
-            self._epoch_values.setdefault(name, []).append(value)
-        # Straight to the logger, at Lightning's logging steps and step numbers: `LightningModule.log` costs
-        # about a millisecond a call on a small CPU, which four calls a step turn into a share of a small model's step.
-        if trainer.is_global_zero and trainer.logger is not None and trainer.global_step % trainer.log_every_n_steps == 0:
-            trainer.logger.log_metrics(values, step=trainer.global_step - 1)
+        sent = {} if trainer.world_size == 1 else {  # one process: the all-reduces send nothing
+            "xfer/bytes_per_step": float(step.bytes_sent), "xfer/compression_ratio": step.compression_ratio}
+        self._record(trainer, {**sent, "xfer/hook_ms": step.hook_s * 1000, "xfer/buckets_per_step": float(step.buckets)})
 
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: Any) -> None:
         """After this step's forward pass: DDP has just filed the previous step's timings."""
         timings = self.ddp_timings()
-        if not timings:
-            return
-        for name, value in timings.items():
+        if timings:
+            self._record(trainer, timings)
+
+    def _record(self, trainer: Trainer, values: dict[str, float]) -> None:
+        """Keep the figures of the optimizer step that has just finished for the epoch's means; rank 0 also writes them
+        at Lightning's logging steps, under the number Lightning gives that step (global_step - 1).
+
+        Straight to the logger: `LightningModule.log` costs about a millisecond a call on a small CPU, which
+        several calls a step turn into a share of a small model's step.
+        """
+        for name, value in values.items():
             self._epoch_values.setdefault(name, []).append(value)
-        step = trainer.global_step - 1  # the previous optimizer step's TensorBoard step, as Lightning numbers it
         if trainer.is_global_zero and trainer.logger is not None and trainer.global_step % trainer.log_every_n_steps == 0:
-            trainer.logger.log_metrics(timings, step=step)
+            trainer.logger.log_metrics(values, step=trainer.global_step - 1)
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._epoch_values = {}

@@ -64,7 +64,6 @@ class RunFigures:
     bytes_per_step: float | None = None  # the smallest: PowerSGD's warm-up steps send more
     hook_s: float | None = None  # median over the steps that sent the smallest bytes
     precision: str = "32-true"  # the precision the run trained in (its `precision_used`), to time its step the same way
-    repeats: int = 1  # runs of the same setting whose medians these figures are (`merge_repeats`)
 
     def setting(self) -> tuple:
         """What makes two runs repeats of each other: the same model, batch, processes, hook, rank, precision and epoch."""
@@ -134,7 +133,7 @@ def merge_repeats(runs: list[RunFigures]) -> list[RunFigures]:
             merged.append(repeats[0])
             continue
         medians = {name: median(v for r in repeats if (v := getattr(r, name)) is not None) for name in TIMED}
-        merged.append(replace(repeats[0], run=f"{repeats[0].run}, median of {len(repeats)} runs", repeats=len(repeats),
+        merged.append(replace(repeats[0], run=f"{repeats[0].run}, median of {len(repeats)} runs",
                               **{name: value for name, value in medians.items() if value is not None}))
     return merged
 
