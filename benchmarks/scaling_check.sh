@@ -8,6 +8,7 @@
 #     bash benchmarks/scaling_check.sh [DATA_ROOT] [OUT]    # defaults: ../shared/data, outputs/scaling_check
 #     MODELS=lenet bash benchmarks/scaling_check.sh ...      # one model only (default: lenet resnet18)
 #     REPEATS=1 bash benchmarks/scaling_check.sh ...         # each setting once (default: 3)
+#     BASELINE_RUNS=1 bash benchmarks/scaling_check.sh ...   # one-process runs per repeat (default: 2)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DATA=${1:-../shared/data}
@@ -22,6 +23,9 @@ COMMON=(data.root="$DATA" max_epochs=3 trainer.limit_val_batches=1 trainer.limit
 export OMP_NUM_THREADS=1
 LOAD_LIMIT=${LOAD_LIMIT:-2.5}
 REPEATS=${REPEATS:-3}
+# Every prediction scales from the one-process run, so its noise moves them all (LeNet's epoch here:
+# 1.93 to 2.29 s between repeats); it runs BASELINE_RUNS times in each repeat.
+BASELINE_RUNS=${BASELINE_RUNS:-2}
 
 wait_for_quiet() {
   while awk -v limit="$LOAD_LIMIT" '{exit !($1 > limit)}' /proc/loadavg; do echo "load $(cut -d' ' -f1 /proc/loadavg): waiting"; sleep 60; done
@@ -36,8 +40,10 @@ for repeat in $(seq 1 "$REPEATS"); do
     if [ "$model" = lenet ]; then SIZE=(data.batch_size=256 trainer.limit_train_batches=30)
     else SIZE=(data.batch_size=32 trainer.limit_train_batches=5); fi
     DIR="$OUT/$model/r$repeat"
-    wait_for_quiet "$model, repeat $repeat, 1 process"
-    $PY -m src.train model=$model "${SIZE[@]}" "${COMMON[@]}" hydra.run.dir="$DIR/1proc" 2>&1 | tail -1
+    for run in $(seq 1 "$BASELINE_RUNS"); do
+      wait_for_quiet "$model, repeat $repeat, 1 process, run $run"
+      $PY -m src.train model=$model "${SIZE[@]}" "${COMMON[@]}" hydra.run.dir="$DIR/1proc$([ "$run" = 1 ] || echo "_$run")" 2>&1 | tail -1
+    done
     wait_for_quiet "$model, repeat $repeat, DDP on 2 processes, each hook"
     $PY -m src.train -m model=$model strategy=ddp,ddp_fp16,ddp_bf16 devices=2 "${SIZE[@]}" "${COMMON[@]}" hydra.sweep.dir="$DIR/ddp2" 2>&1 | grep -E "test/acc|error" || true
     $PY -m src.train model=$model strategy=ddp_powersgd devices=2 strategy.start_powersgd_iter=2 "${SIZE[@]}" "${COMMON[@]}" hydra.run.dir="$DIR/ddp2/powersgd" 2>&1 | tail -1

@@ -22,7 +22,9 @@ from src.scaling.costmodel import (
 )
 from src.models.lenet import LeNet
 from src.scaling.probe import Probe, fit_ring, load, measure, save
-from src.scaling.predict import COLUMNS, PROCESS_COUNTS, Baseline, Options, RunFigures, main, merge_repeats, predictions
+from src.scaling.predict import (
+    COLUMNS, PROCESS_COUNTS, Baseline, Options, RunFigures, link_for, main, merge_repeats, predictions,
+)
 from src.scaling import stepclock
 from src.scaling.stepclock import overhead_share
 from src.strategies.ddp import HOOKS
@@ -103,6 +105,18 @@ def test_processes_beyond_the_cores_take_turns():
     assert predict_step(0.1, [], 0.0, 4, LINK, terms).compute == pytest.approx(0.02)
 
 
+def test_ddps_own_work_is_overhead_of_every_process_and_takes_turns():
+    shared = Interconnect("here", bandwidth=1e9, latency=0.0, cores=2)
+    terms = Terms(overhead=0.02, overlap=1.0, reducer=0.005)
+    assert predict_step(0.1, [[10**6], [10**6]], 0.0, 1, shared, terms).overhead == pytest.approx(0.02)  # no DDP on one process
+    two = predict_step(0.1, [[10**6], [10**6]], 0.003, 2, shared, terms)
+    assert two.overhead == pytest.approx(0.025)  # not hidden behind the backward pass, unlike the hook's share of early buckets
+    assert (two.comm, two.hidden) == (pytest.approx(0.003 + 0.002), pytest.approx(0.001 + 0.0015))
+    four = predict_step(0.1, [[10**6], [10**6]], 0.003, 4, shared, terms)
+    assert four.overhead == pytest.approx(0.05)  # two processes a core, in turn: their own work too
+    assert four.comm == pytest.approx(0.006 + 2 * ring_allreduce_s(10**6, 4, shared))
+
+
 def test_a_probed_process_count_reads_its_timed_all_reduces_and_others_the_formula():
     timed = ((4, 1e-4), (2**18, 6e-4), (2**20, 4e-3))  # gloo here: a jump between 256 KiB and 1 MiB
     probed = Interconnect("here", bandwidth=1e9, latency=1e-5, cores=2, timed=timed, timed_processes=2)
@@ -119,6 +133,16 @@ def test_the_probes_meeting_lag_is_a_share_of_the_turns():
     step = predict_step(0.1, [[4]], 0.0, 4, lagging, Terms(overhead=0.02))
     assert step.skew == pytest.approx(0.05 * (step.compute + step.overhead)) and step.compute + step.overhead == pytest.approx(0.08)
     assert predict_step(0.1, [], 0.0, 1, lagging).skew == 0.0  # one process meets nobody
+
+
+def test_the_models_own_lag_replaces_the_probes_on_the_link_probed_at_that_count():
+    buckets = {hook: bucketed(LENET_SHAPES, hook) for hook in HOOKS}
+    base = Baseline(lenet_figures(), 0.1, Terms(overhead=0.02), {}, buckets, dict.fromkeys(HOOKS, 0.0), lags={4: 0.2})
+    probed = {n: Interconnect(f"here, {n}", bandwidth=1e9, latency=0.0, cores=2, timed_processes=n, lag=0.05) for n in (2, 4)}
+    for n, lag in ((4, 0.2), (8, 0.2), (2, 0.05)):  # 8: the fit of 4 processes, the nearest probed below; 2: no lag of its own
+        step = base.step("none", n, link_for(n, probed))
+        assert step.skew == pytest.approx(lag * (step.compute + step.overhead)), n
+    assert base.step("none", 4, PRESETS["ib100"]).skew == 0.0  # a named link: devices of their own, nothing to share
 
 
 def test_weak_scaling_keeps_each_process_batch():
@@ -174,20 +198,41 @@ def test_each_hook_is_timed_as_torch_runs_it_in_a_process_of_its_own(monkeypatch
     hooks = (*HOOKS, "tests.probes.noted_allreduce_hook")
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # a group of the caller's own
     try:
-        times = stepclock.hook_times(LENET, (1, 28, 28), hooks, repeats=5)  # a median of 5: one preempted step cannot decide it
+        clock = stepclock.ddp_times(LENET, (1, 28, 28), hooks, repeats=5)  # a median of 5: one preempted step cannot decide it
         assert dist.is_initialized() and dist.get_world_size() == 1  # the caller's group is untouched
     finally:
         dist.destroy_process_group()
-    assert set(times) == set(hooks) and all(t > 0 for t in times.values())
+    times = clock.hooks
+    assert set(times) == set(hooks) and all(t > 0 for t in times.values()) and clock.reducer >= 0
     assert times["powersgd"] > times["none"]  # error feedback, products and three all-reduces in a chain
     # The hook named by its import path ran once a step, on one bucket of all of LeNet's gradients: PowerSGD's
     # plain warm-up steps and one more, then the five timed.
     assert notes.read_text().split() == [str(sum(math.prod(s) for s in LENET_SHAPES))] * (2 + 1 + 5)
 
 
+def test_ddps_copies_of_a_large_gradient_are_timed_besides_the_hook():
+    # 16 MiB of gradients in one layer: DDP copies them into its bucket and back, work a plain pass of one sample lacks.
+    wide = OmegaConf.create({"_target_": "torch.nn.Linear", "in_features": 2048, "out_features": 2048})
+    clock = stepclock.ddp_times(wide, (2048,), ("none",), repeats=5)
+    assert clock.reducer > 0 and set(clock.hooks) == {"none"}
+
+
+def test_the_lag_is_what_processes_together_take_beyond_their_turns():
+    assert stepclock.lag_share(0.1, 0.11, 2, cores=2) == pytest.approx(0.1)  # a core each: no turns
+    assert stepclock.lag_share(0.1, 0.23, 4, cores=2) == pytest.approx(0.15)  # two a core: turns of 0.2
+    assert stepclock.lag_share(0.1, 0.19, 4, cores=2) == 0.0  # faster than its turns: noise, not a gain
+
+
+def test_the_models_own_steps_give_its_lag_and_a_model_that_fails_gives_none(caplog):
+    assert set(stepclock.meeting_lags(LENET, (1, 28, 28), {2: 16}, rounds=4)) == {2}
+    broken = OmegaConf.create({"_target_": "nowhere.Model"})
+    assert stepclock.meeting_lags(broken, (1, 28, 28), {2: 16}, rounds=1) == {}
+    assert "the model's steps on 2 processes could not be timed" in caplog.text and "probe's lag" in caplog.text
+
+
 def test_hooks_that_cannot_be_timed_are_estimated(caplog):
     broken = OmegaConf.create({"_target_": "nowhere.Model"})
-    assert stepclock.hook_times(broken, (1, 28, 28), HOOKS, repeats=1) is None
+    assert stepclock.ddp_times(broken, (1, 28, 28), HOOKS, repeats=1) is None
     assert "the DDP hooks could not be timed" in caplog.text
 
 
@@ -223,7 +268,9 @@ def test_strong_and_weak_scaling_from_one_run():
     strong = {r["processes"]: r for r in predictions(base, [NO_LATENCY])if r["hook"] == "none"}
     assert sorted(strong) == [n for n in PROCESS_COUNTS if 256 % n == 0]
     assert {r["global_batch"] for r in strong.values()} == {256} and {r["mode"] for r in strong.values()} == {"strong"}
-    assert strong[4]["compute_ms"] == pytest.approx(80 / 4) and strong[4]["overhead_ms"] == pytest.approx(20)
+    ddp_ms = base.terms.reducer * 1e3  # DDP's own work, timed: part of the overhead of more than one process
+    assert strong[4]["compute_ms"] == pytest.approx(80 / 4) and strong[4]["overhead_ms"] == pytest.approx(20 + ddp_ms)
+    assert strong[1]["overhead_ms"] == pytest.approx(20)
     weak = {r["processes"]: r for r in predictions(base, [NO_LATENCY], per_process_batch=64) if r["hook"] == "none"}
     assert sorted(weak) == list(PROCESS_COUNTS)  # no batch to divide
     assert weak[512]["global_batch"] == 64 * 512 and weak[512]["mode"] == "weak"
@@ -231,7 +278,7 @@ def test_strong_and_weak_scaling_from_one_run():
     # One process's epoch: 2560 samples at 64 a step; 4 processes: 10 steps of 256.
     one_epoch = 40 * 0.04
     assert weak[1]["epoch_s"] == pytest.approx(one_epoch) and weak[1]["efficiency"] == pytest.approx(1.0)
-    assert weak[4]["epoch_s"] == pytest.approx(10 * (0.04 + weak[4]["exposed_ms"] / 1e3))
+    assert weak[4]["epoch_s"] == pytest.approx(10 * (0.04 + (ddp_ms + weak[4]["exposed_ms"]) / 1e3))
     assert weak[4]["efficiency"] == pytest.approx(one_epoch / weak[4]["epoch_s"] / 4)
 
 
@@ -465,6 +512,7 @@ def test_cli_writes_table_plot_and_checks_for_real_runs(runs, tmp_path):
     assert float(by_key["NVLink 4", "none", 1]["epoch_s"]) == pytest.approx(logged[0], rel=1e-6)
     markdown = (out / "scaling.md").read_text()
     assert "From `one` (1 process," in markdown
+    assert "at 2 processes; the model's step timed on N processes at once" in markdown  # its own lag, not the probe's
     [check] = [line for line in markdown.splitlines() if line.startswith("| two |")]
     cells = [c.strip() for c in check.strip("|").split("|")]
     assert cells[1:4] == ["powersgd", "2", "gloo here, 2 proc."] and cells[4] == cells[5]  # bytes: predicted = counted

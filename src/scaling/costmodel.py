@@ -246,13 +246,17 @@ class Terms:
     overlap: the share of the communication of every bucket but the last that runs while the
     backward pass still computes (DDP launches a bucket's all-reduce as soon as it is full; the
     last bucket is full only when the backward pass ends, so it never overlaps);
-    backward_share: the backward pass's share of the step's compute.
+    backward_share: the backward pass's share of the step's compute;
+    reducer: seconds per step DDP adds to each of N > 1 processes besides its hook (copying the
+    gradients into its buckets and the averaged ones back): the process's own work, so it neither
+    hides behind the backward pass nor shrinks with the batch.
     """
 
     overhead: float = 0.0
     skew: float = 0.0
     overlap: float = 0.0
     backward_share: float = BACKWARD_SHARE
+    reducer: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -262,7 +266,7 @@ class Step:
     compute: float  # the part that shrinks with the per-process batch
     comm: float  # the hook itself plus its all-reduces' transfer
     hidden: float  # the part of comm that runs while the backward pass still computes
-    overhead: float = 0.0  # per step, whatever the batch
+    overhead: float = 0.0  # per step, whatever the batch: the loop's and DDP's own work
     skew: float = 0.0  # waiting for the slowest rank: the step's spread and the link's lag
 
     @property
@@ -288,16 +292,18 @@ def predict_step(
     `batch_share`: each process's batch over the batch `compute_1` was timed at; None: 1/N, strong
     scaling (the global batch split over the processes); weak scaling keeps it fixed. Processes
     beyond the cores they share take turns: each core runs N / min(N, cores) of them one after the other.
+    `encode`: seconds per step of the hook's own work on one process, its all-reduces' transfer aside.
     """
     share = 1 / processes if batch_share is None else batch_share
     turns = processes / parallel_share(processes, link)
     compute = (compute_1 - terms.overhead) * share * turns
-    overhead = terms.overhead * turns
     if processes <= 1:
-        return Step(compute, 0.0, 0.0, overhead)
+        return Step(compute, 0.0, 0.0, terms.overhead * turns)
+    overhead = (terms.overhead + terms.reducer) * turns
     ring = [sum(ring_allreduce_s(b, processes, link) for b in bucket) for bucket in buckets]
     total_bytes = sum(sum(bucket) for bucket in buckets) or 1
     early_bytes = total_bytes - sum(buckets[-1]) if buckets else 0
+    encode *= turns  # the hook's own work, like the compute, takes turns on shared cores
     comm = encode + sum(ring)
     early = sum(ring[:-1]) + encode * early_bytes / total_bytes  # what may overlap: every bucket but the last
     hidden = terms.overlap * min(early, terms.backward_share * compute)

@@ -17,6 +17,7 @@ import csv
 import os
 import statistics
 from argparse import Namespace
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 from pathlib import Path
@@ -168,11 +169,12 @@ class Baseline:
     origin: dict[str, str]  # how each term was found, in words
     buckets: dict[str, list[list[int]]]  # bytes of each all-reduce per hook, bucket by bucket
     encode: dict[str, float]  # s per step of each hook itself, its all-reduces' transfer aside, on this CPU
+    lags: dict[int, float]  # processes -> the model's steps' lag meeting on this machine's cores (`stepclock.meeting_lags`)
 
     @classmethod
-    def from_run(cls, run: RunFigures, cores: int, options: Options = Options()) -> "Baseline":
+    def from_run(cls, run: RunFigures, cores: int, options: Options = Options(), meet_at: Sequence[int] = ()) -> "Baseline":
         """Undo the run's own scaling (its processes shared `cores` cores and computed 1/N of the batch each), and time
-        the model's step here for the overhead and skew the options do not state."""
+        the model's step here for the overhead and skew the options do not state, and its lag on `meet_at` processes."""
         share = min(run.processes, cores)
         compute_1 = (run.step_s - run.exposed_comm_s) * share
         backward_1 = None if run.backward_s is None else run.backward_s * share
@@ -201,19 +203,33 @@ class Baseline:
         origin["backward"] = ("2/3 of the compute (assumed: backward about twice the forward pass)" if backward_1 is None
                               else f"`xfer/backward_compute_ms` of {run.run}")
         rank = run.powersgd_rank
-        hooks = stepclock.hook_times(run.net, run.input_shape, HOOKS, rank, options.bucket_mb)
-        origin["hook"] = ("torch's hook timed here in a DDP model of these shapes on a one-process gloo group, one thread"
-                          if hooks is not None else "the hook's arithmetic estimated on tensors of these shapes, one thread "
-                          "(the hooks could not be timed)")
-        return cls(run, compute_1, Terms(overhead, skew, overlap, backward_share), origin,
+        ddp = stepclock.ddp_times(run.net, run.input_shape, HOOKS, rank, options.bucket_mb)
+        if ddp is None:
+            origin["hook"] = ("the hook's arithmetic estimated on tensors of these shapes, one thread "
+                              "(the hooks could not be timed)")
+            origin["reducer"] = "assumed 0 (DDP could not be timed)"
+        else:
+            origin["hook"] = "torch's hook timed here in a DDP model of these shapes on a one-process gloo group, one thread"
+            origin["reducer"] = ("that DDP model's forward and backward pass less a plain model's and less the hook, "
+                                 "median over the hooks")
+        if options.per_process_batch is not None:
+            batches = {n: options.per_process_batch for n in meet_at}
+        else:  # strong scaling: the counts that split the run's batch evenly
+            batches = {n: run.batch_size // n for n in meet_at if run.batch_size % n == 0}
+        lags = stepclock.meeting_lags(run.net, run.input_shape, batches, run.precision, cores) if batches else {}
+        origin["lag"] = ("the model's step timed on N processes at once, one thread each, meeting after each step, "
+                         "against one of them stepping alone" if lags else "the probe's meeting of matrix products")
+        return cls(run, compute_1, Terms(overhead, skew, overlap, backward_share, 0.0 if ddp is None else ddp.reducer), origin,
                    {h: bucketed(run.shapes, h, rank, int(options.bucket_mb * MIB)) for h in HOOKS},
-                   hooks or {h: encode_s(run.shapes, h, rank) for h in HOOKS})
+                   {h: encode_s(run.shapes, h, rank) for h in HOOKS} if ddp is None else ddp.hooks, lags)
 
     def sizes(self, hook: str) -> list[int]:
         return [b for bucket in self.buckets[hook] for b in bucket]
 
     def step(self, hook: str, processes: int, link: Interconnect, per_process_batch: int | None = None) -> Step:
         batch_share = None if per_process_batch is None else per_process_batch / self.run.batch_size
+        if link.timed_processes in self.lags:  # the measured interconnect: the model's own lag at its probed count
+            link = replace(link, lag=self.lags[link.timed_processes])
         return predict_step(self.compute_1, self.buckets[hook], self.encode[hook], processes, link, self.terms, batch_share)
 
 
@@ -314,11 +330,16 @@ def terms_lines(base: Baseline, bucket_mb: float = 25.0) -> list[str]:
     last = sum(base.buckets["none"][-1])
     return [
         f"- per-step overhead, the same on any number of processes: {terms.overhead * 1e3:.1f} ms; {origin['overhead']}",
+        f"- DDP's own work besides its hook, on more than one process (copying the gradients into its buckets and the "
+        f"averaged ones back): {terms.reducer * 1e3:.1f} ms per step, part of the overhead; {origin['reducer']}",
         f"- skew between ranks: {terms.skew:.3f} of the step per standard deviation, times the expected lag of the slowest of "
         f"N ranks (0.56 at 2, 1.03 at 4, 1.42 at 8 standard deviations); {origin['skew']}",
         f"- overlap: {terms.overlap:.2f} of every bucket's all-reduce but the last runs during the backward pass "
         f"({origin['overlap']}); the last bucket never does ({last:,} bytes under `none`: DDP's buckets of {bucket_mb:g} MiB "
         f"after a first of 1 MiB, --bucket-mb); the backward pass: {terms.backward_share:.2f} of the compute, {origin['backward']}",
+        "- lag of processes meeting on this machine's shared cores (the measured interconnect only): "
+        + (", ".join(f"{share:.1%} at {n} processes" for n, share in sorted(base.lags.items())) + "; " if base.lags else "")
+        + origin["lag"],
         "- bus share: the share of each link's bandwidth an all-reduce reaches, in the interconnect table; each process "
         "sends and receives 2(N-1)/N of the bytes",
     ]
@@ -397,13 +418,15 @@ def assumptions(links: list[Interconnect], has_probe: bool, per_process_batch: i
     lines = [
         f"{scaling} On the measured interconnect, processes beyond the cores take turns on them. Per step: compute = one "
         "process's step, less the overhead, times its share of the batch; overhead = the per-step cost that no split "
-        "shrinks; comm = the hook itself + one ring all-reduce per collective, 2(N-1) x latency + 2(N-1)/N x bytes / "
-        "(bus share x bandwidth), on the measured interconnect at a probed process count read between the all-reduces timed "
-        "there; hidden = overlap x min(comm of every bucket but the last, backward compute); skew = (the step's spread x the "
-        "expected lag of the slowest of N ranks + the link's lag) x (compute + overhead); step = compute + overhead + comm "
-        "- hidden + skew. The compute and the hook itself are this machine's, for every interconnect. Speed-up = one process's epoch / "
-        "N processes'; efficiency = speed-up / N.", "",
-        "| interconnect | bandwidth GB/s | bus share | latency us | lag of processes meeting on shared cores | source |",
+        "shrinks, with DDP's own work besides its hook on more than one process; comm = the hook itself + one ring "
+        "all-reduce per collective, 2(N-1) x latency + 2(N-1)/N x bytes / (bus share x bandwidth), on the measured "
+        "interconnect at a probed process count read between the all-reduces timed there; hidden = overlap x min(comm of "
+        "every bucket but the last, backward compute); skew = (the step's spread x the expected lag of the slowest of N "
+        "ranks + the lag of processes meeting on shared cores: the model's own where it was timed, else the probe's below) "
+        "x (compute + overhead); step = compute + overhead + comm "
+        "- hidden + skew. The compute, DDP's own work and the hook itself are this machine's, for every interconnect, and "
+        "take turns on shared cores alike. Speed-up = one process's epoch / N processes'; efficiency = speed-up / N.", "",
+        "| interconnect | bandwidth GB/s | bus share | latency us | probe's lag of processes meeting on shared cores | source |",
         "|---|---:|---:|---:|---:|---|",
         *[f"| {link.name} | {link.bandwidth / 1e9:.3g} | {link.bus_share:.2f} | {link.latency * 1e6:.3g} | {link.lag:.1%} "
           f"| {link.source} |" for link in links],
@@ -428,7 +451,7 @@ def write_scaling(root: Path, out: Path | None = None, probe: gloo_probe.Probe |
     out.mkdir(parents=True, exist_ok=True)
     sections, all_rows = [], []
     for (model, batch), group in groups.items():
-        base = Baseline.from_run(group[0], cores, options)
+        base = Baseline.from_run(group[0], cores, options, meet_at=tuple(measured))
         rows = predictions(base, links, options.per_process_batch)
         name = f"scaling_{model}_{batch}.png" if sum(m == model for m, _ in groups) > 1 else f"scaling_{model}.png"
         plot(base, rows, links, out / name)

@@ -69,7 +69,7 @@ def fit_ring(points: Sequence[tuple[int, int, float]]) -> tuple[float, float]:
     return latency, 1 / per_byte
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -139,7 +139,7 @@ def measure(processes: int, cores: int, sizes: Sequence[int] = SIZES) -> tuple[l
     count, alone = _work_count()
     with tempfile.TemporaryDirectory() as folder:
         result = os.path.join(folder, "timings.json")
-        mp.spawn(_worker, args=(processes, _free_port(), list(sizes), count, result), nprocs=processes)
+        mp.spawn(_worker, args=(processes, free_port(), list(sizes), count, result), nprocs=processes)
         data = json.loads(Path(result).read_text())
     points = [(processes, int(b), float(t)) for b, t in data["timings"]]
     turns = processes / min(processes, cores)

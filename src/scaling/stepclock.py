@@ -15,24 +15,37 @@ figures are shares of a step, applied to a run's own step time.
 - hook: what each DDP communication hook costs a step besides its all-reduces' transfer: torch's
   own hook (PowerSGD's error feedback, products, orthogonalisation and the chain of futures its
   three all-reduces complete on), timed in a DDP model of the run's shapes on a one-process gloo group.
+- lag: processes that share cores and meet after every step (as DDP's all-reduces make them) lose
+  time beyond taking turns: the scheduler puts one aside while the others wait, and each evicts the
+  others' data from the caches it shares with them. The model's own step is timed in N processes
+  at once, meeting after each step, against one of them stepping alone.
+- reducer: what DDP adds to a step besides its hook (copying the gradients into its buckets and the
+  averaged ones back, its checks before the forward pass): the same DDP model's forward and backward
+  pass less a plain model's and less the hook.
 """
 
 import copy
+import json
 import logging
 import multiprocessing
+import os
 import statistics
+import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as torch_mp
 from hydra.utils import instantiate
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from src.scaling.probe import free_port
 from src.strategies.comm import CommMeter
 from src.strategies.ddp import CommHookDDPStrategy, one_bucket_cap_mb
 
@@ -51,9 +64,8 @@ class StepClock:
 AUTOCAST = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}  # Lightning's names; any other: no autocast
 
 
-def step_times(net: nn.Module, input_shape: Sequence[int], batch: int, repeats: int | None = None,
-               precision: str = "32-true") -> list[float]:
-    """Seconds of each of `repeats` training steps at `batch` (after one warm-up step); None: as many as fit BUDGET_S."""
+def stepper(net: nn.Module, input_shape: Sequence[int], batch: int, precision: str = "32-true") -> Callable[[], float]:
+    """A training step of `net` on random data at `batch`, in `precision`, that returns its seconds."""
     images = torch.randn(batch, *input_shape)
     optimizer = torch.optim.SGD(net.parameters(), lr=1e-3)
     classes = int(net(images[:1]).shape[-1])
@@ -69,6 +81,13 @@ def step_times(net: nn.Module, input_shape: Sequence[int], batch: int, repeats: 
         optimizer.step()
         return time.perf_counter() - start
 
+    return step
+
+
+def step_times(net: nn.Module, input_shape: Sequence[int], batch: int, repeats: int | None = None,
+               precision: str = "32-true") -> list[float]:
+    """Seconds of each of `repeats` training steps at `batch` (after one warm-up step); None: as many as fit BUDGET_S."""
+    step = stepper(net, input_shape, batch, precision)
     first = step()
     count = repeats if repeats is not None else max(3, min(20, int(BUDGET_S / max(first, 1e-6))))
     return [step() for _ in range(count)]
@@ -97,43 +116,128 @@ def overhead_share(step: float, batch: int, small_step: float, small_batch: int)
     return min(max(intercept / step, 0.0), 0.99)
 
 
-def hook_times(net: Any, input_shape: Sequence[int], hooks: Sequence[str], rank: int = 1,
-               bucket_cap_mb: float = 25.0, repeats: int = 5) -> dict[str, float] | None:
-    """Seconds per step each hook takes from its call to its future's completion, as in training, on one thread.
+@dataclass(frozen=True)
+class DDPClock:
+    hooks: dict[str, float]  # s per step: each hook from its call to its future's completion
+    reducer: float  # s per step DDP adds besides its hook, the same for every hook
+
+
+def ddp_times(net: Any, input_shape: Sequence[int], hooks: Sequence[str], rank: int = 1,
+              bucket_cap_mb: float = 25.0, repeats: int = 5) -> DDPClock | None:
+    """Seconds per step that DDP and each hook take besides their all-reduces' transfer, as in training, on one thread.
 
     `net`: the model's config (`_target_` and its arguments). A one-process gloo group makes every
-    all-reduce a local no-op, so what is left is the hook itself. It runs in a process of its own:
-    the group, DDP's threads and any failure stay there, away from the caller's process and its
-    groups. None, with the reason logged, when that process fails; the caller then estimates the
-    hooks' arithmetic instead (`costmodel.encode_s`).
+    all-reduce a local no-op, so what is left is DDP's and the hook's own work. It runs in a process
+    of its own: the group, DDP's threads and any failure stay there, away from the caller's process
+    and its groups. None, with the reason logged, when that process fails; the caller then estimates
+    the hooks' arithmetic instead (`costmodel.encode_s`).
     """
     with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
         try:
-            return pool.submit(_hook_times, net, tuple(input_shape), tuple(hooks), rank, bucket_cap_mb, repeats).result()
+            return pool.submit(_ddp_times, net, tuple(input_shape), tuple(hooks), rank, bucket_cap_mb, repeats).result()
         except Exception as error:  # noqa: BLE001  a figure that cannot be timed is estimated instead
             log.warning(f"the DDP hooks could not be timed ({type(error).__name__}: {error}); their arithmetic is estimated")
             return None
 
 
-def _hook_times(net: Any, input_shape: tuple[int, ...], hooks: tuple[str, ...], rank: int, bucket_cap_mb: float,
-                repeats: int) -> dict[str, float]:
+def _ddp_times(net: Any, input_shape: tuple[int, ...], hooks: tuple[str, ...], rank: int, bucket_cap_mb: float,
+               repeats: int) -> DDPClock:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     model = instantiate(net)
-    return {hook: _hook_s(model, input_shape, hook, rank, bucket_cap_mb, repeats) for hook in hooks}
+    timed = {hook: _hook_s(model, input_shape, hook, rank, bucket_cap_mb, repeats) for hook in hooks}
+    # The difference of two timings can fall below zero where DDP's copies are tiny next to the pass.
+    reducer = max(0.0, statistics.median(added for _, added in timed.values()))
+    return DDPClock({hook: hook_s for hook, (hook_s, _) in timed.items()}, reducer)
 
 
-def _hook_s(net: nn.Module, input_shape: Sequence[int], hook: str, rank: int, bucket_cap_mb: float, repeats: int) -> float:
+def _hook_s(net: nn.Module, input_shape: Sequence[int], hook: str, rank: int, bucket_cap_mb: float,
+            repeats: int) -> tuple[float, float]:
+    """The hook's median seconds per step, and the median of what the rest of DDP adds to a forward and backward pass."""
     strategy = CommHookDDPStrategy(hook=hook, powersgd_rank=rank, start_powersgd_iter=2)
     # PowerSGD gets one bucket, as this project's gloo runs give it (`CommHookDDPStrategy.ddp_bucket_cap_mb`).
     cap = max(bucket_cap_mb, one_bucket_cap_mb(net)) if hook.startswith("powersgd") else bucket_cap_mb
+    plain = copy.deepcopy(net)
     model = DistributedDataParallel(copy.deepcopy(net), bucket_cap_mb=cap)
     meter = CommMeter()
     state, function = strategy.build_hook(dist.group.WORLD)
     model.register_comm_hook(state, meter.wrap(function))
-    image = torch.randn(1, *input_shape)  # one image: the gradients, all the hook sees, do not depend on the batch
-    times = []
+    image = torch.randn(1, *input_shape)  # one image: the gradients, all DDP and the hook see, do not depend on the batch
+    hook_s, added = [], []
     for _ in range(strategy.start_powersgd_iter + 1 + repeats):  # PowerSGD's first steps are plain all-reduces
-        model(image).float().sum().backward()
-        times.append(meter.take().hook_s)
-    return statistics.median(times[-repeats:])
+        ddp = _pass_s(model, image)
+        hook_s.append(meter.take().hook_s)
+        added.append(ddp - hook_s[-1] - _pass_s(plain, image))
+    return statistics.median(hook_s[-repeats:]), statistics.median(added[-repeats:])
+
+
+def _pass_s(model: nn.Module, image: torch.Tensor) -> float:
+    """Seconds of a forward and backward pass, the gradients cleared first as an optimizer step leaves them."""
+    start = time.perf_counter()
+    model.zero_grad(set_to_none=True)
+    model(image).float().sum().backward()
+    return time.perf_counter() - start
+
+
+MEETING_ROUNDS = 8  # each round: one process steps alone, then all step together and meet
+
+
+def meeting_lags(net: Any, input_shape: Sequence[int], batches: dict[int, int], precision: str = "32-true",
+                 cores: int | None = None, rounds: int = MEETING_ROUNDS) -> dict[int, float]:
+    """For each process count N in `batches` (N -> each process's batch), the time N processes of one thread
+    lose stepping together on this machine's cores and meeting after each step, as a share of the turns they
+    take (`lag_share` of the median step together and the median step alone).
+
+    The alone steps interleave with the together ones, so that a machine that slows down or speeds up
+    meanwhile moves both. A count whose processes fail is left out, with the reason logged; the caller
+    then uses the probe's meeting of plain matrix products instead.
+    """
+    cores = cores or len(os.sched_getaffinity(0))
+    lags = {}
+    for processes, batch in batches.items():
+        with tempfile.TemporaryDirectory() as folder:
+            result = Path(folder) / "meeting.json"
+            try:
+                torch_mp.spawn(_meeting_worker, nprocs=processes, args=(
+                    processes, free_port(), net, tuple(input_shape), batch, precision, rounds, str(result)))
+                alone, together = json.loads(result.read_text())
+            except Exception as error:  # noqa: BLE001  the probe's lag stands in for a figure that cannot be timed
+                log.warning(f"the model's steps on {processes} processes could not be timed ({type(error).__name__}: "
+                            f"{' '.join(str(error).split())[:300]}); the probe's lag is used instead")
+                continue
+        lags[processes] = lag_share(alone, together, processes, cores)
+    return lags
+
+
+def lag_share(alone: float, together: float, processes: int, cores: int) -> float:
+    """Seconds a step of `processes` together takes beyond their turns on `cores` cores, as a share of those turns."""
+    turns = processes / min(processes, cores)
+    return max(0.0, together / (turns * alone) - 1)
+
+
+def _meeting_worker(rank: int, processes: int, port: int, net: Any, input_shape: tuple[int, ...], batch: int,
+                    precision: str, rounds: int, result: str) -> None:
+    """One of the processes of `meeting_lags`; rank 0 writes [median alone, median together] to `result`."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=processes)
+    try:
+        model = instantiate(net).train()
+        step, token = stepper(model, input_shape, batch, precision), torch.zeros(1)
+        step()  # warm-up: allocation, first-call dispatch
+        alone, together = [], []
+        for round_ in range(rounds):
+            dist.barrier()
+            if rank == round_ % processes:
+                alone.append(step())
+            dist.barrier()
+            start = time.perf_counter()
+            step()
+            dist.all_reduce(token)
+            together.append(time.perf_counter() - start)
+        everyone: list[list[float] | None] = [None] * processes
+        dist.all_gather_object(everyone, alone)
+        if rank == 0:
+            all_alone = [s for steps in everyone if steps for s in steps]
+            Path(result).write_text(json.dumps([statistics.median(all_alone), statistics.median(together)]))
+    finally:
+        dist.destroy_process_group()

@@ -207,7 +207,8 @@ def report(args: Namespace) -> str:
         + skew_origin
         + f"; the slowest of N ranks lags by {expected_max_normal(2):.2f} (N=2) to {expected_max_normal(max(counts)):.2f} "
         f"(N={max(counts)}) standard deviations",
-        "- the hook's own arithmetic: 0 (on a GPU, next to nothing for none, fp16 and bf16)",
+        "- the hook's own arithmetic and DDP's copies of the gradients into its buckets and back: 0 (on a GPU, next to "
+        "nothing for none, fp16 and bf16)",
         "",
         "| processes | global batch | per process | compute ms | overhead ms | comm ms | exposed ms | skew ms | step ms "
         "| epoch s | speed-up | efficiency |",
