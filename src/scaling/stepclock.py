@@ -1,4 +1,4 @@
-"""A model's training step timed here, on one thread: the step time a what-if starts from, and two
+"""A model's training step timed here, on one thread: the step time a what-if starts from, and the
 terms of the cost model that one run's averages cannot give.
 
 - overhead: the part of a step that does not shrink with the batch. The step is timed at the
@@ -15,13 +15,13 @@ figures are shares of a step, applied to a run's own step time.
 - hook: what each DDP communication hook costs a step besides its all-reduces' transfer: torch's
   own hook (PowerSGD's error feedback, products, orthogonalisation and the chain of futures its
   three all-reduces complete on), timed in a DDP model of the run's shapes on a one-process gloo group.
+- reducer: what DDP adds to a step besides its hook (copying the gradients into its buckets and the
+  averaged ones back, its checks before the forward pass): the same DDP model's forward and backward
+  pass less a plain model's and less the hook.
 - lag: processes that share cores and meet after every step (as DDP's all-reduces make them) lose
   time beyond taking turns: the scheduler puts one aside while the others wait, and each evicts the
   others' data from the caches it shares with them. The model's own step is timed in N processes
   at once, meeting after each step, against one of them stepping alone.
-- reducer: what DDP adds to a step besides its hook (copying the gradients into its buckets and the
-  averaged ones back, its checks before the forward pass): the same DDP model's forward and backward
-  pass less a plain model's and less the hook.
 """
 
 import copy
