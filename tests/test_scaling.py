@@ -21,7 +21,7 @@ from src.scaling.costmodel import (
     between_timed, powersgd_sizes, predict_step, ring_allreduce_s,
 )
 from src.models.lenet import LeNet
-from src.scaling.probe import Probe, fit_ring, load, measure, save
+from src.scaling.probe import Probe, fit_ring, lag_share, load, measure, save
 from src.scaling.predict import (
     COLUMNS, PROCESS_COUNTS, Baseline, Options, RunFigures, link_for, main, merge_repeats, predictions,
 )
@@ -218,9 +218,9 @@ def test_ddps_copies_of_a_large_gradient_are_timed_besides_the_hook():
 
 
 def test_the_lag_is_what_processes_together_take_beyond_their_turns():
-    assert stepclock.lag_share(0.1, 0.11, 2, cores=2) == pytest.approx(0.1)  # a core each: no turns
-    assert stepclock.lag_share(0.1, 0.23, 4, cores=2) == pytest.approx(0.15)  # two a core: turns of 0.2
-    assert stepclock.lag_share(0.1, 0.19, 4, cores=2) == 0.0  # faster than its turns: noise, not a gain
+    assert lag_share(0.1, 0.11, 2, cores=2) == pytest.approx(0.1)  # a core each: no turns
+    assert lag_share(0.1, 0.23, 4, cores=2) == pytest.approx(0.15)  # two a core: turns of 0.2
+    assert lag_share(0.1, 0.19, 4, cores=2) == 0.0  # faster than its turns: noise, not a gain
 
 
 def test_the_models_own_steps_give_its_lag_and_a_model_that_fails_gives_none(caplog):

@@ -24,9 +24,10 @@ import socket
 import statistics
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -132,19 +133,30 @@ def _worker(rank: int, processes: int, port: int, sizes: Sequence[int], work: in
     dist.destroy_process_group()
 
 
+def spawn_ranks(worker: Callable[..., None], processes: int, *args: Any) -> Any:
+    """Run `worker(rank, processes, port, *args, result)` in `processes` local processes that meet on a free
+    port; what rank 0 wrote to the file named `result`, read as JSON."""
+    with tempfile.TemporaryDirectory() as folder:
+        result = os.path.join(folder, "result.json")
+        mp.spawn(worker, args=(processes, free_port(), *args, result), nprocs=processes)
+        return json.loads(Path(result).read_text())
+
+
+def lag_share(alone: float, together: float, processes: int, cores: int) -> float:
+    """Seconds a step of `processes` together takes beyond their turns on `cores` cores, as a share of those turns."""
+    turns = processes / min(processes, cores)
+    return max(0.0, together / (turns * alone) - 1)
+
+
 def measure(processes: int, cores: int, sizes: Sequence[int] = SIZES) -> tuple[list[tuple[int, int, float]], float]:
     """(processes, bytes, median seconds) of a gloo all-reduce for each size, between local processes, and
     the lag of a meeting: its median time beyond the work's turns on `cores` cores and the smallest all-reduce,
     as a share of those turns."""
     count, alone = _work_count()
-    with tempfile.TemporaryDirectory() as folder:
-        result = os.path.join(folder, "timings.json")
-        mp.spawn(_worker, args=(processes, free_port(), list(sizes), count, result), nprocs=processes)
-        data = json.loads(Path(result).read_text())
+    data = spawn_ranks(_worker, processes, list(sizes), count)
     points = [(processes, int(b), float(t)) for b, t in data["timings"]]
-    turns = processes / min(processes, cores)
-    lag = data["meeting_s"] - turns * alone - min(points, key=lambda p: p[1])[2]
-    return points, max(0.0, lag / (turns * alone))
+    smallest = min(points, key=lambda p: p[1])[2]
+    return points, lag_share(alone, data["meeting_s"] - smallest, processes, cores)
 
 
 def run_probe(processes: Sequence[int] = PROCESSES, sizes: Sequence[int] = SIZES) -> Probe:

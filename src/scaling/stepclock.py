@@ -30,7 +30,6 @@ import logging
 import multiprocessing
 import os
 import statistics
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -40,12 +39,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as torch_mp
 from hydra.utils import instantiate
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from src.scaling.probe import free_port
+from src.scaling.probe import lag_share, spawn_ranks
 from src.strategies.comm import CommMeter
 from src.strategies.ddp import CommHookDDPStrategy, one_bucket_cap_mb
 
@@ -145,13 +143,13 @@ def _ddp_times(net: Any, input_shape: tuple[int, ...], hooks: tuple[str, ...], r
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     model = instantiate(net)
-    timed = {hook: _hook_s(model, input_shape, hook, rank, bucket_cap_mb, repeats) for hook in hooks}
+    timed = {hook: _hook_and_reducer_s(model, input_shape, hook, rank, bucket_cap_mb, repeats) for hook in hooks}
     # The difference of two timings can fall below zero where DDP's copies are tiny next to the pass.
     reducer = max(0.0, statistics.median(added for _, added in timed.values()))
     return DDPClock({hook: hook_s for hook, (hook_s, _) in timed.items()}, reducer)
 
 
-def _hook_s(net: nn.Module, input_shape: Sequence[int], hook: str, rank: int, bucket_cap_mb: float,
+def _hook_and_reducer_s(net: nn.Module, input_shape: Sequence[int], hook: str, rank: int, bucket_cap_mb: float,
             repeats: int) -> tuple[float, float]:
     """The hook's median seconds per step, and the median of what the rest of DDP adds to a forward and backward pass."""
     strategy = CommHookDDPStrategy(hook=hook, powersgd_rank=rank, start_powersgd_iter=2)
@@ -195,24 +193,14 @@ def meeting_lags(net: Any, input_shape: Sequence[int], batches: dict[int, int], 
     cores = cores or len(os.sched_getaffinity(0))
     lags = {}
     for processes, batch in batches.items():
-        with tempfile.TemporaryDirectory() as folder:
-            result = Path(folder) / "meeting.json"
-            try:
-                torch_mp.spawn(_meeting_worker, nprocs=processes, args=(
-                    processes, free_port(), net, tuple(input_shape), batch, precision, rounds, str(result)))
-                alone, together = json.loads(result.read_text())
-            except Exception as error:  # noqa: BLE001  the probe's lag stands in for a figure that cannot be timed
-                log.warning(f"the model's steps on {processes} processes could not be timed ({type(error).__name__}: "
-                            f"{' '.join(str(error).split())[:300]}); the probe's lag is used instead")
-                continue
+        try:
+            alone, together = spawn_ranks(_meeting_worker, processes, net, tuple(input_shape), batch, precision, rounds)
+        except Exception as error:  # noqa: BLE001  the probe's lag stands in for a figure that cannot be timed
+            log.warning(f"the model's steps on {processes} processes could not be timed ({type(error).__name__}: "
+                        f"{' '.join(str(error).split())[:300]}); the probe's lag is used instead")
+            continue
         lags[processes] = lag_share(alone, together, processes, cores)
     return lags
-
-
-def lag_share(alone: float, together: float, processes: int, cores: int) -> float:
-    """Seconds a step of `processes` together takes beyond their turns on `cores` cores, as a share of those turns."""
-    turns = processes / min(processes, cores)
-    return max(0.0, together / (turns * alone) - 1)
 
 
 def _meeting_worker(rank: int, processes: int, port: int, net: Any, input_shape: tuple[int, ...], batch: int,
