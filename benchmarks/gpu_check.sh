@@ -1,34 +1,75 @@
 #!/usr/bin/env bash
-# The GPU checks and measurements of docs/results.md ("On a GPU"), in parts that each fit a short session.
+# The GPU checks and measurements of docs/results.md (§ GPU) on a machine with a CUDA GPU, and one record of them.
 #   benchmarks/gpu_check.sh <part> <data root> <log folder>
-# parts: tests (pytest -m gpu), speed-lenet, speed-resnet18 (benchmarks/speed.py --ablation),
-#        accuracy (experiment=d2l_lenet and d2l_resnet18 at the defaults), all
+# parts: tests           pytest -m gpu, the two-rank module left out
+#        ddp2            tests/test_gpu_ddp.py: two NCCL ranks on one GPU, each a torchrun node of its own
+#        speed-lenet     benchmarks/speed.py --ablation: plain loops and the framework side by side
+#        speed-resnet18
+#        accuracy        experiment=d2l_lenet and d2l_resnet18, seeds 1-3, at the GPU defaults
+#        all             every part above, in that order
+# Each part writes <log folder>/<part>.log (tests also <part>.xml); every call ends by writing
+# <log folder>/summary.md from whatever the folder holds (benchmarks/gpu_summary.py). Exit status 1
+# if a part failed, 2 for a wrong command line.
 set -uo pipefail
-part=${1:?part: tests, speed-lenet, speed-resnet18, accuracy or all}
-data=${2:?data root: a folder holding FashionMNIST/raw}
-logs=${3:?log folder}
+parts=(tests ddp2 speed-lenet speed-resnet18 accuracy)
+usage="usage: benchmarks/gpu_check.sh <${parts[*]// /|}|all> <data root> <log folder>"
+if (($# != 3)); then echo "error: $usage" >&2; exit 2; fi
+part=$1 data=$2 logs=$3
+if [[ $part != all && " ${parts[*]} " != *" $part "* ]]; then
+    echo "error: part=$part: choose one of ${parts[*]} or all" >&2; exit 2
+fi
+if [[ ! -d $data/FashionMNIST/raw ]]; then
+    echo "error: data root=$data: no FashionMNIST/raw in it" >&2; exit 2
+fi
 cd "$(dirname "$0")/.."
-mkdir -p "$logs"
+data=$(cd "$OLDPWD" && cd "$data" && pwd)
+mkdir -p "$logs" && logs=$(cd "$logs" && pwd)
 export PYTHONUNBUFFERED=1 FASHION_MNIST_ROOT="$data"
 py=${PYTHON:-python3}
 status=0
+
 run() {  # name, command...: the command's output to <log folder>/<name>.log, and its status remembered
     local name=$1; shift
     echo "== $name: $*"
+    local start=$SECONDS
     "$@" >"$logs/$name.log" 2>&1 || { echo "   failed with status $?"; status=1; }
-    tail -n 4 "$logs/$name.log"
+    echo "   $((SECONDS - start)) s"
+    tail -n 3 "$logs/$name.log"
 }
-if [[ $part == tests || $part == all ]]; then
-    run tests "$py" -m pytest -v --tb=short --durations=15 -m gpu -p no:cacheprovider tests/
+
+wanted() { [[ $part == all || $part == "$1" ]]; }
+
+{
+    if command -v nvidia-smi >/dev/null; then
+        nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+    else
+        echo "no nvidia-smi on this machine"
+    fi
+    "$py" -c 'import platform, torch, lightning, torchmetrics, torchvision
+nccl = ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else "none"
+print(f"python {platform.python_version()}, torch {torch.__version__} (CUDA {torch.version.cuda}, NCCL {nccl}), "
+      f"lightning {lightning.__version__}, torchmetrics {torchmetrics.__version__}, torchvision {torchvision.__version__}")'
+    echo "$(nproc) CPU cores: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | xargs)"
+} >"$logs/environment.log" 2>&1
+cat "$logs/environment.log"
+
+pytest=("$py" -m pytest -v --tb=short --durations=20 -p no:cacheprovider -o junit_logging=system-out)
+if wanted tests; then
+    run tests "${pytest[@]}" -m gpu --junitxml="$logs/tests.xml" --ignore=tests/test_gpu_ddp.py tests/
+fi
+if wanted ddp2; then  # four pairs of ranks at a time: each pair is two processes of a few percent of the GPU
+    run ddp2 "${pytest[@]}" -n 4 --junitxml="$logs/ddp2.xml" tests/test_gpu_ddp.py
 fi
 for model in lenet resnet18; do
-    if [[ $part == speed-$model || $part == all ]]; then
+    if wanted "speed-$model"; then
         run "speed-$model" "$py" benchmarks/speed.py --data-root "$data" --model "$model" --steps 64 --rounds 4 --ablation
     fi
 done
-if [[ $part == accuracy || $part == all ]]; then
+if wanted accuracy; then
     for experiment in d2l_lenet d2l_resnet18; do
-        run "$experiment" "$py" -m src.train "experiment=$experiment" "data.root=$data" "hydra.run.dir=$logs/runs/$experiment"
+        run "accuracy-$experiment" "$py" -m src.train -m "experiment=$experiment" seed=1,2,3 "data.root=$data" \
+            "hydra.sweep.dir=$logs/accuracy/$experiment"
     done
 fi
+"$py" benchmarks/gpu_summary.py "$logs" || status=1
 exit $status

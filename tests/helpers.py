@@ -5,12 +5,14 @@ import gzip
 import io
 import os
 import shutil
+import signal
 import socket
 import struct
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,7 +120,6 @@ def in_process(module: str, *args: str, timeout: float = 300, workers: bool = Fa
     import faulthandler
     import importlib
     import logging
-    import signal
     import warnings
 
     from hydra.core.global_hydra import GlobalHydra
@@ -211,8 +212,6 @@ def worker_pids(launcher: int) -> list[int]:
 
 def _kill_workers() -> None:
     """SIGKILL this process's DDP workers, as a timeout kills a subprocess."""
-    import signal
-
     sys.stderr.write("error: the run's workers were still going at the test's timeout; killed\n")
     for pid in worker_pids(os.getpid()):
         with contextlib.suppress(OSError):
@@ -276,6 +275,50 @@ def train(*args: str, timeout: float = 300, subprocess_: bool = False) -> subpro
     if subprocess_ or needs_own_process(args):
         return run_cli("src.train", *args, timeout=timeout)
     return in_process("src.train", *args, timeout=timeout, workers=starts_workers(args))
+
+
+class TorchrunNodes:
+    """`python -m src.train <args>` under `nodes` torchrun launchers on this machine, meeting at a c10d
+    rendezvous on 127.0.0.1 as the nodes of a cluster do; `node_env(i)` adds to launcher i's environment.
+    Each launcher runs in a session of its own, which leaving the `with` block kills if it still runs."""
+
+    def __init__(self, nodes: int, *args: str, nproc_per_node: int = 1, rdzv_id: str = "twonodes",
+                 node_env: Callable[[int], dict[str, str]] = lambda node: {}) -> None:
+        command = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--nproc-per-node={nproc_per_node}",
+                   "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", f"--rdzv-id={rdzv_id}",
+                   "-m", "src.train", *args]
+        self.launchers = [
+            subprocess.Popen(command, cwd=REPO, env={**user_env(), **node_env(node)}, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
+            for node in range(nodes)
+        ]
+        self.logs: list[str] = []
+
+    def __enter__(self) -> "TorchrunNodes":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for launcher in self.launchers:
+            with contextlib.suppress(OSError):
+                os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.communicate()
+
+    def wait(self, timeout: float = 600) -> list[int]:
+        """Each launcher's exit status once all have ended; their output in `logs`."""
+        deadline = time.monotonic() + timeout
+        self.logs = [launcher.communicate(timeout=max(1.0, deadline - time.monotonic()))[0] for launcher in self.launchers]
+        return [launcher.returncode for launcher in self.launchers]
+
+    def workers(self) -> dict[int, int]:
+        """The running workers by their global rank: {RANK: pid}."""
+        ranks = {}
+        for launcher in self.launchers:
+            for pid in children(launcher.pid):
+                with contextlib.suppress(OSError):
+                    env = dict(v.split(b"=", 1) for v in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in v)
+                    if b"RANK" in env:
+                        ranks[int(env[b"RANK"])] = pid
+        return ranks
 
 
 def scalars(run_dir: Path) -> dict[str, list[float]]:

@@ -42,14 +42,14 @@ PARAM_SHAPES = [p.shape for p in LeNet().parameters()]
 PARAMS = sum(shape.numel() for shape in PARAM_SHAPES)
 
 
-def powersgd_payload(rank: int, element_bytes: int) -> int:
+def powersgd_payload(rank: int, element_bytes: int, shapes: list[torch.Size] = PARAM_SHAPES) -> int:
     """Bytes PowerSGD all-reduces per step once it compresses, by the rule torch's hook applies.
 
     Each gradient is viewed as an n x (numel / n) matrix. It travels as P (n x r) and Q (m x r)
     when (n + m) r * 2 < n m (`min_compression_rate` 2), otherwise as it is.
     """
     total = 0
-    for shape in PARAM_SHAPES:
+    for shape in shapes:
         n = shape[0]
         m = shape.numel() // n
         r = min(n, m, rank)

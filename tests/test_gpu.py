@@ -5,17 +5,21 @@
 
 import copy
 import functools
+import subprocess
+import sys
 
 import pytest
 import torch
+import torch.distributed as dist
 from lightning import Callback, Trainer
+from omegaconf import DictConfig
 
 from src.data.fashion_mnist import FashionMNISTDataModule
 from src.fast_path import FastSteps
 from src.models.lenet import LeNet
 from src.models.module import WARM_STEPS, Classifier
 from src.models.resnet import resnet18
-from tests.helpers import QUICK, hparams, scalars, train
+from tests.helpers import QUICK, REPO, hparams, scalars, train, user_env
 from tests.test_sync_free import project_callbacks
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
@@ -125,3 +129,31 @@ def test_a_diverging_loss_stops_a_graphed_run_with_one_line(tmp_path, data_root)
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("error: train/loss is nan at step ") and "with learning rate 1e+30" in last
     assert "Traceback" not in result.stderr and not run_dir.exists()
+
+
+def cuda_and_nccl(cfg: DictConfig) -> dict[str, float]:
+    """In a worker: a CUDA kernel, then an NCCL all-reduce over the agent's world of one."""
+    dist.init_process_group("nccl", device_id=torch.device("cuda", 0))
+    x = torch.full((4,), float(cfg.value), device="cuda").square()
+    dist.all_reduce(x)
+    return {"sum": x.sum().item(), "world": dist.get_world_size()}
+
+
+# The forkserver imports what a `python -m src.train` run's forkserver imports, before any worker is forked.
+FORKED_WORKER = """
+import multiprocessing.forkserver
+from omegaconf import OmegaConf
+from src import train
+from src.launch import workers
+from tests.test_gpu import cuda_and_nccl
+multiprocessing.set_forkserver_preload(workers.preloaded(train.run))
+multiprocessing.forkserver.ensure_running()
+print(workers.START_METHOD, workers.start(cuda_and_nccl, OmegaConf.create({"devices": 1, "value": 3})))
+"""
+
+
+def test_a_worker_forked_from_the_forkserver_runs_cuda_and_nccl():
+    result = subprocess.run([sys.executable, "-c", FORKED_WORKER], cwd=REPO, env=user_env(), capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "forkserver {'sum': 36.0, 'world': 1}", result.stdout

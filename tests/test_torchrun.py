@@ -1,31 +1,17 @@
 """Two nodes on one machine: two torchrun launchers meeting at a c10d rendezvous on 127.0.0.1."""
 
-import subprocess
-import sys
-
 import pytest
 
-
-from tests.helpers import QUICK, REPO, cpu_precision, free_port, hparams, scalars, user_env
+from tests.helpers import QUICK, TorchrunNodes, cpu_precision, hparams, scalars
 
 
 @pytest.mark.slow
 def test_two_torchrun_nodes_train_one_run_with_world_size_nodes_times_devices(tmp_path, data_root):
     outputs = tmp_path / "outputs"
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2",
-        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=twonodes",
-        "-m", "src.train", "strategy=ddp", "devices=2", "num_nodes=2", *QUICK,
-        f"hydra.run.dir={outputs}/runs/${{run_stamp:}}_${{run_name}}",
-    ]
-    nodes = [subprocess.Popen(command, cwd=REPO, env=user_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for _ in range(2)]
-    try:
-        logs = [node.communicate(timeout=600)[0] for node in nodes]
-    finally:
-        for node in nodes:
-            node.kill()
-    assert [node.returncode for node in nodes] == [0, 0], "\n".join(log[-3000:] for log in logs)
+    with TorchrunNodes(2, "strategy=ddp", "devices=2", "num_nodes=2", *QUICK,
+                       f"hydra.run.dir={outputs}/runs/${{run_stamp:}}_${{run_name}}", nproc_per_node=2) as nodes:
+        assert nodes.wait() == [0, 0], "\n".join(log[-3000:] for log in nodes.logs)
+    logs = nodes.logs
 
     runs = list((outputs / "runs").iterdir())
     precision = cpu_precision()  # what precision=auto uses here

@@ -157,7 +157,7 @@ def start(function: Callable[..., dict[str, float]], cfg: DictConfig, *args: Any
                 rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0",  # port 0: the agent's store takes a free port
                 max_restarts=0, start_method=START_METHOD, logs_specs=DefaultLogsSpecs(log_dir=error_files),
             )
-            multiprocessing.set_forkserver_preload(_preload(function))  # once the server runs, a no-op
+            multiprocessing.set_forkserver_preload(preloaded(function))  # once the server runs, a no-op
             resolved = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))  # workers have no Hydra to resolve with
             OmegaConf.set_struct(resolved, OmegaConf.is_struct(cfg))
             results = elastic_launch(config, _worker)(function, resolved, args, _logging_config(), Inherited(dict(os.environ)))
@@ -176,7 +176,7 @@ def start(function: Callable[..., dict[str, float]], cfg: DictConfig, *args: Any
     return result
 
 
-def _preload(function: Callable[..., Any]) -> list[str]:
+def preloaded(function: Callable[..., Any]) -> list[str]:
     """What the forkserver imports once: this module, and every module of `function`'s package that
     this process has imported, except a `python -m` entry module, which each worker runs itself as
     `__mp_main__` (imported beforehand, runpy would warn)."""

@@ -1,0 +1,70 @@
+"""`benchmarks/gpu_check.sh` and its record, on CPU: the command line, and a summary built from real outputs
+of each kind it reads (pytest's JUnit reports, speed.py's table, a sweep over seeds)."""
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import QUICK, REPO, in_process, user_env
+
+SCRIPT = REPO / "benchmarks" / "gpu_check.sh"
+
+
+@pytest.mark.parametrize(("part", "data", "error"), [
+    ("speed", None, "error: part=speed: choose one of tests ddp2 speed-lenet speed-resnet18 accuracy or all"),
+    ("tests", "missing", "error: data root=missing: no FashionMNIST/raw in it"),
+])
+def test_a_wrong_part_or_data_root_is_one_line_and_exit_2(tmp_path, data_root, part, data, error):
+    result = subprocess.run(["bash", str(SCRIPT), part, str(data or data_root), str(tmp_path / "logs")], cwd=tmp_path,
+                            env=user_env(), capture_output=True, text=True, timeout=60)
+    assert (result.returncode, result.stderr.strip()) == (2, error)
+    assert not (tmp_path / "logs").exists()
+
+
+SAMPLE_TESTS = """
+def test_prints_a_figure():
+    print("two ranks end 1.2e-03 of a step from one process")
+
+def test_fails():
+    assert 1 == 2
+"""
+
+
+@pytest.mark.slow
+def test_the_summary_holds_each_tests_result_the_speed_table_and_the_seed_statistics(tmp_path, data_root):
+    logs = tmp_path / "logs"
+    # The `tests` part for real: on this CPU every gpu test is collected and skipped.
+    checked = subprocess.run(["bash", str(SCRIPT), "tests", str(data_root), str(logs)], cwd=REPO,
+                             env={**user_env(), "PYTHON": sys.executable},
+                             capture_output=True, text=True, timeout=600)
+    assert checked.returncode == 0, checked.stdout[-3000:] + checked.stderr[-3000:]
+    assert "torch " in (logs / "environment.log").read_text()
+
+    (tmp_path / "test_sample.py").write_text(SAMPLE_TESTS)
+    subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-o", "junit_logging=system-out",
+                    f"--junitxml={logs / 'ddp2.xml'}", str(tmp_path / "test_sample.py")], cwd=tmp_path, capture_output=True)
+    speed = subprocess.run([sys.executable, "benchmarks/speed.py", "--data-root", str(data_root), "--model", "tiny",
+                            "--steps", "8", "--rounds", "2", "--only", "plain fp32"], cwd=REPO, env=user_env(),
+                           capture_output=True, text=True, timeout=300)
+    assert speed.returncode == 0, speed.stderr[-3000:]
+    (logs / "speed-lenet.log").write_text(speed.stdout)
+    sweep = in_process("src.train", "-m", *QUICK, "seed=1,2", f"hydra.sweep.dir={logs / 'accuracy' / 'd2l_lenet'}")
+    assert sweep.returncode == 0, sweep.stderr[-3000:]
+
+    result = subprocess.run([sys.executable, "benchmarks/gpu_summary.py", str(logs)], cwd=REPO, env=user_env(),
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    text = (logs / "summary.md").read_text()
+    assert text == result.stdout
+    tests_line = next(line for line in text.splitlines() if line.startswith("`tests`:"))
+    assert tests_line.startswith("`tests`: 0 passed, 0 failed") and "| test_gpu::test_16_mixed_on_one_gpu[auto-lenet] | skipped |" in text
+    assert "`ddp2`: 1 passed, 1 failed" in text
+    assert "| test_sample::test_prints_a_figure | passed |" in text and "two ranks end 1.2e-03 of a step" in text
+    assert "| test_sample::test_fails | failure |" in text
+    assert "plain fp32" in text.split("### lenet", 1)[1].split("### resnet18", 1)[0]
+    assert "### resnet18\n\nmissing" in text
+    lenet_row = next(line for line in text.splitlines() if line.startswith("| d2l_lenet |"))
+    cells = [cell.strip() for cell in lenet_row.strip("|").split("|")]
+    assert cells[1].startswith("1: 0.") and ", 2: 0." in cells[1] and " ± " in cells[2] and float(cells[3]) > 0
+    assert "| d2l_resnet18 | missing |" in text
