@@ -23,7 +23,7 @@ from src.runs import resolved_config, resolved_config_file
 from src.train import run
 
 
-def targets(node: Any, prefix: str = "model") -> dict[str, Any]:
+def targets(node: Any, prefix: str) -> dict[str, Any]:
     """Every `_target_` of a config (a plain container, unresolved) by its dotted key: what building it calls."""
     found: dict[str, Any] = {}
     if isinstance(node, dict):
@@ -36,40 +36,44 @@ def targets(node: Any, prefix: str = "model") -> dict[str, Any]:
     return found
 
 
-def check_targets(saved: DictConfig, composed: DictConfig, ckpt_path: object, model_name: str) -> None:
-    """A run folder's `config.yaml` may change the model's values, never what is called to build it: a copied or
+def check_targets(saved: DictConfig, composed: DictConfig, ckpt_path: object, group: str, choice: str) -> None:
+    """A run folder's `config.yaml` may change a group's values, never what is called to build it: a copied or
     downloaded folder could otherwise run any function through a `_target_`. No command line can type one."""
-    ours, theirs = (targets(OmegaConf.to_container(c, resolve=False)) for c in (composed, saved))
+    ours, theirs = (targets(OmegaConf.to_container(c, resolve=False), group) for c in (composed, saved))
     differ = sorted(key for key in ours.keys() | theirs.keys() if ours.get(key) != theirs.get(key))
     if differ:
-        key = differ[0]
+        key, here = differ[0], f"{group}={choice}" if choice else f"this command's {group}"
         raise UsageError(
-            f"ckpt_path={ckpt_path} is not allowed; {resolved_config_file(ckpt_path)} builds the model with {key}={theirs.get(key)} "
-            f"where model={model_name} has {ours.get(key)}, and a run's config may change the model's values, not what "
-            f"builds it; move that file away to score with model={model_name} as configured here"
+            f"ckpt_path={ckpt_path} is not allowed; {resolved_config_file(ckpt_path)} builds the {group} with {key}={theirs.get(key)} "
+            f"where {here} has {ours.get(key)}, and a run's config may change the {group}'s values, not what "
+            f"builds it; move that file away to score with {here} as configured here"
         )
 
 
-def trained_model(cfg: DictConfig, overrides: list[str]) -> DictConfig:
-    """The model config to score with: the checkpoint's run's own, this command's `model.*` overrides on top.
+def as_trained(cfg: DictConfig, overrides: list[str], group: str) -> DictConfig:
+    """A group's config to score with (`model`, `data`): the checkpoint's run's own, this command's `<group>.*`
+    overrides on top.
 
     Rebuilding the model from its name alone would drop the run's overrides (`model.net.hidden=32`,
-    `model.loss.label_smoothing=0.1`) and give a wrong shape or a different loss.
+    `model.loss.label_smoothing=0.1`) and give a wrong shape or a different loss; the data from the
+    defaults would look for it where the run did not (`data.root`).
     """
     saved = None if OmegaConf.is_missing(cfg, "ckpt_path") else resolved_config(cfg.ckpt_path)
-    if saved is None or saved.get("model_name") != cfg.model_name or not isinstance(saved.get("model"), DictConfig):
-        return cfg.model
-    model = saved.model
-    check_targets(model, cfg.model, cfg.ckpt_path, cfg.model_name)
-    for key in (override.split("=", 1)[0] for override in overrides):  # the checks allow only `model.<known key>=`
-        if key.startswith("model."):
-            path = key.removeprefix("model.")
-            OmegaConf.update(model, path, OmegaConf.select(cfg.model, path), merge=False)
-    return model
+    choice = cfg.get(f"{group}_name")  # model_name; the data group has one option, and no name in the config
+    if saved is None or saved.get(f"{group}_name") != choice or not isinstance(saved.get(group), DictConfig):
+        return cfg[group]
+    trained = saved[group]
+    check_targets(trained, cfg[group], cfg.ckpt_path, group, choice)
+    for key in (override.split("=", 1)[0] for override in overrides):  # the checks allow only `<group>.<known key>=`
+        if key.startswith(f"{group}."):
+            path = key.removeprefix(f"{group}.")
+            OmegaConf.update(trained, path, OmegaConf.select(cfg[group], path), merge=False)
+    return trained
 
 
 def evaluate(cfg: DictConfig) -> dict[str, float]:
-    cfg.model = trained_model(cfg, list(HydraConfig.get().overrides.task))
+    overrides = list(HydraConfig.get().overrides.task)
+    cfg.model, cfg.data = as_trained(cfg, overrides, "model"), as_trained(cfg, overrides, "data")
     return run(cfg, fit=False)
 
 

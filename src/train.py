@@ -18,7 +18,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy, Strategy
 from omegaconf import DictConfig, OmegaConf
 
-from src import checks
+from src import checks, resume
 from src.build import build
 from src.callbacks.model_summary import without_zero_flops
 from src.launch import cli, workers
@@ -128,8 +128,9 @@ def run(cfg: DictConfig, fit: bool = True) -> dict[str, float]:
     trainer_args["benchmark"] = cudnn_benchmark(trainer_args["benchmark"], trainer_args["deterministic"])
     fast_steps = apply_fast_steps(cfg, trainer_args, model, datamodule, accelerator=accelerator,
                                   world_size=world_size, strategy=strategy, step_batch=step_batch)
-    if is_rank_zero():  # every interpolation resolved: what this run really used
-        OmegaConf.save(cfg, output_dir / "config.yaml", resolve=True)
+    if is_rank_zero():  # every interpolation resolved, and the precision that `precision` became: what this run really used
+        used = OmegaConf.merge(OmegaConf.to_container(cfg, resolve=True), {resume.PRECISION_USED: precision})
+        OmegaConf.save(used, output_dir / "config.yaml")
 
     callbacks: list[Callback] = [instantiate(c) for c in cfg.callbacks.values()]
     resumed_at = purge_step(checkpoint, output_dir) if fit else None  # scoring a checkpoint hides nothing
@@ -201,7 +202,7 @@ def hydra_main(cfg: DictConfig) -> float | None:
 
 
 def main() -> None:
-    cli.run_entry(hydra_main)
+    cli.run_entry(hydra_main, resumes=True)
 
 
 if __name__ == "__main__":

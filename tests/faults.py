@@ -9,7 +9,8 @@ from lightning import Callback, LightningModule, Trainer
 class KillAtStep(Callback):
     """SIGKILLs this process after optimizer step `step` on global rank `rank`, as a crash or `kill -9` would.
 
-    Under torchrun only the first attempt is killed, so that a restarted group can finish.
+    Only a run that started afresh is killed: its resume (`ckpt_path=last`, or torchrun's restarted group with
+    `ckpt_path=auto`) takes the same config, this callback included, and finishes.
     """
 
     def __init__(self, step: int, rank: int = 0) -> None:
@@ -17,7 +18,6 @@ class KillAtStep(Callback):
         self.rank = rank
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
-        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-        if trainer.global_step == self.step and trainer.global_rank == self.rank and first_attempt:
+        if trainer.global_step == self.step and trainer.global_rank == self.rank and trainer.ckpt_path is None:
             os.kill(os.getpid(), signal.SIGKILL)
 

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from src.checkpoints import AtomicCheckpointIO, newest, open_checkpoint, read_checkpoint, resolve_ckpt_path
 from src.checks import check_checkpoint
 from src.errors import UsageError
-from src.eval import trained_model
+from src.eval import as_trained
 from src.loggers import purge_step
 from src.models.module import Classifier
 from tests.helpers import DATA_ROOT, QUICK, run_cli, train
@@ -140,14 +140,14 @@ def test_eval_refuses_a_run_config_that_builds_the_model_with_another_function(t
     OmegaConf.save(saved, run_dir / "config.yaml")
     cfg.ckpt_path = str(run_dir)
     with pytest.raises(UsageError) as caught:
-        trained_model(cfg, [])
+        as_trained(cfg, [], "model")
     assert str(caught.value).startswith(
         f"ckpt_path={run_dir} is not allowed; {run_dir / 'config.yaml'} builds the model with "
         "model.net._target_=pathlib.Path.touch where model=lenet has src.models.lenet.LeNet")
     saved.model.net = OmegaConf.to_container(cfg.model.net, resolve=True)
     saved.model.loss.label_smoothing = 0.1  # a value, not a function: the run's own
     OmegaConf.save(saved, run_dir / "config.yaml")
-    assert trained_model(cfg, []).loss.label_smoothing == 0.1
+    assert as_trained(cfg, [], "model").loss.label_smoothing == 0.1
 
 
 @pytest.mark.slow

@@ -1,12 +1,15 @@
 """`python -m src.eval`: a saved model's test accuracy and loss, on any strategy and number of processes."""
 
 import shutil
+import subprocess
+import sys
 
 import pytest
 from omegaconf import OmegaConf
+from torchvision.datasets import FashionMNIST
 
-from src.eval import trained_model, with_checkpoint_model
-from tests.helpers import DATA_ROOT, QUICK, hparams, run_cli, scalars, train
+from src.eval import as_trained, with_checkpoint_model
+from tests.helpers import DATA_ROOT, QUICK, REPO, hparams, in_process, run_cli, scalars, train, user_env
 
 SCORE = [f"data.root={DATA_ROOT}", "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false"]
 
@@ -85,8 +88,31 @@ def test_eval_builds_the_model_the_run_built_with_this_commands_model_overrides_
     OmegaConf.save(OmegaConf.create(saved), run_dir / "config.yaml")
     composed = {"ckpt_path": str(run_dir), "model_name": "mlp", "model": {"net": {"hidden": 64}, "loss": {"_target_": "CE", "label_smoothing": 0.0}}}
     cfg = OmegaConf.create(composed)
-    assert OmegaConf.to_container(trained_model(cfg, [])) == saved["model"]
-    mixed = trained_model(cfg, ["model.net.hidden=64", "optim.lr=0.1"])
+    assert OmegaConf.to_container(as_trained(cfg, [], "model")) == saved["model"]
+    mixed = as_trained(cfg, ["model.net.hidden=64", "optim.lr=0.1"], "model")
     assert OmegaConf.to_container(mixed) == {"net": {"hidden": 64}, "loss": {"_target_": "CE", "label_smoothing": 0.1}}
     cfg.model_name = "lenet"  # another model named: the composed one
-    assert trained_model(cfg, []) is cfg.model
+    assert as_trained(cfg, [], "model") is cfg.model
+
+
+def test_eval_as_the_readme_writes_it_scores_offline_with_the_runs_data(tmp_path, trained):
+    """No data.root given, in a folder without data: the run's own data settings, not the default `data/`."""
+    env = {**user_env(), "PYTHONPATH": str(REPO)}
+    result = subprocess.run([sys.executable, "-m", "src.eval", f"ckpt_path={trained}", "trainer.enable_progress_bar=false"],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert scalars(next((tmp_path / "outputs" / "eval").iterdir()))["test/acc"] == scalars(trained)["test/acc"]
+    assert not (tmp_path / "data").exists()
+
+
+def test_a_failed_eval_leaves_no_folder_behind(tmp_path, trained, monkeypatch):
+    """The data cannot be found nor downloaded (a mirror that does not exist, no network asked): no empty data
+    folder from the attempt, no eval folder, no `outputs/eval/` made for it."""
+    monkeypatch.setattr(FashionMNIST, "mirrors", [(tmp_path / "mirror").as_uri() + "/"])
+    evals = REPO / "outputs" / "eval"
+    existed = evals.exists()
+    nodata = tmp_path / "nodata"
+    result = in_process("src.eval", f"ckpt_path={trained}", f"data.root={nodata}")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1].startswith(f"error: data.root={nodata}: Fashion-MNIST not found")
+    assert not nodata.exists() and evals.exists() == existed

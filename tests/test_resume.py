@@ -1,16 +1,18 @@
 """Checkpoints and resuming: `last.ckpt` is always the last finished epoch, a run killed with
 SIGKILL resumes to exactly the weights of an unbroken run, with no TensorBoard step twice."""
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 
-from tests.helpers import LINEAR_LR, QUICK, REPO, Run, free_port, train, user_env
+from tests.helpers import QUICK, REPO, Run, free_port, train, user_env
 
 # Ten batches an epoch, three epochs; the fault callback kills a process after a given step.
 LONGER = [*QUICK, "max_epochs=3", "trainer.limit_train_batches=10", "data.batch_size=128", "optim.momentum=0.9"]
@@ -127,7 +129,7 @@ def test_torchrun_restart_resumes_from_the_run_folder(tmp_path, unbroken):
 @pytest.mark.slow
 def test_resume_under_another_world_size_says_so_and_keeps_one_hparams_record(tmp_path, ddp_run: Run):
     run_dir = ddp_run.copy(tmp_path)  # trained on 2 DDP processes
-    second = train(*QUICK, *LINEAR_LR, "max_epochs=2", "ckpt_path=last", f"hydra.run.dir={run_dir}")
+    second = train(*QUICK, "strategy=auto", "devices=1", "max_epochs=2", "ckpt_path=last", f"hydra.run.dir={run_dir}")
     assert second.returncode == 0, second.stderr[-3000:]
     notes = [line for line in second.stdout.splitlines() if "resuming a checkpoint of 2 processes on 1" in line]
     assert len(notes) == 1
@@ -153,3 +155,80 @@ def test_ckpt_path_auto_starts_fresh_in_an_empty_folder(tmp_path, data_root):
     result = train(*QUICK, "ckpt_path=auto", f"hydra.run.dir={run_dir}")
     assert result.returncode == 0, result.stderr[-3000:]
     assert load(run_dir / "checkpoints" / "last.ckpt")["epoch"] == 0
+
+
+# ---- A resume takes the run's own config (src/resume.py).
+
+SMALL = [*QUICK, "max_epochs=2", "data.batch_size=64", "trainer.limit_train_batches=6"]
+
+
+@pytest.fixture(scope="module")
+def small_run(tmp_path_factory, data_root) -> Path:
+    """A finished run of 2 epochs of 6 batches of 64, settings that are no default."""
+    run_dir = tmp_path_factory.mktemp("small") / "run"
+    result = train(*SMALL, f"hydra.run.dir={run_dir}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return run_dir
+
+
+def records(run_dir: Path) -> dict[str, str]:
+    return {name: (run_dir / name).read_text() for name in ("config.yaml", ".hydra/overrides.yaml", ".hydra/config.yaml")}
+
+
+def test_a_resume_named_by_its_folder_alone_trains_on_with_the_runs_settings(tmp_path, small_run):
+    """Only the folder, a longer max_epochs and keys that change nothing computed: the run's batch, batch limit and data root."""
+    run_dir = Path(shutil.copytree(small_run, tmp_path / "run"))
+    data_link = tmp_path / "data"
+    data_link.symlink_to(QUICK[0].split("=", 1)[1])  # the same files, found at another path
+    result = train("ckpt_path=last", "max_epochs=3", f"data.root={data_link}", "trainer.enable_progress_bar=true",
+                   f"hydra.run.dir={run_dir}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    state = load(run_dir / "checkpoints" / "last.ckpt")
+    assert (state["epoch"], state["global_step"]) == (2, 18)  # a third epoch of 6 steps
+    saved = OmegaConf.load(run_dir / "config.yaml")
+    assert (saved.data.batch_size, saved.trainer.limit_train_batches, saved.max_epochs) == (64, 6, 3)
+    assert saved.data.root == str(data_link)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ("data.batch_size=128", "data.batch_size=128 is not allowed in a resume of {run}: the run used data.batch_size=64, "
+                            "and a resume continues the run as it was"),
+    ("model=resnet18", "model=resnet18 is not allowed in a resume of {run}: the run used model=lenet"),
+    ("seed=7", "seed=7 is not allowed in a resume of {run}: the run used seed=42"),
+    ("trainer.limit_train_batches=null", "trainer.limit_train_batches=null is not allowed in a resume of {run}: the "
+                                         "run used trainer.limit_train_batches=6"),
+    ("strategy=ddp_fp16", "strategy=ddp_fp16 is not allowed in a resume of {run}: the run used strategy=auto, and "
+                          "the two treat gradients differently (hook none against fp16)"),
+])
+def test_a_resume_that_would_change_what_the_run_computes_is_refused_and_touches_nothing(tmp_path, small_run, change, message):
+    run_dir = Path(shutil.copytree(small_run, tmp_path / "run"))
+    before = records(run_dir)
+    result = train("ckpt_path=last", change, f"hydra.run.dir={run_dir}")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1].startswith("error: " + message.format(run=run_dir)), result.stderr
+    assert records(run_dir) == before
+
+
+def test_a_run_on_a_schedule_cannot_be_made_longer_and_its_precision_is_kept_by_meaning(tmp_path, small_run):
+    run_dir = Path(shutil.copytree(small_run, tmp_path / "run"))
+    overrides = run_dir / ".hydra" / "overrides.yaml"  # as if the run had been started with a cosine schedule
+    overrides.write_text(overrides.read_text() + "- optim.schedule=cosine\n")
+    longer = train("ckpt_path=last", "max_epochs=3", f"hydra.run.dir={run_dir}")
+    assert longer.returncode == 2
+    assert ("error: max_epochs=3 is not allowed in a resume of {run}: the run used max_epochs=2, over which its "
+            "learning rate follows optim.schedule=cosine").format(run=run_dir) in longer.stderr
+
+    config = run_dir / "config.yaml"  # as if the run had been made where precision=auto meant true fp16
+    config.write_text(config.read_text().replace("precision_used:", "precision_used: 16-mixed\nformer_precision_used:"))
+    elsewhere = train("ckpt_path=last", f"hydra.run.dir={run_dir}")
+    assert elsewhere.returncode == 2
+    used_here = OmegaConf.load(small_run / "config.yaml").precision_used
+    assert (f"error: precision=auto is not allowed in a resume of {run_dir}: on this machine it means {used_here}, "
+            "where the run used 16-mixed") in elsewhere.stderr
+
+
+def test_a_resume_of_a_folder_that_does_not_exist_says_so(tmp_path):
+    result = train("ckpt_path=last", f"hydra.run.dir={tmp_path / 'nowhere'}")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"error: ckpt_path=last: hydra.run.dir={tmp_path / 'nowhere'} does not exist; name the folder of the run to resume")

@@ -14,6 +14,7 @@ from torch.utils.data import Dataset
 from torchvision.datasets import FashionMNIST
 from torchvision.datasets.mnist import read_sn3_pascalvincent_tensor
 
+from src import folders
 from src.errors import UsageError
 
 # Mean and standard deviation of the official training images' pixels (in [0, 1]).
@@ -196,11 +197,13 @@ class FashionMNISTDataModule(LightningDataModule):
             return
         reason = "data.download=false"
         if self.download:
+            created = folders.missing(self.raw_folder)
             try:
                 FashionMNIST(str(self.root), train=True, download=True)
                 FashionMNIST(str(self.root), train=False, download=True)
                 return
             except Exception as error:  # torchvision raises RuntimeError/URLError/OSError when offline
+                folders.remove_empty(created)  # torchvision made them before it tried
                 first_line = str(error).splitlines()[0].rstrip(" :") if str(error) else type(error).__name__
                 reason = f"download failed: {first_line}"
         raise UsageError(

@@ -7,7 +7,6 @@ exits non-zero at its end.
 """
 
 import os
-import shutil
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -20,10 +19,11 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from src import checks
+from src import checks, resume
 from src.errors import TrainingDiverged, UsageError
 from src.launch import workers
 from src.launch.console import counted, print_error
+from src.launch.naming import unclaim_dir
 from src.launch.ranks import is_rank_zero, rank_argv
 from src.launch.workers import RankFailed, RunStopped, signal_name
 
@@ -55,7 +55,7 @@ def report_failure(error: UsageError | TrainingDiverged, output_dir: Path, new_f
     if is_rank_zero():
         print_error(str(error))
     if new_folder:
-        shutil.rmtree(output_dir, ignore_errors=True)
+        unclaim_dir(output_dir)
     return 2 if isinstance(error, UsageError) else 1
 
 
@@ -118,13 +118,16 @@ def run_job(task: Callable[[DictConfig], dict[str, float]], cfg: DictConfig) -> 
     return metrics.get("test/acc")
 
 
-def run_entry(hydra_main: Callable[[], object]) -> None:
-    """Check the command line, run the Hydra entry, and exit non-zero if any sweep job failed."""
+def run_entry(hydra_main: Callable[[], object], resumes: bool = False) -> None:
+    """Check the command line, run the Hydra entry, and exit non-zero if any sweep job failed. With `resumes`
+    (training), a command that resumes a run folder takes that run's own settings first (`src.resume`)."""
     sys.argv = rank_argv(sys.argv)
     workers.handle_stop_signals()
     try:
         checks.check_overrides(sys.argv[1:])
         checks.check_run_dir(sys.argv[1:])
+        if resumes:
+            sys.argv = [sys.argv[0], *resume.with_run_config(sys.argv[1:])]
     except UsageError as error:
         if is_rank_zero():  # under torchrun every process checks the same command line
             print_error(str(error))

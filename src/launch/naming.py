@@ -1,5 +1,6 @@
 """Names of run and sweep-job folders, so that TensorBoard's run list reads as the runs."""
 
+import shutil
 import sys
 from pathlib import Path
 
@@ -8,10 +9,12 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.types import RunMode
 from omegaconf import OmegaConf
 
+from src import folders
 from src.launch.ranks import external_rank, run_stamp
 
 # Folders this process has claimed, by the name asked for: Hydra may resolve a folder name more than once.
 _claimed: dict[str, str] = {}
+_created: dict[str, list[Path]] = {}  # by claimed folder: the folders its claim created, deepest first
 
 
 def swept_keys(args: list[str]) -> list[str]:
@@ -95,6 +98,7 @@ def claim_dir(path: str, kind: str = "run") -> str:
     candidate, number = Path(path), 1
     while True:
         try:
+            created = folders.missing(candidate)
             candidate.mkdir(parents=True)
             break
         except FileExistsError:
@@ -105,7 +109,14 @@ def claim_dir(path: str, kind: str = "run") -> str:
         except OSError:
             return path  # not creatable: reported in one line where the folder is checked
     _claimed[path] = str(candidate)
+    _created[str(candidate.absolute())] = created
     return str(candidate)
+
+
+def unclaim_dir(folder: Path) -> None:
+    """Remove a claimed folder and the parents its claim created, as far as they are empty (a failed run's)."""
+    shutil.rmtree(folder, ignore_errors=True)
+    folders.remove_empty(_created.get(str(Path(folder).absolute()), [Path(folder)]))
 
 
 def register_resolvers() -> None:

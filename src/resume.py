@@ -1,0 +1,142 @@
+"""A resume continues the run as it was: `ckpt_path=last|auto hydra.run.dir=<run>` takes the run's own config.
+
+The run folder's `.hydra/overrides.yaml` holds the command-line settings the run was started with.
+A resume composes its config from them first and then from what its own command line gives, so that
+`python -m src.train ckpt_path=last hydra.run.dir=<run>` alone trains on with the run's batch size,
+optimizer, model, epochs and batch limits. A key given again with another value is allowed only
+where it cannot change what the run computes (`MAY_CHANGE`; where the run ends, `max_epochs`, unless
+a learning-rate schedule spreads over it; the precision as what it means on this machine); any other
+change is refused in one line that names the key, the run's value and the new one. This runs before
+Hydra starts, which would otherwise rewrite the folder's records of the run.
+"""
+
+from pathlib import Path
+from typing import Any
+
+from hydra import compose, initialize_config_dir
+from hydra.core.override_parser.types import Override
+from omegaconf import OmegaConf
+
+from src.checkpoints import CKPT_WORDS, has_checkpoints
+from src.checks import CONF_DIR, flatten, is_hydra, parse_overrides
+from src.errors import UsageError
+from src.runs import resolved_config
+
+RUN_OVERRIDES = Path(".hydra", "overrides.yaml")
+PRECISION_USED = "precision_used"  # in a run folder's config.yaml, beside `precision`: what `auto` became there
+# Keys a resume may give anew: where the data is, what is shown, logged, saved and tested, how long a
+# collective may wait, and how fast the same steps run (layout, compilation, graphs, cuDNN's choice,
+# DDP's buckets). Devices and nodes too: DDP computes what one process does at the same global batch
+# (docs/equivalence.md); the run says so when the number of processes changes (src/callbacks/run_state.py).
+MAY_CHANGE = {
+    "data.root", "data.download", "tags", "test_weights", "checkpoint.every_n_train_steps",
+    "trainer.enable_progress_bar", "trainer.enable_model_summary", "trainer.log_every_n_steps", "trainer.profiler",
+    "trainer.limit_test_batches", "trainer.benchmark",
+    "channels_last", "compile", "cuda_graphs", "steps_per_execution", "accelerator", "devices", "num_nodes",
+    "strategy.timeout_s", "strategy.process_group_backend", "strategy.bucket_cap_mb", "strategy.gradient_as_bucket_view",
+    "strategy.static_graph",
+}
+# Where the run ends: a resume may move it (to train longer), unless a schedule spreads the learning rate up to it.
+LENGTH = ("max_epochs", "trainer.max_steps")
+
+
+def resume_folder(overrides: list[Override]) -> Path | None:
+    """The run folder a one-run command resumes (`ckpt_path=last|auto` with `hydra.run.dir`), if it holds checkpoints."""
+    given = {o.key_or_group: o.value() for o in overrides if not o.is_sweep_override()}
+    folder = given.get("hydra.run.dir")
+    if str(given.get("ckpt_path")) not in CKPT_WORDS or folder is None:
+        return None
+    folder = Path(str(folder))
+    if given["ckpt_path"] == "last" and not folder.is_dir():
+        raise UsageError(f"ckpt_path=last: hydra.run.dir={folder} does not exist; name the folder of the run to resume")
+    return folder if has_checkpoints(folder) and (folder / RUN_OVERRIDES).is_file() else None
+
+
+def with_run_config(args: list[str]) -> list[str]:
+    """`python -m src.train` arguments with the resumed run's own overrides before the command's; a change the
+    run cannot take is a UsageError. Arguments that resume nothing come back as they are."""
+    if "-m" in args or "--multirun" in args:
+        return args
+    overrides = parse_overrides(args)
+    folder = resume_folder(overrides)
+    if folder is None:
+        return args
+    recorded = [str(line) for line in OmegaConf.load(folder / RUN_OVERRIDES)]
+    base = [o for o in parse_overrides(recorded) if o.key_or_group != "ckpt_path"]
+    given = [o for o in overrides if o.key_or_group != "ckpt_path" and not is_hydra(o.key_or_group)]
+    replaced = {o.key_or_group for o in given}
+    merged = [o.input_line for o in base if o.key_or_group not in replaced] + [o.input_line for o in given]
+    search = [o.input_line for o in overrides if o.key_or_group == "hydra.searchpath"]
+    before, after = composed([o.input_line for o in base] + search), composed(merged + search)
+    check_changes(before, after, folder)
+    check_precision(before, after, folder)
+    given_lines = {o.input_line for o in given}
+    return [*(arg for arg in args if arg not in given_lines), *merged]  # flags, hydra.*, ckpt_path, then the settings
+
+
+def composed(overrides: list[str]) -> dict[str, Any]:
+    """The training config these overrides compose, flat and unresolved, with Hydra's group choices as `<group>=` keys."""
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("train", overrides=overrides, return_hydra_config=True)
+    choices = {f"{group}=": choice for group, choice in cfg.hydra.runtime.choices.items() if not group.startswith("hydra")}
+    settings = {key: value for key, value in OmegaConf.to_container(cfg, resolve=False).items() if key != "hydra"}
+    return {**choices, **flatten(settings)}
+
+
+def gradient_math(config: dict[str, Any]) -> tuple[Any, ...]:
+    """What a strategy does to the gradients: its hook, and PowerSGD's settings where it compresses."""
+    hook = config.get("strategy.hook") or "none"
+    powersgd = ("strategy.powersgd_rank", "strategy.start_powersgd_iter") if str(hook).startswith("powersgd") else ()
+    return (hook, config.get("strategy.hook_state"), *(config.get(key) for key in powersgd))
+
+
+def refused(name: str, old: Any, new: Any, folder: Path, why: str) -> UsageError:
+    return UsageError(f"{name}={shown(new)} is not allowed in a resume of {folder}: the run used {name}={shown(old)}{why}")
+
+
+def check_changes(before: dict[str, Any], after: dict[str, Any], folder: Path) -> None:
+    """Every key whose value the command changes must be one a resume may change."""
+    strategy_changed = before.get("strategy=") != after.get("strategy=")
+    if strategy_changed and gradient_math(before) != gradient_math(after):
+        raise refused("strategy", before["strategy="], after["strategy="], folder,
+                      f", and the two treat gradients differently (hook {gradient_math(before)[0]} against "
+                      f"{gradient_math(after)[0]}); leave it out, or start a new run (without ckpt_path) to change it")
+    for key in sorted(before.keys() | after.keys(), key=lambda k: (not k.endswith("="), k)):
+        old, new = before.get(key), after.get(key)
+        if old == new or key in MAY_CHANGE or key == "precision" or strategy_changed and key.startswith("strategy"):
+            continue  # precision: compared as what it means on this machine (`check_precision`)
+        if key in LENGTH and before.get("optim.schedule", "none") == "none":
+            continue
+        if key in LENGTH:
+            raise length_refused(key, old, new, folder, before["optim.schedule"])
+        raise refused(key.removesuffix("="), old, new, folder, ", and a resume continues the run as it was; leave it "
+                      "out, or start a new run (without ckpt_path) to change it")
+
+
+def length_refused(key: str, old: Any, new: Any, folder: Path, schedule: str) -> UsageError:
+    return refused(key, old, new, folder, f", over which its learning rate follows optim.schedule={schedule}: another "
+                   "length would change every step of it; start a new run to train longer")
+
+
+def shown(value: Any) -> str:
+    """A value as a command line types it."""
+    if value is None:
+        return "null"
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def check_precision(before: dict[str, Any], after: dict[str, Any], folder: Path) -> None:
+    """The resume must compute in the precision the run used. `precision=auto` picks by hardware, so a value is
+    compared by what it means: on this machine, against what the run's config.yaml says it became there."""
+    from src.fast_path import resolve_accelerator, resolve_precision  # torch: only when a run is resumed
+
+    def meaning(config: dict[str, Any]) -> str:
+        return resolve_precision(config["precision"], resolve_accelerator(config["accelerator"]), quiet=True)
+
+    saved = resolved_config(folder)
+    used, asked = (saved or {}).get(PRECISION_USED) or meaning(before), meaning(after)
+    if asked != used:
+        raise UsageError(
+            f"precision={after['precision']} is not allowed in a resume of {folder}: on this machine it means {asked}, "
+            f"where the run used {used}; resume it with precision={used} on hardware that computes in {used}"
+        )
