@@ -71,14 +71,14 @@ def as_trained(cfg: DictConfig, overrides: list[str], group: str) -> DictConfig:
     return trained
 
 
-def evaluate(cfg: DictConfig) -> dict[str, float]:
+def evaluate(cfg: DictConfig) -> cli.Result:
     overrides = list(HydraConfig.get().overrides.task)
     cfg.model, cfg.data = as_trained(cfg, overrides, "model"), as_trained(cfg, overrides, "data")
     return run(cfg, fit=False)
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="eval")
-def hydra_main(cfg: DictConfig) -> float | None:
+def hydra_main(cfg: DictConfig) -> cli.JobDone | cli.JobFailed:
     return cli.run_job(evaluate, cfg)
 
 

@@ -24,6 +24,7 @@ from src.callbacks.model_summary import without_zero_flops
 from src.launch import cli, workers
 from src.checkpoints import AtomicCheckpointIO, checkpoint_to_evaluate, resolve_ckpt_path, tested_weights
 from src.data.fashion_mnist import per_process_batch
+from src.launch.cli import Result
 from src.launch.console import processes
 from src.launch.ranks import is_launching_process, is_rank_zero
 from src.errors import UsageError
@@ -95,8 +96,8 @@ def weights_to_test(test_weights: str, best: Callback | None) -> Path | None:
     return None
 
 
-def run(cfg: DictConfig, fit: bool = True) -> dict[str, float]:
-    """Fit (unless `fit` is false) and test one configuration; returns the final metrics."""
+def run(cfg: DictConfig, fit: bool = True) -> Result:
+    """Fit (unless `fit` is false) and test one configuration; its final metrics and result line."""
     # Check every value and this machine; read the checkpoint once. Nothing is written before the checks pass.
     checks.check_config(cfg)
     checks.check_hardware(cfg.accelerator, str(cfg.precision), cfg.devices)
@@ -168,20 +169,21 @@ def run(cfg: DictConfig, fit: bool = True) -> dict[str, float]:
     epoch_times = next((c.epoch_times for c in callbacks if hasattr(c, "epoch_times")), [])
     if epoch_times:
         metrics["time/epoch_s"] = statistics.median(epoch_times)
+    how = f"precision {precision}, {processes(world_size)}"
+    if fit:
+        how += f", tested {tested.name if tested else 'the last weights'}"
+    line = result_line(metrics, fit, how, None if checkpoint is None else checkpoint.path, output_dir)
     if trainer.is_global_zero:
         if resumed_at is None or not has_hparams(output_dir):  # a run resumed in its folder keeps the one record
             params = run_hparams(cfg, trainer, optimizer.keywords["lr"])
             params.update(cuda_graphs=fast_steps.cuda_graphs, steps_per_execution=fast_steps.steps_per_execution,
                           tested_weights=tested_weights(tested))
             log_hparams(logger, params, output_dir)
-        how = f"precision {precision}, {processes(world_size)}"
-        if fit:
-            how += f", tested {tested.name if tested else 'the last weights'}"
-        log.info(result_line(metrics, fit, how, None if checkpoint is None else checkpoint.path, output_dir))
-    return metrics
+        log.info(line)
+    return Result(metrics, line, resumed=fit and checkpoint is not None)
 
 
-def train(cfg: DictConfig) -> dict[str, float]:
+def train(cfg: DictConfig) -> Result:
     return run(cfg, fit=True)
 
 
@@ -197,7 +199,7 @@ def result_line(metrics: dict[str, float], fit: bool, how: str, ckpt_path: Path 
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
-def hydra_main(cfg: DictConfig) -> float | None:
+def hydra_main(cfg: DictConfig) -> cli.JobDone | cli.JobFailed:
     return cli.run_job(train, cfg)
 
 

@@ -36,6 +36,28 @@ class JobFailed:
     status: int
 
 
+@dataclass(frozen=True)
+class Result:
+    """What a run returns (rank 0's, under local DDP): its final metrics, the line it ended with, and whether it
+    went on from a checkpoint of its folder."""
+
+    metrics: dict[str, float]
+    line: str
+    resumed: bool = False
+
+
+@dataclass(frozen=True)
+class JobDone:
+    """A job that ended well, as a sweep's launcher and its progress lines see it: its `test/acc`, its result line,
+    whether it went on from a checkpoint (`resumed`), and whether it only read back an earlier finished run of its
+    folder (`skipped`)."""
+
+    test_acc: float | None
+    line: str
+    resumed: bool = False
+    skipped: bool = False
+
+
 # Sweep jobs that failed, by their folder's name in the sweep: filled where the job ran, or by the launcher that waited for it.
 failed_jobs: dict[str, JobFailed] = {}
 
@@ -92,13 +114,13 @@ def own_process_group() -> Iterator[None]:
                 os.environ[name] = value
 
 
-def run_job(task: Callable[[DictConfig], dict[str, float]], cfg: DictConfig) -> float | JobFailed | None:
-    """One Hydra job: the task's `test/acc`, or its failure reported and remembered."""
+def run_job(task: Callable[[DictConfig], Result], cfg: DictConfig) -> JobDone | JobFailed:
+    """One Hydra job: how the task ended, or its failure reported and remembered."""
     output_dir = Path(cfg.output_dir)
     new_folder = holds_only_settings(output_dir)
     try:
         with own_process_group():
-            metrics = task(cfg)
+            result = task(cfg)
     except (UsageError, TrainingDiverged) as error:
         status = report_failure(error, output_dir, new_folder)
         if HydraConfig.get().mode != RunMode.MULTIRUN:
@@ -115,7 +137,7 @@ def run_job(task: Callable[[DictConfig], dict[str, float]], cfg: DictConfig) -> 
         if failure is None:
             raise
         end_run(f"{failure.line}; {kept(output_dir)}", 1)
-    return metrics.get("test/acc")
+    return JobDone(result.metrics.get("test/acc"), result.line, resumed=result.resumed)
 
 
 def run_entry(hydra_main: Callable[[], object], resumes: bool = False) -> None:

@@ -25,7 +25,7 @@ import uuid
 from collections.abc import Callable
 from multiprocessing import reduction
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -40,6 +40,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from src.errors import TrainingDiverged, UsageError
 
+T = TypeVar("T")
 # How long a worker that lost its peer waits for the agent, which knows how the peer ended, to end
 # it instead: the agent reports the first worker it finds ended, and this one is 25 ms behind.
 PEER_GONE_GRACE_S = 10.0
@@ -138,7 +139,7 @@ def needed(trainer: Trainer) -> bool:
 # ---------------------------------------------------------------- the process running the Hydra job
 
 
-def start(function: Callable[..., dict[str, float]], cfg: DictConfig, *args: Any) -> dict[str, float]:
+def start(function: Callable[..., T], cfg: DictConfig, *args: Any) -> T:
     """Run `function(cfg, *args)` in one worker per device; rank 0's result.
 
     Raises `RunStopped` when this process got a stop signal, `RankFailed` when a worker ended the
@@ -243,7 +244,7 @@ def _rank_failure(error: ChildFailedError) -> BaseException:
 # ---------------------------------------------------------------- a worker
 
 
-def _worker(function: Callable[..., dict[str, float]], cfg: DictConfig, args: tuple[Any, ...],
+def _worker(function: Callable[..., Any], cfg: DictConfig, args: tuple[Any, ...],
             logging_config: dict[str, Any] | None, inherited: Inherited) -> Any:
     """One rank: what `function` returns, or a user's error for the launcher to report."""
     _die_with_launcher()
