@@ -10,19 +10,22 @@ change is refused in one line that names the key, the run's value and the new on
 Hydra starts, which would otherwise rewrite the folder's records of the run.
 """
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.types import Override
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
-from src.checkpoints import CKPT_WORDS, has_checkpoints
+from src.checkpoints import CKPT_WORDS, has_checkpoints, newest
 from src.checks import CONF_DIR, flatten, is_hydra, parse_overrides
 from src.errors import UsageError
-from src.runs import resolved_config
+from src.hparams import has_hparams
+from src.runs import RESOLVED_CONFIG, resolved_config
 
 RUN_OVERRIDES = Path(".hydra", "overrides.yaml")
+SWEEP_CONFIG = "multirun.yaml"  # in a sweep folder: Hydra's record of the sweep, its overrides among it
 PRECISION_USED = "precision_used"  # in a run folder's config.yaml, beside `precision`: what `auto` became there
 # Keys a resume may give anew: where the data is, what is shown, logged, saved and tested, how long a
 # collective may wait, and how fast the same steps run (layout, compilation, graphs, cuDNN's choice,
@@ -40,8 +43,9 @@ MAY_CHANGE = {
 LENGTH = ("max_epochs", "trainer.max_steps")
 
 
-def resume_folder(overrides: list[Override]) -> Path | None:
-    """The run folder a one-run command resumes (`ckpt_path=last|auto` with `hydra.run.dir`), if it holds checkpoints."""
+def run_record(overrides: list[Override]) -> tuple[Path, list[str]] | None:
+    """The run folder a one-run command resumes (`ckpt_path=last|auto` with `hydra.run.dir`) and the overrides it
+    was started with; None where there is no run to resume (no folder, or no checkpoint in it yet)."""
     given = {o.key_or_group: o.value() for o in overrides if not o.is_sweep_override()}
     folder = given.get("hydra.run.dir")
     if str(given.get("ckpt_path")) not in CKPT_WORDS or folder is None:
@@ -49,29 +53,65 @@ def resume_folder(overrides: list[Override]) -> Path | None:
     folder = Path(str(folder))
     if given["ckpt_path"] == "last" and not folder.is_dir():
         raise UsageError(f"ckpt_path=last: hydra.run.dir={folder} does not exist; name the folder of the run to resume")
-    return folder if has_checkpoints(folder) and (folder / RUN_OVERRIDES).is_file() else None
+    if not has_checkpoints(folder) or not (folder / RUN_OVERRIDES).is_file():
+        return None
+    return folder, [str(line) for line in OmegaConf.load(folder / RUN_OVERRIDES)]
+
+
+def sweep_record(overrides: list[Override]) -> tuple[Path, list[str]] | None:
+    """The sweep folder a sweep with `ckpt_path=auto` continues (`hydra.sweep.dir`) and the overrides it swept."""
+    given = {o.key_or_group: o.value() for o in overrides if not o.is_sweep_override()}
+    folder = given.get("hydra.sweep.dir")
+    if given.get("ckpt_path") != "auto" or folder is None or not (Path(str(folder)) / SWEEP_CONFIG).is_file():
+        return None
+    recorded = OmegaConf.load(Path(str(folder)) / SWEEP_CONFIG).hydra.overrides.task
+    return Path(str(folder)), [str(line) for line in recorded]
 
 
 def with_run_config(args: list[str]) -> list[str]:
-    """`python -m src.train` arguments with the resumed run's own overrides before the command's; a change the
-    run cannot take is a UsageError. Arguments that resume nothing come back as they are."""
-    if "-m" in args or "--multirun" in args:
-        return args
+    """`python -m src.train` arguments with the resumed run's (or sweep's) own overrides before the command's; a
+    change it cannot take is a UsageError. Arguments that resume nothing come back as they are."""
+    multirun = "-m" in args or "--multirun" in args
     overrides = parse_overrides(args)
-    folder = resume_folder(overrides)
-    if folder is None:
+    record = sweep_record(overrides) if multirun else run_record(overrides)
+    if record is None:
         return args
-    recorded = [str(line) for line in OmegaConf.load(folder / RUN_OVERRIDES)]
+    folder, recorded = record
     base = [o for o in parse_overrides(recorded) if o.key_or_group != "ckpt_path"]
     given = [o for o in overrides if o.key_or_group != "ckpt_path" and not is_hydra(o.key_or_group)]
     replaced = {o.key_or_group for o in given}
-    merged = [o.input_line for o in base if o.key_or_group not in replaced] + [o.input_line for o in given]
+    merged = [o for o in base if o.key_or_group not in replaced] + given
+    check_sweep(base, merged, folder)
     search = [o.input_line for o in overrides if o.key_or_group == "hydra.searchpath"]
-    before, after = composed([o.input_line for o in base] + search), composed(merged + search)
-    check_changes(before, after, folder)
-    check_precision(before, after, folder)
+    before, after = composed(first_job(base) + search), composed(first_job(merged) + search)
+    check_changes(before, after, Resumed(folder, sweep=multirun))
+    runs = sorted(path.parent for path in folder.glob(f"*/{RESOLVED_CONFIG}")) if multirun else [folder]
+    check_precision(before, after, runs)
     given_lines = {o.input_line for o in given}
-    return [*(arg for arg in args if arg not in given_lines), *merged]  # flags, hydra.*, ckpt_path, then the settings
+    return [*(arg for arg in args if arg not in given_lines), *(o.input_line for o in merged)]  # flags, hydra.*, ckpt_path
+
+
+def first_job(overrides: list[Override]) -> list[str]:
+    """A sweep's overrides with each swept key at its first value: one job's, whose config stands for the rest."""
+    lines = []
+    for override in overrides:
+        if override.is_sweep_override():
+            lines.append(f"{override.get_key_element()}={next(iter(override.sweep_string_iterator()))}")
+        else:
+            lines.append(override.input_line)
+    return lines
+
+
+def check_sweep(base: list[Override], merged: list[Override], folder: Path) -> None:
+    """A sweep resumes as the same sweep: the keys it swept, with the same values, and no other key swept."""
+    swept = {o.key_or_group: o for o in base if o.is_sweep_override()}
+    for override in merged:
+        old = swept.get(override.key_or_group)
+        values = list(override.sweep_string_iterator()) if override.is_sweep_override() else None
+        if (old is None) != (values is None) or old is not None and values != list(old.sweep_string_iterator()):
+            ran = f"it swept {old.input_line}" if old is not None else f"it did not sweep {override.key_or_group}"
+            raise UsageError(f"{override.input_line} is not allowed in a resume of the sweep {folder}: {ran}; a resume "
+                             "runs the same jobs, so give the sweep as it was, or start a new one elsewhere")
 
 
 def composed(overrides: list[str]) -> dict[str, Any]:
@@ -90,11 +130,27 @@ def gradient_math(config: dict[str, Any]) -> tuple[Any, ...]:
     return (hook, config.get("strategy.hook_state"), *(config.get(key) for key in powersgd))
 
 
-def refused(name: str, old: Any, new: Any, folder: Path, why: str) -> UsageError:
-    return UsageError(f"{name}={shown(new)} is not allowed in a resume of {folder}: the run used {name}={shown(old)}{why}")
+@dataclass(frozen=True)
+class Resumed:
+    """What is resumed, for the refusals' words: a run folder, or a sweep folder whose jobs are resumed."""
+
+    folder: Path
+    sweep: bool = False
+
+    def __str__(self) -> str:
+        return f"the sweep {self.folder}" if self.sweep else str(self.folder)
+
+    @property
+    def owner(self) -> str:
+        return "its jobs" if self.sweep else "the run"
 
 
-def check_changes(before: dict[str, Any], after: dict[str, Any], folder: Path) -> None:
+def refused(name: str, old: Any, new: Any, resumed: Resumed, why: str) -> UsageError:
+    return UsageError(f"{name}={shown(new)} is not allowed in a resume of {resumed}: {resumed.owner} used "
+                      f"{name}={shown(old)}{why}")
+
+
+def check_changes(before: dict[str, Any], after: dict[str, Any], folder: Resumed) -> None:
     """Every key whose value the command changes must be one a resume may change."""
     strategy_changed = before.get("strategy=") != after.get("strategy=")
     if strategy_changed and gradient_math(before) != gradient_math(after):
@@ -113,7 +169,7 @@ def check_changes(before: dict[str, Any], after: dict[str, Any], folder: Path) -
                       "out, or start a new run (without ckpt_path) to change it")
 
 
-def length_refused(key: str, old: Any, new: Any, folder: Path, schedule: str) -> UsageError:
+def length_refused(key: str, old: Any, new: Any, folder: Resumed, schedule: str) -> UsageError:
     return refused(key, old, new, folder, f", over which its learning rate follows optim.schedule={schedule}: another "
                    "length would change every step of it; start a new run to train longer")
 
@@ -125,18 +181,37 @@ def shown(value: Any) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
-def check_precision(before: dict[str, Any], after: dict[str, Any], folder: Path) -> None:
-    """The resume must compute in the precision the run used. `precision=auto` picks by hardware, so a value is
-    compared by what it means: on this machine, against what the run's config.yaml says it became there."""
+def check_precision(before: dict[str, Any], after: dict[str, Any], runs: list[Path]) -> None:
+    """The resume must compute in the precision each run used. `precision=auto` picks by hardware, so a value is
+    compared by what it means on this machine, against what each run's config.yaml says it became there."""
     from src.fast_path import resolve_accelerator, resolve_precision  # torch: only when a run is resumed
 
-    def meaning(config: dict[str, Any]) -> str:
-        return resolve_precision(config["precision"], resolve_accelerator(config["accelerator"]), quiet=True)
+    def meaning(precision: object, accelerator: object) -> str:
+        return resolve_precision(precision, resolve_accelerator(str(accelerator)), quiet=True)
 
-    saved = resolved_config(folder)
-    used, asked = (saved or {}).get(PRECISION_USED) or meaning(before), meaning(after)
-    if asked != used:
-        raise UsageError(
-            f"precision={after['precision']} is not allowed in a resume of {folder}: on this machine it means {asked}, "
-            f"where the run used {used}; resume it with precision={used} on hardware that computes in {used}"
-        )
+    changed = before["precision"] != after["precision"]
+    for run in runs:
+        saved = resolved_config(run) or {}
+        asked = after["precision"] if changed or "precision" not in saved else saved["precision"]
+        used = saved.get(PRECISION_USED) or meaning(before["precision"], before["accelerator"])
+        if meaning(asked, after["accelerator"]) != used:
+            raise UsageError(
+                f"precision={asked} is not allowed in a resume of {run}: on this machine it means "
+                f"{meaning(asked, after['accelerator'])}, where the run used {used}; resume it with precision={used} "
+                f"on hardware that computes in {used}"
+            )
+
+
+def finished(cfg: DictConfig) -> str | None:
+    """With `ckpt_path=auto`, the result line of a run folder whose run already finished: trained as far as its
+    config asks, tested, and recorded. Such a run is reported, not opened again (which would test it a second
+    time and write its scalars again). None for any other folder."""
+    folder = Path(cfg.output_dir)
+    if str(cfg.get("ckpt_path")) != "auto" or not (folder / "train.log").is_file():
+        return None
+    lines = [line.split(" - ", 1)[-1] for line in (folder / "train.log").read_text().splitlines() if " - test/acc=" in line]
+    saved = newest(folder)
+    if not lines or saved is None or saved.path.name != "last.ckpt" or not has_hparams(folder):
+        return None
+    epochs, max_steps = saved.contents.get("epoch", -1) + 1, cfg.trainer.get("max_steps", -1)
+    return lines[-1] if epochs >= cfg.max_epochs or 0 < max_steps <= saved.step else None

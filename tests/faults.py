@@ -21,3 +21,17 @@ class KillAtStep(Callback):
         if trainer.global_step == self.step and trainer.global_rank == self.rank and trainer.ckpt_path is None:
             os.kill(os.getpid(), signal.SIGKILL)
 
+
+
+class KillSweepAtStep(KillAtStep):
+    """SIGKILLs the whole process group (a sweep's launcher, its forkserver and every DDP worker) after step `step`
+    of the sweep job whose folder name ends with `job`, as a reboot or `kill -9 -- -PGID` would."""
+
+    def __init__(self, step: int, job: str, rank: int = 0) -> None:
+        super().__init__(step, rank)
+        self.job = job
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
+        if (trainer.global_step == self.step and trainer.global_rank == self.rank and trainer.ckpt_path is None
+                and str(trainer.default_root_dir).endswith(self.job)):
+            os.killpg(os.getpgid(0), signal.SIGKILL)

@@ -6,6 +6,7 @@ leave no folder that could pass for a result; in a sweep, a failed job fails alo
 exits non-zero at its end.
 """
 
+import logging
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -26,6 +27,8 @@ from src.launch.console import counted, print_error
 from src.launch.naming import unclaim_dir
 from src.launch.ranks import is_rank_zero, rank_argv
 from src.launch.workers import RankFailed, RunStopped, signal_name
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -118,6 +121,11 @@ def run_job(task: Callable[[DictConfig], Result], cfg: DictConfig) -> JobDone | 
     """One Hydra job: how the task ended, or its failure reported and remembered."""
     output_dir = Path(cfg.output_dir)
     new_folder = holds_only_settings(output_dir)
+    line = resume.finished(cfg)
+    if line is not None:
+        if is_rank_zero():
+            log.info(f"finished before, not run again: {line}")
+        return JobDone(float(line.split("test/acc=", 1)[1].split()[0]), line, skipped=True)
     try:
         with own_process_group():
             result = task(cfg)

@@ -1,0 +1,74 @@
+"""A sweep resumes: the same command with `hydra.sweep.dir=<its folder> ckpt_path=auto` continues a sweep that was
+killed outright, its DDP workers included. Finished jobs are reported, not run again; the interrupted job resumes
+from its newest checkpoint; jobs that never started run; every job ends with the weights of an unbroken sweep."""
+
+import signal
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import train
+from tests.test_resume import LONGER, assert_matches_unbroken
+from tests.test_stopping import Run
+
+# Three DDP jobs of 2 processes, each 3 epochs of 10 steps, a mid-epoch checkpoint every 4 steps.
+SWEEP = ["-m", *LONGER, "strategy=ddp", "devices=2", "trainer.log_every_n_steps=1", "checkpoint.every_n_train_steps=4",
+         "seed=1,2,3"]
+JOBS = [f"lenet_ddp_2dev_{{precision}}_seed={seed}" for seed in (1, 2, 3)]
+
+
+def job_dirs(sweep: Path) -> list[Path]:
+    precision = next(sweep.glob("lenet_ddp_2dev_*_seed=1")).name.split("_")[3]
+    return [sweep / job.format(precision=precision) for job in JOBS]
+
+
+def results(folder: Path) -> dict[str, int]:
+    """A run's checkpoints, scalars and resolved config, by when each was written (Hydra rewrites `.hydra/` at every
+    start of a job, and the job's log takes the resume's one line)."""
+    return {p.relative_to(folder).as_posix(): p.stat().st_mtime_ns for p in folder.rglob("*")
+            if p.is_file() and ".hydra" not in p.parts and p.name != "train.log"}
+
+
+@pytest.mark.slow
+def test_a_sweep_killed_mid_job_resumes_to_the_weights_of_an_unbroken_sweep(tmp_path, data_root):
+    unbroken = tmp_path / "unbroken"
+    result = train(*SWEEP, f"hydra.sweep.dir={unbroken}", timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    sweep = tmp_path / "sweep"
+    # After step 17 of the second job (a step checkpoint at 16), the whole sweep is SIGKILLed from within.
+    kill = ["+callbacks.fault._target_=tests.faults.KillSweepAtStep", "+callbacks.fault.step=17", "+callbacks.fault.job='seed=2'"]
+    with Run(sweep, *SWEEP, *kill, f"hydra.sweep.dir={sweep}") as run:
+        assert run.wait_exit() == -signal.SIGKILL
+    first, second, third = job_dirs(sweep)
+    assert not third.exists()
+    before, log = results(first), (first / "train.log").read_text()
+
+    resumed = train(*SWEEP, *kill, f"hydra.sweep.dir={sweep}", "ckpt_path=auto", timeout=900)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert results(first) == before, "the finished job was opened again"
+    added = (first / "train.log").read_text().removeprefix(log).splitlines()
+    assert len(added) == 1 and "finished before, not run again: test/acc=" in added[0]
+    assert resumed.stdout.count("finished before, not run again: test/acc=") == 1
+    assert f"Restoring states from the checkpoint path at {second / 'checkpoints' / 'step.ckpt'}" in resumed.stdout
+    for job, reference in zip((first, second, third), job_dirs(unbroken)):
+        assert_matches_unbroken(job, reference)
+    assert all(job.name in (sweep / "report.md").read_text() for job in (first, second, third))
+
+
+def test_a_sweep_resume_with_another_sweep_is_refused_in_one_line(tmp_path, data_root):
+    sweep = tmp_path / "sweep"
+    (sweep).mkdir()
+    (sweep / "multirun.yaml").write_text("hydra:\n  overrides:\n    task:\n    - seed=1,2\n    - data.batch_size=64\n")
+    for change, said in [
+        ("seed=1,2,3", "seed=1,2,3 is not allowed in a resume of the sweep {sweep}: it swept seed=1,2; a resume runs "
+                       "the same jobs"),
+        ("model=lenet,resnet18", "model=lenet,resnet18 is not allowed in a resume of the sweep {sweep}: it did not "
+                                 "sweep model"),
+        ("data.batch_size=128", "data.batch_size=128 is not allowed in a resume of the sweep {sweep}: its jobs used "
+                                "data.batch_size=64"),
+    ]:
+        result = train("-m", change, f"hydra.sweep.dir={sweep}", "ckpt_path=auto")
+        assert result.returncode == 2
+        assert result.stderr.strip().splitlines()[-1].startswith("error: " + said.format(sweep=sweep)), result.stderr
+        assert sorted(p.name for p in sweep.iterdir()) == ["multirun.yaml"]
