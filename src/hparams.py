@@ -8,7 +8,8 @@ So that it opens on the settings that tell runs apart:
 - a single run writes its experiment summary with the settings typed on its command line
   marked as differing (`changed_names`);
 - a sweep job writes only its session; when the sweep ends, `write_experiment` declares the
-  union of the jobs' settings in the sweep's `report/` run, marking those whose values differ.
+  union of the jobs' settings in the sweep's `report/` run, marking five: the swept keys first,
+  what follows from the model (keys one model lacks, parameter counts) last (`sweep_columns`).
 
 Where fewer than five are marked, model, strategy, devices and precision used fill the default
 columns (`with_identity`) instead of the settings that come first by name (accelerator, ...).
@@ -136,13 +137,12 @@ STAMP = re.compile(r"^(\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d|torchrun-[^_]+|slurm-[^_]+
 def typed_keys(run_dir: Path) -> list[str]:
     """The keys and config groups set on the run's command line (Hydra's `.hydra/overrides.yaml`)."""
     saved = run_dir / ".hydra" / "overrides.yaml"
-    if not saved.is_file():
-        return []
-    keys = []
-    for override in OmegaConf.load(saved):
-        key = str(override).split("=", 1)[0].lstrip("+~")
-        keys.append(re.sub(r"@.*$", "", key))
-    return keys
+    return override_keys(OmegaConf.load(saved)) if saved.is_file() else []
+
+
+def override_keys(overrides: Iterable[object]) -> list[str]:
+    """The key or config group of each override (`optim.lr=0.1`, `+callbacks.x._target_=...`, `model=resnet18`)."""
+    return [re.sub(r"@.*$", "", str(override).split("=", 1)[0].lstrip("+~")) for override in overrides]
 
 
 def changed_names(params: Iterable[str], typed: Iterable[str]) -> set[str]:
@@ -195,20 +195,36 @@ def metric_infos() -> list[api_pb2.MetricInfo]:
             for tag, title, description in METRICS]
 
 
-def experiment(runs: list[Mapping[str, Any]], differing: set[str] | None = None) -> Summary:
+def experiment(runs: list[Mapping[str, Any]], differing: set[str] | None = None, typed: Iterable[str] = ()) -> Summary:
     """The experiment summary of `runs`' settings: the union of their names, in the order first seen.
 
-    `differing`: the names to mark; by default those whose value is not the same in every run.
+    `differing`: the names to mark; by default those that `sweep_columns` picks, the keys `typed` for the sweep first.
     """
     names: dict[str, None] = {}
     for params in runs:
         names.update(dict.fromkeys(params))
-    if differing is None:
-        differing = {name for name in names if len({repr(params.get(name, ...)) for params in runs}) > 1}
-    differing = with_identity(differing, names)
+    differing = with_identity(differing, names) if differing is not None else sweep_columns(runs, list(names), typed)
     infos = [hparam_info(name, [params[name] for params in runs if name in params], name in differing) for name in names]
     data = api_pb2.Experiment(hparam_infos=infos, metric_infos=metric_infos(), time_created_secs=time.time())
     return _summary(metadata.EXPERIMENT_TAG, plugin_data_pb2.HParamsPluginData(experiment=data))
+
+
+def sweep_columns(runs: list[Mapping[str, Any]], names: list[str], typed: Iterable[str]) -> set[str]:
+    """The columns a sweep's HParams tab opens on. TensorBoard ticks the first five marked as differing, by name,
+    so no more than five are marked, in this order: the settings the sweep's command line typed whose values
+    differ, other settings chosen differently, what the runs are (model, strategy, devices, precision used),
+    and last what follows from the model: keys one model has and another lacks (LeNet's `model.net.pool`
+    beside ResNet-18), and the parameter counts."""
+    def values(name: str) -> set[str]:
+        return {repr(params.get(name, ...)) for params in runs}
+
+    by_choice = [name for name in names if all(name in params for params in runs) and not name.startswith("params/")
+                 and len(values(name)) > 1]
+    typed_names = changed_names(by_choice, typed)
+    follows = [name for name in names if len(values(name)) > 1 and name not in by_choice]
+    ranked = [*(n for n in by_choice if n in typed_names), *(n for n in by_choice if n not in typed_names),
+              *(n for n in IDENTITY if n in names), *follows]
+    return set(list(dict.fromkeys(ranked))[:SHOWN])
 
 
 def with_identity(marked: set[str], names: Iterable[str]) -> set[str]:
@@ -260,11 +276,11 @@ def log_hparams(logger: TensorBoardLogger, params: dict[str, Any], run_dir: Path
     writer.close()
 
 
-def write_experiment(runs: list[Mapping[str, Any]], log_dir: Path) -> None:
-    """The sweep's experiment summary, in its own run folder: the columns of every job's settings,
-    those that differ between the jobs marked, so that TensorBoard shows them first."""
+def write_experiment(runs: list[Mapping[str, Any]], log_dir: Path, typed: Iterable[str] = ()) -> None:
+    """The sweep's experiment summary, in its own run folder: the columns of every job's settings, those it
+    opens on marked (`sweep_columns`; `typed`: the config keys and groups the sweep's command line set)."""
     writer = FileWriter(str(log_dir))
-    writer.add_summary(experiment(runs))
+    writer.add_summary(experiment(runs, typed=typed))
     writer.close()
 
 

@@ -27,7 +27,7 @@ from matplotlib.ticker import MaxNLocator
 from omegaconf import DictConfig
 
 from src.errors import UsageError
-from src.hparams import write_experiment
+from src.hparams import override_keys, write_experiment
 from src.launch.console import counted
 from src.loggers import EPOCH_TAG
 from src.runs import ArgumentParser, RunFolder, median, output_folder, read_runs, usage_errors_exit
@@ -400,7 +400,8 @@ class SweepReport(Callback):
             return
         write_tensorboard_text(runs, sweep_dir / "report")
         if any(run.params for run in runs):
-            write_experiment([run.params for run in runs if run.params], sweep_dir / "report")
+            typed = override_keys(config.hydra.overrides.task)
+            write_experiment([run.params for run in runs if run.params], sweep_dir / "report", typed)
         log.info(f"sweep report of {counted(len(runs), 'run')}: {sweep_dir / 'report.md'}")
 
 

@@ -195,3 +195,19 @@ def test_a_swept_precision_is_shown_as_typed_where_the_name_does_not(tmp_path):
     named = {sweep_job_dirname([f"precision={p}", "seed=1"], 0, str(tmp_path), f"lenet_auto_1dev_{used}")
              for p, used in (("32", "32-true"), ("bf16-mixed", "bf16-mixed"))}
     assert named == {"lenet_auto_1dev_32-true_precision=32,seed=1", "lenet_auto_1dev_bf16-mixed_seed=1"}
+
+
+@pytest.mark.slow
+def test_a_sweep_over_models_opens_on_the_swept_keys_not_on_what_follows_from_the_model(tmp_path, data_root):
+    """`model=lenet,resnet18 seed=1,2`: LeNet's own keys and the parameter counts differ only because the models
+    do; the columns ticked by default are the swept keys and what the runs are."""
+    tiny = ["trainer.limit_train_batches=1", "trainer.limit_val_batches=1", "trainer.limit_test_batches=1",
+            "data.batch_size=16"]
+    result = in_process("src.train", "-m", *QUICK, *tiny, "model=lenet,resnet18", "seed=1,2", f"hydra.sweep.dir={tmp_path}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    experiment = Served(tmp_path).experiment()
+    hparams, _ = default_columns(experiment)
+    assert hparams == ["devices", "model", "precision_used", "seed", "strategy"]
+    infos = {info["name"]: info for info in experiment["hparamInfos"]}
+    for follows in ("model.net.pool", "model.net.batch_norm", "model.net.init", "params/total"):
+        assert follows in infos and not infos[follows].get("differs", False), follows
