@@ -258,21 +258,22 @@ def trial_id(name: str, params: Mapping[str, Any]) -> str:
     return f"{name} #{digest}"
 
 
-def log_hparams(logger: TensorBoardLogger, params: dict[str, Any], run_dir: Path) -> None:
+def log_hparams(logger: TensorBoardLogger, params: dict[str, Any], run_dir: Path, step: int = 0) -> None:
     """Write the run's HParams summaries, pointing at scalars already logged, so no metric is written twice.
 
     A sweep job writes only its session (the sweep declares the columns when it ends, `write_experiment`);
     a single run also its experiment, with the settings typed on its command line marked as differing.
     The summaries go into an event file of their own in the run folder (the logger's was closed
-    when the test ended); TensorBoard reads every event file of a run.
+    when the test ended); TensorBoard reads every event file of a run. They carry the run's last
+    step, so that no event goes back after the run's last points.
     """
     sweep_job = str(OmegaConf.select(hydra_record(run_dir), "mode", default="")) == "MULTIRUN"
     name = trial_name(run_dir)
     writer = FileWriter(logger.experiment.get_logdir())
     if not sweep_job:
-        writer.add_summary(experiment([params], changed_names(params, typed_keys(run_dir))))
-    writer.add_summary(session_start(params, trial_id(name, params)))
-    writer.add_summary(session_end())
+        writer.add_summary(experiment([params], changed_names(params, typed_keys(run_dir))), step)
+    writer.add_summary(session_start(params, trial_id(name, params)), step)
+    writer.add_summary(session_end(), step)
     writer.close()
 
 

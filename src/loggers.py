@@ -6,6 +6,7 @@ from typing import Any
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only
 from tensorboard.compat.proto.summary_pb2 import DataClass, Summary, SummaryMetadata
+from torch.utils.tensorboard.summary import custom_scalars
 
 from src.checkpoints import Saved
 
@@ -77,9 +78,9 @@ class RunLogger(TensorBoardLogger):
     @rank_zero_only  # as Lightning's: the other ranks' loggers write nothing
     def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
         metrics = {EPOCH_TAG if name == "epoch" else name: value for name, value in metrics.items()}
-        if not self._laid_out:  # the run's first points: the Custom Scalars layout goes with them
-            self._laid_out = True
-            self.experiment.add_custom_scalars(LAYOUT)
+        if not self._laid_out:  # the run's first points: the Custom Scalars layout goes with them, at their step
+            self._laid_out = True  # (`add_custom_scalars` writes step 0, which goes back in a resumed run's file)
+            self.experiment._get_file_writer().add_summary(custom_scalars(LAYOUT), step)
         for tag in [t for t in metrics if t not in self._described and description(t)]:
             self._described.add(tag)
             value = float(metrics.pop(tag))

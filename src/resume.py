@@ -25,6 +25,7 @@ from src.hparams import has_hparams
 from src.runs import RESOLVED_CONFIG, resolved_config
 
 RUN_OVERRIDES = Path(".hydra", "overrides.yaml")
+HYDRA_RECORD = Path(".hydra", "hydra.yaml")
 SWEEP_CONFIG = "multirun.yaml"  # in a sweep folder: Hydra's record of the sweep, its overrides among it
 PRECISION_USED = "precision_used"  # in a run folder's config.yaml, beside `precision`: what `auto` became there
 # Keys a resume may give anew: where the data is, what is shown, logged, saved and tested, how long a
@@ -43,7 +44,11 @@ MAY_CHANGE = {
 LENGTH = ("max_epochs", "trainer.max_steps")
 
 
-def run_record(overrides: list[Override]) -> tuple[Path, list[str]] | None:
+# A resumed folder, its settings' overrides, and Hydra's own (a launcher chosen, `hydra/launcher=slurm`).
+Record = tuple[Path, list[str], list[str]]
+
+
+def run_record(overrides: list[Override]) -> Record | None:
     """The run folder a one-run command resumes (`ckpt_path=last|auto` with `hydra.run.dir`) and the overrides it
     was started with; None where there is no run to resume (no folder, or no checkpoint in it yet)."""
     given = {o.key_or_group: o.value() for o in overrides if not o.is_sweep_override()}
@@ -55,17 +60,19 @@ def run_record(overrides: list[Override]) -> tuple[Path, list[str]] | None:
         raise UsageError(f"ckpt_path=last: hydra.run.dir={folder} does not exist; name the folder of the run to resume")
     if not has_checkpoints(folder) or not (folder / RUN_OVERRIDES).is_file():
         return None
-    return folder, [str(line) for line in OmegaConf.load(folder / RUN_OVERRIDES)]
+    hydra = folder / HYDRA_RECORD
+    started = OmegaConf.load(hydra).hydra.overrides.hydra if hydra.is_file() else []
+    return folder, [str(line) for line in OmegaConf.load(folder / RUN_OVERRIDES)], [str(line) for line in started]
 
 
-def sweep_record(overrides: list[Override]) -> tuple[Path, list[str]] | None:
+def sweep_record(overrides: list[Override]) -> Record | None:
     """The sweep folder a sweep with `ckpt_path=auto` continues (`hydra.sweep.dir`) and the overrides it swept."""
     given = {o.key_or_group: o.value() for o in overrides if not o.is_sweep_override()}
     folder = given.get("hydra.sweep.dir")
     if given.get("ckpt_path") != "auto" or folder is None or not (Path(str(folder)) / SWEEP_CONFIG).is_file():
         return None
-    recorded = OmegaConf.load(Path(str(folder)) / SWEEP_CONFIG).hydra.overrides.task
-    return Path(str(folder)), [str(line) for line in recorded]
+    recorded = OmegaConf.load(Path(str(folder)) / SWEEP_CONFIG).hydra.overrides
+    return Path(str(folder)), [str(line) for line in recorded.task], [str(line) for line in recorded.hydra]
 
 
 def with_run_config(args: list[str]) -> list[str]:
@@ -76,7 +83,7 @@ def with_run_config(args: list[str]) -> list[str]:
     record = sweep_record(overrides) if multirun else run_record(overrides)
     if record is None:
         return args
-    folder, recorded = record
+    folder, recorded, started = record
     base = [o for o in parse_overrides(recorded) if o.key_or_group != "ckpt_path"]
     given = [o for o in overrides if o.key_or_group != "ckpt_path" and not is_hydra(o.key_or_group)]
     replaced = {o.key_or_group for o in given}
@@ -88,7 +95,10 @@ def with_run_config(args: list[str]) -> list[str]:
     runs = sorted(path.parent for path in folder.glob(f"*/{RESOLVED_CONFIG}")) if multirun else [folder]
     check_precision(before, after, runs)
     given_lines = {o.input_line for o in given}
-    return [*(arg for arg in args if arg not in given_lines), *(o.input_line for o in merged)]  # flags, hydra.*, ckpt_path
+    hydra_given = {o.key_or_group for o in overrides if is_hydra(o.key_or_group)}
+    hydra_kept = [o.input_line for o in parse_overrides(started) if o.key_or_group not in hydra_given]
+    # flags, the command's hydra.* and ckpt_path, Hydra's own settings of the run not given again, then the settings
+    return [*(arg for arg in args if arg not in given_lines), *hydra_kept, *(o.input_line for o in merged)]
 
 
 def first_job(overrides: list[Override]) -> list[str]:

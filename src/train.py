@@ -178,7 +178,7 @@ def run(cfg: DictConfig, fit: bool = True) -> Result:
             params = run_hparams(cfg, trainer, optimizer.keywords["lr"])
             params.update(cuda_graphs=fast_steps.cuda_graphs, steps_per_execution=fast_steps.steps_per_execution,
                           tested_weights=tested_weights(tested))
-            log_hparams(logger, params, output_dir)
+            log_hparams(logger, params, output_dir, trainer.global_step)
         log.info(line)
     return Result(metrics, line, resumed=fit and checkpoint is not None)
 

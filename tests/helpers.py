@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 
 # Set by torchrun, torch's elastic agent or Lightning for the processes they start; a user's shell has none.
 RANK_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
@@ -319,6 +320,21 @@ class TorchrunNodes:
                     if b"RANK" in env:
                         ranks[int(env[b"RANK"])] = pid
         return ranks
+
+
+def steps_going_back(run: Path) -> list[tuple[str, int, int]]:
+    """(event file, step, the step before it) wherever a point goes back in TensorBoard's reading order, which
+    TensorBoard takes for a restart and purges by; a resumed attempt's purge step (a SessionLog START) may."""
+    back, latest = [], -1
+    for path in sorted(run.glob("events.out.tfevents.*")):
+        for event in EventFileLoader(str(path)).Load():
+            if event.HasField("session_log") and event.session_log.status == event.session_log.START:
+                latest = event.step
+            elif event.HasField("summary"):
+                if event.step < latest:
+                    back.append((path.name, event.step, latest))
+                latest = max(latest, event.step)
+    return back
 
 
 def scalars(run_dir: Path) -> dict[str, list[float]]:

@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 
-from tests.helpers import QUICK, REPO, Run, free_port, train, user_env
+from tests.helpers import QUICK, REPO, Run, free_port, steps_going_back, train, user_env
 
 # Ten batches an epoch, three epochs; the fault callback kills a process after a given step.
 LONGER = [*QUICK, "max_epochs=3", "trainer.limit_train_batches=10", "data.batch_size=128", "optim.momentum=0.9"]
@@ -48,9 +48,11 @@ def assert_same_tensorboard_steps(run: Path, reference: Path) -> None:
 
 
 def assert_matches_unbroken(run: Path, reference: Path) -> None:
-    """A broken and resumed run ended exactly where the unbroken one did, and TensorBoard shows it so."""
+    """A broken and resumed run ended exactly where the unbroken one did, and TensorBoard shows it so: the same
+    steps, and no event going back in any file (which TensorBoard's reader takes for a restart and purges by)."""
     assert_same_weights(run, reference)
     assert_same_tensorboard_steps(run, reference)
+    assert not steps_going_back(run)
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 
-from tests.helpers import DATA_ROOT, REPO, cpu_precision, user_env
+from tests.helpers import DATA_ROOT, REPO, cpu_precision, steps_going_back, user_env
 
 # A job's folder: what it runs (the one-node cluster is this machine, so precision=auto uses what it does here).
 LABEL = f"lenet_auto_1dev_{cpu_precision()}"
@@ -228,21 +228,6 @@ def test_scancel_term_keeps_last_ckpt_and_a_requeued_job_resumes(checkout):
     assert after and after[0] == (first["epoch"] + 2, resumed_step), after
 
 
-def steps_going_back(run: Path) -> list[tuple[str, int, int]]:
-    """(event file, step, the step before it) wherever a point goes back in TensorBoard's reading order, which
-    TensorBoard takes for a restart and purges by; a resumed attempt's purge step (a SessionLog START) may."""
-    back, latest = [], -1
-    for path in sorted(run.glob("events.out.tfevents.*")):
-        for event in EventFileLoader(str(path)).Load():
-            if event.HasField("session_log") and event.session_log.status == event.session_log.START:
-                latest = event.step
-            elif event.HasField("summary"):
-                if event.step < latest:
-                    back.append((path.name, event.step, latest))
-                latest = max(latest, event.step)
-    return back
-
-
 def test_a_launcher_job_requeued_by_usr2_resumes_and_a_stopped_submitter_cancels_it(checkout):
     """submitit's timeout signal (USR2) requeues the job without a traceback; the requeued job resumes from
     last.ckpt without `ckpt_path` given (auto under the launcher); SIGTERM to the submitter cancels the job."""
@@ -336,5 +321,40 @@ def test_a_launcher_job_cancelled_by_hand_fails_the_sweep(checkout):
     assert submitter.returncode == 1, err[-3000:]
     last = err.strip().splitlines()[-1]
     assert re.fullmatch(rf"error: 1 sweep job failed: {LABEL}: run stopped by SIGTERM during epoch \d+ \(step \d+\); "
-                        rf".*last\.ckpt holds the last finished epoch \(SLURM job {array_id}(_0)?\)", last), last
+                        rf".*last\.ckpt holds the last finished epoch; resume with: python -m src\.train -m "
+                        rf"hydra\.sweep\.dir=sweep ckpt_path=auto \(SLURM job {array_id}(_0)?\)", last), last
     assert "Traceback" not in err
+
+
+def test_a_cancelled_launcher_sweep_resumes_with_the_command_its_line_names(checkout):
+    """`scancel` of the whole array while its jobs train; the command the sweep's line names runs the same sweep
+    under the launcher again (its `hydra/launcher=slurm` kept): each job resumes from its checkpoint and finishes."""
+    short = ["max_epochs=4", *ENDLESS[1:], "seed=1,2"]
+    submitter = subprocess.Popen(sweep_command(*short), cwd=checkout, env=job_env(), stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)
+    try:
+        sweep = checkout / "sweep"
+        wait_for(lambda: next(iter(sweep.glob("*/checkpoints/last.ckpt")), None), "the first last.ckpt")
+        array_id = next(p.name for p in (sweep / ".submitit").iterdir() if p.name.isdigit())
+        subprocess.run(["scancel", array_id], check=True)
+        _, err = submitter.communicate(timeout=WAIT_S)
+    finally:
+        if submitter.poll() is None:
+            submitter.kill()
+            submitter.communicate()
+    assert submitter.returncode == 1, err[-3000:]
+    command = "python -m src.train -m hydra.sweep.dir=sweep ckpt_path=auto"
+    assert f"; resume with: {command} (SLURM job {array_id}" in err, err[-3000:]
+    interrupted = [p.parent.parent for p in sweep.glob("*/checkpoints/last.ckpt")]
+
+    resumed = subprocess.run(["bash", "-c", f"exec {command}"], cwd=checkout, env=job_env(), capture_output=True,
+                             text=True, timeout=WAIT_S)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "Submitit 'slurm' sweep output dir" in resumed.stdout
+    jobs = sorted(p for p in sweep.iterdir() if p.name.startswith(f"{LABEL}_seed="))
+    assert [p.name for p in jobs] == [f"{LABEL}_seed=1", f"{LABEL}_seed=2"]
+    for job in jobs:
+        assert read_ckpt(job / "checkpoints" / "last.ckpt")["epoch"] == 3
+        assert not steps_going_back(job)
+    for job in interrupted:  # went on from its checkpoint: no epoch trained twice
+        assert [epoch for epoch, _ in epoch_lines((job / "train.log").read_text())] == [1, 2, 3, 4]

@@ -8,6 +8,7 @@ bounds how long a stop takes: a loaded machine may be slow; each wait is for an 
 
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -59,11 +60,12 @@ def wait_for(condition, what: str) -> None:
 class Run:
     """`python -m src.train ...` in its own session: started, signalled, and cleaned up in any case."""
 
-    def __init__(self, run_dir: Path, *args: str) -> None:
+    def __init__(self, run_dir: Path, *args: str, one_stream: bool = False) -> None:
+        """`one_stream`: stderr into stdout, as a terminal shows both (progress bars go to stdout)."""
         self.dir = run_dir
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "src.train", *args], cwd=REPO, env=user_env(),
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+            [sys.executable, "-m", "src.train", *args], cwd=REPO, env=user_env(), stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT if one_stream else subprocess.PIPE, text=True, start_new_session=True,
         )
         self.stdout = self.stderr = ""
 
@@ -122,13 +124,15 @@ def assert_stopped(run: Run, status: int, line: str, run_dir: Path | None = None
     return errors[0]
 
 
-def assert_resumes(error_line: str, run_dir: Path, *args: str) -> None:
-    """`last.ckpt`, named in the line, loads, and `ckpt_path=last` trains one more epoch from it."""
+def assert_resumes(error_line: str, run_dir: Path) -> None:
+    """`last.ckpt`, named in the line, loads, and the command the line names trains one more epoch from it
+    (with `max_epochs` made one more than the checkpoint's, where the line's command would train on to the end)."""
     last = run_dir / "checkpoints" / "last.ckpt"
-    assert f"{last} holds the last finished epoch" in error_line
+    command = f"python -m src.train ckpt_path=last hydra.run.dir={run_dir}"
+    assert error_line.endswith(f"{last} holds the last finished epoch; resume with: {command}"), error_line
     epoch = checkpointed_epoch(last)
     assert epoch >= 1
-    more = train(*LONG, *args, f"max_epochs={epoch + 2}", "ckpt_path=last", f"hydra.run.dir={run_dir}", timeout=WAIT_S)
+    more = train(*shlex.split(command)[3:], f"max_epochs={epoch + 2}", timeout=WAIT_S)
     assert more.returncode == 0, more.stderr[-3000:]
     assert checkpointed_epoch(last) == epoch + 1
 
@@ -159,9 +163,27 @@ def test_signal_stops_every_ddp_process(tmp_path, data_root, name, target):
             os.kill(run.proc.pid if target == "launcher" else rank1, signum)
         run.wait_exit()
     to_rank1 = rf" to rank 1 \(pid {rank1}\)" if target == "rank 1" else ""
-    line = assert_stopped(run, 128 + signum, rf"^error: run stopped by {name}{to_rank1}; ")
+    line = assert_stopped(run, 128 + signum, rf"^error: run stopped by {name}{to_rank1} during epoch \d+ \(step \d+\); ")
+    assert "leaked semaphore" not in run.stderr, run.stderr[-3000:]
     if target == "launcher":
-        assert_resumes(line, run.dir, *DDP)
+        assert_resumes(line, run.dir)
+
+
+@pytest.mark.slow
+def test_ctrl_c_under_ddp_with_progress_bars_ends_in_one_line_of_its_own(tmp_path, data_root):
+    """As a terminal shows it, the bars and the line in one stream: the line starts at the left edge (not at
+    the end of the bar's line), says where training was and how to resume, and nothing follows it."""
+    with Run(tmp_path / "run", *LONG, *DDP, "trainer.enable_progress_bar=true", f"hydra.run.dir={tmp_path / 'run'}",
+             one_stream=True) as run:
+        run.wait_training(workers=2)
+        os.killpg(run.proc.pid, signal.SIGINT)
+        run.wait_exit()
+    assert run.proc.returncode == 130, run.stdout[-3000:]
+    lines = run.stdout.rstrip().split("\n")  # a bar redraws its line with \r: only \n starts another
+    said = [line for line in lines if "error:" in line]
+    assert len(said) == 1 and said[0] == lines[-1], run.stdout[-3000:]
+    assert re.match(r"error: run stopped by SIGINT during epoch \d+ \(step \d+\); ", said[0]), said[0]
+    assert said[0].endswith(f"; resume with: python -m src.train ckpt_path=last hydra.run.dir={tmp_path / 'run'}")
 
 
 @pytest.mark.slow

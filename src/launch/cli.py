@@ -21,6 +21,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from src import checks, resume
+from src.checkpoints import has_checkpoints
 from src.errors import TrainingDiverged, UsageError
 from src.launch import workers
 from src.launch.console import counted, print_error
@@ -85,9 +86,15 @@ def report_failure(error: UsageError | TrainingDiverged, output_dir: Path, new_f
 
 
 def kept(output_dir: Path) -> str:
-    """What a stopped run leaves to resume from."""
+    """What a stopped run leaves to resume from, and the command that resumes it (a sweep's, in a sweep)."""
     last = output_dir / "checkpoints" / "last.ckpt"
-    return f"{last} holds the last finished epoch" if last.is_file() else "no epoch finished, so there is no checkpoint"
+    sweep = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+    again = (f"python -m src.train -m hydra.sweep.dir={HydraConfig.get().sweep.dir} ckpt_path=auto" if sweep
+             else f"python -m src.train ckpt_path=last hydra.run.dir={output_dir}")
+    if not has_checkpoints(output_dir) and not sweep:
+        return "no epoch finished, so there is no checkpoint"
+    held = f"{last} holds the last finished epoch" if last.is_file() else "no epoch finished yet"
+    return f"{held}; resume with: {again}"
 
 
 def end_run(line: str, status: int) -> NoReturn:

@@ -65,10 +65,11 @@ def sweep_job_dirname(job_overrides: list[str], job_num: int, sweep_dir: str, la
     there, and `auto` may become any), so two jobs never share a folder.
     """
     values = dict(item.split("=", 1) for item in job_overrides if "=" in item)
-    parts = [f"{key}={values[key]}" for key in swept_keys(sweep_args(sweep_dir))
-             if key in values and key not in LABELLED and not (key == "precision" and label.endswith("_" + values[key]))]
-    if not label:
-        return ",".join(parts) if parts else f"job{job_num}"
+    swept = [key for key in swept_keys(sweep_args(sweep_dir)) if key in values]
+    if not label:  # a job named before it resolved its label (one that never started): by every swept value
+        return ",".join(f"{key}={values[key]}" for key in swept) or f"job{job_num}"
+    parts = [f"{key}={values[key]}" for key in swept
+             if key not in LABELLED and not (key == "precision" and label.endswith("_" + values[key]))]
     return "_".join([label, ",".join(parts)]) if parts else label
 
 

@@ -37,8 +37,10 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, get_error_handler
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+from tqdm import tqdm
 
 from src.errors import TrainingDiverged, UsageError
+from src.launch.console import close_progress_bars
 
 T = TypeVar("T")
 # How long a worker that lost its peer waits for the agent, which knows how the peer ended, to end
@@ -151,26 +153,28 @@ def start(function: Callable[..., T], cfg: DictConfig, *args: Any) -> T:
         logger.propagate = False
         if not logger.handlers:
             logger.addHandler(logging.NullHandler())  # else Python's last-resort handler prints them
-    try:
-        with tempfile.TemporaryDirectory(prefix="torchelastic_") as error_files:
-            config = LaunchConfig(
-                min_nodes=1, max_nodes=1, nproc_per_node=cfg.devices, run_id=uuid.uuid4().hex,
-                rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0",  # port 0: the agent's store takes a free port
-                max_restarts=0, start_method=START_METHOD, logs_specs=DefaultLogsSpecs(log_dir=error_files),
-            )
-            multiprocessing.set_forkserver_preload(preloaded(function))  # once the server runs, a no-op
-            resolved = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))  # workers have no Hydra to resolve with
-            OmegaConf.set_struct(resolved, OmegaConf.is_struct(cfg))
-            results = elastic_launch(config, _worker)(function, resolved, args, _logging_config(), Inherited(dict(os.environ)))
-    except SignalException as stop:  # the agent has stopped the workers with the same signal
-        raise RunStopped(int(stop.sigval)) from None
-    except ChildFailedError as error:
-        raise _rank_failure(error) from None
-    finally:
-        for signum, handler in handlers.items():  # the agent leaves its own handlers in place
-            signal.signal(signum, handler)
-        for logger in quiet:
-            logger.propagate = True
+    with tempfile.TemporaryDirectory(prefix="torchelastic_") as error_files:
+        position = Path(error_files) / "position"  # where rank 0 was when a signal stopped it
+        config = LaunchConfig(
+            min_nodes=1, max_nodes=1, nproc_per_node=cfg.devices, run_id=uuid.uuid4().hex,
+            rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0",  # port 0: the agent's store takes a free port
+            max_restarts=0, start_method=START_METHOD, logs_specs=DefaultLogsSpecs(log_dir=error_files),
+        )
+        multiprocessing.set_forkserver_preload(preloaded(function))  # once the server runs, a no-op
+        resolved = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))  # workers have no Hydra to resolve with
+        OmegaConf.set_struct(resolved, OmegaConf.is_struct(cfg))
+        try:
+            results = elastic_launch(config, _worker)(function, resolved, args, _logging_config(),
+                                                      Inherited(dict(os.environ)), str(position))
+        except SignalException as stop:  # the agent has stopped the workers with the same signal
+            raise RunStopped(int(stop.sigval), _read(position)) from None
+        except ChildFailedError as error:
+            raise _rank_failure(error, _read(position)) from None
+        finally:
+            for signum, handler in handlers.items():  # the agent leaves its own handlers in place
+                signal.signal(signum, handler)
+            for logger in quiet:
+                logger.propagate = True
     result = results[0]
     if isinstance(result, (UsageError, TrainingDiverged)):
         raise result
@@ -222,7 +226,15 @@ def _logging_config() -> dict[str, Any] | None:
     return OmegaConf.to_container(HydraConfig.get().job_logging, resolve=True)  # type: ignore[return-value]
 
 
-def _rank_failure(error: ChildFailedError) -> BaseException:
+def _read(position: Path) -> str:
+    """Where rank 0 was when it stopped (` during epoch 3 (step 6)`), if it said so."""
+    try:
+        return position.read_text()
+    except OSError:
+        return ""
+
+
+def _rank_failure(error: ChildFailedError, where: str = "") -> BaseException:
     """The worker whose end stopped the run, in one line: a death by a signal first, then a stop, then the rest."""
     def order(item: tuple[int, Any]) -> tuple[int, int]:
         code = item[1].exitcode
@@ -233,7 +245,7 @@ def _rank_failure(error: ChildFailedError) -> BaseException:
     if failure.exitcode < 0:
         return RankFailed(f"{who} died: killed by {signal_name(-failure.exitcode)}; run stopped")
     if failure.exitcode - 128 in STOP_SIGNALS:
-        return RunStopped(failure.exitcode - 128, f" to {who}")
+        return RunStopped(failure.exitcode - 128, f" to {who}{where}")
     message = failure.message
     message = str(message.get("message", "") if isinstance(message, dict) else message)
     if message.startswith(f"{RankFailed.__name__}: "):  # the worker's own line
@@ -245,10 +257,14 @@ def _rank_failure(error: ChildFailedError) -> BaseException:
 
 
 def _worker(function: Callable[..., Any], cfg: DictConfig, args: tuple[Any, ...],
-            logging_config: dict[str, Any] | None, inherited: Inherited) -> Any:
-    """One rank: what `function` returns, or a user's error for the launcher to report."""
+            logging_config: dict[str, Any] | None, inherited: Inherited, position: str) -> Any:
+    """One rank: what `function` returns, or a user's error for the launcher to report. A rank stopped by a
+    signal ends its progress bar's line and, as rank 0, leaves where training was in the file `position`."""
     _die_with_launcher()
     inherited.take()
+    # tqdm's default lock holds a named semaphore, which this process's immediate exit (`_exit`) would leave to
+    # the resource tracker's "leaked semaphore" warning at the end of the run: the bars get a thread lock instead.
+    tqdm.set_lock(threading.RLock())
     rank = int(os.environ["RANK"])
     rank_zero_only.rank = rank  # Lightning read it at import, before the agent set RANK
     _log_to_file(logging_config, rank)
@@ -261,6 +277,9 @@ def _worker(function: Callable[..., Any], cfg: DictConfig, args: tuple[Any, ...]
         return result
     except RunStopped as stop:
         ignore_stop_signals()
+        close_progress_bars()  # the launcher's `error:` line starts on a line of its own
+        if rank == 0 and stop.where:
+            Path(position).write_text(stop.where)
         _exit(128 + stop.signum)
     except (UsageError, TrainingDiverged) as error:
         return error
