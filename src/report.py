@@ -359,9 +359,11 @@ def markdown_report(runs: list[Run], root: Path, scaling: str = "", failed: dict
 
 
 def scaling_section(root: Path, out: Path) -> str:
-    """The predicted scaling of the same runs (also written to scaling.*); empty when no run can be modelled."""
+    """The predicted scaling of the same runs (also written to scaling.*); empty when no run can be modelled. It times
+    nothing, so that a sweep's report follows its last job within seconds: it reads the probe and the terms that
+    `python -m src.scaling <folder> --probe` saved there, and says what it assumes where there are none."""
     try:
-        return write_scaling(root, out, load_probe(root / "probe.json"))
+        return write_scaling(root, out, load_probe(root / "probe.json"), report=True)
     except UsageError as error:
         log.info(f"no scaling prediction: {error}")
         return ""
