@@ -131,8 +131,8 @@ class HardwareUse(Callback):
         if not trainer.is_global_zero:
             return
         if counted:
-            log.info(f"model FLOPs per optimizer step: {counted / 1e9:.3g} GFLOP per process (forward and backward "
-                     f"pass, {batch} images, torch.utils.flop_counter)")
+            log.info(f"a training step (forward and backward pass) is {counted / batch / 1e6:.4g} MFLOP an image, "
+                     f"{counted / 1e9:.4g} GFLOP a process at {batch} images (torch.utils.flop_counter)")
         else:
             log.info(f"usage/tflops_per_s and usage/mfu are not logged: {why}")
         if counted and self.peak is None:
