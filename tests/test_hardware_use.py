@@ -113,6 +113,25 @@ def test_mfu_of_a_run_against_a_listed_gpu(monkeypatch, data_root):
     assert usage.summary()["usage/mfu"] == pytest.approx(statistics.median(usage.mfu))
 
 
+@pytest.mark.gpu
+def test_mfu_on_this_gpu(data_root):
+    """A short bf16 fit on the GPU: MFU against Lightning's peak for it, printed for the GPU check's record."""
+    usage, timer = HardwareUse(), EpochTimer()
+    trainer = Trainer(accelerator="gpu", devices=1, max_epochs=2, limit_train_batches=20, limit_val_batches=0,
+                      num_sanity_val_steps=0, precision="bf16-mixed", logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, callbacks=[timer, usage],
+                      use_distributed_sampler=False)
+    data = FashionMNISTDataModule(root=str(data_root), batch_size=256, download=False)
+    trainer.fit(Classifier(resnet18(), functools.partial(torch.optim.SGD, lr=0.1)), datamodule=data)
+    peak, why = peak_flops(torch.device("cuda", 0), "bf16-mixed")
+    if peak is None:
+        pytest.skip(why)
+    assert len(usage.mfu) == 2 and all(0 < mfu < 1 for mfu in usage.mfu)
+    assert usage.mfu[-1] == pytest.approx(usage.tflops_per_s[-1] * 1e12 / peak)
+    print(f"ResNet-18, batch 256, bf16-mixed, eager steps, {torch.cuda.get_device_name(0)}: "
+          f"{usage.tflops_per_s[-1]:.1f} TFLOP/s, MFU {usage.mfu[-1]:.1%}, peak memory {usage.peak_memory:.0f} MiB")
+
+
 def descriptions(run_dir, tags: list[str]) -> dict[str, str]:
     events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
     events.Reload()

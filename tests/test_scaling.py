@@ -8,6 +8,7 @@ import json
 import math
 import shlex
 import shutil
+import statistics
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ import torch
 import torch.distributed as dist
 from matplotlib.image import imread
 
+from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from torch.utils.tensorboard import SummaryWriter
 from torch.utils.tensorboard.summary import hparams as hparams_summary
@@ -597,6 +599,19 @@ def test_ddps_own_cost_is_a_ddp_step_of_world_size_one_against_the_plain_step(ca
     broken = OmegaConf.create({"_target_": "src.models.lenet.LeNet", "pool": "median"})
     assert stepclock.ddp_step_costs(broken, (1, 28, 28), 16, "32-true", ("none",), device="cpu", repeats=1) is None
     assert "DDP's own cost could not be measured on cpu" in caplog.text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model", ["src.models.lenet.LeNet", "src.models.resnet.resnet18"])
+def test_ddps_own_cost_on_a_gpu_is_measured_over_nccl(model):
+    """What `python -m src.scaling <GPU run folder>` measures on a GPU; printed, for the GPU check's record."""
+    net = OmegaConf.create({"_target_": model})
+    plain = statistics.median(stepclock.step_times(instantiate(net).cuda(), (1, 28, 28), 256, repeats=10,
+                                                   precision="bf16-mixed", device="cuda"))
+    costs = stepclock.ddp_step_costs(net, (1, 28, 28), 256, "bf16-mixed", HOOKS, device="cuda")
+    assert costs is not None and set(costs) == set(HOOKS) and all(cost >= 0 for cost in costs.values())
+    print(f"{model}, batch 256, bf16-mixed, {torch.cuda.get_device_name(0)}: plain step {plain * 1e3:.2f} ms; DDP of world "
+          "size 1 adds " + ", ".join(f"{hook} {cost * 1e3:.2f} ms ({cost / plain:.1%})" for hook, cost in costs.items()))
 
 
 # ---- real runs: the byte model against the counted bytes; the command line ----

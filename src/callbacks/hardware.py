@@ -119,7 +119,7 @@ class HardwareUse(Callback):
         shape = getattr(datamodule, "sample_shape", None)
         batch = getattr(datamodule, "batch_size", 0) // trainer.world_size
         net = getattr(pl_module, "net", pl_module)
-        counted, why = None, "the data module names no sample_shape"
+        counted, why = None, "the data module names no sample_shape" if shape is None else "the data module names no batch_size"
         if shape is not None and batch > 0:
             try:
                 counted = count_flops(net, shape, batch, trainer.precision_plugin)

@@ -90,9 +90,9 @@ def stepper(net: nn.Module, input_shape: Sequence[int], batch: int, precision: s
 
 
 def step_times(net: nn.Module, input_shape: Sequence[int], batch: int, repeats: int | None = None,
-               precision: str = "32-true") -> list[float]:
+               precision: str = "32-true", device: str = "cpu") -> list[float]:
     """Seconds of each of `repeats` training steps at `batch` (after one warm-up step); None: as many as fit BUDGET_S."""
-    step = stepper(net, input_shape, batch, precision)
+    step = stepper(net, input_shape, batch, precision, device)
     first = step()
     count = repeats if repeats is not None else max(3, min(20, int(BUDGET_S / max(first, 1e-6))))
     return [step() for _ in range(count)]
