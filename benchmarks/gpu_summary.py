@@ -5,7 +5,8 @@
 Reads what the parts left there: `environment.log` (device, driver, versions), `<part>.xml` (pytest's
 JUnit report, with what each test printed), `speed-<model>.log` (benchmarks/speed.py's table) and
 `accuracy/<experiment>/` (a sweep over seeds: test accuracy per seed, mean and standard deviation,
-and the median epoch time). A part that did not run is said to be missing, not left out silently.
+and the median epoch time, model TFLOP/s a device and MFU). A part that did not run is said to be missing, not
+left out silently.
 docs/results.md § GPU is updated from this file.
 """
 
@@ -50,14 +51,18 @@ def accuracy_row(experiment: str, folder: Path) -> str:
     try:
         runs = [run for run in collect_runs(folder) if run.test_acc is not None]
     except UsageError as error:  # no run folder in it: the sweep failed before its first job wrote one
-        return f"| {experiment} | none: {error} | | | |"
+        return f"| {experiment} | none: {error} | | | | | |"
     accuracy = [run.test_acc for run in runs]
     epoch_s = [run.epoch_s for run in runs if run.epoch_s is not None]
     spread = f"{statistics.mean(accuracy):.4f} ± {statistics.stdev(accuracy):.4f}" if len(accuracy) > 1 else ""
     per_seed = ", ".join(f"{run.seed}: {run.test_acc:.4f}" for run in sorted(runs, key=lambda r: r.seed or 0))
     median_s = f"{statistics.median(epoch_s):.3f}" if epoch_s else ""
     precision = ", ".join(sorted({run.precision for run in runs}))
-    return f"| {experiment} | {per_seed} | {spread} | {median_s} | {precision} |"
+    tflops = [run.tflops_per_s for run in runs if run.tflops_per_s is not None]
+    mfu = [run.mfu for run in runs if run.mfu is not None]
+    tflops_cell = f"{statistics.median(tflops):.3g}" if tflops else ""
+    mfu_cell = f"{statistics.median(mfu):.1%}" if mfu else ""
+    return f"| {experiment} | {per_seed} | {spread} | {median_s} | {precision} | {tflops_cell} | {mfu_cell} |"
 
 
 def summary(logs: Path) -> str:
@@ -82,10 +87,11 @@ def summary(logs: Path) -> str:
         out += [f"### {model}", "", *(speed_table(log) if log.is_file() else ["missing"]), ""]
 
     out += ["## Accuracy at the GPU defaults, seeds 1-3", "",
-            "| experiment | test acc per seed | mean ± sd | median s/epoch | precision |", "|---|---|---|---:|---|"]
+            "| experiment | test acc per seed | mean ± sd | median s/epoch | precision | median TFLOP/s a device | MFU |",
+            "|---|---|---|---:|---|---:|---:|"]
     for experiment in EXPERIMENTS:
         folder = logs / "accuracy" / experiment
-        out.append(accuracy_row(experiment, folder) if folder.is_dir() else f"| {experiment} | missing | | | |")
+        out.append(accuracy_row(experiment, folder) if folder.is_dir() else f"| {experiment} | missing | | | | | |")
     return "\n".join(out) + "\n"
 
 

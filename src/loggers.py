@@ -24,6 +24,14 @@ DESCRIPTIONS = {
     "time/samples_per_s": "training images per second over all processes, this epoch",
     "time/epoch_s_median": "median of time/epoch_s over the run's epochs: the figure of the result line and report.md",
     "time/samples_per_s_median": "median of time/samples_per_s over the run's epochs",
+    "usage/tflops_per_s": "model TFLOP/s per device this epoch: FLOPs of forward and backward per image (torch's "
+                          "FLOP counter) x time/samples_per_s / devices",
+    "usage/mfu": "model FLOPs utilisation: usage/tflops_per_s over the device's peak for the precision used "
+                 "(Lightning's table; not logged where it lists none, as on CPUs)",
+    "usage/peak_memory_mib": "rank 0's peak memory so far, MiB: CUDA's allocator peak since fitting started, or the "
+                             "process's peak resident size on CPU",
+    "usage/tflops_per_s_median": "median of usage/tflops_per_s over the run's epochs",
+    "usage/mfu_median": "median of usage/mfu over the run's epochs",
     EPOCH_TAG: "Lightning's epoch counter (from 0) at each epoch-end point",
     "xfer/bytes_per_step": "bytes of every all-reduce the DDP hook issued in the optimizer step, per process (payload)",
     "xfer/compression_ratio": "the step's gradients as fp32 bytes divided by xfer/bytes_per_step",
@@ -36,15 +44,18 @@ DESCRIPTIONS = {
 }
 
 
-# TensorBoard's Custom Scalars tab: the answer first (accuracy, loss, time), communication after it.
-# Time Series orders its groups by name: the transfer scalars are `xfer/*` so that they come after the
-# answer (test, time, train, val). Each chart's tags are regexes.
+# TensorBoard's Custom Scalars tab: the answer first (accuracy, loss, time), then hardware use, communication
+# last. Time Series orders its groups by name: test and time open first; hardware use (`usage/*`) comes after
+# them, and the transfer scalars are `xfer/*` so that they come after all the rest. Each chart's tags are regexes.
 LAYOUT = {
     "accuracy": {"test and validation": ["Multiline", ["test/acc$", "val/acc$", "val/acc_best$"]],
                  "training": ["Multiline", ["train/acc$"]]},
     "loss": {"training and validation": ["Multiline", ["train/loss$", "val/loss$", "test/loss$"]]},
     "time": {"epoch seconds (validation excluded)": ["Multiline", ["time/epoch_s$", "time/epoch_s_median$"]],
              "images per second": ["Multiline", ["time/samples_per_s$", "time/samples_per_s_median$"]]},
+    "hardware use": {"model TFLOP/s per device": ["Multiline", ["usage/tflops_per_s$", "usage/tflops_per_s_median$"]],
+                     "MFU (share of the peak)": ["Multiline", ["usage/mfu$", "usage/mfu_median$"]],
+                     "peak memory MiB": ["Multiline", ["usage/peak_memory_mib$"]]},
     "communication (DDP)": {
         "bytes per optimizer step": ["Multiline", ["xfer/bytes_per_step$", "xfer/bytes_per_step_epoch$"]],
         "hook ms": ["Multiline", ["xfer/hook_ms$", "xfer/hook_ms_epoch$"]],

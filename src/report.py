@@ -39,7 +39,8 @@ log = logging.getLogger(__name__)
 COLUMNS = {
     "run": "run", "model": "model", "strategy": "strategy", "devices": "devices", "num_nodes": "nodes",
     "precision": "precision", "seed": "seed", "test_acc": "test acc", "epoch_s": "epoch s (median)",
-    "samples_per_s": "samples/s (median)", "comm_bytes_per_step": "comm bytes/step (median)", "speedup": "speed-up",
+    "samples_per_s": "samples/s (median)", "tflops_per_s": "TFLOP/s a device (median)", "mfu": "MFU (median)",
+    "peak_memory_mib": "peak memory MiB", "comm_bytes_per_step": "comm bytes/step (median)", "speedup": "speed-up",
 }
 FILES = ("report.md", "report.csv", "val_acc.png", "epoch_time.png")  # the last only where devices differ; seeds.csv where seeds do
 # Settings that do not make two runs different settings: repeats with other seeds are one setting.
@@ -61,6 +62,9 @@ class Run:
     epoch_s: float | None
     samples_per_s: float | None
     comm_bytes_per_step: float | None
+    tflops_per_s: float | None = None
+    mfu: float | None = None
+    peak_memory_mib: float | None = None
     val_acc: list[tuple[int, float]] = field(default_factory=list)
     speedup: float | None = None
     ddp: bool = False
@@ -102,6 +106,9 @@ def read_run(run: RunFolder) -> Run:
         epoch_s=median(run.values("time/epoch_s")),
         samples_per_s=median(run.values("time/samples_per_s")),
         comm_bytes_per_step=median(run.values("xfer/bytes_per_step")),
+        tflops_per_s=median(run.values("usage/tflops_per_s")),
+        mfu=median(run.values("usage/mfu")),
+        peak_memory_mib=max(run.values("usage/peak_memory_mib"), default=None),
         val_acc=val_acc,
         ddp="hook" in (run.value("strategy") or {}),
         params=params,
@@ -142,17 +149,19 @@ def _cell(value: Any, digits: int) -> str:
 
 
 def shown_columns(runs: list[Run]) -> list[str]:
-    """The table's columns: seed only where seeds differ, speed-up only where devices do."""
+    """The table's columns: seed only where seeds differ, speed-up only where devices do, a measured figure
+    only where some run measured it (MFU: on a GPU that Lightning's peak table lists)."""
     hidden = {"seed"} if not varies(runs, "seed") else set()
     if not varies(runs, "total_devices"):
         hidden.add("speedup")
-    if all(run.comm_bytes_per_step is None for run in runs):
-        hidden.add("comm_bytes_per_step")
+    hidden |= {key for key in ("tflops_per_s", "mfu", "peak_memory_mib", "comm_bytes_per_step")
+               if all(getattr(run, key) is None for run in runs)}
     return [key for key in COLUMNS if key not in hidden]
 
 
 def markdown_table(runs: list[Run]) -> str:
-    digits = {"test_acc": 4, "epoch_s": 3, "samples_per_s": 1, "comm_bytes_per_step": 0, "speedup": 2}
+    digits = {"test_acc": 4, "epoch_s": 3, "samples_per_s": 1, "tflops_per_s": 4, "mfu": 3, "peak_memory_mib": 0,
+              "comm_bytes_per_step": 0, "speedup": 2}
     columns = shown_columns(runs)
     lines = ["| " + " | ".join(COLUMNS[key] for key in columns) + " |", "|" + "---|" * len(columns)]
     for run in runs:
@@ -350,9 +359,11 @@ def markdown_report(runs: list[Run], root: Path, scaling: str = "", failed: dict
 
 
 def scaling_section(root: Path, out: Path) -> str:
-    """The predicted scaling of the same runs (also written to scaling.*); empty when no run can be modelled."""
+    """The predicted scaling of the same runs (also written to scaling.*); empty when no run can be modelled. It times
+    nothing, so that a sweep's report follows its last job within seconds: it reads the probe and the terms that
+    `python -m src.scaling <folder> --probe` saved there, and says what it assumes where there are none."""
     try:
-        return write_scaling(root, out, load_probe(root / "probe.json"))
+        return write_scaling(root, out, load_probe(root / "probe.json"), report=True)
     except UsageError as error:
         log.info(f"no scaling prediction: {error}")
         return ""

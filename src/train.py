@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from src import checks, resume
 from src.build import build
+from src.callbacks.hardware import HardwareUse
 from src.callbacks.model_summary import without_zero_flops
 from src.launch import cli, workers
 from src.checkpoints import AtomicCheckpointIO, checkpoint_to_evaluate, resolve_ckpt_path, tested_weights
@@ -169,6 +170,7 @@ def run(cfg: DictConfig, fit: bool = True) -> Result:
     epoch_times = next((c.epoch_times for c in callbacks if hasattr(c, "epoch_times")), [])
     if epoch_times:
         metrics["time/epoch_s"] = statistics.median(epoch_times)
+    metrics.update(next((c.summary() for c in callbacks if isinstance(c, HardwareUse)), {}))
     how = f"precision {precision}, {processes(world_size)}"
     if fit:
         how += f", tested {tested.name if tested else 'the last weights'}"
@@ -193,9 +195,21 @@ def result_line(metrics: dict[str, float], fit: bool, how: str, ckpt_path: Path 
         return f"{name}={metrics.get(name, float('nan')):.4f}"
 
     if fit:
-        return (f"{shown('test/acc')} {shown('val/acc_best')} median epoch {metrics.get('time/epoch_s', float('nan')):.2f} s "
-                f"({how}) -> {output_dir}")
+        return (f"{shown('test/acc')} {shown('val/acc_best')} median epoch {metrics.get('time/epoch_s', float('nan')):.2f} s"
+                f"{hardware_use(metrics)} ({how}) -> {output_dir}")
     return f"{shown('test/acc')} {shown('test/loss')} ({how}) of {ckpt_path} -> {output_dir}"
+
+
+def hardware_use(metrics: dict[str, float]) -> str:
+    """`, 0.52 TFLOP/s a device, MFU 13.1 %, peak memory 812 MiB`: what the run measured of these (HardwareUse)."""
+    shown = []
+    if "usage/tflops_per_s" in metrics:
+        shown.append(f"{metrics['usage/tflops_per_s']:.3g} TFLOP/s a device")
+    if "usage/mfu" in metrics:
+        shown.append(f"MFU {metrics['usage/mfu']:.1%}".replace("%", " %"))
+    if "usage/peak_memory_mib" in metrics:
+        shown.append(f"peak memory {metrics['usage/peak_memory_mib']:.0f} MiB")
+    return "".join(f", {figure}" for figure in shown)
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")

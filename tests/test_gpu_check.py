@@ -67,4 +67,5 @@ def test_the_summary_holds_each_tests_result_the_speed_table_and_the_seed_statis
     lenet_row = next(line for line in text.splitlines() if line.startswith("| d2l_lenet |"))
     cells = [cell.strip() for cell in lenet_row.strip("|").split("|")]
     assert cells[1].startswith("1: 0.") and ", 2: 0." in cells[1] and " ± " in cells[2] and float(cells[3]) > 0
+    assert float(cells[5]) > 0 and cells[6] == ""  # TFLOP/s a device; MFU only on a GPU that Lightning's table lists
     assert "| d2l_resnet18 | missing |" in text

@@ -32,7 +32,8 @@ from tests.helpers import DATA_ROOT, REPO, assert_finished_run, cpu_precision, h
 
 README = REPO / "README.md"
 CHECKOUT_PARTS = ("src", "conf", "pyproject.toml", ".venv")
-RESULT = r"test/acc=\d\.\d{4} val/acc_best=\d\.\d{4} median epoch \d+\.\d\d s \(.+\) -> \S*/outputs/(runs|multirun)/"
+RESULT = (r"test/acc=\d\.\d{4} val/acc_best=\d\.\d{4} median epoch \d+\.\d\d s, \S+ TFLOP/s a device(, MFU \d+\.\d %)?, "
+          r"peak memory \d+ MiB \(.+\) -> \S*/outputs/(runs|multirun)/")
 EVAL_RESULT = r"test/acc=\d\.\d{4} test/loss=\d+\.\d{4} \(.+\) of .+ -> \S*/outputs/eval/"
 
 

@@ -7,6 +7,8 @@ import dataclasses
 import json
 import math
 import shlex
+import shutil
+import statistics
 from pathlib import Path
 
 import pytest
@@ -14,18 +16,25 @@ import torch
 import torch.distributed as dist
 from matplotlib.image import imread
 
+from hydra.utils import instantiate
 from omegaconf import OmegaConf
+from torch.utils.tensorboard import SummaryWriter
+from torch.utils.tensorboard.summary import hparams as hparams_summary
 
 from src.scaling.costmodel import (
-    INTERCONNECTS, PRESETS, Interconnect, Terms, bucketed, collectives, ddp_buckets, encode_s, expected_max_normal,
+    DDP_GPU_MULTI_SHARE, DDP_GPU_SHARE, INTERCONNECTS, PRESETS, Interconnect, Terms, bucketed, collectives, ddp_buckets, encode_s, expected_max_normal,
     between_timed, powersgd_sizes, predict_step, ring_allreduce_s,
 )
 from src.models.lenet import LeNet
 from src.scaling.probe import Probe, fit_ring, lag_share, load, measure, save
 from src.scaling.predict import (
-    COLUMNS, PROCESS_COUNTS, Baseline, Options, RunFigures, link_for, main, merge_repeats, predictions,
+    COLUMNS, PROCESS_COUNTS, Baseline, Options, RunFigures, link_for, main, merge_repeats, predictions, time_baseline,
 )
+from src.scaling.timed import Timed
+from src.report import write_report
+from src.scaling import probe as probe_module
 from src.scaling import stepclock
+from src.scaling import timed as timing
 from src.scaling.stepclock import overhead_share
 from src.strategies.ddp import HOOKS
 from tests.helpers import QUICK, REPO, call_main, run_cli, scalars, train
@@ -263,12 +272,13 @@ def test_repeats_of_a_setting_become_their_medians():
 
 def test_strong_and_weak_scaling_from_one_run():
     stated = Options(overhead_ms=20.0, skew=0.0, bus_share=1.0)
-    base = Baseline.from_run(lenet_figures(), cores=2, options=stated)
+    timed = Timed("cpu", hooks=dict.fromkeys(HOOKS, 0.0), reducer=dict.fromkeys(HOOKS, 0.005))
+    base = Baseline.from_run(lenet_figures(), cores=2, options=stated, timed=timed)
     assert base.terms.overhead == pytest.approx(0.02) and "stated" in base.origin["overhead"]
     strong = {r["processes"]: r for r in predictions(base, [NO_LATENCY])if r["hook"] == "none"}
     assert sorted(strong) == [n for n in PROCESS_COUNTS if 256 % n == 0]
     assert {r["global_batch"] for r in strong.values()} == {256} and {r["mode"] for r in strong.values()} == {"strong"}
-    ddp_ms = base.terms.reducer * 1e3  # DDP's own work, timed: part of the overhead of more than one process
+    ddp_ms = 5.0  # DDP's own work, timed: part of the overhead of more than one process
     assert strong[4]["compute_ms"] == pytest.approx(80 / 4) and strong[4]["overhead_ms"] == pytest.approx(20 + ddp_ms)
     assert strong[1]["overhead_ms"] == pytest.approx(20)
     weak = {r["processes"]: r for r in predictions(base, [NO_LATENCY], per_process_batch=64) if r["hook"] == "none"}
@@ -284,10 +294,17 @@ def test_strong_and_weak_scaling_from_one_run():
 
 def test_unstated_terms_are_timed_and_say_so(monkeypatch):
     monkeypatch.setattr(stepclock, "BUDGET_S", 0.01)  # the fewest repeats: 3 steps at each batch size
-    base = Baseline.from_run(dataclasses.replace(lenet_figures(), batch_size=16), cores=2)
+    run = dataclasses.replace(lenet_figures(), batch_size=16)
+    timed = time_baseline(run, cores=2, options=Options(), meet_at=())
+    assert timed.device == "cpu" and set(timed.hooks) == set(timed.reducer) == set(HOOKS)
+    base = Baseline.from_run(run, cores=2, timed=timed)
     assert 0 <= base.terms.overhead < 0.1 and base.terms.skew >= 0 and base.terms.overlap == 0.0
     assert "timed here" in base.origin["overhead"] and "timed here" in base.origin["skew"]
+    assert "timed here" in base.origin["hook"] and base.reducer == timed.reducer
     assert "assumed 0" in base.origin["overlap"]
+    untimed = Baseline.from_run(run, cores=2)  # what a report does where nothing was saved: nothing timed, all said
+    assert (untimed.terms.overhead, untimed.terms.skew, set(untimed.encode.values()), set(untimed.reducer.values())) == (0, 0, {0}, {0})
+    assert all("assumed 0: not timed" in untimed.origin[term] for term in ("overhead", "skew", "hook", "reducer"))
 
 
 # ---- the what-if: no run, a model, a step time, a link ----
@@ -307,7 +324,10 @@ def test_whatif_by_hand():
     assert "Mode: strong scaling" in result.stdout and "1,902,848 / 2,097,152" in result.stdout
     rows = whatif_rows(result)
     # N = 2 at 1 GB/s: each bucket takes bytes / 1e9 s; the first hides behind the backward pass, the last cannot.
-    step_ms = 50 + 2.097152
+    # DDP's own work on a GPU: 2.8 % + 3.1 % of the stated 100 ms step, on more than one process only.
+    ddp_ms = (DDP_GPU_SHARE + DDP_GPU_MULTI_SHARE) * 100
+    step_ms = 50 + ddp_ms + 2.097152
+    assert float(rows[1][4]) == 0.0 and float(rows[2][4]) == pytest.approx(ddp_ms, abs=0.05) == pytest.approx(5.9, abs=0.05)
     assert rows[2][:3] == ["2", "64", "32"] and float(rows[2][8]) == pytest.approx(step_ms, abs=0.05)
     assert float(rows[2][5]) == pytest.approx(4.0, abs=0.05) and float(rows[2][6]) == pytest.approx(2.097, abs=0.05)
     assert float(rows[2][10]) == pytest.approx(100 / step_ms, abs=0.005)  # 860 steps an epoch either way
@@ -316,10 +336,20 @@ def test_whatif_by_hand():
         assert term in result.stdout
 
 
+def test_whatif_says_what_it_takes_ddps_own_work_on_a_gpu_to_cost():
+    assumed = call_main(main, *WHATIF, "--processes", "2")
+    assert f"{DDP_GPU_SHARE:.1%} of the step on one GPU under DDP against none, assumed, not measured" in assumed.stdout
+    stated = call_main(main, *WHATIF, "--processes", "2", "--ddp-share", "0.1")
+    assert "10.0% of the step on one GPU under DDP against none, stated (--ddp-share)" in stated.stdout
+    # A share measured on one GPU replaces the assumed one; what more than one GPU adds stays.
+    assert float(whatif_rows(stated)[2][4]) == pytest.approx((0.1 + DDP_GPU_MULTI_SHARE) * 100, abs=0.05)
+
+
 def test_whatif_times_the_step_here_when_not_stated(monkeypatch):
     monkeypatch.setattr(stepclock, "BUDGET_S", 0.01)
     result = call_main(main, "--model", "src.models.lenet.LeNet", "--batch", "16", "--link", "10gbe", "--processes", "2")
     assert result.stdout.count("timed here") == 3  # the step, its overhead and its skew
+    assert "0: the step was timed on this CPU, not a GPU" in result.stdout  # no GPU's share of DDP's own work
     assert float(whatif_rows(result)[2][8]) > 0
 
 
@@ -366,6 +396,27 @@ def test_whatif_reproduces_the_published_table():
         assert last[11] == predicted, args
 
 
+def ddp_table_rows() -> list[list[str]]:
+    """The cells of each row of docs/scaling.md's table of DDP step times on GPUs."""
+    text = (REPO / "docs" / "scaling.md").read_text().split("## DDP on GPUs")[1]
+    table = text[text.index("| source | setup | GPUs |"):].split("\n\n")[0]
+    return [[c.strip() for c in line.strip("|").split("|")] for line in table.splitlines()[2:]]
+
+
+def test_whatif_reproduces_the_ddp_table_and_its_errors():
+    rows = ddp_table_rows()
+    assert {row[0] for row in rows} == {"[P]", "[D]"} and sum("held out" in row[8] for row in rows) == 6
+    for source, _, gpus, published, args, predicted, step_error, efficiency_error, _ in rows:
+        args = shlex.split(args.strip("`"))
+        last = max(whatif_rows(call_main(main, *args)).items())[1]
+        assert last[0] == gpus and predicted == f"{float(last[8]):.1f} ms, {last[11]}", args
+        one_gpu = float(args[args.index("--step-ms") + 1])
+        published_ms = float(published.split(" ms")[0])
+        assert published == f"{published_ms:g} ms, {one_gpu / published_ms:.1%}"
+        assert step_error == f"{(float(last[8]) - published_ms) / published_ms * 100:+.1f} %"
+        assert efficiency_error == f"{float(last[11].rstrip('%')) - one_gpu / published_ms * 100:+.1f}"
+
+
 @pytest.mark.parametrize("args, words", [
     (["--params", "1e6", "--step-ms", "10", "--link", "5gbe"], ["--link", "10gbe", "nvlink4"]),
     (["--params", "1e6", "--step-ms", "10"], ["--link", "--bandwidth"]),
@@ -384,6 +435,8 @@ def test_whatif_reproduces_the_published_table():
     (["--model", "src.models.lenet.LeNet", "--link", "10gbe", "--input", "28"], ["--input", "CxHxW"]),
     (["outputs", "--step-ms", "10"], ["--step-ms", "--model"]),
     (["--params", "1e6", "--step-ms", "10", "--link", "10gbe", "--bucket-mb", "0"], ["--bucket-mb"]),
+    (["--params", "1e6", "--step-ms", "10", "--link", "10gbe", "--ddp-share", "2"], ["--ddp-share", "from 0 to 1"]),
+    (["outputs", "--ddp-share", "0.03"], ["--ddp-share", "--model"]),
 ])
 def test_whatif_bad_input_is_one_line(args, words):
     assert_one_error_line(call_main(main, *args), *words)
@@ -451,6 +504,116 @@ def test_the_step_is_timed_in_the_runs_precision():
     assert seen.count(torch.bfloat16) == 3  # the warm-up step and both timed ones (the class count is read in fp32)
 
 
+# ---- the report's section: nothing timed, only what it can stand behind, table first ----
+
+def write_ddp_run(folder: Path, accelerator: str = "cpu") -> Path:
+    """A run folder as a 2-process LeNet DDP run leaves it, with the figures the scaling model reads, and no training."""
+    config = {"model_name": "lenet", "strategy_name": "ddp", "devices": 2, "num_nodes": 1, "precision": "32",
+              "strategy": {"_target_": "src.strategies.ddp.CommHookDDPStrategy", "hook": "none"},
+              "model": {"net": {"_target_": "src.models.lenet.LeNet"}},
+              "data": {"batch_size": 256, "in_channels": 1, "num_classes": 10}}
+    (folder / ".hydra").mkdir(parents=True)
+    OmegaConf.save(OmegaConf.create(config), folder / ".hydra" / "config.yaml")
+    with SummaryWriter(log_dir=str(folder)) as writer:
+        for step, epoch_s in ((9, 1.0), (19, 1.2), (29, 1.1)):
+            writer.add_scalar("time/epoch_s", epoch_s, step)
+            writer.add_scalar("xfer/bytes_per_step", 516272, step)
+        for summary in hparams_summary({"precision_used": "32-true", "accelerator": accelerator}, {}):
+            writer.file_writer.add_summary(summary)
+    return folder
+
+
+@pytest.fixture
+def nothing_timed(monkeypatch):
+    """Every costly timing fails the test if it is called."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a report timed something")
+
+    for name in ("measure", "ddp_times", "ddp_step_costs", "meeting_lags", "step_times"):
+        monkeypatch.setattr(stepclock, name, refuse)
+    monkeypatch.setattr(probe_module, "run_probe", refuse)
+
+
+def test_a_report_of_cpu_runs_times_nothing_and_without_a_probe_predicts_nothing(tmp_path, nothing_timed):
+    write_ddp_run(tmp_path / "ddp2")
+    write_report(tmp_path)
+    section = (tmp_path / "report.md").read_text().split("# Predicted scaling")[1]
+    assert "No predictions here: the run ran on CPU" in section and f"python -m src.scaling {tmp_path} --probe" in section
+    assert "| none | 516,272 | 516,272 |" in section  # the bytes, which the byte model counts exactly
+    assert "NVLink" not in section and "GbE" not in section and "How these are predicted" not in section
+    assert read_rows_or_header(tmp_path / "scaling.csv") == []
+
+
+def test_a_report_with_a_saved_probe_predicts_this_machine_alone_and_says_what_it_assumes(tmp_path, nothing_timed):
+    write_ddp_run(tmp_path / "ddp2")
+    write_probe(tmp_path / "probe.json")
+    write_report(tmp_path)
+    section = (tmp_path / "report.md").read_text().split("# Predicted scaling")[1]
+    assert "| gloo here, 2 proc. | none |" in section and "NVLink" not in section
+    assert section.count("assumed 0: not timed (`python -m src.scaling <folder>` times it here)") >= 4
+    # Table first, formula after.
+    assert section.index("| interconnect | hook |") < section.index("Terms of the model") < section.index("## How these are predicted")
+    assert {r["interconnect"] for r in read_rows(tmp_path / "scaling.csv")} == {"gloo here, 2 proc."}
+
+
+def test_terms_timed_by_the_command_are_saved_and_the_report_reads_them(tmp_path, monkeypatch):
+    write_ddp_run(tmp_path / "ddp2")
+    write_probe(tmp_path / "probe.json")
+    timed = Timed("cpu", overhead_share=0.25, skew=0.01, hooks=dict.fromkeys(HOOKS, 0.002),
+                  reducer=dict.fromkeys(HOOKS, 0.003), lags={2: 0.07})
+    monkeypatch.setattr(timing, "time_run", lambda *args, **kwargs: timed)
+    assert call_main(main, str(tmp_path)).returncode == 0  # `python -m src.scaling <folder>`: times, and saves
+    [saved] = timing.load(tmp_path / timing.FILE).values()
+    assert saved == timed
+    monkeypatch.setattr(timing, "time_run", None)  # the report must not time again
+    write_report(tmp_path)
+    section = (tmp_path / "report.md").read_text().split("# Predicted scaling")[1]
+    assert "25% of the step: the model's step timed here" in section and "7.0% at 2 processes" in section
+    assert "| none | 516,272 | 516,272 | 2.0 |" in section  # the hook's own time, as timed
+    assert "assumed 0: not timed" not in section
+
+
+def test_a_report_of_gpu_runs_predicts_gpu_links_with_ddps_own_work_assumed_or_measured(tmp_path, nothing_timed):
+    write_ddp_run(tmp_path / "ddp2", accelerator="cuda")
+    write_report(tmp_path)
+    section = (tmp_path / "report.md").read_text().split("# Predicted scaling")[1]
+    assert "| NVLink 4 | none |" in section and "gloo here" not in section and "on GPUs" in section
+    assert f"assumed {DDP_GPU_SHARE:.1%} + {DDP_GPU_MULTI_SHARE:.1%} of the step" in section
+    rows = {(r["interconnect"], r["hook"], int(r["processes"])): r for r in read_rows(tmp_path / "scaling.csv")}
+    step_ms = float(rows["NVLink 4", "none", 1]["compute_ms"])  # one GPU: the run's 2 GPUs' step, times 2
+    assert float(rows["NVLink 4", "none", 8]["overhead_ms"]) == pytest.approx((DDP_GPU_SHARE + DDP_GPU_MULTI_SHARE) * step_ms)
+    # A cost measured on a GPU (`python -m src.scaling <folder>` there) replaces the assumed share.
+    measured = Timed("NVIDIA H100 80GB HBM3", reducer=dict.fromkeys(HOOKS, 0.004))
+    name = timing.key("lenet", 256, 2, "32-true", None, 25.0, 1)
+    timing.save(tmp_path / timing.FILE, {name: measured})
+    write_report(tmp_path)
+    section = (tmp_path / "report.md").read_text().split("# Predicted scaling")[1]
+    assert "measured on NVIDIA H100 80GB HBM3" in section
+    rows = {(r["interconnect"], r["hook"], int(r["processes"])): r for r in read_rows(tmp_path / "scaling.csv")}
+    assert float(rows["NVLink 4", "none", 8]["overhead_ms"]) == pytest.approx(4 + DDP_GPU_MULTI_SHARE * step_ms)
+
+
+def test_ddps_own_cost_is_a_ddp_step_of_world_size_one_against_the_plain_step(caplog):
+    costs = stepclock.ddp_step_costs(LENET, (1, 28, 28), 16, "32-true", ("none", "fp16"), device="cpu", repeats=3)
+    assert set(costs) == {"none", "fp16"} and all(cost >= 0 for cost in costs.values())
+    broken = OmegaConf.create({"_target_": "src.models.lenet.LeNet", "pool": "median"})
+    assert stepclock.ddp_step_costs(broken, (1, 28, 28), 16, "32-true", ("none",), device="cpu", repeats=1) is None
+    assert "DDP's own cost could not be measured on cpu" in caplog.text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model", ["src.models.lenet.LeNet", "src.models.resnet.resnet18"])
+def test_ddps_own_cost_on_a_gpu_is_measured_over_nccl(model):
+    """What `python -m src.scaling <GPU run folder>` measures on a GPU; printed, for the GPU check's record."""
+    net = OmegaConf.create({"_target_": model})
+    plain = statistics.median(stepclock.step_times(instantiate(net).cuda(), (1, 28, 28), 256, repeats=10,
+                                                   precision="bf16-mixed", device="cuda"))
+    costs = stepclock.ddp_step_costs(net, (1, 28, 28), 256, "bf16-mixed", HOOKS, device="cuda")
+    assert costs is not None and set(costs) == set(HOOKS) and all(cost >= 0 for cost in costs.values())
+    print(f"{model}, batch 256, bf16-mixed, {torch.cuda.get_device_name(0)}: plain step {plain * 1e3:.2f} ms; DDP of world "
+          "size 1 adds " + ", ".join(f"{hook} {cost * 1e3:.2f} ms ({cost / plain:.1%})" for hook, cost in costs.items()))
+
+
 # ---- real runs: the byte model against the counted bytes; the command line ----
 
 @pytest.fixture(scope="module")
@@ -486,6 +649,14 @@ def read_rows(path: Path) -> list[dict[str, str]]:
     return rows
 
 
+def read_rows_or_header(path: Path) -> list[dict[str, str]]:
+    with path.open(newline="") as file:
+        reader = csv.DictReader(file)
+        rows = list(reader)
+    assert reader.fieldnames == list(COLUMNS)
+    return rows
+
+
 @pytest.mark.slow
 def test_cli_writes_table_plot_and_checks_for_real_runs(runs, tmp_path):
     out = tmp_path / "out"
@@ -518,6 +689,8 @@ def test_cli_writes_table_plot_and_checks_for_real_runs(runs, tmp_path):
     assert cells[1:4] == ["powersgd", "2", "gloo here, 2 proc."] and cells[4] == cells[5]  # bytes: predicted = counted
     height, width, _ = imread(out / "scaling_lenet.png").shape
     assert height > 200 and width > 200
+    [timed] = timing.load(out / timing.FILE).values()  # what a later report reads instead of timing again
+    assert timed.device == "cpu" and set(timed.hooks) == set(HOOKS) and set(timed.lags) == {2}
     assert not (runs / "scaling.md").exists()
 
 
@@ -538,8 +711,15 @@ def test_report_includes_the_scaling_table(runs, tmp_path):
     result = run_cli("src.report", str(runs), "--out", str(tmp_path / "report"))
     assert result.returncode == 0, result.stderr
     report = (tmp_path / "report" / "report.md").read_text()
-    assert "# Predicted scaling" in report and "| NVLink 4 | powersgd |" in report and "](scaling_lenet.png)" in report
-    assert (tmp_path / "report" / "scaling_lenet.png").is_file() and (tmp_path / "report" / "scaling.csv").is_file()
+    assert "# Predicted scaling" in report and "No predictions here" in report  # CPU runs, no probe saved
+    assert "| powersgd | 832, 832, 5,748 | 7,412 |" in report and "NVLink" not in report
+    with_probe = Path(shutil.copytree(runs, tmp_path / "runs"))
+    write_probe(with_probe / "probe.json")
+    result = run_cli("src.report", str(with_probe))
+    assert result.returncode == 0, result.stderr
+    report = (with_probe / "report.md").read_text()
+    assert "| gloo here, 2 proc. | powersgd |" in report and "](scaling_lenet.png)" in report
+    assert (with_probe / "scaling_lenet.png").is_file() and (with_probe / "scaling.csv").is_file()
 
 
 # ---- bad input: one line, exit status 2, nothing written ----

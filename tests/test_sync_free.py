@@ -17,6 +17,7 @@ from lightning import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from src.callbacks.hardware import HardwareUse
 from src.data.fashion_mnist import FashionMNISTDataModule
 from src.fast_path import FastSteps
 from src.models.lenet import LeNet
@@ -80,6 +81,9 @@ def test_no_training_step_reads_the_device(tmp_path, data_root, steps_per_execut
         trainer.fit(module, datamodule=data)
     assert trainer.global_step == BATCHES * steps_per_execution
     assert reads.seen == [], reads.stacks[0]
+    # The run's hardware use was counted (FLOPs, before the first step) and measured (at the epoch's end).
+    [usage] = [c for c in trainer.callbacks if isinstance(c, HardwareUse)]
+    assert usage.flops_per_sample > 0 and len(usage.tflops_per_s) == 1 and usage.peak_memory > 0
 
 
 def test_the_detector_sees_a_read_of_the_device(tmp_path, data_root):

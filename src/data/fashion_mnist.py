@@ -20,6 +20,7 @@ from src.errors import UsageError
 # Mean and standard deviation of the official training images' pixels (in [0, 1]).
 MEAN, STD = 0.2860, 0.3530
 RAW_FILES = [os.path.splitext(os.path.basename(url))[0] for url, _ in FashionMNIST.resources]
+IMAGE_SIZE = 28  # pixels a side
 
 
 class TensorImages(Dataset):
@@ -183,6 +184,11 @@ class FashionMNISTDataModule(LightningDataModule):
         self.seed = seed
         self.steps_per_execution = 1  # optimizer steps per training batch: set by the run (src/fast_path.py)
         self.splits: dict[str, TensorImages] = {}
+
+    @property
+    def sample_shape(self) -> tuple[int, int, int]:
+        """One training image's shape as the model gets it: what a run counts its FLOPs per image on."""
+        return (self.in_channels, IMAGE_SIZE, IMAGE_SIZE)
 
     @property
     def raw_folder(self) -> Path:

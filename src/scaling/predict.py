@@ -18,7 +18,7 @@ import os
 import statistics
 from argparse import Namespace
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 from pathlib import Path
 
@@ -27,18 +27,21 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from omegaconf import OmegaConf
 
+from src.data.fashion_mnist import IMAGE_SIZE
 from src.errors import UsageError
 from src.launch.console import processes
 from src.runs import ArgumentParser, RunFolder, median, output_folder, read_runs, require_folder, usage_errors_exit
 from src.scaling import probe as gloo_probe
-from src.scaling import stepclock, whatif
+from src.scaling import timed as timing
+from src.scaling import whatif
 from src.scaling.costmodel import (
-    BACKWARD_SHARE, INTERCONNECTS, PRESET_BUS_SHARE, Interconnect, Step, Terms, bucketed, encode_s, epoch_steps, predict_step,
+    BACKWARD_SHARE, DDP_GPU_MULTI_SHARE, DDP_GPU_SHARE, INTERCONNECTS, PRESET_BUS_SHARE, Interconnect, Step, Terms, bucketed,
+    epoch_steps, predict_step,
 )
+from src.scaling.timed import Timed
 from src.strategies.ddp import HOOKS, MIB
 
 PROCESS_COUNTS = tuple(2**k for k in range(11))  # 1 ... 1024
-IMAGE_SIZE = 28  # Fashion-MNIST's images, as the data module serves them
 COLUMNS = ("model", "batch_size", "mode", "interconnect", "hook", "processes", "global_batch", "bytes_per_step", "compute_ms",
            "overhead_ms", "comm_ms", "exposed_ms", "skew_ms", "epoch_s", "speedup", "efficiency")
 
@@ -65,6 +68,7 @@ class RunFigures:
     bytes_per_step: float | None = None  # the smallest: PowerSGD's warm-up steps send more
     hook_s: float | None = None  # median over the steps that sent the smallest bytes
     precision: str = "32-true"  # the precision the run trained in (its `precision_used`), to time its step the same way
+    accelerator: str = "cpu"  # "cuda" for a run on GPUs (its HParams record's `accelerator`)
 
     def setting(self) -> tuple:
         """What makes two runs repeats of each other: the same model, batch, processes, hook, rank, precision and epoch."""
@@ -97,6 +101,7 @@ def read_figures(run: RunFolder) -> RunFigures | None:
         shapes=[tuple(p.shape) for p in instantiate(config.model.net).parameters() if p.requires_grad],
         net=config.model.net, input_shape=(int(config.data.in_channels), IMAGE_SIZE, IMAGE_SIZE),
         precision=str(run.hparams().get("precision_used", "32-true")),
+        accelerator=str(run.hparams().get("accelerator", "cpu")),
         steps_per_epoch=int(statistics.median(steps)), epoch_s=statistics.median(s for _, s in epochs),
         step_s=statistics.median(s / n for (_, s), n in zip(epochs, steps)),
     )
@@ -168,32 +173,42 @@ class Baseline:
     terms: Terms
     origin: dict[str, str]  # how each term was found, in words
     buckets: dict[str, list[list[int]]]  # bytes of each all-reduce per hook, bucket by bucket
-    encode: dict[str, float]  # s per step of each hook itself, its all-reduces' transfer aside, on this CPU
+    encode: dict[str, float]  # s per step of each hook itself, its all-reduces' transfer aside
     lags: dict[int, float]  # processes -> the model's steps' lag meeting on this machine's cores (`stepclock.meeting_lags`)
+    # s per step DDP adds on N > 1 processes besides the hook's own work, per hook
+    reducer: dict[str, float] = field(default_factory=lambda: dict.fromkeys(HOOKS, 0.0))
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.run.accelerator == "cuda"
 
     @classmethod
-    def from_run(cls, run: RunFigures, cores: int, options: Options = Options(), meet_at: Sequence[int] = ()) -> "Baseline":
-        """Undo the run's own scaling (its processes shared `cores` cores and computed 1/N of the batch each), and time
-        the model's step here for the overhead and skew the options do not state, and its lag on `meet_at` processes."""
-        share = min(run.processes, cores)
+    def from_run(cls, run: RunFigures, cores: int, options: Options = Options(), timed: Timed | None = None) -> "Baseline":
+        """Undo the run's own scaling (its processes shared `cores` cores, or each had a GPU, and computed 1/N of the
+        batch each); each term as the options state it, else as `timed` here (`timed.time_run`), else assumed."""
+        gpu = run.accelerator == "cuda"
+        share = run.processes if gpu else min(run.processes, cores)
         compute_1 = (run.step_s - run.exposed_comm_s) * share
         backward_1 = None if run.backward_s is None else run.backward_s * share
-        origin = {}
+        timed = None if timed is None or timed.on_gpu != gpu else timed
         batch = max(1, run.batch_size // run.processes)  # each process's, as the run computed it
-        if options.overhead_ms is None or options.skew is None:
-            clock = stepclock.measure(instantiate(run.net), run.input_shape, batch, run.precision)
-        if options.overhead_ms is None:
-            overhead = clock.overhead_share * compute_1
-            origin["overhead"] = (f"{clock.overhead_share:.0%} of the step: the model's step timed here at batch {batch} "
+        untimed = ("assumed 0: not timed on a GPU; the run's step holds it" if gpu else
+                   "assumed 0: not timed (`python -m src.scaling <folder>` times it here)")
+        origin = {}
+        if options.overhead_ms is not None:
+            overhead, origin["overhead"] = min(options.overhead_ms / 1000, compute_1), "stated (--overhead-ms)"
+        elif timed is not None and timed.overhead_share is not None:
+            overhead = timed.overhead_share * compute_1
+            origin["overhead"] = (f"{timed.overhead_share:.0%} of the step: the model's step timed here at batch {batch} "
                                   f"and a quarter of it, one thread, {run.precision} (--overhead-ms)")
         else:
-            overhead = min(options.overhead_ms / 1000, compute_1)
-            origin["overhead"] = "stated (--overhead-ms)"
-        if options.skew is None:
-            skew = clock.skew
-            origin["skew"] = "standard deviation / mean of the model's step timed here, one thread (--skew)"
-        else:
+            overhead, origin["overhead"] = 0.0, f"{untimed} (--overhead-ms)"
+        if options.skew is not None:
             skew, origin["skew"] = options.skew, "stated (--skew)"
+        elif timed is not None and timed.skew is not None:
+            skew, origin["skew"] = timed.skew, "standard deviation / mean of the model's step timed here, one thread (--skew)"
+        else:
+            skew, origin["skew"] = 0.0, f"{untimed} (--skew)"
         if run.overlap_frac is not None:
             overlap, origin["overlap"] = run.overlap_frac, f"`xfer/overlap_frac` of {run.run}"
         else:
@@ -203,25 +218,24 @@ class Baseline:
         origin["backward"] = ("2/3 of the compute (assumed: backward about twice the forward pass)" if backward_1 is None
                               else f"`xfer/backward_compute_ms` of {run.run}")
         rank = run.powersgd_rank
-        ddp = stepclock.ddp_times(run.net, run.input_shape, HOOKS, rank, options.bucket_mb)
-        if ddp is None:
-            origin["hook"] = ("the hook's arithmetic estimated on tensors of these shapes, one thread "
-                              "(the hooks could not be timed)")
-            origin["reducer"] = "assumed 0 (DDP could not be timed)"
-        else:
-            origin["hook"] = "torch's hook timed here in a DDP model of these shapes on a one-process gloo group, one thread"
-            origin["reducer"] = ("that DDP model's forward and backward pass less a plain model's and less the hook, "
+        if gpu:
+            encode, reducer = dict.fromkeys(HOOKS, 0.0), gpu_ddp_cost(compute_1, timed, origin)
+        elif timed is not None:
+            encode, reducer = timed.hooks, timed.reducer or dict.fromkeys(HOOKS, 0.0)
+            origin["hook"] = ("the hook's arithmetic estimated on tensors of these shapes, one thread (the hooks could not be "
+                              "timed)" if timed.hooks_estimated else
+                              "torch's hook timed here in a DDP model of these shapes on a one-process gloo group, one thread")
+            origin["reducer"] = ("assumed 0 (DDP could not be timed)" if timed.hooks_estimated else
+                                 "that DDP model's forward and backward pass less a plain model's and less the hook, "
                                  "median over the hooks")
-        if options.per_process_batch is not None:
-            batches = {n: options.per_process_batch for n in meet_at}
-        else:  # strong scaling: the counts that split the run's batch evenly
-            batches = {n: run.batch_size // n for n in meet_at if run.batch_size % n == 0}
-        lags = stepclock.meeting_lags(run.net, run.input_shape, batches, run.precision, cores) if batches else {}
+        else:
+            encode, reducer = dict.fromkeys(HOOKS, 0.0), dict.fromkeys(HOOKS, 0.0)
+            origin["hook"] = origin["reducer"] = untimed
+        lags = timed.lags if timed is not None else {}
         origin["lag"] = ("the model's step timed on N processes at once, one thread each, meeting after each step, "
                          "against one of them stepping alone" if lags else "the probe's meeting of matrix products")
-        return cls(run, compute_1, Terms(overhead, skew, overlap, backward_share, 0.0 if ddp is None else ddp.reducer), origin,
-                   {h: bucketed(run.shapes, h, rank, int(options.bucket_mb * MIB)) for h in HOOKS},
-                   {h: encode_s(run.shapes, h, rank) for h in HOOKS} if ddp is None else ddp.hooks, lags)
+        return cls(run, compute_1, Terms(overhead, skew, overlap, backward_share), origin,
+                   {h: bucketed(run.shapes, h, rank, int(options.bucket_mb * MIB)) for h in HOOKS}, encode, lags, reducer)
 
     def sizes(self, hook: str) -> list[int]:
         return [b for bucket in self.buckets[hook] for b in bucket]
@@ -230,7 +244,26 @@ class Baseline:
         batch_share = None if per_process_batch is None else per_process_batch / self.run.batch_size
         if link.timed_processes in self.lags:  # the measured interconnect: the model's own lag at its probed count
             link = replace(link, lag=self.lags[link.timed_processes])
-        return predict_step(self.compute_1, self.buckets[hook], self.encode[hook], processes, link, self.terms, batch_share)
+        terms = replace(self.terms, reducer=self.reducer[hook])
+        return predict_step(self.compute_1, self.buckets[hook], self.encode[hook], processes, link, terms, batch_share)
+
+
+def gpu_ddp_cost(compute_1: float, timed: Timed | None, origin: dict[str, str]) -> dict[str, float]:
+    """Seconds per step DDP adds to each of N > 1 GPU processes, per hook, and how that was found (into `origin`):
+    measured on one GPU where `timed` holds it (a DDP model of world size 1 against the plain model), else the
+    share DDP_GPU_SHARE of the step; with DDP_GPU_MULTI_SHARE of the step that more than one GPU adds."""
+    multi = DDP_GPU_MULTI_SHARE * compute_1
+    origin["hook"] = "0 on its own: on a GPU the hook's work is part of DDP's, below"
+    if timed is not None and timed.reducer:
+        origin["reducer"] = (f"a DDP model of world size 1 against the plain model, the run's step measured on {timed.device} "
+                             f"(copies into buckets, the hook, the reducer, the all-reduce call), plus "
+                             f"{DDP_GPU_MULTI_SHARE:.1%} of the step that more than one GPU adds (assumed: fitted to "
+                             "PyTorch's DDP benchmark, docs/scaling.md)")
+        return {hook: timed.reducer.get(hook, 0.0) + multi for hook in HOOKS}
+    origin["reducer"] = (f"assumed {DDP_GPU_SHARE:.1%} + {DDP_GPU_MULTI_SHARE:.1%} of the step: one GPU under DDP against "
+                         "none, and what more than one GPU adds, both fitted to PyTorch's DDP benchmark on V100s "
+                         "(docs/scaling.md); not measured here: `python -m src.scaling <folder>` on a GPU measures the first")
+    return dict.fromkeys(HOOKS, (DDP_GPU_SHARE + DDP_GPU_MULTI_SHARE) * compute_1)
 
 
 def load_probe(path: Path | None) -> gloo_probe.Probe | None:
@@ -328,61 +361,76 @@ def terms_lines(base: Baseline, bucket_mb: float = 25.0) -> list[str]:
     """The model's terms for this baseline, each with how it was found."""
     terms, origin = base.terms, base.origin
     last = sum(base.buckets["none"][-1])
+    reducer = sorted(set(round(s * 1e3, 1) for s in base.reducer.values()))
+    reducer_ms = f"{reducer[0]:.1f} ms" if len(reducer) == 1 else ", ".join(
+        f"{hook} {base.reducer[hook] * 1e3:.1f}" for hook in HOOKS) + " ms"
     return [
         f"- per-step overhead, the same on any number of processes: {terms.overhead * 1e3:.1f} ms; {origin['overhead']}",
         f"- DDP's own work besides its hook, on more than one process (copying the gradients into its buckets and the "
-        f"averaged ones back): {terms.reducer * 1e3:.1f} ms per step, part of the overhead; {origin['reducer']}",
+        f"averaged ones back): {reducer_ms} per step, part of the overhead; {origin['reducer']}",
+        f"- the hook's own work: {origin['hook']}",
         f"- skew between ranks: {terms.skew:.3f} of the step per standard deviation, times the expected lag of the slowest of "
         f"N ranks (0.56 at 2, 1.03 at 4, 1.42 at 8 standard deviations); {origin['skew']}",
         f"- overlap: {terms.overlap:.2f} of every bucket's all-reduce but the last runs during the backward pass "
         f"({origin['overlap']}); the last bucket never does ({last:,} bytes under `none`: DDP's buckets of {bucket_mb:g} MiB "
         f"after a first of 1 MiB, --bucket-mb); the backward pass: {terms.backward_share:.2f} of the compute, {origin['backward']}",
-        "- lag of processes meeting on this machine's shared cores (the measured interconnect only): "
-        + (", ".join(f"{share:.1%} at {n} processes" for n, share in sorted(base.lags.items())) + "; " if base.lags else "")
-        + origin["lag"],
+        *([] if base.on_gpu else [
+            "- lag of processes meeting on this machine's shared cores (the measured interconnect only): "
+            + (", ".join(f"{share:.1%} at {n} processes" for n, share in sorted(base.lags.items())) + "; " if base.lags else "")
+            + origin["lag"]]),
         "- bus share: the share of each link's bandwidth an all-reduce reaches, in the interconnect table; each process "
         "sends and receives 2(N-1)/N of the bytes",
     ]
 
 
-def section(base: Baseline, rows: list[dict], measured: dict[int, Interconnect], runs: list[RunFigures], plot: str,
-            links: list[Interconnect], per_process_batch: int | None = None, bucket_mb: float = 25.0) -> str:
-    """The Markdown of one model: what was measured, the terms, speed-ups, where compression pays off, the checks."""
+def section(base: Baseline, rows: list[dict], measured: dict[int, Interconnect], runs: list[RunFigures], plot: str | None,
+            links: list[Interconnect], per_process_batch: int | None = None, bucket_mb: float = 25.0,
+            no_links: str = "") -> str:
+    """The Markdown of one model, tables first: speed-ups, where compression pays off, the checks, the bytes per
+    step; then the terms of the model. `no_links`: why there are no predictions, where `links` is empty."""
     run = base.run
     counts = sorted({r["processes"] for r in rows})
     mode = ("strong scaling: the global batch of the run split over the processes" if per_process_batch is None else
             f"weak scaling: {per_process_batch} samples per process, the global batch {per_process_batch} x N")
+    device = "a GPU" if base.on_gpu else "one process"
     lines = [
         f"## {run.model}, global batch {run.batch_size}", "",
-        f"From `{run.run}` ({processes(run.processes)}, {run.steps_per_epoch} steps per epoch, median "
-        f"{run.step_s * 1e3:.1f} ms per step): one process takes {base.compute_1 * 1e3:.1f} ms a step. Mode: {mode}.", "",
-        "Terms of the model:", "", *terms_lines(base, bucket_mb), "",
-        "Bytes per step and process, bucket by bucket (the last one cannot overlap), and the hook's own time on this CPU "
-        f"({base.origin['hook']}):", "",
-        "| hook | all-reduces (bytes) | bytes per step | hook ms |", "|---|---|---:|---:|",
-        *[f"| {h} | {' / '.join(', '.join(f'{b:,}' for b in bucket) for bucket in base.buckets[h])} | {sum(base.sizes(h)):,} "
-          f"| {base.encode[h] * 1e3:.1f} |" for h in HOOKS], "",
-        f"Speed-up over one process ({mode.split(':')[0]}), by interconnect, hook and processes:", "",
-        "| interconnect | hook | " + " | ".join(str(n) for n in counts) + " |", "|---|---|" + "---:|" * len(counts),
+        f"From `{run.run}` ({processes(run.processes)}{' on GPUs' if base.on_gpu else ''}, {run.steps_per_epoch} steps per "
+        f"epoch, median {run.step_s * 1e3:.1f} ms per step): {device} takes {base.compute_1 * 1e3:.1f} ms a step. Mode: {mode}.", "",
     ]
-    speedup = {(r["interconnect"], r["hook"], r["processes"]): r["speedup"] for r in rows}
-    epoch = {(r["interconnect"], r["hook"], r["processes"]): r["epoch_s"] for r in rows}
-    for link in links:
-        for hook in HOOKS:
-            lines.append(f"| {link.name} | {hook} | " + " | ".join(f"{speedup[link.name, hook, n]:.2f}" for n in counts) + " |")
-    lines += ["", "Processes at which each hook's epoch is shorter than plain all-reduce's (`none`):", "",
-              "| interconnect | " + " | ".join(HOOKS[1:]) + " |", "|---|" + "---|" * (len(HOOKS) - 1)]
-    for link in links:
-        wins = [_ranges([n for n in counts if n > 1 and epoch[link.name, h, n] < epoch[link.name, "none", n]]) for h in HOOKS[1:]]
-        lines.append(f"| {link.name} | " + " | ".join(wins) + " |")
-    lines += ["", f"![predicted speed-up]({plot})", ""]
-    compared = checks(base, runs, measured) if measured else []
-    if compared:
-        lines += ["Predicted against measured, on the measured interconnect (this machine's cores shared):", "",
-                  "| run | hook | processes | fit | bytes/step predicted | measured | hook_ms predicted | measured | error "
-                  "| step ms: compute + overhead + exposed comm + skew | epoch s predicted | measured | error |",
-                  "|---|---|---:|---|---:|---:|---:|---:|---:|---|---:|---:|---:|",
-                  *compared, ""]
+    if links:
+        speedup = {(r["interconnect"], r["hook"], r["processes"]): r["speedup"] for r in rows}
+        epoch = {(r["interconnect"], r["hook"], r["processes"]): r["epoch_s"] for r in rows}
+        lines += [f"Speed-up over one process ({mode.split(':')[0]}), by interconnect, hook and processes:", "",
+                  "| interconnect | hook | " + " | ".join(str(n) for n in counts) + " |", "|---|---|" + "---:|" * len(counts)]
+        for link in links:
+            for hook in HOOKS:
+                lines.append(f"| {link.name} | {hook} | " + " | ".join(f"{speedup[link.name, hook, n]:.2f}" for n in counts) + " |")
+        lines += ["", "Processes at which each hook's epoch is shorter than plain all-reduce's (`none`):", "",
+                  "| interconnect | " + " | ".join(HOOKS[1:]) + " |", "|---|" + "---|" * (len(HOOKS) - 1)]
+        for link in links:
+            wins = [_ranges([n for n in counts if n > 1 and epoch[link.name, h, n] < epoch[link.name, "none", n]]) for h in HOOKS[1:]]
+            lines.append(f"| {link.name} | " + " | ".join(wins) + " |")
+        lines += ["", f"![predicted speed-up]({plot})", ""]
+        compared = checks(base, runs, measured) if measured and not base.on_gpu else []
+        if compared:
+            lines += ["Predicted against measured, on the measured interconnect (this machine's cores shared):", "",
+                      "| run | hook | processes | fit | bytes/step predicted | measured | hook_ms predicted | measured | error "
+                      "| step ms: compute + overhead + exposed comm + skew | epoch s predicted | measured | error |",
+                      "|---|---|---:|---|---:|---:|---:|---:|---:|---|---:|---:|---:|",
+                      *compared, ""]
+    else:
+        lines += [no_links, ""]
+    hook_ms = bool(links)  # the hook's own time only beside predictions that use it
+    lines += [
+        "Bytes per step and process, bucket by bucket (the last one cannot overlap)"
+        + (f", and the hook's own time ({base.origin['hook']}):" if hook_ms else ":"), "",
+        "| hook | all-reduces (bytes) | bytes per step |" + (" hook ms |" if hook_ms else ""),
+        "|---|---|---:|" + ("---:|" if hook_ms else ""),
+        *[f"| {h} | {' / '.join(', '.join(f'{b:,}' for b in bucket) for bucket in base.buckets[h])} | {sum(base.sizes(h)):,} |"
+          + (f" {base.encode[h] * 1e3:.1f} |" if hook_ms else "") for h in HOOKS], "",
+        *(["Terms of the model:", "", *terms_lines(base, bucket_mb), ""] if links else []),
+    ]
     return "\n".join(lines)
 
 
@@ -408,6 +456,7 @@ def plot(base: Baseline, rows: list[dict], links: list[Interconnect], path: Path
 
 
 def assumptions(links: list[Interconnect], has_probe: bool, per_process_batch: int | None = None) -> str:
+    """How the tables above were predicted: the mode, the formula, and the interconnects."""
     scaling = (
         "Strong scaling: `data.batch_size` is the global batch, split over the processes, so the steps per epoch stay "
         "fixed and each process computes 1/N of the batch. A process count that does not divide the batch is left out."
@@ -416,6 +465,7 @@ def assumptions(links: list[Interconnect], has_probe: bool, per_process_batch: i
         f"step, the global batch grows as {per_process_batch} x N and an epoch of the run's samples takes fewer steps."
     )
     lines = [
+        "## How these are predicted", "",
         f"{scaling} On the measured interconnect, processes beyond the cores take turns on them. Per step: compute = one "
         "process's step, less the overhead, times its share of the batch; overhead = the per-step cost that no split "
         "shrinks, with DDP's own work besides its hook on more than one process; comm = the hook itself + one ring "
@@ -424,46 +474,88 @@ def assumptions(links: list[Interconnect], has_probe: bool, per_process_batch: i
         "every bucket but the last, backward compute); skew = (the step's spread x the expected lag of the slowest of N "
         "ranks + the lag of processes meeting on shared cores: the model's own where it was timed, else the probe's below) "
         "x (compute + overhead); step = compute + overhead + comm "
-        "- hidden + skew. The compute, DDP's own work and the hook itself are this machine's, for every interconnect, and "
-        "take turns on shared cores alike. Speed-up = one process's epoch / N processes'; efficiency = speed-up / N.", "",
-        "| interconnect | bandwidth GB/s | bus share | latency us | probe's lag of processes meeting on shared cores | source |",
-        "|---|---:|---:|---:|---:|---|",
-        *[f"| {link.name} | {link.bandwidth / 1e9:.3g} | {link.bus_share:.2f} | {link.latency * 1e6:.3g} | {link.lag:.1%} "
-          f"| {link.source} |" for link in links],
+        "- hidden + skew. A CPU run's compute, DDP's own work and hook are this machine's, for every interconnect, and "
+        "take turns on shared cores alike; a GPU run's are its GPU's. Speed-up = one process's epoch / N processes'; "
+        "efficiency = speed-up / N.",
     ]
+    if links:
+        lines += ["",
+                  "| interconnect | bandwidth GB/s | bus share | latency us | probe's lag of processes meeting on shared cores | source |",
+                  "|---|---:|---:|---:|---:|---|",
+                  *[f"| {link.name} | {link.bandwidth / 1e9:.3g} | {link.bus_share:.2f} | {link.latency * 1e6:.3g} | {link.lag:.1%} "
+                    f"| {link.source} |" for link in links]]
     if not has_probe:
         lines += ["", "No probe: run `python -m src.scaling <folder> --probe` for the measured interconnect."]
     return "\n".join(lines)
 
 
+NO_PROBE = ("No predictions here: the run ran on CPU, and the one interconnect this report can stand behind for it is "
+            "this machine's own, of which no probe is saved in the folder (`probe.json`). `python -m src.scaling {root} "
+            "--probe` times it and the model's terms (a minute or two on 2 cores) and saves both there; the report then "
+            "predicts from them. Predictions over GPU links need a GPU run's step time, not this CPU's.")
+
+
 def write_scaling(root: Path, out: Path | None = None, probe: gloo_probe.Probe | None = None,
-                  options: Options = Options()) -> str:
-    """Write scaling.md, scaling.csv and one plot per model into `out` (default `root`); returns the Markdown sections."""
+                  options: Options = Options(), report: bool = False) -> str:
+    """Write scaling.md, scaling.csv and one plot per model into `out` (default `root`); returns the Markdown sections.
+
+    `report`: for a report, which must not wait: nothing is timed (the terms `python -m src.scaling` timed and saved
+    in `root`'s scaling_terms.json are read, others assumed and said so), and a CPU run is predicted only on the
+    interconnect measured here (a saved probe), not on GPU links. Otherwise each model's terms are timed here and saved.
+    """
     out = output_folder(root if out is None else out)
     runs = merge_repeats(collect(root))
     cores = probe.cores if probe is not None else len(os.sched_getaffinity(0))
     measured = measured_links(probe)
     named = [link if options.bus_share is None else replace(link, bus_share=options.bus_share) for link in INTERCONNECTS]
-    links = [*measured.values(), *named]
     groups: dict[tuple[str, int], list[RunFigures]] = {}
     for run in sorted(runs, key=lambda r: (r.model, r.batch_size, r.processes, r.run)):
         groups.setdefault((run.model, run.batch_size), []).append(run)
     out.mkdir(parents=True, exist_ok=True)
-    sections, all_rows = [], []
+    saved = timing.load(root / timing.FILE)
+    sections, all_rows, all_links = [], [], {}
     for (model, batch), group in groups.items():
-        base = Baseline.from_run(group[0], cores, options, meet_at=tuple(measured))
+        run = group[0]
+        name = timing.key(run.model, run.batch_size, run.processes, run.precision, options.per_process_batch,
+                          options.bucket_mb, run.powersgd_rank)
+        if not report:
+            saved[name] = time_baseline(run, cores, options, tuple(measured))
+        base = Baseline.from_run(run, cores, options, saved.get(name))
+        if base.on_gpu:
+            links = named
+        else:
+            links = [*measured.values(), *([] if report else named)]
         rows = predictions(base, links, options.per_process_batch)
-        name = f"scaling_{model}_{batch}.png" if sum(m == model for m, _ in groups) > 1 else f"scaling_{model}.png"
-        plot(base, rows, links, out / name)
-        sections.append(section(base, rows, measured, group, name, links, options.per_process_batch, options.bucket_mb))
+        image = None
+        if links:
+            image = f"scaling_{model}_{batch}.png" if sum(m == model for m, _ in groups) > 1 else f"scaling_{model}.png"
+            plot(base, rows, links, out / image)
+        sections.append(section(base, rows, measured, group, image, links, options.per_process_batch, options.bucket_mb,
+                                no_links=NO_PROBE.format(root=root)))
         all_rows += rows
+        all_links.update((link.name, link) for link in links)
+    if not report:
+        timing.save(out / timing.FILE, saved)
     with (out / "scaling.csv").open("w", newline="") as file:
         writer = csv.DictWriter(file, fieldnames=COLUMNS)
         writer.writeheader()
         writer.writerows(all_rows)
-    body = "\n".join([assumptions(links, probe is not None, options.per_process_batch), "", *sections])
+    on_cpu = any(run.accelerator != "cuda" for run in runs)  # only a CPU run is predicted on this machine's interconnect
+    how = [assumptions(list(all_links.values()), probe is not None or not on_cpu, options.per_process_batch)] if all_links else []
+    body = "\n".join([*sections, *how])
     (out / "scaling.md").write_text(f"# Scaling: {root}\n\n{body}")
     return body
+
+
+def time_baseline(run: RunFigures, cores: int, options: Options, meet_at: Sequence[int]) -> Timed:
+    """Time the terms of a baseline's model here (`timed.time_run`): what the options do not state."""
+    if options.per_process_batch is not None:
+        batches = {n: options.per_process_batch for n in meet_at}
+    else:  # strong scaling: the counts that split the run's batch evenly
+        batches = {n: run.batch_size // n for n in meet_at if run.batch_size % n == 0}
+    return timing.time_run(run.net, run.shapes, run.input_shape, max(1, run.batch_size // run.processes), run.precision,
+                           run.accelerator, run.powersgd_rank, options.bucket_mb, cores, batches,
+                           need_clock=options.overhead_ms is None or options.skew is None)
 
 
 def _parse(argv: list[str] | None) -> Namespace:

@@ -18,6 +18,8 @@ figures are shares of a step, applied to a run's own step time.
 - reducer: what DDP adds to a step besides its hook (copying the gradients into its buckets and the
   averaged ones back, its checks before the forward pass): the same DDP model's forward and backward
   pass less a plain model's and less the hook.
+- DDP's own cost on a device (`ddp_step_costs`): a DDP model of world size 1 against the plain model, the
+  same training step at the run's batch and precision; on a GPU, what DDP costs besides the transfer.
 - lag: processes that share cores and meet after every step (as DDP's all-reduces make them) lose
   time beyond taking turns: the scheduler puts one aside while the others wait, and each evicts the
   others' data from the caches it shares with them. The model's own step is timed in N processes
@@ -62,30 +64,35 @@ class StepClock:
 AUTOCAST = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}  # Lightning's names; any other: no autocast
 
 
-def stepper(net: nn.Module, input_shape: Sequence[int], batch: int, precision: str = "32-true") -> Callable[[], float]:
-    """A training step of `net` on random data at `batch`, in `precision`, that returns its seconds."""
-    images = torch.randn(batch, *input_shape)
+def stepper(net: nn.Module, input_shape: Sequence[int], batch: int, precision: str = "32-true",
+            device: str = "cpu") -> Callable[[], float]:
+    """A training step of `net` on random data at `batch`, in `precision`, that returns its seconds (on CUDA,
+    until the device has done it)."""
+    images = torch.randn(batch, *input_shape, device=device)
     optimizer = torch.optim.SGD(net.parameters(), lr=1e-3)
-    classes = int(net(images[:1]).shape[-1])
-    labels = torch.randint(0, classes, (batch,))
+    with torch.no_grad():  # a DDP model prepares its backward pass only for a forward pass that records one
+        classes = int(net(images[:1]).shape[-1])
+    labels = torch.randint(0, classes, (batch,), device=device)
     autocast = AUTOCAST.get(precision)
 
     def step() -> float:
         start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+        with torch.autocast(device, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
             loss = nn.functional.cross_entropy(net(images), labels)
         loss.backward()
         optimizer.step()
+        if device == "cuda":
+            torch.cuda.synchronize()
         return time.perf_counter() - start
 
     return step
 
 
 def step_times(net: nn.Module, input_shape: Sequence[int], batch: int, repeats: int | None = None,
-               precision: str = "32-true") -> list[float]:
+               precision: str = "32-true", device: str = "cpu") -> list[float]:
     """Seconds of each of `repeats` training steps at `batch` (after one warm-up step); None: as many as fit BUDGET_S."""
-    step = stepper(net, input_shape, batch, precision)
+    step = stepper(net, input_shape, batch, precision, device)
     first = step()
     count = repeats if repeats is not None else max(3, min(20, int(BUDGET_S / max(first, 1e-6))))
     return [step() for _ in range(count)]
@@ -175,6 +182,55 @@ def _pass_s(model: nn.Module, image: torch.Tensor) -> float:
     model.zero_grad(set_to_none=True)
     model(image).float().sum().backward()
     return time.perf_counter() - start
+
+
+def ddp_step_costs(net: Any, input_shape: Sequence[int], batch: int, precision: str, hooks: Sequence[str], rank: int = 1,
+                   bucket_cap_mb: float = 25.0, device: str = "cuda", repeats: int = 10) -> dict[str, float] | None:
+    """Seconds a training step of a DDP model of world size 1 takes beyond the same step of the plain model, per hook,
+    on `device` (cuda: NCCL, cpu: gloo): its copies of the gradients into the buckets and back, the hook, the
+    reducer's bookkeeping and the all-reduce call, at `batch` in `precision`.
+
+    What DDP costs a GPU's step besides the transfer, measured where one GPU can show it (docs/scaling.md).
+    The steps of the two models alternate, so that a device that speeds up or slows down moves both; the
+    median of `repeats` differences, after warm-up steps (PowerSGD's plain ones among them). It runs in a
+    process of its own, like `ddp_times`; None, with the reason logged, when that process fails.
+    """
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        try:
+            return pool.submit(_ddp_step_costs, net, tuple(input_shape), batch, precision, tuple(hooks), rank, bucket_cap_mb,
+                               device, repeats).result()
+        except Exception as error:  # noqa: BLE001  an unmeasured cost is assumed instead, and the report says so
+            log.warning(f"DDP's own cost could not be measured on {device} ({type(error).__name__}: "
+                        f"{' '.join(str(error).split())[:300]}); it is assumed")
+            return None
+
+
+def _ddp_step_costs(net: Any, input_shape: tuple[int, ...], batch: int, precision: str, hooks: tuple[str, ...], rank: int,
+                    bucket_cap_mb: float, device: str, repeats: int) -> dict[str, float]:
+    torch.set_num_threads(1)  # on CPU one thread, as every other timing here; a GPU's step does not depend on it
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1,
+                            **({"device_id": torch.device("cuda", 0)} if device == "cuda" else {}))
+    try:
+        model = instantiate(net)
+        return {hook: _added_by_ddp(model, input_shape, batch, precision, hook, rank, bucket_cap_mb, device, repeats)
+                for hook in hooks}
+    finally:
+        dist.destroy_process_group()
+
+
+def _added_by_ddp(net: nn.Module, input_shape: Sequence[int], batch: int, precision: str, hook: str, rank: int,
+                  bucket_cap_mb: float, device: str, repeats: int) -> float:
+    strategy = CommHookDDPStrategy(hook=hook, powersgd_rank=rank, start_powersgd_iter=2)
+    cap = max(bucket_cap_mb, one_bucket_cap_mb(net)) if hook.startswith("powersgd") else bucket_cap_mb
+    plain = copy.deepcopy(net).to(device).train()
+    ddp = DistributedDataParallel(copy.deepcopy(net).to(device).train(), bucket_cap_mb=cap,
+                                  device_ids=[0] if device == "cuda" else None)
+    ddp.register_comm_hook(*strategy.build_hook(dist.group.WORLD))
+    plain_step, ddp_step = stepper(plain, input_shape, batch, precision, device), stepper(ddp, input_shape, batch, precision, device)
+    for _ in range(strategy.start_powersgd_iter + 2):  # warm-up: allocation, autotuning, PowerSGD's plain steps
+        plain_step(), ddp_step()
+    added = [ddp_step() - plain_step() for _ in range(repeats)]
+    return max(0.0, statistics.median(added))  # the difference of two timings can fall below zero where DDP costs little
 
 
 MEETING_ROUNDS = 8  # each round: one process steps alone, then all step together and meet

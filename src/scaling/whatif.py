@@ -9,7 +9,9 @@ The model gives the gradient bytes (its parameters, in DDP's buckets); the step 
 (`--step-ms`, one process at `--batch`) or timed here on one thread; the link is a named preset
 (`costmodel.PRESETS`) or a bandwidth and latency. The terms of `costmodel.Terms` are stated by
 flags; where not, a step timed here gives overhead and skew as for a run (`stepclock`), a stated
-step 0 for both (a published step time already holds its own overhead), and overlap is 1.
+step 0 for both (a published step time already holds its own overhead), and overlap is 1. A
+stated step is taken as a GPU's, and DDP's own work on it as shares of the step fitted to
+published GPU timings (`ddp_cost`; `--ddp-share` states the part one GPU can measure).
 """
 
 import functools
@@ -23,7 +25,8 @@ import torch
 from src.errors import UsageError
 from src.scaling import stepclock
 from src.scaling.costmodel import (
-    BACKWARD_SHARE, PRESET_BUS_SHARE, PRESETS, Interconnect, Terms, bucketed, epoch_steps, expected_max_normal, predict_step,
+    BACKWARD_SHARE, DDP_GPU_MULTI_SHARE, DDP_GPU_SHARE, PRESET_BUS_SHARE, PRESETS, Interconnect, Terms, bucketed, epoch_steps,
+    expected_max_normal, predict_step,
 )
 from src.strategies.ddp import HOOKS, MIB
 
@@ -47,9 +50,12 @@ def add_arguments(parser: ArgumentParser) -> None:
     group.add_argument("--processes", type=int, nargs="+", help=f"process counts (default {' '.join(map(str, DEFAULT_PROCESSES))})")
     group.add_argument("--hook", default="none", help=f"the DDP hook: {', '.join(HOOKS)} (default none)")
     group.add_argument("--samples", type=int, help=f"training samples per epoch (default {TRAIN_SAMPLES:,})")
+    group.add_argument("--ddp-share", type=float, help="DDP's own cost on one GPU as a share of the step: a DDP model of "
+                       f"world size 1 against the plain model (default {DDP_GPU_SHARE:g} with a stated step, fitted to "
+                       "published V100 timings; docs/scaling.md)")
 
 
-WHATIF_ONLY = ("params", "step_ms", "batch", "link", "bandwidth", "latency", "processes", "samples")
+WHATIF_ONLY = ("params", "step_ms", "batch", "link", "bandwidth", "latency", "processes", "samples", "ddp_share")
 
 
 def refuse(args: Namespace) -> None:
@@ -84,6 +90,8 @@ def check(args: Namespace) -> None:
         raise UsageError("--link names a preset: give it alone, or --bandwidth and --latency instead")
     if args.bandwidth is not None and not (args.bandwidth > 0 and args.latency >= 0):
         raise UsageError(f"--bandwidth {args.bandwidth:g} --latency {args.latency:g} is not allowed; bandwidth above 0 GB/s, latency 0 us or more")
+    if args.ddp_share is not None and not 0 <= args.ddp_share <= 1:
+        raise UsageError(f"--ddp-share {args.ddp_share:g} is not allowed; it must be a share of the step, from 0 to 1")
     if args.processes is not None and min(args.processes) < 1:
         raise UsageError(f"--processes {min(args.processes)} is not allowed; process counts are whole numbers of 1 or more")
     batch = args.batch or 256
@@ -178,7 +186,8 @@ def report(args: Namespace) -> str:
         skew, skew_origin = clock.skew, "timed here: standard deviation / mean of the timed steps (--skew)"
     else:
         skew, skew_origin = 0.0, "assumed 0 (--skew)"
-    terms = Terms(overhead, skew, 1.0 if args.overlap is None else args.overlap, BACKWARD_SHARE)
+    reducer, reducer_origin = ddp_cost(args, step_1, clock is None)
+    terms = Terms(overhead, skew, 1.0 if args.overlap is None else args.overlap, BACKWARD_SHARE, reducer)
     link, link_origin = the_link(args)
     counts = sorted(set(args.processes or DEFAULT_PROCESSES))
     samples = args.samples or TRAIN_SAMPLES
@@ -207,8 +216,9 @@ def report(args: Namespace) -> str:
         + skew_origin
         + f"; the slowest of N ranks lags by {expected_max_normal(2):.2f} (N=2) to {expected_max_normal(max(counts)):.2f} "
         f"(N={max(counts)}) standard deviations",
-        "- the hook's own arithmetic and DDP's copies of the gradients into its buckets and back: 0 (on a GPU, next to "
-        "nothing for none, fp16 and bf16)",
+        f"- DDP's own work on each of N > 1 processes (copies of the gradients into its buckets and back, the hook, the "
+        f"reducer, the all-reduce call, and what more than one GPU adds besides the transfer): {reducer * 1e3:.1f} ms a step, "
+        + reducer_origin,
         "",
         "| processes | global batch | per process | compute ms | overhead ms | comm ms | exposed ms | skew ms | step ms "
         "| epoch s | speed-up | efficiency |",
@@ -220,6 +230,24 @@ def report(args: Namespace) -> str:
             f"| {row['overhead_ms']:.1f} | {row['comm_ms']:.1f} | {row['exposed_ms']:.1f} | {row['skew_ms']:.1f} "
             f"| {row['step_ms']:.1f} | {row['epoch_s']:.4g} | {row['speedup']:.2f} | {row['efficiency']:.1%} |")
     return "\n".join(lines)
+
+
+def ddp_cost(args: Namespace, step_1: float, stated_step: bool) -> tuple[float, str]:
+    """Seconds per step DDP's own work adds on N > 1 processes, and how that was found.
+
+    A stated step is taken as a GPU's: DDP's cost on one GPU (`--ddp-share`, else the fitted DDP_GPU_SHARE) and what
+    more than one GPU adds (DDP_GPU_MULTI_SHARE, fitted), as shares of the step; docs/scaling.md has the fit. A step
+    timed here is this CPU's, where `python -m src.scaling <run folder>` times DDP's own work: only `--ddp-share` counts.
+    """
+    if not stated_step:
+        share = args.ddp_share or 0.0
+        return share * step_1, (f"{share:.1%} of the step, stated (--ddp-share)" if args.ddp_share is not None else
+                                "0: the step was timed on this CPU, not a GPU (--ddp-share states it)")
+    one = DDP_GPU_SHARE if args.ddp_share is None else args.ddp_share
+    how = "stated (--ddp-share)" if args.ddp_share is not None else "assumed, not measured (--ddp-share)"
+    return (one + DDP_GPU_MULTI_SHARE) * step_1, (
+        f"{one:.1%} of the step on one GPU under DDP against none, {how}, + {DDP_GPU_MULTI_SHARE:.1%} that more than one "
+        "GPU adds; both fitted to PyTorch's DDP benchmark on V100s (docs/scaling.md)")
 
 
 def rows(step_1: float, batch: int, buckets: list[list[int]], terms: Terms, link: Interconnect, counts: list[int],

@@ -26,6 +26,11 @@ class RandomImagesDataModule(LightningDataModule):
         self.seed = seed
         self.splits: dict[str, TensorDataset] = {}
 
+    @property
+    def sample_shape(self) -> tuple[int, int, int]:
+        """One image's shape: what a run counts its FLOPs per image on (optional)."""
+        return (self.in_channels, self.image_size, self.image_size)
+
     def setup(self, stage: str | None = None) -> None:
         """Called in the launching process before any DDP process starts, and again in each process."""
         generator = torch.Generator().manual_seed(self.seed)

@@ -1,0 +1,172 @@
+"""How much of the hardware a run used: model FLOP/s per device, their share of the device's peak, peak memory.
+
+The model's FLOPs per optimizer step (forward and backward pass at each process's batch, in the
+run's precision) are counted once, when fitting starts, by torch's FLOP counter
+(`torch.utils.flop_counter`, through Lightning's `measure_flops`) on a copy of the network on the
+meta device: shapes only, no device work, no change to the network, outside every timed step.
+Each training epoch, the images per second that EpochTimer measured turn the count into:
+
+- `usage/tflops_per_s`: model TFLOP/s per device (FLOPs per image x images/s over all processes / devices);
+- `usage/mfu`: model FLOPs utilisation, those FLOP/s over the device's peak for the precision used,
+  from Lightning's table (`get_available_flops`); where the table has no entry (a CPU, a GPU it does
+  not list), not logged, and the run says why in one line;
+- `usage/peak_memory_mib`: rank 0's peak memory so far (CUDA: the caching allocator's peak of
+  allocated memory since fitting started; CPU: the process's peak resident size);
+
+and when training ends the medians over the epochs, `usage/tflops_per_s_median` and
+`usage/mfu_median`: the figures of the result line, the report and the HParams tab.
+
+Lightning's ThroughputMonitor computes such figures too, but synchronizes CUDA after every
+batch; here they come from the epoch's time, which EpochTimer already takes at epoch ends.
+"""
+
+import contextlib
+import copy
+import logging
+import resource
+import statistics
+import sys
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from lightning import Callback, LightningModule, Trainer
+from lightning.fabric.utilities.throughput import get_available_flops, measure_flops
+from torch import nn
+
+from src.callbacks.timing import EpochTimer
+
+log = logging.getLogger(__name__)
+
+# The dtype a precision computes its matrix products in, under Lightning's names of the precisions.
+COMPUTE_DTYPES = {"bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16, "16-mixed": torch.float16,
+                  "16-true": torch.float16, "32-true": torch.float32, "64-true": torch.float64}
+MIB = 2**20
+
+
+def count_flops(net: nn.Module, sample_shape: Sequence[int], batch: int, precision: Any = None) -> int:
+    """FLOPs of one forward and backward pass of `net` over `batch` samples of `sample_shape`, as torch's
+    FLOP counter counts them (matrix products and convolutions; the first layer's input gradient, which
+    nothing asks for, is not computed and not counted).
+
+    `precision`: a Lightning precision plugin, whose forward context and input conversion the pass runs
+    under, as in training. The count runs on a copy of `net` on the meta device.
+    """
+    meta = copy.deepcopy(net).to("meta")
+    for module in meta.modules():
+        # Normalisation in eval mode: a synchronized BatchNorm cannot all-reduce meta tensors, and torch's
+        # counter counts no normalisation, so the count is the same in either mode.
+        if isinstance(module, nn.modules.batchnorm._NormBase):
+            module.eval()
+    images = torch.empty(batch, *sample_shape, device="meta")
+    context = precision.forward_context() if precision is not None else contextlib.nullcontext()
+    if precision is not None:
+        images = precision.convert_input(images)
+    with context:
+        # `forward`, not the call: a compiled network would compile its copy; hooks on the network itself do no FLOPs.
+        return measure_flops(meta, lambda: meta.forward(images), lambda out: out.float().sum())
+
+
+def peak_flops(device: torch.device, precision: str) -> tuple[float | None, str]:
+    """The device's peak FLOP/s for the precision, from Lightning's table; None and the reason where it has none."""
+    dtype = COMPUTE_DTYPES.get(precision)
+    if dtype is None:
+        return None, f"precision {precision} has no compute dtype in the peak table"
+    if device.type != "cuda":
+        return None, f"Lightning's table of peak FLOP/s lists GPUs and TPUs, not a {device.type.upper()}"
+    with warnings.catch_warnings():  # Lightning warns about an unlisted GPU; the reason is returned instead
+        warnings.simplefilter("ignore")
+        peak = get_available_flops(device, dtype)
+    if peak is None:
+        return None, f"Lightning's table of peak FLOP/s has no {precision} entry for {torch.cuda.get_device_name(device)}"
+    return float(peak), ""
+
+
+def peak_memory_mib(device: torch.device) -> float:
+    """CUDA: the allocator's peak of allocated memory; elsewhere the process's peak resident size (MiB)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / MIB
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return peak / MIB if sys.platform == "darwin" else peak / 1024
+
+
+class HardwareUse(Callback):
+    """Logs the `usage/` scalars at each training epoch's end, from EpochTimer's figures of that epoch.
+
+    It reads the epoch's images per second from the trainer's EpochTimer, so it comes after it in
+    the callbacks (conf/callbacks/default.yaml). A network it cannot count (no `sample_shape` on the
+    data module, a pass that fails on the meta device) logs memory alone, with the reason in one line.
+    """
+
+    def __init__(self) -> None:
+        self.flops_per_sample: float | None = None
+        self.peak: float | None = None
+        self.tflops_per_s: list[float] = []
+        self.mfu: list[float] = []
+        self.peak_memory: float | None = None
+        self._devices = 1
+        self._epochs = 0
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        device = pl_module.device
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        self._devices = trainer.num_devices * trainer.num_nodes
+        timer = self._timer(trainer)
+        self._epochs = len(timer.samples_per_s) if timer is not None else 0
+        datamodule = trainer.datamodule
+        shape = getattr(datamodule, "sample_shape", None)
+        batch = getattr(datamodule, "batch_size", 0) // trainer.world_size
+        net = getattr(pl_module, "net", pl_module)
+        counted, why = None, "the data module names no sample_shape" if shape is None else "the data module names no batch_size"
+        if shape is not None and batch > 0:
+            try:
+                counted = count_flops(net, shape, batch, trainer.precision_plugin)
+                why = "" if counted else "torch's FLOP counter found no matrix product or convolution"
+            except Exception as error:  # noqa: BLE001  a network the counter cannot run leaves the run untouched
+                why = f"counting on the meta device failed ({type(error).__name__}: {' '.join(str(error).split())[:200]})"
+        self.flops_per_sample = counted / batch if counted else None
+        self.peak, no_peak = peak_flops(device, str(trainer.precision))
+        if not trainer.is_global_zero:
+            return
+        if counted:
+            log.info(f"a training step (forward and backward pass) is {counted / batch / 1e6:.4g} MFLOP an image, "
+                     f"{counted / 1e9:.4g} GFLOP a process at {batch} images (torch.utils.flop_counter)")
+        else:
+            log.info(f"usage/tflops_per_s and usage/mfu are not logged: {why}")
+        if counted and self.peak is None:
+            log.info(f"usage/mfu is not logged: {no_peak}")
+
+    @staticmethod
+    def _timer(trainer: Trainer) -> EpochTimer | None:
+        return next((c for c in trainer.callbacks if isinstance(c, EpochTimer)), None)
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        timer = self._timer(trainer)
+        figures = {}
+        if timer is not None and len(timer.samples_per_s) > self._epochs and self.flops_per_sample:
+            self._epochs = len(timer.samples_per_s)
+            per_device = self.flops_per_sample * timer.samples_per_s[-1] / self._devices
+            self.tflops_per_s.append(per_device / 1e12)
+            figures["usage/tflops_per_s"] = self.tflops_per_s[-1]
+            if self.peak:
+                self.mfu.append(per_device / self.peak)
+                figures["usage/mfu"] = self.mfu[-1]
+        self.peak_memory = peak_memory_mib(pl_module.device)
+        figures["usage/peak_memory_mib"] = self.peak_memory
+        if trainer.is_global_zero and trainer.logger is not None:
+            trainer.logger.log_metrics(figures, step=trainer.global_step - 1)  # the step of the epoch's other scalars
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        medians = {f"{name}_median": value for name, value in self.summary().items() if name != "usage/peak_memory_mib"}
+        if medians and trainer.is_global_zero and trainer.logger is not None:
+            trainer.logger.log_metrics(medians, step=max(trainer.global_step - 1, 0))
+
+    def summary(self) -> dict[str, float]:
+        """The run's figures: medians over its epochs of TFLOP/s and MFU, and its peak memory; what it did not measure is absent."""
+        figures = {"usage/tflops_per_s": self.tflops_per_s, "usage/mfu": self.mfu}
+        summary = {name: statistics.median(values) for name, values in figures.items() if values}
+        if self.peak_memory is not None:
+            summary["usage/peak_memory_mib"] = self.peak_memory
+        return summary

@@ -1,0 +1,95 @@
+"""What `python -m src.scaling` times on this machine for a run's model, and the file that keeps it.
+
+Timing a model's terms takes seconds to a minute (its step at two batches, DDP and every hook in a
+process of their own, its steps on N processes meeting after each): `time_run` does it when
+`python -m src.scaling <folder>` is asked, and `save` writes the figures to `scaling_terms.json`
+beside the tables. A report (`src.report`) never times: it reads that file, and where it has no
+entry for a run, the report's predictions say what they assume instead (`predict.Baseline`).
+
+- A CPU run: overhead and skew (`stepclock.measure`), each hook's own work and DDP's besides it
+  (`stepclock.ddp_times`), and with a probe the model's lag meeting on N processes (`stepclock.meeting_lags`).
+- A GPU run, on a machine with a GPU: what DDP of world size 1 adds to the run's step, per hook
+  (`stepclock.ddp_step_costs`): its copies into buckets, the hook, the reducer and the all-reduce call.
+"""
+
+import dataclasses
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from hydra.utils import instantiate
+
+from src.scaling import stepclock
+from src.scaling.costmodel import encode_s
+from src.strategies.ddp import HOOKS
+
+log = logging.getLogger(__name__)
+
+FILE = "scaling_terms.json"
+
+
+@dataclass
+class Timed:
+    """A run's model's terms as timed here; None where a figure was not timed."""
+
+    device: str  # where: "cpu", or the GPU's name
+    overhead_share: float | None = None  # of the step, which no split of the batch shrinks
+    skew: float | None = None  # standard deviation / mean of the step
+    hooks: dict[str, float] = field(default_factory=dict)  # s per step, each hook's own work besides its transfer
+    hooks_estimated: bool = False  # the hooks' arithmetic estimated, where DDP could not be timed
+    reducer: dict[str, float] = field(default_factory=dict)  # s per step DDP adds besides the hook (GPU: with it), per hook
+    lags: dict[int, float] = field(default_factory=dict)  # processes -> the model's lag meeting on shared cores
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.device != "cpu"
+
+
+def key(model: str, batch: int, processes: int, precision: str, per_process_batch: int | None, bucket_mb: float,
+        rank: int) -> str:
+    """What the figures depend on: the model and the batch it was timed at, precision, mode, buckets and rank."""
+    return f"{model}|batch {batch}|{processes} proc|{precision}|per process {per_process_batch}|{bucket_mb:g} MiB|rank {rank}"
+
+
+def time_run(net: Any, shapes: Sequence[Sequence[int]], input_shape: Sequence[int], batch: int, precision: str,
+             accelerator: str, rank: int, bucket_mb: float, cores: int, meet_batches: dict[int, int],
+             need_clock: bool = True) -> Timed:
+    """Time the terms of a run's model here: `batch` is each process's, as the run computed it; `meet_batches`:
+    processes -> each one's batch, where the model's lag meeting on this machine's cores is wanted."""
+    if accelerator == "cuda":
+        if not torch.cuda.is_available():
+            return Timed(device="")  # a GPU run read where there is none: nothing measured, the defaults are assumed
+        costs = stepclock.ddp_step_costs(net, input_shape, batch, precision, HOOKS, rank, bucket_mb, device="cuda")
+        return Timed(device=torch.cuda.get_device_name(0), reducer=costs or {})
+    timed = Timed(device="cpu")
+    if need_clock:
+        clock = stepclock.measure(instantiate(net), input_shape, batch, precision)
+        timed.overhead_share, timed.skew = clock.overhead_share, clock.skew
+    ddp = stepclock.ddp_times(net, input_shape, HOOKS, rank, bucket_mb)
+    if ddp is None:
+        timed.hooks, timed.hooks_estimated = {h: encode_s(shapes, h, rank) for h in HOOKS}, True
+    else:
+        timed.hooks, timed.reducer = dict(ddp.hooks), {h: ddp.reducer for h in HOOKS}
+    timed.lags = stepclock.meeting_lags(net, input_shape, meet_batches, precision, cores) if meet_batches else {}
+    return timed
+
+
+def load(path: Path) -> dict[str, Timed]:
+    """The saved figures by `key`; none where the file is missing or unreadable (they are timed again when asked)."""
+    if not path.is_file():
+        return {}
+    try:
+        saved = json.loads(path.read_text())
+        return {name: Timed(**{**figures, "lags": {int(n): lag for n, lag in figures.get("lags", {}).items()}})
+                for name, figures in saved.items()}
+    except (ValueError, TypeError, AttributeError) as error:
+        log.warning(f"{path}: not read ({type(error).__name__}: {error}); its terms are assumed until timed again")
+        return {}
+
+
+def save(path: Path, figures: dict[str, Timed]) -> None:
+    path.write_text(json.dumps({name: dataclasses.asdict(timed) for name, timed in figures.items()}, indent=1) + "\n")
