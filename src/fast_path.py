@@ -37,6 +37,9 @@ log = logging.getLogger(__name__)
 # about 0.2 ms a step, against the 1.0-1.4 ms a graphed LeNet step takes there (docs/results.md).
 GRAPHED_STEPS_PER_EXECUTION = 8
 
+# Lightning's full names of the short precision values (`Trainer.precision` reports these).
+LIGHTNING_SPELLING = {"16": "16-mixed", "bf16": "bf16-mixed", "32": "32-true", "64": "64-true"}
+
 StepFunction = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -53,16 +56,17 @@ def resolve_accelerator(requested: str) -> str:
 
 
 def resolve_precision(requested: object, accelerator: str, quiet: bool = False) -> str:
-    """The precision Lightning will really use: `auto` picks by hardware; fp16 autocast exists only on
-    CUDA, so CPU gets bf16 (said once, by the run; `quiet` where only the name is wanted)."""
+    """The precision Lightning will really use, in its own full spelling (`32-true`, `bf16-mixed`), the one name
+    the run's folder, config.yaml, result line and HParams give it: `auto` picks by hardware; fp16 autocast
+    exists only on CUDA, so CPU gets bf16 (said once, by the run; `quiet` where only the name is wanted)."""
     precision = str(requested)
     if precision == "auto":
-        return auto_precision(accelerator)
-    if accelerator == "cpu" and precision in ("16", "16-mixed"):
+        precision = auto_precision(accelerator)
+    elif accelerator == "cpu" and precision in ("16", "16-mixed"):
         if is_rank_zero() and not quiet:
             log.warning(f"precision={precision} needs a CUDA GPU; this CPU run uses bf16-mixed instead")
-        return "bf16-mixed"
-    return precision
+        precision = "bf16-mixed"
+    return LIGHTNING_SPELLING.get(precision, precision)
 
 
 def cudnn_benchmark(benchmark: bool | None, deterministic: object) -> bool:

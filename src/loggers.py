@@ -106,6 +106,15 @@ class RunLogger(TensorBoardLogger):
         super().log_metrics(metrics, step)
 
 
+    @rank_zero_only
+    def save(self) -> None:
+        """Flush what was written. Not Lightning's save, which writes an `hparams.yaml` holding `{}` (the run's
+        settings are in its config.yaml and HParams record) and opens a writer, so an empty event file, where
+        none is open (`_experiment`, the attribute Lightning's own `finalize` reads)."""
+        if self._experiment is not None:
+            self._experiment.flush()
+
+
 def purge_step(resumed: Saved | None, run_dir: Path) -> int | None:
     """Resuming in its own folder, a run hides the TensorBoard points its earlier part logged after
     the checkpoint (TensorBoard's purge step), so no step appears twice. Lightning logs optimizer

@@ -194,7 +194,7 @@ def shown(value: Any) -> str:
 def check_precision(before: dict[str, Any], after: dict[str, Any], runs: list[Path]) -> None:
     """The resume must compute in the precision each run used. `precision=auto` picks by hardware, so a value is
     compared by what it means on this machine, against what each run's config.yaml says it became there."""
-    from src.fast_path import resolve_accelerator, resolve_precision  # torch: only when a run is resumed
+    from src.fast_path import LIGHTNING_SPELLING, resolve_accelerator, resolve_precision  # torch: only on a resume
 
     def meaning(precision: object, accelerator: object) -> str:
         return resolve_precision(precision, resolve_accelerator(str(accelerator)), quiet=True)
@@ -203,7 +203,8 @@ def check_precision(before: dict[str, Any], after: dict[str, Any], runs: list[Pa
     for run in runs:
         saved = resolved_config(run) or {}
         asked = after["precision"] if changed or "precision" not in saved else saved["precision"]
-        used = saved.get(PRECISION_USED) or meaning(before["precision"], before["accelerator"])
+        used = str(saved.get(PRECISION_USED) or meaning(before["precision"], before["accelerator"]))
+        used = LIGHTNING_SPELLING.get(used, used)  # as written before config.yaml took Lightning's spelling
         if meaning(asked, after["accelerator"]) != used:
             raise UsageError(
                 f"precision={asked} is not allowed in a resume of {run}: on this machine it means "

@@ -14,7 +14,7 @@ from typing import Any
 import hydra
 from hydra.utils import instantiate
 from lightning import Callback, Trainer, seed_everything
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from lightning.pytorch.strategies import DDPStrategy, Strategy
 from omegaconf import DictConfig, OmegaConf
 
@@ -22,6 +22,8 @@ from src import checks, resume
 from src.build import build
 from src.callbacks.hardware import HardwareUse
 from src.callbacks.model_summary import without_zero_flops
+from src.callbacks.learning import LossFalls
+from src.callbacks.progress import EpochBar
 from src.launch import cli, workers
 from src.checkpoints import AtomicCheckpointIO, checkpoint_to_evaluate, resolve_ckpt_path, tested_weights
 from src.data.fashion_mnist import per_process_batch
@@ -36,7 +38,7 @@ from src.loggers import purge_step
 from src.optim import build_optimizer, build_schedule, check_optimizer
 from src.strategies.sync_batchnorm import SyncBatchNormPlugin
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("src.train")  # by name: run by `python -m` this module is `__main__`, in a DDP worker `__mp_main__`
 register_resolvers()
 
 
@@ -51,6 +53,10 @@ def ignore_known_warnings() -> None:
     # Every scalar has per-epoch points (xfer/ its `_epoch` means), so a run of fewer steps than
     # trainer.log_every_n_steps loses no curve: Lightning's advice to lower the interval does not apply.
     warnings.filterwarnings("ignore", message=r"The number of training batches \(\d+\) is smaller than the logging interval")
+    # The summary's size estimate falls back to 32 bits for bf16; the run's precision is said where it counts.
+    warnings.filterwarnings("ignore", message=r"Precision \S+ is not supported by the model summary")
+    # A run refuses a new start in a folder that holds checkpoints, so a non-empty one is always its own resume.
+    warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
 
 
 ignore_known_warnings()
@@ -135,6 +141,8 @@ def run(cfg: DictConfig, fit: bool = True) -> Result:
         OmegaConf.save(used, output_dir / "config.yaml")
 
     callbacks: list[Callback] = [instantiate(c) for c in cfg.callbacks.values()]
+    if trainer_args.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
+        callbacks.append(EpochBar())  # Lightning's bar, counting epochs as train.log does
     resumed_at = purge_step(checkpoint, output_dir) if fit else None  # scoring a checkpoint hides nothing
     logger = instantiate(cfg.logger, purge_step=resumed_at)
     plugins: list[Any] = [AtomicCheckpointIO()]
@@ -174,6 +182,7 @@ def run(cfg: DictConfig, fit: bool = True) -> Result:
     how = f"precision {precision}, {processes(world_size)}"
     if fit:
         how += f", tested {tested.name if tested else 'the last weights'}"
+        how += "".join(f"; {c.verdict()}" for c in callbacks if isinstance(c, LossFalls))
     line = result_line(metrics, fit, how, None if checkpoint is None else checkpoint.path, output_dir)
     if trainer.is_global_zero:
         if resumed_at is None or not has_hparams(output_dir):  # a run resumed in its folder keeps the one record

@@ -41,6 +41,7 @@ def cpu_precision() -> str:
 # The global batch and learning rate of the session's shared DDP run (conftest.py's `ddp_run`): linear
 # scaling from a base batch of 32, so that one run also shows the rate that scaling gives.
 LINEAR_LR = ["data.batch_size=128", "optim.lr=0.2", "optim.lr_scaling=linear", "optim.base_batch_size=32"]
+EVENTS = "events.out.tfevents.*"
 INTERFACE_SCALARS = {"train/loss", "train/acc", "val/acc", "test/acc", "time/epoch_s", "time/samples_per_s"}
 
 
@@ -68,6 +69,10 @@ def assert_finished_run(result: subprocess.CompletedProcess, run_dir: Path) -> d
     assert "${" not in OmegaConf.to_yaml(resolved) and resolved.output_dir == str(run_dir)
     assert (run_dir / "checkpoints" / "last.ckpt").is_file()
     assert any(p.name.startswith("best-") for p in (run_dir / "checkpoints").iterdir())
+    # No leftovers: Lightning's hparams.yaml holding {}, an event file holding nothing, an empty rank log.
+    assert not (run_dir / "hparams.yaml").exists()
+    assert all(any(e.HasField("summary") for e in EventFileLoader(str(f)).Load()) for f in run_dir.glob(EVENTS))
+    assert all(log.stat().st_size > 0 for log in run_dir.glob("train*.log"))
     return series
 
 

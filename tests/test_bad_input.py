@@ -81,7 +81,7 @@ OUT_OF_RANGE = {
     "sync_batchnorm=maybe": "sync_batchnorm must be one of: true, false",
     "num_nodes=0": "num_nodes must be a whole number of at least 1",
     "devices=0": "devices must be a whole number of at least 1",
-    "precision=8-mixed": "precision must be one of: auto, 64, 32, 16,",
+    "precision=8-mixed": "precision must be one of auto, 32, 16-mixed, bf16-mixed, 64, or Lightning's other spellings",
     "accelerator=tpu": "accelerator must be one of: auto, cpu, gpu, cuda",
     "optim.lr_scaling=sqrt": "optim.lr_scaling must be one of: none, linear",
     "ckpt_path=''": "ckpt_path must be null, or a non-empty string",
@@ -213,7 +213,7 @@ def test_unknown_keys_are_refused_with_the_closest_known_key(override):
 def test_keys_are_still_checked_under_debug_quick():
     check_overrides(["debug=quick", "trainer.limit_train_batches=10", "max_epochs=2"])
     assert refused(check_overrides, ["debug=quick", "trainer.limit_train_batchs=10"]) == (
-        "trainer.limit_train_batchs is not a lightning.Trainer argument")
+        "trainer.limit_train_batchs is not a lightning.Trainer argument; did you mean trainer.limit_train_batches?")
     assert "data.batchsize is not a known key; did you mean data.batch_size?" in refused(
         check_overrides, ["debug=quick", "data.batchsize=64"])
     assert refused(check_config, composed("debug=quick", "trainer.limit_train_batches=0")).startswith(
@@ -446,3 +446,22 @@ def test_across_processes_the_record_is_read_every_50_steps_whatever_the_logging
         check.on_train_batch_start(trainer, None, None, batch_idx)
         check.on_train_batch_end(trainer, None, torch.tensor(1.0), None, batch_idx)
     assert reads == [49, 99]
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--devices", "2"], "--devices is not an option; settings are typed key=value: devices=2"),
+    (["--max_epochs=3"], "--max_epochs=3 is not an option; settings are typed key=value: max_epochs=3"),
+    (["trainer.max_epoch=3"], "trainer.max_epoch is not a lightning.Trainer argument; did you mean max_epochs? "
+                              "(a top-level key: max_epochs=...)"),
+    (["precision=fp16"], "precision=fp16 is not allowed; did you mean precision=16-mixed? precision must be one of auto"),
+])
+def test_a_near_miss_gets_what_was_meant(args, message):
+    result = train(*args)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1].startswith(f"error: {message}"), result.stderr
+
+
+def test_the_keys_an_unknown_key_is_told_are_those_a_user_can_set():
+    listed = refused(check_overrides, ["foo=1"]).split("top-level keys: ", 1)[1]
+    assert "max_epochs" in listed and not {"model_name", "strategy_name", "run_name", "output_dir"} & set(
+        listed.rstrip(")").split(", "))

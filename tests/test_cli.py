@@ -1,7 +1,10 @@
 """The real command line as a user runs it: in this process where its own process is not the point."""
 
+import re
+
 import pytest
 import torch
+from omegaconf import OmegaConf
 from lightning.pytorch.utilities import rank_zero_only
 
 from src.errors import UsageError
@@ -23,7 +26,7 @@ def test_ddp_on_two_cpu_processes_writes_one_run_folder(ddp_run: Run):
     run_dir = ddp_run.dir
     assert_finished_run(ddp_run.result, run_dir)
     assert hparams(run_dir)["world_size"] == 2
-    assert (run_dir / "train_rank_1.log").exists()
+    assert not (run_dir / "train_rank_1.log").exists(), "rank 1 said nothing: no empty log of it"
     # 4 steps, fewer than log_every_n_steps: no per-step xfer/ points, but every xfer/ scalar's epoch mean.
     series = scalars(run_dir)
     assert "xfer/bytes_per_step" not in series
@@ -102,3 +105,27 @@ def test_only_rank_zero_reports_a_failure_and_every_rank_removes_the_new_folder(
     said = capsys.readouterr().err
     assert said == ("error: optim.lr=-1 is not allowed\n" if rank == 0 else "")
     assert not run_dir.exists()
+
+
+def test_debug_quick_says_whether_the_loss_fell_in_its_steps(tmp_path, quick_run):
+    """A setting that learns shows it in its line; the book's LeNet, flat in its first steps, says it cannot tell."""
+    learns = train(*QUICK, "optim=adam", "optim.lr=0.01", "model.net.init=kaiming", "model.net.batch_norm=true",
+                   f"hydra.run.dir={tmp_path / 'learns'}")
+    assert learns.returncode == 0, learns.stderr[-3000:]
+    fell = re.search(r"; train/loss fell from (\d\.\d{4}) to (\d\.\d{4}) in 4 steps\) -> ", learns.stdout)
+    assert fell and float(fell.group(2)) < float(fell.group(1)), learns.stdout[-2000:]
+    flat = re.search(r"; train/loss (did not fall|rose) in its 4 steps \((\d\.\d{4}) to (\d\.\d{4})\): these are too few",
+                     quick_run.result.stdout)
+    assert flat, quick_run.result.stdout[-2000:]
+
+
+def test_one_name_for_the_precision_and_the_logger_under_ddp(ddp_run):
+    """The folder, config.yaml (beside the precision asked for), the result line and HParams name the precision
+    used alike; the result line's logger is `src.train`, not the worker's `__mp_main__`; the epoch line says samples/s."""
+    used = cpu_precision()  # what precision=auto means here, as the folder of a run named by default shows it
+    saved = OmegaConf.load(ddp_run.dir / "config.yaml")
+    assert (saved.precision, saved.precision_used) == ("auto", used)
+    assert hparams(ddp_run.dir)["precision_used"] == used
+    line = next(line for line in ddp_run.result.stdout.splitlines() if " - test/acc=" in line)
+    assert "[src.train][INFO] - " in line and f"(precision {used}, 2 processes," in line
+    assert re.search(r"epoch 1/1 step \d+: .* \d+ samples/s$", (ddp_run.dir / "train.log").read_text(), re.M)

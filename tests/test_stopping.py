@@ -184,6 +184,7 @@ def test_ctrl_c_under_ddp_with_progress_bars_ends_in_one_line_of_its_own(tmp_pat
     assert len(said) == 1 and said[0] == lines[-1], run.stdout[-3000:]
     assert re.match(r"error: run stopped by SIGINT during epoch \d+ \(step \d+\); ", said[0]), said[0]
     assert said[0].endswith(f"; resume with: python -m src.train ckpt_path=last hydra.run.dir={tmp_path / 'run'}")
+    assert "Epoch 2/50" in run.stdout and "Epoch 0" not in run.stdout  # the bar counts epochs as train.log does
 
 
 @pytest.mark.slow

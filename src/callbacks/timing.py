@@ -81,7 +81,7 @@ class EpochTimer(Callback):
         if trainer.is_global_zero:  # the line to grep in train.log, written as each epoch ends
             metrics = " ".join(f"{k}={v:.4f}" for k, v in shown.items())
             log.info(f"epoch {trainer.current_epoch + 1}/{trainer.max_epochs} step {trainer.global_step}: {metrics} "
-                     f"{seconds:.2f} s {samples_per_s:.0f} images/s")
+                     f"{seconds:.2f} s {samples_per_s:.0f} samples/s")
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.epoch_times and trainer.is_global_zero and trainer.logger is not None:

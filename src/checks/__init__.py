@@ -37,7 +37,7 @@ from src.launch.console import counted
 from src.launch.ranks import external_rank
 from src.checkpoints import Saved, unsafe_content
 from src.errors import UsageError
-from src.checks.schema import SCHEMA, shown
+from src.checks.schema import ALIASES, SCHEMA, shown
 from src.config import TrainConfig
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
@@ -46,7 +46,8 @@ TRAINER_ARGS = set(inspect.signature(lightning.Trainer.__init__).parameters) - {
 OWNED_BY_TOP_LEVEL = {"accelerator", "strategy", "devices", "num_nodes", "precision", "logger", "callbacks",
                       "max_epochs", "sync_batchnorm", "default_root_dir", "use_distributed_sampler", "plugins"}
 # Keys computed from other settings; typing them would make the run's records disagree with it.
-DERIVED = {"model_name": "model=<option>", "strategy_name": "strategy=<option>", "output_dir": "hydra.run.dir=<folder>"}
+DERIVED = {"model_name": "model=<option>", "strategy_name": "strategy=<option>", "output_dir": "hydra.run.dir=<folder>",
+           "run_name": "model, strategy, devices, num_nodes and precision"}
 
 
 def group_options(group: str, dirs: tuple[Path, ...] = (CONF_DIR,)) -> list[str]:
@@ -105,6 +106,19 @@ def override_values(override: Override) -> list[Any]:
     return list(override.sweep_string_iterator()) if override.is_sweep_override() else [override.value()]
 
 
+def check_flags(args: list[str]) -> None:
+    """A `--name value` that Hydra does not know is a setting typed as a flag: say how to type it, where Hydra
+    would print its usage text."""
+    from hydra._internal.utils import get_args_parser  # Hydra's own flags; no public list of them
+
+    known = {option for action in get_args_parser()._actions for option in action.option_strings}
+    for index, arg in enumerate(args):
+        name = arg.split("=", 1)[0]
+        if arg.startswith("-") and name not in known and not re.fullmatch(r"-\d.*", arg):
+            value = arg.split("=", 1)[1] if "=" in arg else (args[index + 1] if index + 1 < len(args) else "...")
+            raise UsageError(f"{arg} is not an option; settings are typed key=value: {name.lstrip('-')}={value}")
+
+
 def check_overrides(args: list[str]) -> None:
     """Reject unknown group options and unknown keys in one line, before Hydra prints its multi-line error."""
     overrides = parse_overrides(args)
@@ -142,7 +156,7 @@ def check_type(override: Override) -> None:
             OmegaConf.update(OmegaConf.structured(TrainConfig), key, value, merge=False)
         except ValidationError as error:
             rule = rule_for(key)
-            allowed = f"{key} must be {rule.allowed}" if rule else str(error).splitlines()[0]
+            allowed = must_be(key, value, rule) if rule else str(error).splitlines()[0]
             raise not_allowed(key, value, allowed) from None
         except OmegaConfBaseException:
             pass  # a key of a config group, which the schema leaves to the class the group names
@@ -197,7 +211,8 @@ def is_new_callback(key: str, known: set[str]) -> bool:
 def unknown_key_message(key: str, known: set[str], choice: str = "") -> str:
     """Name the unknown key, the closest known one, and the keys beside it."""
     parent, _, name = key.rpartition(".")
-    siblings = sorted(k.rpartition(".")[2] for k in known if k.rpartition(".")[0] == parent and not k.endswith("_target_"))
+    siblings = sorted(k.rpartition(".")[2] for k in known
+                      if k.rpartition(".")[0] == parent and not k.endswith("_target_") and k not in DERIVED)
     abbreviation = "".join(word[:1] for word in name.split("_"))  # learning_rate -> lr
     close = [s for s in siblings if s == abbreviation] or difflib.get_close_matches(name, siblings, n=1, cutoff=0.6)
     if close:
@@ -239,6 +254,12 @@ def rule_for(key: str):
     return next((rule for pattern, rule in SCHEMA.items() if fnmatch.fnmatchcase(key, pattern)), None)
 
 
+def must_be(key: str, value: Any, rule: Any) -> str:
+    """What `key` allows, after `did you mean ...?` where the value is another tool's name for an allowed one."""
+    alias = ALIASES.get(key, {}).get(str(value).lower())
+    return (f"did you mean {key}={alias}? " if alias else "") + f"{key} must be {rule.allowed}"
+
+
 def check_config(cfg: DictConfig) -> None:
     """Every key known and every value in its range (see src/checks/schema.py), then the rules across keys."""
     try:
@@ -252,7 +273,7 @@ def check_config(cfg: DictConfig) -> None:
         if rule is None:
             raise UsageError(unknown_key_message(key, {k for k in values if rule_for(k)}))
         if not rule.test(value):
-            raise not_allowed(key, value, f"{key} must be {rule.allowed}")
+            raise not_allowed(key, value, must_be(key, value, rule))
     check_trainer_args(values_under(values, "trainer"))
     check_across_keys(cfg, values)
 
@@ -319,7 +340,13 @@ def check_trainer_args(trainer_cfg: dict) -> None:
         if key in OWNED_BY_TOP_LEVEL:
             raise UsageError(f"trainer.{key} is set by the top-level key; use {key}=... instead")
         if key not in TRAINER_ARGS:
-            raise UsageError(f"trainer.{key} is not a lightning.Trainer argument")
+            close = difflib.get_close_matches(key, sorted(TRAINER_ARGS), n=1, cutoff=0.8)
+            hint = ""
+            if close and close[0] in OWNED_BY_TOP_LEVEL:
+                hint = f"; did you mean {close[0]}? (a top-level key: {close[0]}=...)"
+            elif close:
+                hint = f"; did you mean trainer.{close[0]}?"
+            raise UsageError(f"trainer.{key} is not a lightning.Trainer argument{hint}")
 
 
 @contextmanager

@@ -108,7 +108,14 @@ NULL = one_of(None)
 BOOL = one_of(True, False)
 TEXT = Rule(lambda v: isinstance(v, str) and v != "", "a non-empty string")
 DURATION = Rule(_is_duration, "a duration DD:HH:MM:SS above zero, e.g. 00:01:30:00")
-PRECISION = Rule(lambda v: not isinstance(v, bool) and str(v) in PRECISIONS, "one of: " + ", ".join(PRECISIONS))
+MAIN_PRECISIONS = ("auto", "32", "16-mixed", "bf16-mixed", "64")
+PRECISION = Rule(lambda v: not isinstance(v, bool) and str(v) in PRECISIONS,
+                 f"one of {', '.join(MAIN_PRECISIONS)}, or Lightning's other spellings of them "
+                 f"({', '.join(p for p in PRECISIONS if p not in MAIN_PRECISIONS and not p.startswith('transformer'))})")
+# Names other tools give a value, and the value they mean here: `precision=fp16` gets `did you mean 16-mixed?`.
+ALIASES = {"precision": {"fp16": "16-mixed", "float16": "16-mixed", "half": "16-mixed", "amp": "16-mixed",
+                         "bfloat16": "bf16-mixed", "fp32": "32", "float32": "32", "float": "32", "full": "32",
+                         "fp64": "64", "float64": "64", "double": "64"}}
 
 SCHEMA: dict[str, Rule] = {
     # conf/train.yaml

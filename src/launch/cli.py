@@ -161,6 +161,7 @@ def run_entry(hydra_main: Callable[[], object], resumes: bool = False) -> None:
     sys.argv = rank_argv(sys.argv)
     workers.handle_stop_signals()
     try:
+        checks.check_flags(sys.argv[1:])
         checks.check_overrides(sys.argv[1:])
         checks.check_run_dir(sys.argv[1:])
         if resumes:

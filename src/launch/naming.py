@@ -38,17 +38,12 @@ def sweep_args(sweep_dir: str) -> list[str]:
     return sys.argv[1:]
 
 
-# Lightning's full names of the short precision values (`Trainer.precision` reports these).
-LIGHTNING_SPELLING = {"16": "16-mixed", "bf16": "bf16-mixed", "32": "32-true", "64": "64-true"}
-
-
 def run_label(model: str, strategy: str, devices: int, num_nodes: int, precision: object, accelerator: str) -> str:
     """`lenet_ddp_2dev_bf16-mixed`: what the run is, with the precision it uses (`auto` resolved, Lightning's
     spelling: `32` is `32-true`), so that runs read apart in folder lists and in TensorBoard."""
     from src.fast_path import resolve_accelerator, resolve_precision
 
     used = resolve_precision(precision, resolve_accelerator(str(accelerator)), quiet=True)
-    used = LIGHTNING_SPELLING.get(used, used)  # a value Lightning refuses is refused in one line by the config checks
     nodes = f"_{num_nodes}nodes" if int(num_nodes) > 1 else ""
     return f"{model}_{strategy}_{devices}dev{nodes}_{used}"
 

@@ -341,6 +341,7 @@ def _log_to_file(logging_config: dict[str, Any] | None, rank: int) -> None:
         if "filename" in handler and rank:
             name = Path(handler["filename"])
             handler["filename"] = str(name.with_name(f"{name.stem}_rank_{rank}{name.suffix}"))
+            handler["delay"] = True  # created at its first line: a rank that says nothing leaves no empty file
     logging.config.dictConfig(logging_config)
 
 

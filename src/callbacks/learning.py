@@ -1,0 +1,39 @@
+"""Whether a short run's training loss fell: `debug=quick`'s few steps tell a setting that learns from one that
+does not only where the loss moved."""
+
+from typing import Any
+
+import torch
+from lightning import Callback, LightningModule, Trainer
+
+
+class LossFalls(Callback):
+    """Keeps the training loss of the run's first and last optimizer steps on the device (no step waits for it),
+    and says once training ends whether it fell."""
+
+    def __init__(self) -> None:
+        self.first: torch.Tensor | None = None
+        self.last: torch.Tensor | None = None
+        self.steps = 0
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if not isinstance(loss, torch.Tensor):
+            return
+        losses = loss.detach().reshape(-1)  # several optimizer steps a batch: their losses, in order
+        if self.first is None:
+            self.first = losses[0]
+        self.last = losses[-1]
+        self.steps += losses.numel()
+
+    def verdict(self) -> str:
+        """`train/loss fell from 2.30 to 2.05 in 4 steps`, or that it did not and what that leaves open."""
+        if self.first is None or self.last is None:
+            return "no training step to tell whether this setting learns"
+        first, last = float(self.first), float(self.last)
+        if last < first * 0.99:
+            return f"train/loss fell from {first:.4f} to {last:.4f} in {self.steps} steps"
+        moved = "rose" if last > first * 1.01 else "did not fall"
+        return (f"train/loss {moved} in its {self.steps} steps ({first:.4f} to {last:.4f}): these are too few to tell "
+                "whether this setting learns; give it more with trainer.limit_train_batches or max_epochs")
