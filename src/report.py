@@ -69,6 +69,7 @@ class Run:
     speedup: float | None = None
     ddp: bool = False
     params: dict[str, Any] = field(default_factory=dict)  # its HParams record
+    evaluation: bool = False  # a folder of `python -m src.eval`: a checkpoint scored, nothing trained
 
     @property
     def setting(self) -> tuple:
@@ -105,13 +106,15 @@ def read_run(run: RunFolder) -> Run:
         test_acc=test_acc[-1] if test_acc else None,
         epoch_s=median(run.values("time/epoch_s")),
         samples_per_s=median(run.values("time/samples_per_s")),
-        comm_bytes_per_step=median(run.values("xfer/bytes_per_step")),
+        # Per step where the run logged steps; a run shorter than the logging interval has the epoch means only.
+        comm_bytes_per_step=median(run.values("xfer/bytes_per_step", "xfer/bytes_per_step_epoch")),
         tflops_per_s=median(run.values("usage/tflops_per_s")),
         mfu=median(run.values("usage/mfu")),
         peak_memory_mib=max(run.values("usage/peak_memory_mib"), default=None),
         val_acc=val_acc,
         ddp="hook" in (run.value("strategy") or {}),
         params=params,
+        evaluation=run.evaluation,
     )
 
 
@@ -135,11 +138,26 @@ def varies(runs: list[Run], attribute: str) -> bool:
     return len({getattr(run, attribute) for run in runs}) > 1
 
 
-def collect_runs(root: Path) -> list[Run]:
-    """All runs below `root`, sorted for reading, speed-ups filled in."""
-    runs = read_runs(root, read_run)
+def collect(root: Path) -> tuple[list[Run], list[Run]]:
+    """The training runs below `root`, sorted for reading, speed-ups filled in; and apart from them, the
+    evaluations (`python -m src.eval` folders), which trained nothing and have no epochs to compare."""
+    found = read_runs(root, read_run)
+    runs = [run for run in found if not run.evaluation]
+    if not runs:
+        raise UsageError(f"{root}: no training run below it, only evaluations (python -m src.eval)")
     add_speedups(runs)
-    return sorted(runs, key=lambda r: (r.model, r.strategy, r.precision, r.total_devices, r.seed or 0, r.run))
+    return sorted(runs, key=lambda r: (r.model, r.strategy, r.precision, r.total_devices, r.seed or 0, r.run)), \
+        [run for run in found if run.evaluation]
+
+
+def collect_runs(root: Path) -> list[Run]:
+    """The training runs below `root` (`collect`)."""
+    return collect(root)[0]
+
+
+def evaluations_table(evaluations: list[Run]) -> str:
+    rows = [f"| {run.run} | {run.params.get('ckpt_path', '')} | {_cell(run.test_acc, 4)} |" for run in evaluations]
+    return "\n".join(["| evaluation | checkpoint | test acc |", "|---|---|---:|", *rows])
 
 
 def _cell(value: Any, digits: int) -> str:
@@ -201,12 +219,17 @@ class Spread:
     high: float
 
     @classmethod
-    def of(cls, values: list[float]) -> "Spread | None":
+    def of(cls, values: list[float], low: float = -math.inf, high: float = math.inf) -> "Spread | None":
+        """The spread of `values`; the interval cut to what the quantity can take (`low`..`high`), where Student's
+        t over a few seeds would reach past it (negative seconds, an accuracy above 1)."""
         if len(values) < 2:
             return None
         mean, sd = statistics.mean(values), statistics.stdev(values)
         half = t_975(len(values) - 1) * sd / math.sqrt(len(values))
-        return cls(len(values), mean, sd, mean - half, mean + half)
+        return cls(len(values), mean, sd, max(low, mean - half), min(high, mean + half))
+
+
+RANGES = {"test_acc": (0.0, 1.0), "epoch_s": (0.0, math.inf)}  # what each quantity can take
 
 
 @dataclass
@@ -221,15 +244,16 @@ class SeedGroup:
         return ",".join(str(run.seed) for run in self.runs)
 
     def spread(self, attribute: str) -> Spread | None:
-        return Spread.of([v for v in (getattr(run, attribute) for run in self.runs) if v is not None])
+        return Spread.of([v for v in (getattr(run, attribute) for run in self.runs) if v is not None], *RANGES[attribute])
 
 
 def seed_groups(runs: list[Run]) -> list[SeedGroup]:
-    """Settings run more than once, each with its runs; settings are told apart by what differs between them."""
-    by_setting: dict[tuple, list[Run]] = defaultdict(list)
-    for run in runs:
-        by_setting[run.setting].append(run)
-    repeated = [group for group in by_setting.values() if len(group) > 1]
+    """Settings run with more than one seed, each with one run per seed; settings are told apart by what differs
+    between them."""
+    by_setting: dict[tuple, dict[int | None, Run]] = defaultdict(dict)
+    for run in runs:  # one run per seed: two runs of one seed are not two samples of the seed's spread
+        by_setting[run.setting].setdefault(run.seed, run)
+    repeated = [list(group.values()) for group in by_setting.values() if len(group) > 1 and None not in group]
     labels = _labels([group[0] for group in repeated], with_seed=False)
     return [SeedGroup(label, sorted(group, key=lambda r: r.seed or 0)) for label, group in zip(labels, repeated)]
 
@@ -335,7 +359,8 @@ def failed_table(failed: dict[str, str]) -> str:
     return "\n".join(["| job | error |", "|---|---|", *rows])
 
 
-def markdown_report(runs: list[Run], root: Path, scaling: str = "", failed: dict[str, str] | None = None) -> str:
+def markdown_report(runs: list[Run], root: Path, scaling: str = "", failed: dict[str, str] | None = None,
+                    evaluations: list[Run] | None = None) -> str:
     """The sections that apply to these runs: speed-ups and epoch time against devices only where
     devices differ, seed statistics only for settings run with several seeds."""
     groups = seed_groups(runs)
@@ -348,6 +373,8 @@ def markdown_report(runs: list[Run], root: Path, scaling: str = "", failed: dict
         f"{counted(len(runs), 'run')}. Epoch times exclude validation. {speedup}".rstrip(), "",
         markdown_table(runs), "",
         *([f"{counted(len(failed), 'job')} failed:", "", failed_table(failed), ""] if failed else []),
+        *(["## Evaluations", "", "Checkpoints scored by `python -m src.eval`, apart from the training runs above.", "",
+           evaluations_table(evaluations), ""] if evaluations else []),
         *(["## Seeds", "",
            "Runs of one setting that differ only in their seed: mean, sample standard deviation and the 95 % "
            "confidence interval of the mean (Student t, n - 1 degrees of freedom) over the seeds (`seeds.csv`).", "",
@@ -374,10 +401,10 @@ def write_report(root: Path, out: Path | None = None, failed: dict[str, str] | N
     the sweep's failed jobs with their error lines, listed below the table. Predicted scaling only
     when a run used DDP: without one, the sweep asked nothing of communication."""
     out = output_folder(root if out is None else out)
-    runs = collect_runs(root)
+    runs, evaluations = collect(root)
     out.mkdir(parents=True, exist_ok=True)
     scaling = scaling_section(root, out) if any(run.ddp for run in runs) else ""
-    (out / "report.md").write_text(markdown_report(runs, root, scaling, failed))
+    (out / "report.md").write_text(markdown_report(runs, root, scaling, failed, evaluations))
     write_csv(runs, out / "report.csv")
     plot_val_acc(runs, out / "val_acc.png")
     if varies(runs, "total_devices"):

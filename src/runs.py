@@ -62,6 +62,12 @@ class RunFolder:
         hydra_yaml = self.path / HYDRA_CONFIG
         return OmegaConf.select(OmegaConf.load(hydra_yaml), "hydra.runtime.choices") if hydra_yaml.is_file() else None
 
+    @cached_property
+    def evaluation(self) -> bool:
+        """Whether `python -m src.eval` made this folder: it scored a checkpoint and trained nothing."""
+        hydra_yaml = self.path / HYDRA_CONFIG
+        return hydra_yaml.is_file() and OmegaConf.select(OmegaConf.load(hydra_yaml), "hydra.job.name") == "eval"
+
     def value(self, key: str, group: str | None = None) -> Any:
         """A config value; `${hydra:runtime.choices.<group>}` resolves only inside the run, so it is read from hydra.yaml."""
         if group and self.choices is not None and group in self.choices and OmegaConf.is_interpolation(self.config, key):

@@ -7,6 +7,7 @@ import statistics
 
 import pytest
 from matplotlib.image import imread
+from omegaconf import OmegaConf
 
 from src.report import main as report_main
 from src.report import t_975
@@ -64,3 +65,33 @@ def test_legend_tells_seeds_and_settings_apart(seeds):
     assert len(set(labels)) == len(labels) == 4
     assert sum(" seed 1" in label for label in labels) == 2  # two settings ran seed 1: told apart by lr
     assert any("lr=0.2" in label for label in labels)
+
+
+def test_the_report_over_outputs_tells_the_truth(tmp_path):
+    """Evaluations apart from training runs; no seed statistics over two runs of one seed; an interval cut to
+    what a time can take; the bytes column from the epoch means of a run too short for per-step points."""
+    root = tmp_path / "outputs"
+    setting = {"seed": 42, "lr": 0.1, "precision_used": "32-true"}
+    write_run(root / "runs" / "a", {**config("auto", 1), "seed": 42}, {"time/epoch_s": [1.0], "test/acc": [0.8]}, setting)
+    write_run(root / "runs" / "b", {**config("auto", 1), "seed": 42}, {"time/epoch_s": [9.0], "test/acc": [0.7]}, setting)
+    for seed, epoch_s in ((1, 0.5), (2, 14.0)):  # far apart: Student's t over 2 seeds reaches below 0 s
+        write_run(root / "runs" / f"seed{seed}", {**config("ddp", 2), "seed": seed},
+                  {"time/epoch_s": [epoch_s], "test/acc": [0.8], "xfer/bytes_per_step_epoch": [1000.0]},
+                  {"seed": seed, "lr": 0.1, "precision_used": "32-true"})
+    scored = write_run(root / "eval" / "scored", {**config("auto", 1), "seed": 42}, {"test/acc": [0.75]},
+                       {"ckpt_path": "outputs/runs/a", "precision_used": "32-true"})
+    OmegaConf.save(OmegaConf.create({"hydra": {"job": {"name": "eval"}}}), scored / ".hydra" / "hydra.yaml")
+
+    result = call_main(report_main, str(root))
+    assert result.returncode == 0, result.stderr
+    with (root / "report.csv").open(newline="") as file:
+        rows = {row["run"]: row for row in csv.DictReader(file)}
+    assert set(rows) == {"runs/a", "runs/b", "runs/seed1", "runs/seed2"}
+    assert rows["runs/seed1"]["comm_bytes_per_step"] == "1000.0"
+    markdown = (root / "report.md").read_text()
+    assert "## Evaluations" in markdown and "| eval/scored | outputs/runs/a | 0.7500 |" in markdown
+    with (root / "seeds.csv").open(newline="") as file:
+        groups = list(csv.DictReader(file))
+    assert [group["seeds"] for group in groups] == ["1,2"]  # not the two runs of seed 42
+    low, high = (float(v) for v in groups[0]["epoch s 95% CI"].strip("[]").split(", "))
+    assert low == 0.0 and high > 14.0

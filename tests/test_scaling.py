@@ -755,3 +755,13 @@ def test_bad_options_name_what_is_allowed(tmp_path):
     (tmp_path / "bad.json").write_text(json.dumps({"cores": 2}))
     assert_one_error_line(call_main(main, str(tmp_path), "--probe-file", str(tmp_path / "bad.json")), "--probe-file", "not a probe")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.json"]
+
+
+def test_a_prediction_that_the_run_contradicts_says_which_part_of_the_model_missed():
+    from src.scaling.predict import why_missed
+
+    assert why_missed(1.0, 1.1, 5.0, 5.2) == ""  # within 25 %: nothing to explain
+    hook = why_missed(1.0, 2.4, 5.0, 40.0)
+    assert hook.startswith("the run was slower than predicted, and its all-reduces took 40.0 ms where the probe gives 5.0")
+    compute = why_missed(2.0, 1.0, 5.0, 5.5)
+    assert compute.startswith("the run was faster than predicted while its all-reduces took what the probe gives")

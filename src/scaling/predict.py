@@ -352,9 +352,26 @@ def checks(base: Baseline, runs: list[RunFigures], measured: dict[int, Interconn
             "" if run.bytes_per_step is None else f"{run.bytes_per_step:,.0f}", f"{step.comm * 1e3:.1f}",
             "" if hook_ms is None else f"{hook_ms:.1f}", _pct_error(step.comm * 1e3, hook_ms),
             f"{step.compute * 1e3:.1f} + {step.overhead * 1e3:.1f} + {step.exposed * 1e3:.1f} + {step.skew * 1e3:.1f}",
-            f"{epoch_s:.2f}", f"{run.epoch_s:.2f}", _pct_error(epoch_s, run.epoch_s), "",
+            f"{epoch_s:.2f}", f"{run.epoch_s:.2f}", _pct_error(epoch_s, run.epoch_s),
+            why_missed(epoch_s, run.epoch_s, step.comm * 1e3, hook_ms), "",
         ]).strip())
     return rows
+
+
+MISSED = 0.25  # a prediction further off than this from the run's own measurement is explained beside it
+
+
+def why_missed(epoch_s: float, measured_s: float | None, hook_ms: float, measured_hook_ms: float | None) -> str:
+    """Where a prediction contradicts the run's measurement, the part of the model it traces to."""
+    if not measured_s or abs(epoch_s - measured_s) <= MISSED * measured_s:
+        return ""
+    off = "slower" if measured_s > epoch_s else "faster"
+    if measured_hook_ms and abs(hook_ms - measured_hook_ms) > MISSED * measured_hook_ms:
+        return (f"the run was {off} than predicted, and its all-reduces took {measured_hook_ms:.1f} ms where the probe "
+                f"gives {hook_ms:.1f}: the link or the machine's load was not what the probe met")
+    return (f"the run was {off} than predicted while its all-reduces took what the probe gives: its compute or "
+            "overhead differed from the one-process run's the model scales (another load, or short epochs whose "
+            "start-up counts)")
 
 
 def terms_lines(base: Baseline, bucket_mb: float = 25.0) -> list[str]:
@@ -416,8 +433,9 @@ def section(base: Baseline, rows: list[dict], measured: dict[int, Interconnect],
         if compared:
             lines += ["Predicted against measured, on the measured interconnect (this machine's cores shared):", "",
                       "| run | hook | processes | fit | bytes/step predicted | measured | hook_ms predicted | measured | error "
-                      "| step ms: compute + overhead + exposed comm + skew | epoch s predicted | measured | error |",
-                      "|---|---|---:|---|---:|---:|---:|---:|---:|---|---:|---:|---:|",
+                      "| step ms: compute + overhead + exposed comm + skew | epoch s predicted | measured | error "
+                      f"| where more than {MISSED:.0%} off, why |",
+                      "|---|---|---:|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---|",
                       *compared, ""]
     else:
         lines += [no_links, ""]
