@@ -20,7 +20,6 @@ from omegaconf import DictConfig, OmegaConf
 from src.errors import UsageError
 from src.launch import cli
 from src.runs import resolved_config, resolved_config_file
-from src.train import run
 
 
 def targets(node: Any, prefix: str) -> dict[str, Any]:
@@ -74,6 +73,8 @@ def as_trained(cfg: DictConfig, overrides: list[str], group: str) -> DictConfig:
 def evaluate(cfg: DictConfig) -> cli.Result:
     overrides = list(HydraConfig.get().overrides.task)
     cfg.model, cfg.data = as_trained(cfg, overrides, "model"), as_trained(cfg, overrides, "data")
+    from src.runner import run  # torch and Lightning: once the command line has passed its checks
+
     return run(cfg, fit=False)
 
 

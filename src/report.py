@@ -18,20 +18,17 @@ import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hydra.experimental.callback import Callback
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
-from matplotlib.ticker import MaxNLocator
 from omegaconf import DictConfig
 
 from src.errors import UsageError
-from src.hparams import override_keys, write_experiment
-from src.launch.console import counted
-from src.loggers import EPOCH_TAG
+from src.launch.console import counted, saying
 from src.runs import ArgumentParser, RunFolder, median, output_folder, read_runs, usage_errors_exit
-from src.scaling.predict import load_probe, write_scaling
+
+if TYPE_CHECKING:  # matplotlib, TensorBoard, Lightning and torch are imported where used: the command answers first
+    from matplotlib.figure import Figure
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +87,8 @@ def read_run(run: RunFolder) -> Run:
     """Everything the report needs from one run folder."""
     # Lightning logs its epoch counter at the step of every epoch-end metric, which turns val/acc
     # steps into epochs (`trainer/epoch`; `epoch` in runs written before it was renamed).
+    from src.loggers import EPOCH_TAG
+
     epoch_at_step = {step: int(epoch) for step, epoch in run.scalars(EPOCH_TAG, "epoch")}
     val_acc = [(epoch_at_step.get(step, index) + 1, acc) for index, (step, acc) in enumerate(run.scalars("val/acc"))]
     test_acc = run.values("test/acc")
@@ -285,12 +284,14 @@ def write_seed_csv(groups: list[SeedGroup], path: Path) -> None:
         writer.writerows(seed_rows(groups))
 
 
-def _save(figure: Figure, path: Path) -> None:
+def _save(figure: "Figure", path: Path) -> None:
     """Grid and legend on each plot's axes, then the PNG."""
     for axes in figure.axes:
         axes.grid(alpha=0.3)
         if axes.lines:
             axes.legend(fontsize="small")
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
     FigureCanvasAgg(figure)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
@@ -314,6 +315,8 @@ def _labels(runs: list[Run], with_seed: bool = True) -> list[str]:
 
 def plot_val_acc(runs: list[Run], path: Path) -> None:
     """One line per run; repeats of a setting share a colour and differ in line style and marker."""
+    from matplotlib.figure import Figure
+
     figure = Figure(figsize=(8, 5))
     axes = figure.add_subplot()
     colours: dict[tuple, str] = {}
@@ -327,6 +330,8 @@ def plot_val_acc(runs: list[Run], path: Path) -> None:
             repeats[run.setting] += 1
             axes.plot(epochs, accs, color=colour, linestyle=line, marker=marker, label=label)
     axes.set(xlabel="epoch", ylabel="val/acc", title="Validation accuracy per epoch")
+    from matplotlib.ticker import MaxNLocator
+
     axes.xaxis.set_major_locator(MaxNLocator(integer=True))
     _save(figure, path)
 
@@ -338,6 +343,8 @@ def plot_epoch_time(runs: list[Run], path: Path) -> None:
         if run.epoch_s is not None:
             points[run.strategy, run.model, run.precision][run.total_devices].append(run.epoch_s)
     detailed = len({(model, precision) for _, model, precision in points}) > 1
+    from matplotlib.figure import Figure
+
     figure = Figure(figsize=(8, 5))
     axes = figure.add_subplot()
     for (strategy, model, precision), by_devices in sorted(points.items()):
@@ -390,6 +397,8 @@ def scaling_section(root: Path, out: Path) -> str:
     nothing, so that a sweep's report follows its last job within seconds: it reads the probe and the terms that
     `python -m src.scaling <folder> --probe` saved there, and says what it assumes where there are none."""
     try:
+        from src.scaling.predict import load_probe, write_scaling
+
         return write_scaling(root, out, load_probe(root / "probe.json"), report=True)
     except UsageError as error:
         log.info(f"no scaling prediction: {error}")
@@ -438,6 +447,8 @@ class SweepReport(Callback):
             return
         write_tensorboard_text(runs, sweep_dir / "report")
         if any(run.params for run in runs):
+            from src.hparams import override_keys, write_experiment
+
             typed = override_keys(config.hydra.overrides.task)
             write_experiment([run.params for run in runs if run.params], sweep_dir / "report", typed)
         log.info(f"sweep report of {counted(len(runs), 'run')}: {sweep_dir / 'report.md'}")
@@ -449,7 +460,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=None, help="where to write the report (default: the folder)")
     with usage_errors_exit():
         args = parser.parse_args(argv)
-        runs = write_report(args.folder, args.out)
+        with saying(f"reading the runs below {args.folder} and writing their report"):
+            runs = write_report(args.folder, args.out)
     print(f"{counted(len(runs), 'run')} -> {(args.out or args.folder) / 'report.md'}")
 
 

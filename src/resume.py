@@ -18,10 +18,8 @@ from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.types import Override
 from omegaconf import DictConfig, OmegaConf
 
-from src.checkpoints import CKPT_WORDS, has_checkpoints, newest
 from src.checks import CONF_DIR, flatten, is_hydra, parse_overrides
 from src.errors import UsageError
-from src.hparams import has_hparams
 from src.runs import RESOLVED_CONFIG, resolved_config
 
 RUN_OVERRIDES = Path(".hydra", "overrides.yaml")
@@ -53,7 +51,11 @@ def run_record(overrides: list[Override]) -> Record | None:
     was started with; None where there is no run to resume (no folder, or no checkpoint in it yet)."""
     given = {o.key_or_group: o.value() for o in overrides if not o.is_sweep_override()}
     folder = given.get("hydra.run.dir")
-    if str(given.get("ckpt_path")) not in CKPT_WORDS or folder is None:
+    if given.get("ckpt_path") is None or folder is None:
+        return None
+    from src.checkpoints import CKPT_WORDS, has_checkpoints  # torch: only for a command that names a checkpoint
+
+    if str(given["ckpt_path"]) not in CKPT_WORDS:
         return None
     folder = Path(str(folder))
     if given["ckpt_path"] == "last" and not folder.is_dir():
@@ -221,6 +223,9 @@ def finished(cfg: DictConfig) -> str | None:
     if str(cfg.get("ckpt_path")) != "auto" or not (folder / "train.log").is_file():
         return None
     lines = [line.split(" - ", 1)[-1] for line in (folder / "train.log").read_text().splitlines() if " - test/acc=" in line]
+    from src.checkpoints import newest
+    from src.hparams import has_hparams
+
     saved = newest(folder)
     if not lines or saved is None or saved.path.name != "last.ckpt" or not has_hparams(folder):
         return None

@@ -22,8 +22,6 @@ from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
 from omegaconf import DictConfig, OmegaConf
-from tensorboard.backend.event_processing import event_accumulator
-from tensorboard.plugins.hparams import plugin_data_pb2
 
 from src.errors import UsageError
 from src.launch.console import print_error
@@ -75,7 +73,10 @@ class RunFolder:
         return OmegaConf.select(self.config, key)
 
     @cached_property
-    def _events(self) -> event_accumulator.EventAccumulator:
+    def _events(self) -> Any:
+        """TensorBoard's reader of the folder's event files (imported here: commands answer mistakes before it loads)."""
+        from tensorboard.backend.event_processing import event_accumulator
+
         events = event_accumulator.EventAccumulator(
             str(self.path), size_guidance={event_accumulator.SCALARS: 0, event_accumulator.TENSORS: 0}
         )
@@ -100,6 +101,8 @@ class RunFolder:
             content = self._events.PluginTagToContent("hparams")["_hparams_/session_start_info"]
         except KeyError:
             return {}
+        from tensorboard.plugins.hparams import plugin_data_pb2
+
         values = plugin_data_pb2.HParamsPluginData.FromString(content).session_start_info.hparams
         return {name: getattr(value, value.WhichOneof("kind")) for name, value in values.items() if value.WhichOneof("kind")}
 

@@ -13,10 +13,6 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-import lightning
-import torch
-import torch.distributed as dist
-
 FP16_TENSOR_CORES = (7, 0)  # Volta
 BF16_TENSOR_CORES = (8, 0)  # Ampere
 HALF_PRECISIONS = ("16-mixed", "16", "16-true")
@@ -28,6 +24,8 @@ PCIE_LINKS = {
 
 
 def gpu_info(index: int) -> dict[str, Any]:
+    import torch  # imported where used: `--help` answers without it
+
     props = torch.cuda.get_device_properties(index)
     capability = (props.major, props.minor)
     return {
@@ -76,6 +74,8 @@ def describe_link(code: str) -> str:
 
 def _interconnect(count: int) -> dict[str, Any]:
     """How GPUs reach each other: from nvidia-smi where it runs, else from CUDA peer access."""
+    import torch  # imported where used: `--help` answers without it
+
     if count < 2:
         return {"summary": "none (fewer than 2 GPUs)", "source": None, "links": {}}
     topology = parse_topology(_nvidia_smi_topology() or "")
@@ -129,6 +129,10 @@ def recommend_precision(gpus: list[dict[str, Any]], cpu_bf16: bool) -> tuple[str
 
 def collect() -> dict[str, Any]:
     """Everything the report shows, as plain data."""
+    import lightning
+    import torch
+    import torch.distributed as dist
+
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     gpus = [gpu_info(i) for i in range(count)]
     cpu_bf16 = cpu_has_bf16()
@@ -214,7 +218,12 @@ def precision_warnings(info: dict[str, Any], precision: str, accelerator: str, p
     return warnings
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    from src.runs import ArgumentParser, usage_errors_exit
+
+    parser = ArgumentParser(prog="python -m src.sysinfo", description=__doc__.splitlines()[0])
+    with usage_errors_exit():
+        parser.parse_args(argv)
     print(format_report(collect()))
 
 

@@ -20,7 +20,10 @@ from omegaconf import open_dict
 from torch.utils.data import DataLoader, TensorDataset
 
 from src import checks
-from src.checks import CONF_DIR, check_checkpoint, check_config, check_overrides, check_run_dir, group_options
+from src.checks import CONF_DIR, check_config, check_overrides, check_run_dir, group_options
+from src.checks import objects
+from src.checks.lightning_names import precisions, trainer_arguments
+from src.checks.objects import check_checkpoint
 from src.callbacks.finite_loss import FiniteLossCheck
 from src.build import build
 from src.checkpoints import open_checkpoint, resolve_ckpt_path
@@ -266,7 +269,7 @@ def test_a_model_config_that_cannot_be_built_is_one_line():
     cfg = composed("model=lenet")
     with open_dict(cfg):
         cfg.model._target_ = "torch.nn.Identity"
-    assert refused(checks.check_model, build("model", cfg.model), cfg.model._target_).startswith(
+    assert refused(objects.check_model, build("model", cfg.model), cfg.model._target_).startswith(
         "model._target_=torch.nn.Identity is not allowed; it must name a LightningModule")
 
 
@@ -387,7 +390,7 @@ def test_precision_64_trains_end_to_end(tmp_path, data_root):
 
 def test_every_trainer_argument_has_a_rule():
     """A Trainer argument without a rule in src/checks/schema.py would be refused as unknown."""
-    for name in checks.TRAINER_ARGS - checks.OWNED_BY_TOP_LEVEL:
+    for name in trainer_arguments() - checks.OWNED_BY_TOP_LEVEL:
         assert checks.rule_for(f"trainer.{name}") is not None, name
 
 
@@ -465,3 +468,16 @@ def test_the_keys_an_unknown_key_is_told_are_those_a_user_can_set():
     listed = refused(check_overrides, ["foo=1"]).split("top-level keys: ", 1)[1]
     assert "max_epochs" in listed and not {"model_name", "strategy_name", "run_name", "output_dir"} & set(
         listed.rstrip(")").split(", "))
+
+
+def test_the_trainer_names_read_from_lightnings_source_are_those_its_trainer_declares():
+    """The command line is checked from Lightning's source, unimported: it must say what the imported Trainer does."""
+    import inspect
+    import typing
+
+    from lightning import Trainer
+
+    declared = inspect.signature(Trainer.__init__).parameters
+    assert trainer_arguments() == set(declared) - {"self"}
+    literals = typing.get_args(declared["precision"].annotation)
+    assert precisions() == tuple(dict.fromkeys(str(v) for literal in literals for v in typing.get_args(literal)))

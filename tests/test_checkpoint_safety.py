@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 from torch.utils.data import DataLoader, TensorDataset
 
 from src.checkpoints import AtomicCheckpointIO, newest, open_checkpoint, read_checkpoint, resolve_ckpt_path
-from src.checks import check_checkpoint
+from src.checks.objects import check_checkpoint
 from src.errors import UsageError
 from src.eval import as_trained
 from src.loggers import purge_step

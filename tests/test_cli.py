@@ -1,6 +1,8 @@
 """The real command line as a user runs it: in this process where its own process is not the point."""
 
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -9,7 +11,7 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from src.errors import UsageError
 from src.launch.cli import report_failure
-from tests.helpers import QUICK, Run, assert_finished_run, cpu_precision, hparams, hparams_order, scalars, train, write_tiny_fashion_mnist
+from tests.helpers import QUICK, REPO, Run, assert_finished_run, cpu_precision, hparams, hparams_order, scalars, train, user_env, write_tiny_fashion_mnist
 
 
 def test_single_device_run_logs_every_interface_scalar(quick_run: Run):
@@ -129,3 +131,34 @@ def test_one_name_for_the_precision_and_the_logger_under_ddp(ddp_run):
     line = next(line for line in ddp_run.result.stdout.splitlines() if " - test/acc=" in line)
     assert "[src.train][INFO] - " in line and f"(precision {used}, 2 processes," in line
     assert re.search(r"epoch 1/1 step \d+: .* \d+ samples/s$", (ddp_run.dir / "train.log").read_text(), re.M)
+
+
+def test_a_slow_command_says_what_it_is_doing_and_a_quick_one_says_nothing(capsys):
+    import time
+
+    from src.launch.console import saying
+
+    said = ""
+    with saying("reading the runs below outputs", after_s=0.0):  # slower than 0 s: says it, from its timer's thread
+        deadline = time.monotonic() + 60  # a bound on a hang, not on the machine's speed
+        while "reading the runs below outputs ..." not in said and time.monotonic() < deadline:
+            time.sleep(0.01)
+            said += capsys.readouterr().err
+    assert "reading the runs below outputs ...\n" in said
+    with saying("never said", after_s=600):
+        pass
+    assert "never said" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [
+    ["src.train", "--help"], ["src.train", "max_epoch=3"], ["src.train", "precision=fp16"], ["src.train", "--devices", "2"],
+    ["src.train", "trainer.max_epoch=3"], ["src.eval", "--help"], ["src.report", "--help"], ["src.report", "/nowhere"],
+    ["src.sysinfo", "--help"],
+], ids=lambda command: " ".join(command))
+def test_help_and_a_mistake_are_answered_before_torch_and_lightning_are_imported(command):
+    """Importing torch and Lightning takes seconds: `--help` and a wrong key or value are answered without them."""
+    result = subprocess.run([sys.executable, "-X", "importtime", "-m", *command], cwd=REPO, env=user_env(),
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode in (0, 2), result.stderr[-3000:]
+    imported = {line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")}
+    assert not {"torch", "lightning"} & imported, sorted(name for name in imported if name.split(".")[0] in ("torch", "lightning"))

@@ -1,47 +1,38 @@
 """Checks of user input, done once and early, each failing with one line that names the option.
 
-Checks only check: they take config values, or objects already built or read (`check_model`,
-`check_checkpoint`), and raise `UsageError`; building happens in `src/train.py`. The types of the
-top-level keys are the schema's (`src/config.py`), enforced by Hydra while composing; the rules for
-values live in `src/checks/schema.py`. This module applies them to the composed config
-(`check_config`), to the command line before Hydra composes it (`check_overrides`, `check_run_dir`),
-to this machine (`check_hardware`) and to what a run is asked to resume from (`check_checkpoint`).
+Checks only check: they take config values and raise `UsageError`; building happens in `src/runner.py`.
+The types of the top-level keys are the schema's (`src/config.py`), enforced by Hydra while composing;
+the rules for values live in `src/checks/schema.py`. This module applies them to the command line
+before Hydra composes it (`check_flags`, `check_overrides`, `check_run_dir`) and to the composed config
+(`check_config`), without torch or Lightning, so that a mistake is answered at once. The checks of
+objects already built or read, and of this machine, are in `src/checks/objects.py`.
 """
 
 import difflib
 import fnmatch
 import importlib.util
-import inspect
 import itertools
 import re
 import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import lightning
-import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
 from hydra.errors import OverrideParseException
-from lightning import LightningModule
-from lightning.fabric.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException, ValidationError
 
 from src.launch.console import counted
 from src.launch.ranks import external_rank
-from src.checkpoints import Saved, unsafe_content
 from src.errors import UsageError
+from src.checks.lightning_names import trainer_arguments
 from src.checks.schema import ALIASES, SCHEMA, shown
 from src.config import TrainConfig
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
-TRAINER_ARGS = set(inspect.signature(lightning.Trainer.__init__).parameters) - {"self"}
 # Trainer arguments that the top-level keys own; `trainer.<name>` may not set them.
 OWNED_BY_TOP_LEVEL = {"accelerator", "strategy", "devices", "num_nodes", "precision", "logger", "callbacks",
                       "max_epochs", "sync_batchnorm", "default_root_dir", "use_distributed_sampler", "plugins"}
@@ -149,17 +140,21 @@ def check_overrides(args: list[str]) -> None:
 
 def check_type(override: Override) -> None:
     """Each value of the type the schema (src/config.py) gives its key: Hydra would refuse it while
-    composing, in several lines. The words say what the key allows, its range included."""
+    composing, in several lines. The words say what the key allows, its range included. A value typed
+    out (not an interpolation) is also held to its key's rule now, as `check_config` holds the composed
+    config later: the mistake is answered before Hydra starts the job."""
     key = override.key_or_group
+    rule = rule_for(key)
     for value in override_values(override):
         try:
             OmegaConf.update(OmegaConf.structured(TrainConfig), key, value, merge=False)
         except ValidationError as error:
-            rule = rule_for(key)
             allowed = must_be(key, value, rule) if rule else str(error).splitlines()[0]
             raise not_allowed(key, value, allowed) from None
         except OmegaConfBaseException:
             pass  # a key of a config group, which the schema leaves to the class the group names
+        if rule is not None and not (isinstance(value, str) and "${" in value) and not rule.test(value):
+            raise not_allowed(key, value, must_be(key, value, rule))
 
 
 def config_keys(group_choices: list[str]) -> set[str]:
@@ -308,7 +303,7 @@ def check_across_keys(cfg: DictConfig, values: dict[str, Any]) -> None:
         module_name = str(target).rpartition(".")[0]
         if not module_name or importlib.util.find_spec(module_name.split(".")[0]) is None:
             raise not_allowed(f"callbacks.{name}._target_", target, "it must name a class of an importable module")
-    checkpoints = [name for name, c in cfg.callbacks.items() if c.get("_target_", "").endswith(ModelCheckpoint.__name__)]
+    checkpoints = [name for name, c in cfg.callbacks.items() if c.get("_target_", "").endswith("ModelCheckpoint")]
     if values.get("trainer.enable_checkpointing") is False and checkpoints:
         raise not_allowed(
             "trainer.enable_checkpointing", False,
@@ -323,99 +318,15 @@ def data_choice() -> str:
     return str(choices.get("data", "<option>"))
 
 
-def check_hardware(accelerator: str, precision: str, devices: int) -> None:
-    """The requested accelerator, device count and precision exist on this machine."""
-    cuda = torch.cuda.is_available()
-    if accelerator in ("gpu", "cuda") and not cuda:
-        raise UsageError(f"accelerator={accelerator} but this machine has no CUDA device; use accelerator=cpu")
-    on_gpu = cuda and accelerator != "cpu"
-    if on_gpu and devices > torch.cuda.device_count():
-        raise UsageError(f"devices={devices} but this machine has {counted(torch.cuda.device_count(), 'CUDA device')}")
-    if precision.startswith("transformer-engine") and (not on_gpu or not importlib.util.find_spec("transformer_engine")):
-        raise UsageError(f"precision={precision} is not allowed here; it needs a CUDA GPU and the transformer_engine package")
-
-
 def check_trainer_args(trainer_cfg: dict) -> None:
     for key in trainer_cfg:
         if key in OWNED_BY_TOP_LEVEL:
             raise UsageError(f"trainer.{key} is set by the top-level key; use {key}=... instead")
-        if key not in TRAINER_ARGS:
-            close = difflib.get_close_matches(key, sorted(TRAINER_ARGS), n=1, cutoff=0.8)
+        if key not in trainer_arguments():
+            close = difflib.get_close_matches(key, sorted(trainer_arguments()), n=1, cutoff=0.8)
             hint = ""
             if close and close[0] in OWNED_BY_TOP_LEVEL:
                 hint = f"; did you mean {close[0]}? (a top-level key: {close[0]}=...)"
             elif close:
                 hint = f"; did you mean trainer.{close[0]}?"
             raise UsageError(f"trainer.{key} is not a lightning.Trainer argument{hint}")
-
-
-@contextmanager
-def trainer_input_errors() -> Iterator[None]:
-    """Lightning's own refusals of a Trainer argument that only the data can judge, as one line.
-
-    E.g. `trainer.val_check_interval=500` with 4 training batches, or a `limit_train_batches`
-    fraction that leaves no batch. Only errors that name a Trainer argument are translated.
-    """
-    try:
-        yield
-    except (MisconfigurationException, ValueError) as error:
-        named = [name for name in re.findall(r"`(?:Trainer\()?(\w+)", str(error)) if name in TRAINER_ARGS]
-        if not named:
-            raise
-        raise UsageError(f"trainer.{named[0]}: {' '.join(str(error).split())}") from error
-
-
-# --- the objects the config names -----------------------------------------------------------------------------
-
-
-def check_model(module: object, target: object) -> None:
-    """What `model=<option>` built must be a LightningModule: the Trainer takes nothing else."""
-    if not isinstance(module, LightningModule):
-        raise not_allowed("model._target_", target,
-                          "it must name a LightningModule, e.g. src.models.module.Classifier with the network under model.net")
-
-
-# --- what a run resumes from ---------------------------------------------------------------------------------
-
-
-def unreadable_checkpoint(error: Exception) -> str:
-    """Why torch could not read a file, in words: torch's own messages advise calling torch.save differently."""
-    text = str(error)
-    if "mmap can only be used" in text:
-        return "it is not in the format torch.save writes"
-    if "zip archive" in text or "inline_container" in text:
-        return "it is damaged or cut short, or a zip archive that torch did not write"
-    if isinstance(error, OSError) and error.strerror:
-        return error.strerror
-    return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
-
-
-def check_checkpoint(saved: Saved | None, given: object, module: torch.nn.Module, model_name: str) -> None:
-    """A checkpoint to resume must be a Lightning checkpoint of this very model, known before training starts,
-    and hold only tensors and plain values: unpickling anything else could run code the file carries."""
-    if saved is None:
-        return
-    path = saved.path
-    if saved.error is not None:
-        if (refused := unsafe_content(saved.error)) is not None:
-            raise not_allowed(
-                "ckpt_path", given,
-                f"{path} is not a safe checkpoint: it holds objects that cannot be loaded safely ({refused}); "
-                "a checkpoint is read as tensors and plain values only, so that loading it cannot run code",
-            )
-        raise not_allowed("ckpt_path", given, f"{path} is not a checkpoint file ({unreadable_checkpoint(saved.error)})")
-    weights = saved.contents.get("state_dict") if isinstance(saved.contents, dict) else None
-    if not isinstance(weights, dict):
-        raise not_allowed("ckpt_path", given, f"{path} is not a Lightning checkpoint (it holds no state_dict)")
-    expected = {k: tuple(v.shape) for k, v in module.state_dict().items()}
-    found = {k: tuple(v.shape) for k, v in weights.items() if isinstance(v, torch.Tensor)}
-    if expected == found:
-        return
-    differences = [f"{k} {found[k]} here {expected[k]}" for k in expected.keys() & found.keys() if expected[k] != found[k]]
-    differences += [f"{k} missing" for k in expected.keys() - found.keys()]
-    differences += [f"{k} not in model={model_name}" for k in found.keys() - expected.keys()]
-    raise not_allowed(
-        "ckpt_path", given,
-        f"it holds another model than model={model_name} ({len(differences)} weights differ, e.g. {sorted(differences)[0]}); "
-        "use the model it was trained with",
-    )

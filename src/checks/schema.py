@@ -17,16 +17,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from lightning import Trainer
+from src.checks.lightning_names import precisions
 
 
-def precisions() -> list[str]:
-    """`auto`, then every value that `Trainer(precision=...)`'s signature names (Literals of ints and strings)."""
-    literals = typing.get_args(inspect.signature(Trainer.__init__).parameters["precision"].annotation)
-    return ["auto", *dict.fromkeys(str(p) for literal in literals for p in typing.get_args(literal))]
-
-
-PRECISIONS = precisions()
+PRECISIONS = ["auto", *precisions()]  # `auto`, then every value `Trainer(precision=...)` takes
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda")
 SEED_MAX = 2**32 - 1  # Lightning's seed_everything takes what numpy does: 0 .. 2**32 - 1
 # What the Classifier logs, so what a checkpoint callback can watch.

@@ -15,19 +15,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
 
-import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from src import checks, resume
-from src.checkpoints import has_checkpoints
 from src.errors import TrainingDiverged, UsageError
-from src.launch import workers
+from src.launch import stops
 from src.launch.console import counted, print_error
 from src.launch.naming import unclaim_dir
 from src.launch.ranks import is_rank_zero, rank_argv
-from src.launch.workers import RankFailed, RunStopped, signal_name
+from src.launch.stops import RankFailed, RunStopped, signal_name
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +89,7 @@ def kept(output_dir: Path) -> str:
     sweep = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
     again = (f"python -m src.train -m hydra.sweep.dir={HydraConfig.get().sweep.dir} ckpt_path=auto" if sweep
              else f"python -m src.train ckpt_path=last hydra.run.dir={output_dir}")
-    if not has_checkpoints(output_dir) and not sweep:
+    if not any((output_dir / "checkpoints").glob("*.ckpt")) and not sweep:
         return "no epoch finished, so there is no checkpoint"
     held = f"{last} holds the last finished epoch" if last.is_file() else "no epoch finished yet"
     return f"{held}; resume with: {again}"
@@ -115,6 +113,8 @@ def own_process_group() -> Iterator[None]:
     try:
         yield
     finally:
+        import torch.distributed as dist  # imported by then: the job ran
+
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
         for name, value in saved.items():
@@ -148,7 +148,7 @@ def run_job(task: Callable[[DictConfig], Result], cfg: DictConfig) -> JobDone | 
     except RankFailed as failure:
         end_run(f"{failure.line}; {kept(output_dir)}", 1)
     except Exception as error:  # under torchrun or SLURM: a collective that lost its peer or timed out
-        failure = workers.rank_failure(error, cfg)
+        failure = stops.rank_failure(error, cfg)
         if failure is None:
             raise
         end_run(f"{failure.line}; {kept(output_dir)}", 1)
@@ -159,7 +159,7 @@ def run_entry(hydra_main: Callable[[], object], resumes: bool = False) -> None:
     """Check the command line, run the Hydra entry, and exit non-zero if any sweep job failed. With `resumes`
     (training), a command that resumes a run folder takes that run's own settings first (`src.resume`)."""
     sys.argv = rank_argv(sys.argv)
-    workers.handle_stop_signals()
+    stops.handle_stop_signals()
     try:
         checks.check_flags(sys.argv[1:])
         checks.check_overrides(sys.argv[1:])

@@ -8,6 +8,8 @@ continue the bar's line.
 import logging
 import sys
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from tqdm import tqdm
 
@@ -73,3 +75,16 @@ def counted(count: int, noun: str, nouns: str | None = None) -> str:
 def processes(count: int) -> str:
     """`1 process`, `2 processes`."""
     return counted(count, "process", "processes")
+
+
+@contextmanager
+def saying(what: str, after_s: float = 1.5) -> Iterator[None]:
+    """`what ...` on stderr once the work inside has taken `after_s` seconds, so that a command that is slow to
+    answer says what it is doing; nothing for work done sooner."""
+    timer = threading.Timer(after_s, lambda: print(f"{what} ...", file=sys.stderr, flush=True))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()

@@ -3,7 +3,11 @@
 import os
 from datetime import datetime
 
-from lightning.pytorch.utilities import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only  # Lightning's, without importing Lightning
+
+
+# Where Lightning reads a process's rank at import, in its order.
+RANK_VARIABLES = ("RANK", "LOCAL_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK")
 
 
 def is_rank_zero() -> bool:
@@ -16,7 +20,10 @@ def is_rank_zero() -> bool:
     functions. Where a trainer is at hand (callbacks, after `Trainer.fit`), ask Lightning's
     `trainer.is_global_zero` instead.
     """
-    return rank_zero_only.rank == 0
+    rank = getattr(rank_zero_only, "rank", None)  # set once Lightning is imported, which entry points leave until needed
+    if rank is None:  # as Lightning will read it
+        rank = next((int(os.environ[name]) for name in RANK_VARIABLES if name in os.environ), 0)
+    return rank == 0
 
 
 def external_rank() -> str | None:

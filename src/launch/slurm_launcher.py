@@ -26,9 +26,9 @@ from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLaunche
 from omegaconf import OmegaConf, open_dict
 from submitit.core.utils import UncompletedJobError, cloudpickle_dump, temporary_save_path
 
-from src.launch import cli, workers
+from src.launch import cli, stops
 from src.launch.naming import job_folder_name
-from src.launch.workers import RunStopped
+from src.launch.stops import RunStopped
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ class SlurmLauncher(SubmititSlurmLauncher):
     def checkpoint(self, *args: Any, **kwargs: Any) -> Any:
         """submitit's timeout or preemption signal: requeue, and exit without the SIGTERM that
         `scontrol requeue` sends next raising a second stop during the exit."""
-        workers.ignore_stop_signals()
+        stops.ignore_stop_signals()
         log.info("requeued by SLURM: the next attempt resumes from this run's last checkpoint")
         return super().checkpoint(*args, **kwargs)
 

@@ -40,7 +40,9 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from tqdm import tqdm
 
 from src.errors import TrainingDiverged, UsageError
+from src.launch import stops
 from src.launch.console import close_progress_bars
+from src.launch.stops import STOP_SIGNALS, RankFailed, RunStopped, handle_stop_signals, ignore_stop_signals, rank_failure, signal_name
 
 T = TypeVar("T")
 # How long a worker that lost its peer waits for the agent, which knows how the peer ended, to end
@@ -50,58 +52,6 @@ PEER_GONE_GRACE_S = 10.0
 START_METHOD = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
 # The environment this module was imported in: for a forked worker, the forkserver's at its start.
 _IMPORTED_WITH = dict(os.environ)
-STOP_SIGNALS: tuple[int, ...] = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGINT", "SIGHUP") if hasattr(signal, n))
-# How torch words a collective that lost its peer or ran out of time (gloo, NCCL, the TCP store).
-COLLECTIVE_MARKS = ("gloo", "NCCL", "Connection reset", "Connection closed", "Broken pipe", "Timed out", "timed out")
-
-
-class RunStopped(BaseException):
-    """A stop signal, raised in the main thread. Not an `Exception`, so no `except Exception` swallows it;
-    Lightning's own handler of any other exception still finalizes the loggers on the way out."""
-
-    def __init__(self, signum: int, where: str = "") -> None:
-        super().__init__(signum, where)
-        self.signum = signum
-        self.where = where  # e.g. " to rank 1 (pid 42)"
-
-
-class RankFailed(Exception):
-    """A rank ended the run (exit status 1): the one line that says which and how."""
-
-    def __init__(self, line: str, timed_out: bool = False) -> None:
-        super().__init__(line)
-        self.line = line
-        self.timed_out = timed_out
-
-
-def signal_name(signum: int) -> str:
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return f"signal {signum}"
-
-
-# Where training is, for the stop line: ` during epoch 3 (step 6)`, the epoch counted from 1 as train.log counts it.
-_position = ""
-
-
-def _raise_stop(signum: int, frame: Any) -> None:
-    raise RunStopped(signum, _position)
-
-
-def handle_stop_signals() -> None:
-    """SIGTERM, SIGINT and SIGHUP raise `RunStopped` in the main thread from now on."""
-    for signum in STOP_SIGNALS:
-        signal.signal(signum, _raise_stop)
-
-
-def ignore_stop_signals() -> None:
-    """On the way out: the agent sends SIGTERM to every worker once one has ended (and a terminal's
-    Ctrl-C reaches a worker twice), and a handler that raised during the exit would print a traceback."""
-    for signum in STOP_SIGNALS:
-        signal.signal(signum, signal.SIG_IGN)
-
-
 class StopOnSignal(Callback):
     """Puts this module's handlers back after Lightning registers its own at each stage: Lightning's
     SIGTERM handler broadcasts from inside the handler, which hangs ranks that are in another collective."""
@@ -116,14 +66,12 @@ class StopOnSignal(Callback):
         _handle_anew()
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        global _position
-        _position = f" during epoch {trainer.current_epoch + 1} (step {trainer.global_step})"
+        stops.position = f" during epoch {trainer.current_epoch + 1} (step {trainer.global_step})"
 
 
 def _handle_anew() -> None:
-    """This module's handlers back, and no position until a training batch starts."""
-    global _position
-    _position = ""
+    """The stop handlers back, and no position until a training batch starts."""
+    stops.position = ""
     handle_stop_signals()
 
 
@@ -343,23 +291,6 @@ def _log_to_file(logging_config: dict[str, Any] | None, rank: int) -> None:
             handler["filename"] = str(name.with_name(f"{name.stem}_rank_{rank}{name.suffix}"))
             handler["delay"] = True  # created at its first line: a rank that says nothing leaves no empty file
     logging.config.dictConfig(logging_config)
-
-
-def rank_failure(error: BaseException, cfg: DictConfig) -> "RankFailed | None":
-    """A collective that lost its peer or timed out, somewhere in `error` or its causes, as one line; else None."""
-    seen: set[int] = set()
-    current: BaseException | None = error
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        text = str(current)
-        if isinstance(current, RuntimeError) and any(mark in text for mark in COLLECTIVE_MARKS):
-            if any(mark in text for mark in ("Timed out", "timed out")):
-                waited = f"strategy.timeout_s={cfg.strategy.get('timeout_s')}"
-                return RankFailed(f"a collective waited {waited} s without an answer from another rank; run stopped", timed_out=True)
-            first = next((line.strip() for line in text.splitlines() if line.strip()), type(current).__name__)
-            return RankFailed(f"a collective failed ({first[:160]}); run stopped")
-        current = current.__cause__ or current.__context__
-    return None
 
 
 def _exit(status: int) -> NoReturn:

@@ -29,7 +29,7 @@ from omegaconf import OmegaConf
 
 from src.data.fashion_mnist import IMAGE_SIZE
 from src.errors import UsageError
-from src.launch.console import processes
+from src.launch.console import processes, saying
 from src.runs import ArgumentParser, RunFolder, median, output_folder, read_runs, require_folder, usage_errors_exit
 from src.scaling import probe as gloo_probe
 from src.scaling import timed as timing
@@ -641,7 +641,8 @@ def main(argv: list[str] | None = None) -> None:
             require_folder(args.folder)
         probe = None
         if args.probe:
-            probe = gloo_probe.run_probe()
+            with saying("timing gloo all-reduces on this machine's cores for the probe (about a minute)"):
+                probe = gloo_probe.run_probe()
             out.mkdir(parents=True, exist_ok=True)
             gloo_probe.save(probe, out / "probe.json")
             for n, (latency, bandwidth) in probe.fits().items():
@@ -654,5 +655,7 @@ def main(argv: list[str] | None = None) -> None:
         else:
             probe = load_probe(args.folder / "probe.json")
         if args.folder is not None:
-            write_scaling(args.folder, out, probe, options_from(args))
+            with saying(f"reading the runs below {args.folder} and predicting their scaling (timing what no saved "
+                        "probe or terms hold)"):
+                write_scaling(args.folder, out, probe, options_from(args))
             print(f"-> {out / 'scaling.md'}")

@@ -1,0 +1,78 @@
+"""How a run stops: a stop signal raises `RunStopped` in the main thread, a rank that ends the run is
+`RankFailed`, and a collective that lost its peer or waited too long is told from other errors. Kept apart
+from the DDP workers (`src.launch.workers`), so that every entry point handles signals from its first line
+on, before torch is imported."""
+
+import signal
+from typing import Any
+
+from omegaconf import DictConfig
+
+STOP_SIGNALS: tuple[int, ...] = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGINT", "SIGHUP") if hasattr(signal, n))
+# How torch words a collective that lost its peer or ran out of time (gloo, NCCL, the TCP store).
+COLLECTIVE_MARKS = ("gloo", "NCCL", "Connection reset", "Connection closed", "Broken pipe", "Timed out", "timed out")
+
+
+class RunStopped(BaseException):
+    """A stop signal, raised in the main thread. Not an `Exception`, so no `except Exception` swallows it;
+    Lightning's own handler of any other exception still finalizes the loggers on the way out."""
+
+    def __init__(self, signum: int, where: str = "") -> None:
+        super().__init__(signum, where)
+        self.signum = signum
+        self.where = where  # e.g. " to rank 1 (pid 42)"
+
+
+class RankFailed(Exception):
+    """A rank ended the run (exit status 1): the one line that says which and how."""
+
+    def __init__(self, line: str, timed_out: bool = False) -> None:
+        super().__init__(line)
+        self.line = line
+        self.timed_out = timed_out
+
+
+def signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+# Where training is, for the stop line: ` during epoch 3 (step 6)`, the epoch counted from 1 as train.log counts it
+# (set by `src.launch.workers.StopOnSignal`).
+position = ""
+
+
+def _raise_stop(signum: int, frame: Any) -> None:
+    raise RunStopped(signum, position)
+
+
+def handle_stop_signals() -> None:
+    """SIGTERM, SIGINT and SIGHUP raise `RunStopped` in the main thread from now on."""
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, _raise_stop)
+
+
+def ignore_stop_signals() -> None:
+    """On the way out: the agent sends SIGTERM to every worker once one has ended (and a terminal's
+    Ctrl-C reaches a worker twice), and a handler that raised during the exit would print a traceback."""
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
+
+
+def rank_failure(error: BaseException, cfg: DictConfig) -> "RankFailed | None":
+    """A collective that lost its peer or timed out, somewhere in `error` or its causes, as one line; else None."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        text = str(current)
+        if isinstance(current, RuntimeError) and any(mark in text for mark in COLLECTIVE_MARKS):
+            if any(mark in text for mark in ("Timed out", "timed out")):
+                waited = f"strategy.timeout_s={cfg.strategy.get('timeout_s')}"
+                return RankFailed(f"a collective waited {waited} s without an answer from another rank; run stopped", timed_out=True)
+            first = next((line.strip() for line in text.splitlines() if line.strip()), type(current).__name__)
+            return RankFailed(f"a collective failed ({first[:160]}); run stopped")
+        current = current.__cause__ or current.__context__
+    return None
