@@ -164,7 +164,7 @@ def in_process(module: str, *args: str, timeout: float = 300, workers: bool = Fa
                 timer.start()
                 stack.callback(timer.cancel)
             faulthandler.dump_traceback_later(timeout + 60 if workers else timeout, exit=True, file=hang_report)
-            importlib.import_module("src.train").ignore_known_warnings()  # as at the import in a process of its own
+            importlib.import_module("src.runner").ignore_known_warnings()  # as at the import in a process of its own
             try:
                 entry.main()
             except SystemExit as exit_:

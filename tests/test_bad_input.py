@@ -329,7 +329,7 @@ def test_bad_input_fails_with_one_line_and_no_run_folder(tmp_path, data_root, ca
 
 
 def test_auto_strategy_on_two_devices_and_a_missing_checkpoint_are_refused(tmp_path):
-    from src.train import processes_per_node
+    from src.runner import processes_per_node
 
     assert "strategy=auto runs on one device" in refused(processes_per_node, "auto", 2)
     assert "ckpt_path=last: no checkpoint" in refused(resolve_ckpt_path, "last", tmp_path)

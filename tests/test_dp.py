@@ -20,7 +20,7 @@ from src.models.module import Classifier
 from src.models.resnet import resnet18
 from src.strategies.dp import DataParallelNet, DataParallelStrategy
 from src.strategies.sync_batchnorm import SyncBatchNormPlugin
-from src.train import processes_per_node
+from src.runner import processes_per_node
 from tests.equivalence import checkpoint, deviation
 from tests.helpers import QUICK, REPO, hparams, train
 

@@ -143,10 +143,10 @@ def cuda_and_nccl(cfg: DictConfig) -> dict[str, float]:
 FORKED_WORKER = """
 import multiprocessing.forkserver
 from omegaconf import OmegaConf
-from src import train
+from src import runner
 from src.launch import workers
 from tests.test_gpu import cuda_and_nccl
-multiprocessing.set_forkserver_preload(workers.preloaded(train.run))
+multiprocessing.set_forkserver_preload(workers.preloaded(runner.run))
 multiprocessing.forkserver.ensure_running()
 print(workers.START_METHOD, workers.start(cuda_and_nccl, OmegaConf.create({"devices": 1, "value": 3})))
 """

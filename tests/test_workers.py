@@ -54,7 +54,7 @@ for module in pkgutil.walk_packages(src.__path__, "src."):
     if not module.name.endswith("__main__"):  # an entry point runs when imported
         importlib.import_module(module.name)
 from src.launch import workers
-names = workers.preloaded(importlib.import_module("src.train").run)
+names = workers.preloaded(importlib.import_module("src.runner").run)
 print(json.dumps({"preloaded": names, "calls": calls}))
 """
 
