@@ -195,3 +195,15 @@ def test_a_swept_precision_is_shown_as_typed_where_the_name_does_not(tmp_path):
     named = {sweep_job_dirname([f"precision={p}", "seed=1"], 0, str(tmp_path), f"lenet_auto_1dev_{used}")
              for p, used in (("32", "32-true"), ("bf16-mixed", "bf16-mixed"))}
     assert named == {"lenet_auto_1dev_32-true_precision=32,seed=1", "lenet_auto_1dev_bf16-mixed_seed=1"}
+
+
+def test_jobs_of_a_swept_key_that_a_plus_adds_get_folders_apart(tmp_path):
+    from omegaconf import OmegaConf
+
+    from src.launch.naming import sweep_job_dirname
+
+    OmegaConf.save(OmegaConf.create({"hydra": {"overrides": {"task": ["+callbacks.fault.step=2,1000"]}}}),
+                   tmp_path / "multirun.yaml")
+    named = [sweep_job_dirname([f"+callbacks.fault.step={step}"], 0, str(tmp_path), "lenet_auto_1dev_32-true")
+             for step in (2, 1000)]
+    assert named == ["lenet_auto_1dev_32-true_callbacks.fault.step=2", "lenet_auto_1dev_32-true_callbacks.fault.step=1000"]

@@ -64,7 +64,8 @@ def sweep_job_dirname(job_overrides: list[str], job_num: int, sweep_dir: str, la
     A swept precision is shown as typed unless the label shows it as typed (`32` is `32-true`
     there, and `auto` may become any), so two jobs never share a folder.
     """
-    values = dict(item.split("=", 1) for item in job_overrides if "=" in item)
+    # `+key=a,b` adds a key: swept_keys names it `key`
+    values = {key.lstrip("+"): value for key, value in (item.split("=", 1) for item in job_overrides if "=" in item)}
     parts = [f"{key}={values[key]}" for key in swept_keys(sweep_args(sweep_dir))
              if key in values and key not in LABELLED and not (key == "precision" and label.endswith("_" + values[key]))]
     if not label:
