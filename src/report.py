@@ -401,7 +401,6 @@ class SweepReport(Callback):
         write_tensorboard_text(runs, sweep_dir / "report")
         if any(run.params for run in runs):
             write_experiment([run.params for run in runs if run.params], sweep_dir / "report")
-        log.info(f"sweep report of {counted(len(runs), 'run')}: {sweep_dir / 'report.md'}")
 
 
 def main(argv: list[str] | None = None) -> None:

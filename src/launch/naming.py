@@ -7,7 +7,7 @@ from pathlib import Path
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.types import RunMode
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from src import folders
 from src.launch.ranks import external_rank, run_stamp
@@ -71,6 +71,17 @@ def sweep_job_dirname(job_overrides: list[str], job_num: int, sweep_dir: str, la
     if not label:
         return ",".join(parts) if parts else f"job{job_num}"
     return "_".join([label, ",".join(parts)]) if parts else label
+
+
+def job_dirname(config: DictConfig) -> str:
+    """A sweep job's folder name before it runs, resolved from its config as Hydra's `run_job` resolves it:
+    under the job's own Hydra config, which `hydra:` interpolations (its model and strategy) read."""
+    saved = HydraConfig.instance().cfg
+    HydraConfig.instance().set_config(config)
+    try:
+        return str(OmegaConf.select(config, "hydra.sweep.subdir"))
+    finally:
+        HydraConfig.instance().cfg = saved
 
 
 def job_folder_name(sweep_dir: Path, overrides: list[str], job_num: int) -> str:
