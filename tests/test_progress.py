@@ -1,5 +1,6 @@
 """A sweep's progress lines and summary, on a clock the test moves; the same lines from the SLURM launcher's
-wait. Sweeps on the real command line: tests/test_multirun.py."""
+wait; and how the parallel launcher places jobs on cores and GPUs. Sweeps on the real command line:
+tests/test_multirun.py."""
 
 import io
 import sys
@@ -11,9 +12,11 @@ from hydra.core.utils import JobReturn, JobStatus
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
+from src.errors import UsageError
 from src.launch import cli, progress
 from src.launch.cli import JobDone, JobFailed
 from src.launch.console import open_progress_bars, print_line
+from src.launch.parallel_launcher import Job, Places, checked_setting, slots_that_fit
 from src.launch.progress import Progress, Tally, clock_time, settled
 
 
@@ -207,3 +210,58 @@ def test_the_slurm_launcher_says_each_start_and_end_as_it_polls(tmp_path, monkey
     ]
     assert [r.return_value for r in returns] == [DONE, JobFailed("rank 1 died (SLURM job 7_1)", 1)]
     assert cli.failed_jobs == {"seed=2": JobFailed("rank 1 died (SLURM job 7_1)", 1)}
+
+
+# ---------------------------------------------------------------- where the parallel launcher puts jobs
+
+
+def job(devices: int = 1, gpu: bool = False) -> Job:
+    return Job(0, [], None, "job", devices, gpu)
+
+
+def test_on_cpu_as_many_jobs_run_as_the_cores_hold_each_with_cores_of_its_own():
+    assert slots_that_fit(None, cores=2, gpus=0, jobs_per_gpu=1, needs=[job()] * 4) == 2
+    assert slots_that_fit(None, cores=16, gpus=0, jobs_per_gpu=1, needs=[job(1), job(4)]) == 2  # a core per DDP process
+    assert slots_that_fit(None, cores=2, gpus=0, jobs_per_gpu=1, needs=[job(4)]) == 1
+    assert slots_that_fit(1, cores=2, gpus=0, jobs_per_gpu=1, needs=[job()] * 4) == 1
+    places = Places(range(2), 2, None, 1)
+    held = [places.take(0), places.take(0)]
+    assert [p.cores for p in held] == [(0,), (1,)] and places.take(0) is None
+    assert all(p.gpus is None for p in held), "without GPUs, CUDA_VISIBLE_DEVICES is left alone"
+    places.give_back(held[0])
+    assert places.take(0).cores == (0,)
+    assert Places(range(2), 1, None, 1).take(0).cores == (0, 1), "one job at a time gets every core"
+
+
+def test_on_gpus_a_job_gets_its_devices_and_packed_jobs_never_overfill_a_gpu():
+    assert slots_that_fit(None, cores=16, gpus=4, jobs_per_gpu=1, needs=[job(1, gpu=True)] * 12) == 4
+    assert slots_that_fit(None, cores=16, gpus=1, jobs_per_gpu=4, needs=[job(1, gpu=True)] * 8) == 4
+    assert slots_that_fit(None, cores=16, gpus=2, jobs_per_gpu=1, needs=[job(2, gpu=True)] * 3) == 1
+    places = Places(range(16), 4, ["0", "1"], jobs_per_gpu=2)
+    held = [places.take(1) for _ in range(4)]
+    assert [p.gpus for p in held] == [("0",), ("1",), ("0",), ("1",)], "the least shared GPU first"
+    assert [p.cores for p in held] == [tuple(range(k * 4, k * 4 + 4)) for k in range(4)]
+    assert places.take(1) is None, "no slot free"
+    places.give_back(held[0])
+    places.give_back(held[1])
+    assert places.take(2).gpus == ("0", "1"), "a 2-device job: one place on each of two GPUs"
+    assert places.take(1) is None, "every GPU holds 2 jobs"
+
+
+def test_a_job_asking_for_more_gpus_than_there_are_gets_all_of_them_once_idle():
+    places = Places(range(8), 2, ["3", "5"], jobs_per_gpu=1)
+    first = places.take(1)
+    assert places.take(4) is None
+    places.give_back(first)
+    assert places.take(4).gpus == ("3", "5"), "its own check then refuses devices=4 in one line"
+    cpu_job = Places(range(8), 2, ["3", "5"], jobs_per_gpu=1).take(0)
+    assert cpu_job.gpus == (), "a CPU job on a GPU machine sees no GPU"
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, "two", True])
+def test_a_launcher_setting_out_of_range_is_refused_in_one_line(value):
+    with pytest.raises(UsageError, match=rf"hydra.launcher.jobs_per_gpu={value} is not allowed: it must be a whole number"):
+        checked_setting("jobs_per_gpu", value, allow_null=False)
+    with pytest.raises(UsageError, match="from 1 to 2 .*, or null for as many as fit"):
+        checked_setting("jobs", 3, allow_null=True, most=2)
+    assert checked_setting("jobs", None, allow_null=True, most=2) is None
