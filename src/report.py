@@ -451,7 +451,6 @@ class SweepReport(Callback):
 
             typed = override_keys(config.hydra.overrides.task)
             write_experiment([run.params for run in runs if run.params], sweep_dir / "report", typed)
-        log.info(f"sweep report of {counted(len(runs), 'run')}: {sweep_dir / 'report.md'}")
 
 
 def main(argv: list[str] | None = None) -> None:

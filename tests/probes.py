@@ -27,3 +27,14 @@ def noted_allreduce_hook(process_group: dist.ProcessGroup, bucket: dist.GradBuck
     with open(os.environ[HOOK_NOTES], "a") as notes:
         notes.write(f"{bucket.buffer().numel()}\n")
     return default_hooks.allreduce_hook(process_group, bucket)
+
+
+class ShowPlacement(Callback):
+    """Writes `placement rank <r>: cores=<c,...> threads=<n> CUDA_VISIBLE_DEVICES=<v>` from every process as
+    training starts: the cores it may run on, torch's threads, and the GPUs it sees."""
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        cores = ",".join(map(str, sorted(os.sched_getaffinity(0))))
+        line = (f"placement rank {trainer.global_rank}: cores={cores} threads={torch.get_num_threads()} "
+                f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')}\n")
+        os.write(1, line.encode())

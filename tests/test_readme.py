@@ -177,10 +177,12 @@ def ran(checkout) -> Callable[[str], Ran]:
 def test_a_readme_train_command_runs_as_written(ran, command):
     result, new = ran(command).result, ran(command).new
     assert result.returncode == 0, f"{as_run(command)}\n{result.stderr[-3000:]}"
-    lines = [line for line in result.stdout.splitlines() if re.search(RESULT, line)]
+    # A sweep's progress lines (`job n/N done: <job>: <result line> ...`) repeat its jobs' result lines.
+    lines = [line for line in result.stdout.splitlines() if re.search(RESULT, line) and not line.startswith("job ")]
     if is_sweep(command):  # one result line per job, then its report
         jobs = [p for sweep in new for p in sweep.iterdir() if (p / "config.yaml").is_file()]
         assert len(lines) == len(jobs) > 1 and all((sweep / "report.md").is_file() for sweep in new)
+        assert len([line for line in result.stdout.splitlines() if re.match(rf"job \d+/{len(jobs)} done: ", line)]) == len(jobs)
     else:
         assert len(lines) == 1 and len(new) == 1
         run_dir = next(iter(new))
@@ -211,7 +213,7 @@ def test_the_readme_sweep_runs_each_job_in_its_own_folder(ran, checkout, command
     # Workers ran their own job only: no stray sweep or run folders anywhere else.
     assert run.ours_after == run.ours_before
     assert not (checkout / "lightning_logs").exists() and not (REPO / "lightning_logs").exists()
-    assert run.result.stdout.count("test/acc=") == len(jobs)
+    assert sum(line.count("test/acc=") for line in run.result.stdout.splitlines() if not line.startswith("job ")) == len(jobs)
     # The sweep writes its report when it ends: one row per job.
     assert (sweep / "report.md").is_file() and len((sweep / "report.csv").read_text().splitlines()) == len(jobs) + 1
 

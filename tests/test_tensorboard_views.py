@@ -211,3 +211,15 @@ def test_a_sweep_over_models_opens_on_the_swept_keys_not_on_what_follows_from_th
     infos = {info["name"]: info for info in experiment["hparamInfos"]}
     for follows in ("model.net.pool", "model.net.batch_norm", "model.net.init", "params/total"):
         assert follows in infos and not infos[follows].get("differs", False), follows
+
+
+def test_jobs_of_a_swept_key_that_a_plus_adds_get_folders_apart(tmp_path):
+    from omegaconf import OmegaConf
+
+    from src.launch.naming import sweep_job_dirname
+
+    OmegaConf.save(OmegaConf.create({"hydra": {"overrides": {"task": ["+callbacks.fault.step=2,1000"]}}}),
+                   tmp_path / "multirun.yaml")
+    named = [sweep_job_dirname([f"+callbacks.fault.step={step}"], 0, str(tmp_path), "lenet_auto_1dev_32-true")
+             for step in (2, 1000)]
+    assert named == ["lenet_auto_1dev_32-true_callbacks.fault.step=2", "lenet_auto_1dev_32-true_callbacks.fault.step=1000"]

@@ -22,7 +22,7 @@ from omegaconf import DictConfig
 from src import checks, resume
 from src.errors import TrainingDiverged, UsageError
 from src.launch import stops
-from src.launch.console import counted, print_error
+from src.launch.console import counted, print_error, print_line
 from src.launch.naming import unclaim_dir
 from src.launch.ranks import is_rank_zero, rank_argv
 from src.launch.stops import RankFailed, RunStopped, signal_name
@@ -156,8 +156,8 @@ def run_job(task: Callable[[DictConfig], Result], cfg: DictConfig) -> JobDone | 
 
 
 def run_entry(hydra_main: Callable[[], object], resumes: bool = False) -> None:
-    """Check the command line, run the Hydra entry, and exit non-zero if any sweep job failed. With `resumes`
-    (training), a command that resumes a run folder takes that run's own settings first (`src.resume`)."""
+    """Check the command line, run the Hydra entry, sum a sweep up, and exit non-zero if any of its jobs failed.
+    With `resumes` (training), a command that resumes a run folder takes that run's own settings first (`src.resume`)."""
     sys.argv = rank_argv(sys.argv)
     stops.handle_stop_signals()
     try:
@@ -170,10 +170,15 @@ def run_entry(hydra_main: Callable[[], object], resumes: bool = False) -> None:
         if is_rank_zero():  # under torchrun every process checks the same command line
             print_error(str(error))
         sys.exit(2)
+    from src.launch import progress  # it reads this module's job endings
+
+    progress.tally = None
     try:
         hydra_main()
     except RunStopped as stop:  # outside a job: while Hydra starts, between sweep jobs
         end_run(f"run stopped by {signal_name(stop.signum)}{stop.where}", 128 + stop.signum)
+    if progress.tally is not None:
+        print_line(progress.tally.summary())
     if failed_jobs:
         jobs = " | ".join(f"{job}: {failed.line}" for job, failed in failed_jobs.items())
         print_error(f"{counted(len(failed_jobs), 'sweep job')} failed: {jobs}")

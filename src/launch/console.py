@@ -50,6 +50,18 @@ def print_error(message: str) -> None:
     print(f"{fresh}error: {message}", file=sys.stderr, flush=True)
 
 
+def print_line(message: str) -> None:
+    """A line on stdout that starts at the left edge: above the progress bars while any shows (tqdm
+    clears them, prints it and draws them again), and from another thread after a newline."""
+    bars = open_progress_bars()
+    if bars and _may_take_the_bars_lock():
+        tqdm.write(message, file=sys.stdout)
+        sys.stdout.flush()
+        return
+    fresh = "\n" if bars else ""
+    print(f"{fresh}{message}", file=sys.stdout, flush=True)
+
+
 class ConsoleHandler(logging.StreamHandler):
     """Hydra's console log handler, printing above the progress bars while any shows: tqdm clears them,
     prints the line and draws them again, so that an epoch's summary does not continue the bar's line."""

@@ -7,7 +7,7 @@ from pathlib import Path
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.types import RunMode
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from src import folders
 from src.launch.ranks import external_rank, run_stamp
@@ -59,13 +59,25 @@ def sweep_job_dirname(job_overrides: list[str], job_num: int, sweep_dir: str, la
     A swept precision is shown as typed unless the label shows it as typed (`32` is `32-true`
     there, and `auto` may become any), so two jobs never share a folder.
     """
-    values = dict(item.split("=", 1) for item in job_overrides if "=" in item)
+    # `+key=a,b` adds a key: swept_keys names it `key`
+    values = {key.lstrip("+"): value for key, value in (item.split("=", 1) for item in job_overrides if "=" in item)}
     swept = [key for key in swept_keys(sweep_args(sweep_dir)) if key in values]
     if not label:  # a job named before it resolved its label (one that never started): by every swept value
         return ",".join(f"{key}={values[key]}" for key in swept) or f"job{job_num}"
     parts = [f"{key}={values[key]}" for key in swept
              if key not in LABELLED and not (key == "precision" and label.endswith("_" + values[key]))]
     return "_".join([label, ",".join(parts)]) if parts else label
+
+
+def job_dirname(config: DictConfig) -> str:
+    """A sweep job's folder name before it runs, resolved from its config as Hydra's `run_job` resolves it:
+    under the job's own Hydra config, which `hydra:` interpolations (its model and strategy) read."""
+    saved = HydraConfig.instance().cfg
+    HydraConfig.instance().set_config(config)
+    try:
+        return str(OmegaConf.select(config, "hydra.sweep.subdir"))
+    finally:
+        HydraConfig.instance().cfg = saved
 
 
 def job_folder_name(sweep_dir: Path, overrides: list[str], job_num: int) -> str:

@@ -1,8 +1,9 @@
 """`hydra/launcher=slurm`: hydra-submitit-launcher's SLURM launcher, with the endings a user can trust.
 
-On the submitting machine it waits for the job array itself: a job that failed (an `error:` line, or
-no result at all) is remembered in `cli.failed_jobs`, so the sweep exits non-zero naming it; a stop
-signal cancels the array; a job that SLURM can never start ends the sweep with one line.
+On the submitting machine it waits for the job array itself, with a line as each job starts and ends
+(`src.launch.progress`): a job that failed (an `error:` line, or no result at all) is remembered in
+`cli.failed_jobs`, so the sweep exits non-zero naming it; a stop signal cancels the array; a job that
+SLURM can never start ends the sweep with one line.
 In each SLURM task it runs the Hydra job as rank N of the run (rank N>0 logs to `train_rank_N.log`
 and writes no `.hydra/`), resumes a requeued job (`ckpt_path=auto` unless given), and exits with the
 job's status, so that SLURM records a failed job as FAILED.
@@ -12,7 +13,6 @@ import logging
 import subprocess
 import sys
 import time
-import traceback
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -28,6 +28,7 @@ from submitit.core.utils import UncompletedJobError, cloudpickle_dump, temporary
 
 from src.launch import cli, stops
 from src.launch.naming import job_folder_name
+from src.launch.progress import Progress, outcome, settled
 from src.launch.stops import RunStopped
 
 log = logging.getLogger(__name__)
@@ -66,13 +67,12 @@ class SlurmLauncher(SubmititSlurmLauncher):
         except (submitit.core.utils.FailedJobError, subprocess.SubprocessError) as error:
             said = str(error).strip().splitlines()
             cli.end_run(f"sbatch refused the sweep: {said[-1].removeprefix('sbatch: error: ') if said else error}", 2)
+        progress = Progress(len(jobs), initial_job_idx, sweep_dir)
         try:
-            wait(jobs)
+            return wait(jobs, [list(overrides) for overrides in job_overrides], list(numbers), sweep_dir, progress)
         except RunStopped as stop:
             cancel(jobs)
             raise RunStopped(stop.signum, f"; cancelled SLURM job {jobs[0].job_id.split('_')[0]}") from None
-        names = [job_folder_name(sweep_dir, list(overrides), number) for number, overrides in zip(numbers, job_overrides)]
-        return [result(job, overrides, name) for job, overrides, name in zip(jobs, job_overrides, names)]
 
     # ------------------------------------------------------------ in each SLURM task
 
@@ -93,14 +93,14 @@ class SlurmLauncher(SubmititSlurmLauncher):
                 config.ckpt_path = "auto"  # a requeued job runs again in its folder, and resumes there
         job = run_hydra_job(hydra_context=self.hydra_context, task_function=self.task_function, config=config,
                             job_dir_key=job_dir_key, job_subdir_key="hydra.sweep.subdir")
-        failed = failure(job)
-        if failed is not None:
+        ended = outcome(job)
+        if isinstance(ended, cli.JobFailed):
             # The result first, as submitit would write it, so that the submitter reads the error line;
             # then the job's own exit status, which submitit would have made 0.
-            job.status, job.return_value = JobStatus.COMPLETED, failed
+            job.status, job.return_value = JobStatus.COMPLETED, ended
             with temporary_save_path(environment.paths.result_pickle) as path:
                 cloudpickle_dump(("success", job), path)
-            sys.exit(failed.status)
+            sys.exit(ended.status)
         return job
 
     def checkpoint(self, *args: Any, **kwargs: Any) -> Any:
@@ -111,13 +111,28 @@ class SlurmLauncher(SubmititSlurmLauncher):
         return super().checkpoint(*args, **kwargs)
 
 
-def wait(jobs: list[submitit.Job]) -> None:
-    """Until every job has ended; a job that SLURM can never start ends the sweep with one line."""
+def wait(jobs: list[submitit.Job], overrides: list[list[str]], numbers: list[int], sweep_dir: Path,
+         progress: Progress) -> list[JobReturn]:
+    """Until every job has ended, with a line as each starts (SLURM runs it) and ends; each job's JobReturn.
+    A job that SLURM can never start ends the sweep with one line."""
     array_id = jobs[0].job_id.split("_")[0]
-    while not all(job.done() for job in jobs):
+    returns: dict[int, JobReturn] = {}
+    started: set[int] = set()
+    while True:
         listed = queue(array_id)
-        if listed == []:  # all gone from the queue: without sacct, submitit would wait for a result for ever
-            return
+        running = {job_id for job_id, state, _ in listed or [] if state == "RUNNING"}
+        for index, job in enumerate(jobs):
+            # all gone from the queue: without sacct, submitit would wait for a result for ever
+            done = index not in returns and (listed == [] or job.done())
+            if index not in started and (done or job.job_id in running):
+                started.add(index)
+                progress.started(numbers[index], job_folder_name(sweep_dir, overrides[index], numbers[index]))
+            if done:
+                name = job_folder_name(sweep_dir, overrides[index], numbers[index])
+                returns[index] = result(job, overrides[index], name)
+                progress.ended(numbers[index], name, returns[index].return_value)
+        if len(returns) == len(jobs):
+            return [returns[index] for index in range(len(jobs))]
         impossible = never_starts(listed or [])
         if impossible:
             cancel(jobs)
@@ -175,20 +190,7 @@ def result(job: submitit.Job, overrides: Sequence[str], name: str) -> JobReturn:
     except (UncompletedJobError, submitit.core.utils.FailedJobError) as error:
         returned = JobReturn(overrides=list(overrides), status=JobStatus.COMPLETED,
                              _return_value=cli.JobFailed(last_error(job, str(error)), 1))
-    failed = failure(returned)
-    if failed is not None:
-        returned.status, returned.return_value = JobStatus.COMPLETED, failed  # Hydra's sweeper would raise a failure
-        cli.failed_jobs[name] = cli.JobFailed(f"{failed.line} (SLURM job {job.job_id})", failed.status)
-    return returned
-
-
-def failure(job: JobReturn) -> cli.JobFailed | None:
-    """The job's failure: its `error:` line, or an exception the task did not expect (its traceback printed)."""
-    if job.status == JobStatus.FAILED:
-        error = job._return_value
-        traceback.print_exception(error)
-        return cli.JobFailed(f"{type(error).__name__}: {error}", 1)
-    return job._return_value if isinstance(job._return_value, cli.JobFailed) else None
+    return settled(returned, name, where=f" (SLURM job {job.job_id})")
 
 
 def last_error(job: submitit.Job, fallback: str) -> str:

@@ -208,7 +208,7 @@ def _worker(function: Callable[..., Any], cfg: DictConfig, args: tuple[Any, ...]
             logging_config: dict[str, Any] | None, inherited: Inherited, position: str) -> Any:
     """One rank: what `function` returns, or a user's error for the launcher to report. A rank stopped by a
     signal ends its progress bar's line and, as rank 0, leaves where training was in the file `position`."""
-    _die_with_launcher()
+    die_with_launcher()
     inherited.take()
     # tqdm's default lock holds a named semaphore, which this process's immediate exit (`_exit`) would leave to
     # the resource tracker's "leaked semaphore" warning at the end of the run: the bars get a thread lock instead.
@@ -251,11 +251,11 @@ def _worker(function: Callable[..., Any], cfg: DictConfig, args: tuple[Any, ...]
         raise failure from None
 
 
-def _die_with_launcher() -> None:
+def die_with_launcher() -> None:
     """The agent watches its workers from the launcher, so a launcher killed by SIGKILL would leave
-    them waiting in a collective. A thread ends this worker once the launcher is gone; and on Linux
-    the kernel ends it once its parent is (the launcher under spawn, the forkserver otherwise), also
-    while it is stopped."""
+    them waiting in a collective (and a parallel sweep's job, training on). A thread ends this process
+    once the launcher is gone; and on Linux the kernel ends it once its parent is (the launcher under
+    spawn, the forkserver otherwise), also while it is stopped."""
     if sys.platform.startswith("linux"):
         pr_set_pdeathsig = 1
         ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
@@ -273,12 +273,21 @@ def _end_after(launcher: multiprocessing.process.BaseProcess) -> None:
 
 
 def _share_cores(workers: int) -> None:
-    """The node's cores split between its workers, as torchrun (OMP_NUM_THREADS=1) and Lightning's own
-    launcher do and elastic_launch does not: each worker would otherwise start a thread per core."""
+    """The cores this process may run on split between its workers, as torchrun (OMP_NUM_THREADS=1) and
+    Lightning's own launcher do and elastic_launch does not: each worker would otherwise start a thread per
+    core. The cores are those of its affinity, which a parallel sweep's job narrows to its own share."""
     if "OMP_NUM_THREADS" not in os.environ:
-        threads = max(1, (os.cpu_count() or 1) // workers)
+        threads = max(1, len(usable_cores()) // workers)
         os.environ["OMP_NUM_THREADS"] = str(threads)  # for the processes a worker starts (data loaders)
         torch.set_num_threads(threads)
+
+
+def usable_cores() -> list[int]:
+    """The cores this process may run on: its affinity where the system tells it (Linux; `taskset`, a SLURM
+    allocation or a parallel sweep's job narrow it), else all of them."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
 
 
 def _log_to_file(logging_config: dict[str, Any] | None, rank: int) -> None:

@@ -1,0 +1,438 @@
+"""`hydra/launcher=parallel`: up to K sweep jobs at once on this machine, each on devices no other running job has.
+
+    python -m src.train -m hydra/launcher=parallel seed=1,2,3,4                              # K: as many as fit
+    python -m src.train -m hydra/launcher=parallel seed=1,2,3,4 hydra.launcher.jobs_per_gpu=4  # 4 jobs share a GPU
+
+Each job runs as Hydra's `run_job` in a process of its own, as a SLURM job does, forked from a
+forkserver that imported the code once (as DDP workers are, `src.launch.workers`): a job pays no
+import of torch and Lightning. The machine is cut into K slots of cores; a job holds one slot, its
+cores by affinity (its DDP workers inherit it) with as many threads, and on a GPU machine `devices`
+GPUs by CUDA_VISIBLE_DEVICES, each GPU shared by at most `jobs_per_gpu` jobs. What a job prints goes
+to `<sweep>/.parallel/<job>.out`; the terminal gets the progress lines (`src.launch.progress`). A
+failed job fails alone. A stop signal to the sweep goes on to every running job, once (the jobs are
+in process groups of their own, so a terminal's Ctrl-C reaches them only this way); no job starts
+after it, and a second signal kills what still runs.
+
+No launcher at hand does this: hydra-submitit-launcher's local executor starts every job at once, on
+the same GPUs, each in a new interpreter, and kills a job one second after Ctrl-C, before it can say
+where it stopped; Hydra's joblib launcher gives no job devices of its own.
+"""
+
+import logging
+import multiprocessing
+import multiprocessing.forkserver
+import os
+import pickle
+import signal
+import sys
+from collections import deque
+from collections.abc import Sequence
+from contextlib import suppress
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+from typing import Any
+
+import cloudpickle
+from hydra.core.singleton import Singleton
+from hydra.core.utils import JobReturn, JobStatus, configure_log, filter_overrides, run_job, setup_globals
+from hydra.plugins.launcher import Launcher
+from hydra.types import HydraContext, TaskFunction
+from omegaconf import DictConfig, open_dict
+
+from src.errors import UsageError
+from src.launch import cli
+from src.launch.console import counted
+from src.launch.naming import job_dirname
+from src.launch.progress import Progress, outcome, settled
+from src.launch.stops import STOP_SIGNALS, RunStopped, handle_stop_signals, signal_name
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """What one running job holds: a slot of cores, and the GPUs it sees (none on a machine without)."""
+
+    slot: int
+    cores: tuple[int, ...]
+    gpus: tuple[str, ...] | None  # None: the machine has no GPU, CUDA_VISIBLE_DEVICES is left as it is
+
+    def take(self) -> None:
+        """In the job's process, before it runs: its cores, its threads and its GPUs."""
+        if self.gpus is not None:
+            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(self.gpus)
+        if hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, self.cores)
+        if "OMP_NUM_THREADS" not in os.environ:  # a user's setting wins, as under torchrun
+            import torch
+
+            torch.set_num_threads(len(self.cores))
+
+
+class Places:
+    """The machine's cores cut into `slots` slots, and its GPUs with `jobs_per_gpu` places each."""
+
+    def __init__(self, cores: Sequence[int], slots: int, gpus: Sequence[str] | None, jobs_per_gpu: int) -> None:
+        cores = sorted(cores)
+        self.cores = [tuple(cores[k * len(cores) // slots:(k + 1) * len(cores) // slots]) for k in range(slots)]
+        self.free = list(range(slots))
+        self.gpus = gpus
+        self.load = {gpu: 0 for gpu in gpus or ()}
+        self.jobs_per_gpu = jobs_per_gpu
+
+    def take(self, gpus: int) -> Placement | None:
+        """A slot and `gpus` GPUs with a free place each, the least shared first; None until they are free.
+        A job that asks for more GPUs than there are gets all of them, once none is in use (its own checks then
+        refuse it in one line)."""
+        if not self.free:
+            return None
+        if gpus > len(self.load):
+            if any(self.load.values()):
+                return None
+            gpus = len(self.load)
+        open_ = sorted((load, index) for index, load in enumerate(self.load.values()) if load < self.jobs_per_gpu)
+        if len(open_) < gpus:
+            return None
+        names = list(self.load)
+        chosen = tuple(names[index] for _, index in sorted(open_[:gpus], key=lambda place: place[1]))
+        for gpu in chosen:
+            self.load[gpu] += 1
+        slot = self.free.pop(0)
+        return Placement(slot, self.cores[slot], None if self.gpus is None else chosen)
+
+    def give_back(self, placement: Placement) -> None:
+        self.free = sorted([*self.free, placement.slot])
+        for gpu in placement.gpus or ():
+            self.load[gpu] -= 1
+
+
+def machine_gpus() -> list[str] | None:
+    """The GPUs this process sees, by the names CUDA_VISIBLE_DEVICES gives them; None without any."""
+    import torch
+
+    count = torch.cuda.device_count()  # read through NVML where it can, without starting CUDA here
+    if count == 0:
+        return None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return visible.split(",")[:count] if visible else [str(index) for index in range(count)]
+
+
+def slots_that_fit(jobs: int | None, cores: int, gpus: int, jobs_per_gpu: int, needs: list["Job"]) -> int:
+    """K, the jobs run at once: `jobs` where given, else as many as fit: on GPUs, their places over the
+    fewest devices a GPU job asks for; on CPU, the cores over the most devices a job asks for (each DDP
+    process wants a core). At least one core per job, and no more slots than jobs."""
+    if jobs is None:
+        on_gpu = [job.devices for job in needs if job.gpu]
+        if gpus and on_gpu:
+            jobs = max(1, gpus * jobs_per_gpu // min(on_gpu))
+        else:
+            jobs = max(1, cores // max(job.devices for job in needs))
+    return min(jobs, cores, len(needs))
+
+
+def checked_setting(name: str, value: Any, allow_null: bool, most: int | None = None) -> int | None:
+    """A whole number from 1 to `most` (or null where allowed), else one line naming the key and what it allows."""
+    if value is None and allow_null:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1 or (most is not None and value > most):
+        allowed = ("a whole number of at least 1" if most is None else
+                   f"a whole number from 1 to {most} (this machine's cores: each running job has cores of its own)")
+        allowed += ", or null for as many as fit" if allow_null else ""
+        raise UsageError(f"hydra.launcher.{name}={value} is not allowed: it must be {allowed}")
+    return value
+
+
+@dataclass
+class Job:
+    """A sweep job as the launcher schedules it: its config, folder name and the devices it asks for."""
+
+    number: int
+    overrides: list[str]
+    config: DictConfig
+    name: str
+    devices: int
+    gpu: bool
+
+
+@dataclass
+class Running:
+    """A job's process, the pipe its result comes back on, and where its output goes."""
+
+    job: Job
+    placement: Placement
+    process: multiprocessing.process.BaseProcess
+    results: Connection | None
+    out: Path
+    out_start: int  # where this attempt's output begins in `out` (a resumed sweep appends)
+    returned: JobReturn | None = None
+
+
+@dataclass(frozen=True)
+class TaskByName:
+    """The sweep's task function, found again by its name in the job's process: `@hydra.main` wraps it, so
+    pickle finds no function of its name, and a copy by value would hold copies of the functions that DDP
+    workers are handed (src.train.run), which pickle then cannot find either."""
+
+    module: str
+    name: str
+
+    @classmethod
+    def of(cls, function: TaskFunction) -> "TaskByName | TaskFunction":
+        import inspect
+
+        found = getattr(sys.modules.get(function.__module__), function.__qualname__, None)
+        return cls(function.__module__, function.__qualname__) if inspect.unwrap(found) is function else function
+
+    def __call__(self, cfg: DictConfig) -> Any:
+        import importlib
+        import inspect
+
+        module = sys.modules.get(self.module) or importlib.import_module(self.module)
+        return inspect.unwrap(getattr(module, self.name))(cfg)
+
+
+class ParallelLauncher(Launcher):
+    """Hydra's launcher plugin interface: `setup` once, then `launch` with the sweep's jobs."""
+
+    def __init__(self, jobs: Any = None, jobs_per_gpu: Any = 1) -> None:
+        from src.launch import workers  # torch: only once the launcher runs, not when Hydra lists its plugins
+
+        try:
+            self.jobs = checked_setting("jobs", jobs, allow_null=True, most=len(workers.usable_cores()))
+            self.jobs_per_gpu = checked_setting("jobs_per_gpu", jobs_per_gpu, allow_null=False)
+        except UsageError as error:
+            cli.end_run(str(error), 2)
+        self.config: DictConfig | None = None
+        self.hydra_context: HydraContext | None = None
+        self.task_function: TaskFunction | None = None
+
+    def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
+        self.config = config
+        self.hydra_context = hydra_context
+        self.task_function = task_function
+
+    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+        from src.launch import workers  # torch: only once the launcher runs, not when Hydra lists its plugins
+
+        assert self.config is not None and self.hydra_context is not None and self.task_function is not None
+        setup_globals()
+        configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
+        import src.runner  # noqa: F401  what every job runs, imported here so that the forkserver preloads it
+
+        multiprocessing.set_forkserver_preload(workers.preloaded(self.task_function))  # once the server runs, a no-op
+        if workers.START_METHOD == "forkserver":
+            multiprocessing.forkserver.ensure_running()  # the server imports the code while the jobs' configs are composed
+        jobs = [self.job(number, list(overrides)) for number, overrides in enumerate(job_overrides, initial_job_idx)]
+        cores = workers.usable_cores()
+        gpus = machine_gpus() if any(job.gpu for job in jobs) else None
+        slots = slots_that_fit(self.jobs, len(cores), len(gpus or ()), self.jobs_per_gpu, jobs)
+        sweep_dir = Path(str(self.config.hydra.sweep.dir))
+        (sweep_dir / ".parallel").mkdir(parents=True, exist_ok=True)
+        log.info(f"{counted(len(jobs), 'job')}, {slots} at a time, in {sweep_dir}; each job's output in {sweep_dir / '.parallel'}")
+        places = Places(cores, slots, gpus, self.jobs_per_gpu)
+        progress = Progress(len(jobs), initial_job_idx, sweep_dir)
+        context = multiprocessing.get_context(workers.START_METHOD)
+        waiting, running, returns = deque(jobs), {}, {}
+        with Stops() as stops:
+            try:
+                while (waiting or running) and not stops.signals:
+                    while waiting and (placement := places.take(waiting[0].devices if waiting[0].gpu else 0)) is not None:
+                        job = waiting.popleft()
+                        running[job.number] = self.start(job, placement, context, sweep_dir)
+                        progress.started(job.number, job.name)
+                    for ended in ended_jobs(running, stops.woken):
+                        places.give_back(ended.placement)
+                        returns[ended.job.number] = settled(returned(ended), ended.job.name)
+                        progress.ended(ended.job.number, ended.job.name, returns[ended.job.number].return_value)
+                if stops.signals:
+                    stopped = len(running)
+                    stop_all(running, stops, progress)
+                    raise RunStopped(stops.signals[0], f"; {counted(stopped, 'running job')} stopped, {len(waiting)} not started")
+            finally:
+                for still in running.values():  # only after an error of this launcher's own
+                    kill(still.process.pid)
+        return [returns[job.number] for job in jobs]
+
+    def job(self, number: int, overrides: list[str]) -> Job:
+        """A job's config composed here, as Hydra's basic launcher composes it, for its name and devices."""
+        from src.fast_path import resolve_accelerator
+
+        assert self.hydra_context is not None and self.config is not None
+        config = self.hydra_context.config_loader.load_sweep_config(self.config, overrides)
+        with open_dict(config):
+            config.hydra.job.id = config.hydra.job.num = number
+        log.info(f"\t#{number} : {' '.join(filter_overrides(overrides))}")
+        gpu = resolve_accelerator(str(config.accelerator)) == "gpu"
+        return Job(number, overrides, config, job_dirname(config), int(config.devices), gpu)
+
+    def start(self, job: Job, placement: Placement, context: Any, sweep_dir: Path) -> Running:
+        assert self.hydra_context is not None and self.task_function is not None
+        payload = cloudpickle.dumps((self.hydra_context, TaskByName.of(self.task_function), job.config,
+                                     Singleton.get_state()))
+        out = sweep_dir / ".parallel" / f"{job.name}.out"
+        start = out.stat().st_size if out.is_file() else 0
+        results, sent = context.Pipe(duplex=False)
+        process = context.Process(target=run_in_own_process, name=f"sweep job {job.number}",
+                                  args=(payload, placement, dict(os.environ), str(out), sent))
+        process.start()
+        sent.close()  # the job holds the sending end now: its end reads as the end of the pipe
+        return Running(job, placement, process, results, out, start)
+
+
+class Stops:
+    """The stop signals that reach the sweep while its jobs run: noted, and the wait for the jobs woken,
+    rather than an exception raised wherever the launcher is (between starting a job's process and
+    holding on to it, say)."""
+
+    def __init__(self) -> None:
+        self.signals: list[int] = []
+        self.woken, self._wake = os.pipe()
+        os.set_blocking(self._wake, False)
+
+    def __enter__(self) -> "Stops":
+        self._saved = {signum: signal.signal(signum, self._note) for signum in STOP_SIGNALS}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, handler in self._saved.items():
+            signal.signal(signum, handler)
+        os.close(self.woken)
+        os.close(self._wake)
+
+    def _note(self, signum: int, frame: Any) -> None:
+        self.signals.append(signum)
+        with suppress(BlockingIOError):  # a full pipe wakes the wait all the same
+            os.write(self._wake, b"!")
+
+
+def ended_jobs(running: dict[int, Running], woken: int) -> list[Running]:
+    """Wait until a running job has ended, or a stop signal wakes the wait; the jobs that have ended, taken
+    out of `running`. A job's result is read as it comes, since a job sending a large one waits until it is read."""
+    assert running, "a job can always start while none runs"
+    while True:
+        waits: dict[Any, Running] = {r.process.sentinel: r for r in running.values()}
+        waits.update({r.results: r for r in running.values() if r.results is not None})
+        ready = wait([*waits, woken])
+        ended = []
+        for item in ready:
+            job = waits.get(item)
+            if job is None:  # a stop signal
+                os.read(woken, 1024)
+            elif item is job.results:
+                job.returned = receive(job)
+            else:
+                ended.append(job)
+        for job in ended:
+            if job.results is not None:  # what it sent, if anything, is in the pipe, whose end it closed
+                job.returned = receive(job)
+            job.process.join()
+            del running[job.job.number]
+        if ended or woken in ready:
+            return ended
+
+
+def receive(job: Running) -> JobReturn | None:
+    """The job's JobReturn from its pipe, which is then closed; None if it ended without sending one."""
+    assert job.results is not None
+    try:
+        return pickle.loads(job.results.recv_bytes())
+    except EOFError:  # killed, or stopped by a signal
+        return None
+    finally:
+        job.results.close()
+        job.results = None
+
+
+def returned(job: Running) -> JobReturn:
+    """The job's own JobReturn, or for a job that ended without one (killed, say), its failure."""
+    if job.returned is not None:
+        return job.returned
+    code = job.process.exitcode or 0
+    return JobReturn(overrides=job.job.overrides, status=JobStatus.COMPLETED,
+                     _return_value=cli.JobFailed(f"{last_words(job)} (see {job.out})", code if code > 0 else 1))
+
+
+def last_words(job: Running) -> str:
+    """How a job that sent no result ended: its last `error:` line (a stop line, say), else its exit."""
+    code = job.process.exitcode or 0
+    return last_error(job.out, job.out_start) or (
+        f"killed by {signal_name(-code)}" if code < 0 else f"ended with exit status {code} and no result")
+
+
+def last_error(out: Path, start: int) -> str | None:
+    """The last `error: ...` line the job printed, from `start` on in its output file."""
+    try:
+        with open(out, "rb") as file:
+            file.seek(start)
+            text = file.read().decode(errors="replace")
+    except OSError:
+        return None
+    errors = [line.removeprefix("error: ").strip() for line in text.splitlines() if line.startswith("error: ")]
+    return errors[-1] if errors else None
+
+
+def stop_all(running: dict[int, Running], stops: Stops, progress: Progress) -> None:
+    """The first stop signal to each running job, once; then one line for each as it ends. A second
+    signal kills what still runs."""
+    for job in running.values():
+        with _gone():
+            os.kill(job.process.pid, stops.signals[0])
+    killed = False
+    while running:
+        for ended in ended_jobs(running, stops.woken):
+            said = last_words(ended) if ended.returned is None else outcome(ended.returned).line or "ended"
+            progress.stopped(ended.job.number, ended.job.name, said)
+        if len(stops.signals) > 1 and not killed:
+            killed = True
+            for job in running.values():
+                kill(job.process.pid)
+
+
+def kill(pid: int) -> None:
+    """SIGKILL to a job's process group (its DDP workers and their forkserver too), or to the job alone
+    while it has none of its own yet."""
+    with _gone():
+        os.killpg(pid, signal.SIGKILL)
+    with _gone():
+        os.kill(pid, signal.SIGKILL)
+
+
+class _gone:
+    """A process that has already ended is no error here."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type | None, *rest: object) -> bool:
+        return kind is not None and issubclass(kind, (ProcessLookupError, PermissionError))
+
+
+# ---------------------------------------------------------------- in the job's process
+
+
+def run_in_own_process(payload: bytes, placement: Placement, environ: dict[str, str], out: str, results: Connection) -> None:
+    """One sweep job: its process group, devices and output file, then Hydra's `run_job`; its JobReturn
+    goes back on `results`, a failure as its value. A stopped job exits with the run's status instead."""
+    from src.launch import workers
+
+    os.setpgid(0, 0)  # signals come from the sweep, once, not also from the terminal
+    handle_stop_signals()
+    workers.die_with_launcher()
+    os.environ.clear()  # the forkserver's environment is the sweep's when the server started
+    os.environ.update(environ)
+    placement.take()
+    with open(out, "ab", buffering=0) as file:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(file.fileno(), 1)
+        os.dup2(file.fileno(), 2)
+    hydra_context, task_function, config, singleton_state = pickle.loads(payload)
+    Singleton.set_state(singleton_state)
+    setup_globals()
+    job = run_job(hydra_context=hydra_context, task_function=task_function, config=config,
+                  job_dir_key="hydra.sweep.dir", job_subdir_key="hydra.sweep.subdir")
+    job.return_value = outcome(job)  # an exception as a failure, its traceback in the job's output
+    job.status = JobStatus.COMPLETED
+    results.send_bytes(cloudpickle.dumps(job))  # its Hydra config names classes that plain pickle may not find as they are
+    results.close()

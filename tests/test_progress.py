@@ -1,0 +1,267 @@
+"""A sweep's progress lines and summary, on a clock the test moves; the same lines from the SLURM launcher's
+wait; and how the parallel launcher places jobs on cores and GPUs. Sweeps on the real command line:
+tests/test_multirun.py."""
+
+import io
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+from hydra.core.utils import JobReturn, JobStatus
+from omegaconf import OmegaConf
+from tqdm import tqdm
+
+from src.errors import UsageError
+from src.launch import cli, progress
+from src.launch.cli import JobDone, JobFailed
+from src.launch.console import open_progress_bars, print_line
+from src.launch.parallel_launcher import Job, Places, checked_setting, slots_that_fit
+from src.launch.progress import Progress, Tally, clock_time, settled
+
+
+class Clock:
+    """Seconds that pass only when the test says so."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture(autouse=True)
+def fresh_sweep():
+    """Each test starts as a command does: no sweep tallied, no failed job, no bar on screen."""
+    progress.tally = None
+    cli.failed_jobs.clear()
+    yield
+    progress.tally = None
+    cli.failed_jobs.clear()
+    for bar in open_progress_bars():
+        bar.close()
+
+
+def lines_of(count: int, first: int = 0, sweep_dir: Path | None = None) -> tuple[Progress, Clock, list[str]]:
+    clock, said = Clock(), []
+    return Progress(count, first, sweep_dir, clock=clock, say=said.append), clock, said
+
+
+DONE = JobDone(0.71, "test/acc=0.7100 val/acc_best=0.7000 median epoch 3.00 s (precision 32, 1 process) -> out/a")
+
+
+def test_one_job_after_another_says_each_start_and_end_with_the_time_left():
+    lines, clock, said = lines_of(3)
+    lines.started(0, "lenet_seed=1")
+    clock.now += 30
+    lines.ended(0, "lenet_seed=1", DONE)
+    lines.started(1, "lenet_seed=2")
+    clock.now += 10
+    lines.ended(1, "lenet_seed=2", JobFailed("optim.lr=-1 is not allowed", 2))
+    assert said == [
+        "job 1/3 started: lenet_seed=1 (elapsed 0:00, time left not known yet)",
+        f"job 1/3 done: lenet_seed=1: {DONE.line} (elapsed 0:30, about 1:00 left)",  # two more jobs of 30 s
+        "job 2/3 started: lenet_seed=2 (elapsed 0:30, about 1:00 left)",
+        # mean of 30 and 10 s: one job of 20 s left
+        "job 2/3 failed: lenet_seed=2: optim.lr=-1 is not allowed (elapsed 0:40, about 0:20 left)",
+    ]
+
+
+def test_jobs_side_by_side_share_the_time_left_between_them():
+    lines, clock, said = lines_of(4)
+    for number in range(2):
+        lines.started(number, f"job{number}")
+    clock.now += 60
+    lines.ended(0, "job0", DONE)
+    # job1 has run as long as the mean: nothing left of it; two jobs of 60 s wait, two at a time
+    assert said[-1].endswith("(elapsed 1:00, about 1:00 left)")
+    lines.started(2, "job2")
+    clock.now += 15
+    lines.ended(1, "job1", DONE)
+    # mean 67.5 s: job2 ran 15 s of it, job3 waits; spread over the 2 jobs seen running at once
+    assert said[-1].endswith(f"(elapsed 1:15, about {clock_time((67.5 - 15 + 67.5) / 2)} left)")
+
+
+def test_a_second_launch_of_the_same_sweep_numbers_its_jobs_on():
+    lines, _, said = lines_of(2, first=4)
+    lines.started(4, "job4")
+    assert said == ["job 5/6 started: job4 (elapsed 0:00, time left not known yet)"]
+    assert progress.tally is not None and progress.tally.total == 6
+
+
+def test_the_summary_counts_each_ending_once_and_names_the_report(tmp_path):
+    (tmp_path / "report.md").write_text("# report\n")
+    lines, _, _ = lines_of(5, sweep_dir=tmp_path)
+    endings = [DONE, JobDone(0.7, "resumed", resumed=True), JobDone(0.7, "", skipped=True), JobFailed("x", 1)]
+    for number, ended in enumerate(endings):
+        lines.started(number, f"job{number}")
+        lines.ended(number, f"job{number}", ended)
+    assert progress.tally.summary() == (
+        f"sweep of 5 jobs: 1 done, 1 resumed, 1 skipped, 1 failed, 1 not run; report: {tmp_path / 'report.md'}")
+    assert Tally(total=1, done=1, sweep_dir=tmp_path / "none").summary() == (
+        "sweep of 1 job: 1 done, 0 resumed, 0 skipped, 0 failed; report: none written")
+
+
+def test_a_skipped_job_says_so():
+    lines, _, said = lines_of(1)
+    lines.started(0, "job0")
+    lines.ended(0, "job0", JobDone(0.7, "test/acc=0.7000 ...", skipped=True))
+    assert said[-1].startswith("job 1/1 skipped: job0: test/acc=0.7000 ...")
+
+
+def test_an_unexpected_exception_fails_its_job_with_a_line_and_its_traceback(capsys):
+    try:
+        raise ValueError("bad value")
+    except ValueError as error:
+        job = JobReturn(overrides=["seed=1"], status=JobStatus.FAILED, _return_value=error)
+    settled(job, "lenet_seed=1", where=" (SLURM job 7_0)")
+    assert job.status == JobStatus.COMPLETED
+    assert job.return_value == JobFailed("ValueError: bad value (SLURM job 7_0)", 1)
+    assert cli.failed_jobs == {"lenet_seed=1": job.return_value}
+    assert "Traceback" in capsys.readouterr().err
+
+
+def test_clock_time_reads_as_a_clock():
+    assert [clock_time(s) for s in (0, 41.4, 725, 3723)] == ["0:00", "0:41", "12:05", "1:02:03"]
+
+
+# ---------------------------------------------------------------- beside a progress bar
+
+
+def screen(text: str) -> list[str]:
+    """The lines a terminal shows: a carriage return goes back to the line's start."""
+    return [raw.rsplit("\r", 1)[-1].rstrip() for raw in text.split("\n")]
+
+
+def test_a_progress_line_goes_above_a_progress_bar_not_on_its_end(monkeypatch):
+    terminal = io.StringIO()  # stdout and stderr on one terminal, where the bar is drawn
+    monkeypatch.setattr(sys, "stdout", terminal)
+    monkeypatch.setattr(sys, "stderr", terminal)
+    bar = tqdm(total=10, desc="Epoch 0", file=terminal, ncols=60, mininterval=0, leave=True)
+    bar.update(3)
+    print_line("job 1/2 started: lenet_seed=1")
+    lines = screen(terminal.getvalue())
+    assert "job 1/2 started: lenet_seed=1" in lines, lines
+    assert lines[-1].startswith("Epoch 0:  30%"), "the bar is drawn again below the line"
+    bar.close()
+
+
+def test_a_progress_line_from_another_thread_starts_with_a_newline(monkeypatch):
+    terminal = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", terminal)
+    bar = tqdm(total=10, desc="Epoch 0", file=terminal, ncols=60, mininterval=0, leave=True)
+    bar.update(3)
+    thread = threading.Thread(target=print_line, args=("job 2/2 done: x",))
+    thread.start()
+    thread.join()
+    assert terminal.getvalue().endswith("\njob 2/2 done: x\n")
+    bar.close()
+
+
+# ---------------------------------------------------------------- the SLURM launcher's wait
+
+
+class FakeSlurmJob:
+    """What the SLURM launcher reads of a submitit job: its id, whether it is done, and its result."""
+
+    def __init__(self, job_id: str, folder: Path, returned: JobReturn) -> None:
+        self.job_id = job_id
+        self.ended = False
+        self.returned = returned
+        self.paths = type("Paths", (), {"result_pickle": folder / f"{job_id}_result.pkl"})()
+
+    def done(self) -> bool:
+        return self.ended
+
+    def results(self) -> list[JobReturn]:
+        return [self.returned]
+
+
+def test_the_slurm_launcher_says_each_start_and_end_as_it_polls(tmp_path, monkeypatch, capsys):
+    slurm_launcher = pytest.importorskip("src.launch.slurm_launcher")
+    done = JobReturn(overrides=["seed=1"], status=JobStatus.COMPLETED, _return_value=DONE)
+    failed = JobReturn(overrides=["seed=2"], status=JobStatus.COMPLETED, _return_value=JobFailed("rank 1 died", 1))
+    jobs = [FakeSlurmJob("7_0", tmp_path, done), FakeSlurmJob("7_1", tmp_path, failed)]
+    for job in jobs:
+        job.paths.result_pickle.write_bytes(b"")
+    # the sweep's command line, which names a job that has written no folder (none here) by its swept values
+    OmegaConf.save({"hydra": {"overrides": {"task": ["seed=1,2"]}}}, tmp_path / "multirun.yaml")
+    # What squeue lists at each poll, and what has ended by then: job 0 runs, then job 1 while job 0 ends, then job 1 ends.
+    polls = iter([([("7_0", "RUNNING", "None"), ("7_1", "PENDING", "Priority")], []),
+                  ([("7_1", "RUNNING", "None")], [0]),
+                  ([], [1])])
+
+    def queue(array_id: str):
+        listed, ending = next(polls)
+        for index in ending:
+            jobs[index].ended = True
+        return listed
+
+    monkeypatch.setattr(slurm_launcher, "queue", queue)
+    monkeypatch.setattr(slurm_launcher, "POLL_S", 0.0)
+    lines = Progress(2, 0, tmp_path)
+    returns = slurm_launcher.wait(jobs, [["seed=1"], ["seed=2"]], [0, 1], tmp_path, lines)
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split(" (elapsed")[0] for line in out] == [
+        "job 1/2 started: seed=1",
+        f"job 1/2 done: seed=1: {DONE.line}",
+        "job 2/2 started: seed=2",
+        "job 2/2 failed: seed=2: rank 1 died (SLURM job 7_1)",
+    ]
+    assert [r.return_value for r in returns] == [DONE, JobFailed("rank 1 died (SLURM job 7_1)", 1)]
+    assert cli.failed_jobs == {"seed=2": JobFailed("rank 1 died (SLURM job 7_1)", 1)}
+
+
+# ---------------------------------------------------------------- where the parallel launcher puts jobs
+
+
+def job(devices: int = 1, gpu: bool = False) -> Job:
+    return Job(0, [], None, "job", devices, gpu)
+
+
+def test_on_cpu_as_many_jobs_run_as_the_cores_hold_each_with_cores_of_its_own():
+    assert slots_that_fit(None, cores=2, gpus=0, jobs_per_gpu=1, needs=[job()] * 4) == 2
+    assert slots_that_fit(None, cores=16, gpus=0, jobs_per_gpu=1, needs=[job(1), job(4)]) == 2  # a core per DDP process
+    assert slots_that_fit(None, cores=2, gpus=0, jobs_per_gpu=1, needs=[job(4)]) == 1
+    assert slots_that_fit(1, cores=2, gpus=0, jobs_per_gpu=1, needs=[job()] * 4) == 1
+    places = Places(range(2), 2, None, 1)
+    held = [places.take(0), places.take(0)]
+    assert [p.cores for p in held] == [(0,), (1,)] and places.take(0) is None
+    assert all(p.gpus is None for p in held), "without GPUs, CUDA_VISIBLE_DEVICES is left alone"
+    places.give_back(held[0])
+    assert places.take(0).cores == (0,)
+    assert Places(range(2), 1, None, 1).take(0).cores == (0, 1), "one job at a time gets every core"
+
+
+def test_on_gpus_a_job_gets_its_devices_and_packed_jobs_never_overfill_a_gpu():
+    assert slots_that_fit(None, cores=16, gpus=4, jobs_per_gpu=1, needs=[job(1, gpu=True)] * 12) == 4
+    assert slots_that_fit(None, cores=16, gpus=1, jobs_per_gpu=4, needs=[job(1, gpu=True)] * 8) == 4
+    assert slots_that_fit(None, cores=16, gpus=2, jobs_per_gpu=1, needs=[job(2, gpu=True)] * 3) == 1
+    places = Places(range(16), 4, ["0", "1"], jobs_per_gpu=2)
+    held = [places.take(1) for _ in range(4)]
+    assert [p.gpus for p in held] == [("0",), ("1",), ("0",), ("1",)], "the least shared GPU first"
+    assert [p.cores for p in held] == [tuple(range(k * 4, k * 4 + 4)) for k in range(4)]
+    assert places.take(1) is None, "no slot free"
+    places.give_back(held[0])
+    places.give_back(held[1])
+    assert places.take(2).gpus == ("0", "1"), "a 2-device job: one place on each of two GPUs"
+    assert places.take(1) is None, "every GPU holds 2 jobs"
+
+
+def test_a_job_asking_for_more_gpus_than_there_are_gets_all_of_them_once_idle():
+    places = Places(range(8), 2, ["3", "5"], jobs_per_gpu=1)
+    first = places.take(1)
+    assert places.take(4) is None
+    places.give_back(first)
+    assert places.take(4).gpus == ("3", "5"), "its own check then refuses devices=4 in one line"
+    cpu_job = Places(range(8), 2, ["3", "5"], jobs_per_gpu=1).take(0)
+    assert cpu_job.gpus == (), "a CPU job on a GPU machine sees no GPU"
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, "two", True])
+def test_a_launcher_setting_out_of_range_is_refused_in_one_line(value):
+    with pytest.raises(UsageError, match=rf"hydra.launcher.jobs_per_gpu={value} is not allowed: it must be a whole number"):
+        checked_setting("jobs_per_gpu", value, allow_null=False)
+    with pytest.raises(UsageError, match="from 1 to 2 .*, or null for as many as fit"):
+        checked_setting("jobs", 3, allow_null=True, most=2)
+    assert checked_setting("jobs", None, allow_null=True, most=2) is None
