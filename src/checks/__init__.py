@@ -94,7 +94,8 @@ def is_group(key: str, dirs: tuple[Path, ...] = (CONF_DIR,)) -> bool:
 
 
 def override_values(override: Override) -> list[Any]:
-    return list(override.sweep_string_iterator()) if override.is_sweep_override() else [override.value()]
+    """Each value an override gives, typed as Hydra parses it (`devices=1,2` gives 1 and 2, not "1" and "2")."""
+    return list(override.sweep_iterator()) if override.is_sweep_override() else [override.value()]
 
 
 def check_flags(args: list[str]) -> None:
