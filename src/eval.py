@@ -19,7 +19,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from src.errors import UsageError
 from src.launch import cli
+from src.launch.naming import register_resolvers
 from src.runs import resolved_config, resolved_config_file
+
+register_resolvers()
 
 
 def targets(node: Any, prefix: str) -> dict[str, Any]:

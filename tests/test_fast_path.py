@@ -12,7 +12,7 @@ from src.models.resnet import resnet18
 from tests.helpers import QUICK, Run, hparams, train
 
 
-@pytest.mark.parametrize(("cpu_bf16", "expected"), [(True, "bf16-mixed"), (False, "32")])
+@pytest.mark.parametrize(("cpu_bf16", "expected"), [(True, "bf16-mixed"), (False, "32-true")])
 def test_auto_precision_on_a_cpu_is_bf16_only_where_the_cpu_computes_it_natively(monkeypatch, cpu_bf16, expected):
     monkeypatch.setattr(fast_path, "cpu_has_bf16", lambda: cpu_bf16)
     assert resolve_precision("auto", "cpu") == expected
@@ -20,7 +20,8 @@ def test_auto_precision_on_a_cpu_is_bf16_only_where_the_cpu_computes_it_natively
 
 def test_explicit_precisions_are_left_alone_by_auto(monkeypatch):
     monkeypatch.setattr(fast_path, "cpu_has_bf16", lambda: True)
-    assert resolve_precision("32", "cpu") == "32" and resolve_precision("64", "cpu") == "64"
+    assert resolve_precision("32", "cpu") == "32-true" and resolve_precision("64", "cpu") == "64-true"
+    assert resolve_precision("16-mixed", "cpu", quiet=True) == "bf16-mixed"
 
 
 @pytest.mark.parametrize(("benchmark", "deterministic", "expected"),

@@ -231,7 +231,8 @@ def test_a_stop_signal_stops_every_running_job_with_a_line_each_and_starts_none(
     assert stderr.strip().splitlines() == [f"error: run stopped by {name}; 2 running jobs stopped, 1 not started"], stderr
     for number, job in enumerate(SEEDS, 1):
         stop = (rf"^job {number}/3 stopped: {re.escape(job)}: run stopped by {name} during epoch \d+ \(step \d+\); "
-                rf"{re.escape(str(folder / job / 'checkpoints' / 'last.ckpt'))} holds the last finished epoch ")
+                rf"{re.escape(str(folder / job / 'checkpoints' / 'last.ckpt'))} holds the last finished epoch; "
+                rf"resume with: python -m src\.train -m hydra\.sweep\.dir={re.escape(str(folder))} ckpt_path=auto ")
         assert len(re.findall(stop, stdout, flags=re.M)) == 1, stdout
         assert "Traceback" not in (folder / ".parallel" / f"{job}.out").read_text()
     assert "job 3/3" not in stdout and not (folder / f"lenet_auto_1dev_{PRECISION}_seed=3").exists()

@@ -59,7 +59,7 @@ def test_a_sweep_killed_mid_job_resumes_to_the_weights_of_an_unbroken_sweep(tmp_
 def test_a_sweep_resume_with_another_sweep_is_refused_in_one_line(tmp_path, data_root):
     sweep = tmp_path / "sweep"
     (sweep).mkdir()
-    (sweep / "multirun.yaml").write_text("hydra:\n  overrides:\n    task:\n    - seed=1,2\n    - data.batch_size=64\n")
+    (sweep / "multirun.yaml").write_text("hydra:\n  overrides:\n    hydra:\n    - hydra.mode=MULTIRUN\n    task:\n    - seed=1,2\n    - data.batch_size=64\n")
     for change, said in [
         ("seed=1,2,3", "seed=1,2,3 is not allowed in a resume of the sweep {sweep}: it swept seed=1,2; a resume runs "
                        "the same jobs"),

@@ -174,8 +174,23 @@ def _logging_config() -> dict[str, Any] | None:
     return OmegaConf.to_container(HydraConfig.get().job_logging, resolve=True)  # type: ignore[return-value]
 
 
+def _leave_position(position: Path, where: str, rank: int) -> None:
+    """Rank 0's position, else the first stopped rank's: a rank waiting in a collective for a peer that a signal
+    ended never runs its handler, and the agent kills it."""
+    if rank == 0:
+        partial = position.with_name(f"{position.name}.0")
+        partial.write_text(where)
+        partial.replace(position)
+        return
+    try:
+        with position.open("x") as file:
+            file.write(where)
+    except FileExistsError:
+        pass
+
+
 def _read(position: Path) -> str:
-    """Where rank 0 was when it stopped (` during epoch 3 (step 6)`), if it said so."""
+    """Where training was when a signal stopped a rank (` during epoch 3 (step 6)`), if one said so."""
     try:
         return position.read_text()
     except OSError:
@@ -207,7 +222,7 @@ def _rank_failure(error: ChildFailedError, where: str = "") -> BaseException:
 def _worker(function: Callable[..., Any], cfg: DictConfig, args: tuple[Any, ...],
             logging_config: dict[str, Any] | None, inherited: Inherited, position: str) -> Any:
     """One rank: what `function` returns, or a user's error for the launcher to report. A rank stopped by a
-    signal ends its progress bar's line and, as rank 0, leaves where training was in the file `position`."""
+    signal ends its progress bar's line and leaves where training was in the file `position`."""
     die_with_launcher()
     inherited.take()
     # tqdm's default lock holds a named semaphore, which this process's immediate exit (`_exit`) would leave to
@@ -226,8 +241,8 @@ def _worker(function: Callable[..., Any], cfg: DictConfig, args: tuple[Any, ...]
     except RunStopped as stop:
         ignore_stop_signals()
         close_progress_bars()  # the launcher's `error:` line starts on a line of its own
-        if rank == 0 and stop.where:
-            Path(position).write_text(stop.where)
+        if stop.where:
+            _leave_position(Path(position), stop.where, rank)
         _exit(128 + stop.signum)
     except (UsageError, TrainingDiverged) as error:
         return error
