@@ -153,7 +153,8 @@ def test_a_slow_command_says_what_it_is_doing_and_a_quick_one_says_nothing(capsy
 @pytest.mark.parametrize("command", [
     ["src.train", "--help"], ["src.train", "max_epoch=3"], ["src.train", "precision=fp16"], ["src.train", "--devices", "2"],
     ["src.train", "trainer.max_epoch=3"], ["src.eval", "--help"], ["src.report", "--help"], ["src.report", "/nowhere"],
-    ["src.sysinfo", "--help"],
+    ["src.sysinfo", "--help"], ["src.scaling", "--help"], ["src.scaling", "outputs", "--overlap", "2"],
+    ["src.scaling", "--model", "x", "--hook", "bad", "--link", "25gbe"],
 ], ids=lambda command: " ".join(command))
 def test_help_and_a_mistake_are_answered_before_torch_and_lightning_are_imported(command):
     """Importing torch and Lightning takes seconds: `--help` and a wrong key or value are answered without them."""

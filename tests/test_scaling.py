@@ -21,8 +21,9 @@ from omegaconf import OmegaConf
 from torch.utils.tensorboard import SummaryWriter
 from torch.utils.tensorboard.summary import hparams as hparams_summary
 
+from src.scaling import costmodel
 from src.scaling.costmodel import (
-    DDP_GPU_MULTI_SHARE, DDP_GPU_SHARE, INTERCONNECTS, PRESETS, Interconnect, Terms, bucketed, collectives, ddp_buckets, encode_s, expected_max_normal,
+    DDP_GPU_MULTI_SHARE, DDP_GPU_SHARE, INTERCONNECTS, PRESETS, Interconnect, Terms, bucketed, collectives, ddp_buckets, expected_max_normal,
     between_timed, powersgd_sizes, predict_step, ring_allreduce_s,
 )
 from src.models.lenet import LeNet
@@ -30,12 +31,13 @@ from src.scaling.probe import Probe, fit_ring, lag_share, load, measure, save
 from src.scaling.predict import (
     COLUMNS, PROCESS_COUNTS, Baseline, Options, RunFigures, link_for, main, merge_repeats, predictions, time_baseline,
 )
-from src.scaling.timed import Timed
+from src.scaling.timed import Timed, encode_s
 from src.report import write_report
 from src.scaling import probe as probe_module
 from src.scaling import stepclock
 from src.scaling import timed as timing
 from src.scaling.stepclock import overhead_share
+from src.strategies import ddp
 from src.strategies.ddp import HOOKS
 from tests.helpers import QUICK, REPO, call_main, run_cli, scalars, train
 from tests.probes import HOOK_NOTES
@@ -765,3 +767,9 @@ def test_a_prediction_that_the_run_contradicts_says_which_part_of_the_model_miss
     assert hook.startswith("the run was slower than predicted, and its all-reduces took 40.0 ms where the probe gives 5.0")
     compute = why_missed(2.0, 1.0, 5.0, 5.5)
     assert compute.startswith("the run was faster than predicted while its all-reduces took what the probe gives")
+
+
+def test_the_cost_model_prices_the_hooks_ddp_builds():
+    """The cost model names its hooks without importing torch; they must be those `strategy.hook` takes."""
+    assert costmodel.HOOKS == ddp.HOOKS and costmodel.MIB == ddp.MIB
+

@@ -15,17 +15,15 @@ every formula can be checked by hand:
 
 import functools
 import math
-import statistics
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
 
-from src.strategies.comm import FP32_BYTES
-from src.strategies.ddp import HOOKS, MIB
-
-HALF_BYTES = torch.float16.itemsize  # bf16 too
+# Plain numbers, no torch: `python -m src.scaling --help` and its mistakes are answered without importing it.
+FP32_BYTES, HALF_BYTES = 4, 2  # bf16 is 2 bytes too
+MIB = 2**20
+# The DDP hooks the model prices: those `src.strategies.ddp` builds (a test holds the two lists equal).
+HOOKS = ("none", "fp16", "bf16", "powersgd", "powersgd_fp16")
 BACKWARD_SHARE = 2 / 3  # backward ~ twice the forward pass: the share used when a run did not time its backward pass
 
 
@@ -182,59 +180,6 @@ def collectives(shapes: Sequence[Sequence[int]], hook: str, rank: int = 1) -> li
     return [b for bucket in bucketed(shapes, hook, rank) for b in bucket]
 
 
-def _median_s(work: Callable[[], object], repeats: int = 3) -> float:
-    work()  # warm-up: allocation, first-call dispatch
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        work()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def encode_s(shapes: Sequence[Sequence[int]], hook: str, rank: int = 1) -> float:
-    """Seconds one CPU thread spends per step on the hook's own arithmetic, on tensors of the model's shapes.
-
-    none divides the gradients by N; fp16/bf16 cast them there and back; PowerSGD adds the error
-    feedback, computes P = M Q, orthonormalises P, computes Q = M^T P and rebuilds M = P Q^T.
-    One thread, as each of 2 DDP processes gets on 2 cores; it also keeps the figure steady on a
-    busy machine, where several threads mostly wait for each other.
-    """
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return _encode_s(shapes, hook, rank)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _encode_s(shapes: Sequence[Sequence[int]], hook: str, rank: int) -> float:
-    numel = sum(math.prod(shape) for shape in shapes)
-    flat = torch.randn(numel)
-    if hook == "none":
-        return _median_s(lambda: flat.div_(2))
-    if hook in ("fp16", "bf16"):
-        dtype = torch.float16 if hook == "fp16" else torch.bfloat16
-        return _median_s(lambda: flat.copy_(flat.to(dtype).div_(2)))
-    matrices = [torch.randn(s[0], math.prod(s) // s[0]) for s in shapes if len(s) > 1]
-    matrices = [m for m in matrices if 2 * (m.shape[0] + m.shape[1]) * min(rank, *m.shape) < m.numel()]
-    error = torch.zeros(numel)
-
-    def powersgd() -> None:
-        if hook == "powersgd_fp16":
-            flat.copy_(flat.half().float())
-        flat.add_(error)
-        kept = flat.clone()
-        for m in matrices:
-            r = min(rank, *m.shape)
-            p = torch.linalg.qr(m @ torch.randn(m.shape[1], r)).Q
-            q = m.T @ p
-            m.copy_(p @ q.T)
-        error.copy_(kept).sub_(flat)
-
-    return _median_s(powersgd)
-
-
 @functools.cache
 def expected_max_normal(n: int) -> float:
     """E[max of n independent standard normal draws]: how far the slowest of n ranks lags the mean, in standard deviations.
@@ -243,10 +188,10 @@ def expected_max_normal(n: int) -> float:
     """
     if n <= 1:
         return 0.0
-    xs = torch.linspace(-10, 10, 20001, dtype=torch.float64)
-    pdf = torch.exp(-xs**2 / 2) / math.sqrt(2 * math.pi)
-    cdf = 0.5 * (1 + torch.erf(xs / math.sqrt(2)))
-    return float(torch.trapezoid(xs * n * pdf * cdf ** (n - 1), xs))
+    step = 20 / 20000
+    xs = [-10 + i * step for i in range(20001)]
+    ys = [x * n * math.exp(-x * x / 2) / math.sqrt(2 * math.pi) * (0.5 * (1 + math.erf(x / math.sqrt(2)))) ** (n - 1) for x in xs]
+    return step * (sum(ys) - (ys[0] + ys[-1]) / 2)
 
 
 @dataclass(frozen=True)

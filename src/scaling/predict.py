@@ -30,16 +30,16 @@ from omegaconf import OmegaConf
 from src.data.fashion_mnist import IMAGE_SIZE
 from src.errors import UsageError
 from src.launch.console import processes, saying
-from src.runs import ArgumentParser, RunFolder, median, output_folder, read_runs, require_folder, usage_errors_exit
+from src.runs import RunFolder, median, output_folder, read_runs, require_folder, usage_errors_exit
 from src.scaling import probe as gloo_probe
 from src.scaling import timed as timing
 from src.scaling import whatif
+from src.scaling.cli import parse
 from src.scaling.costmodel import (
-    BACKWARD_SHARE, DDP_GPU_MULTI_SHARE, DDP_GPU_SHARE, INTERCONNECTS, PRESET_BUS_SHARE, Interconnect, Step, Terms, bucketed,
+    BACKWARD_SHARE, DDP_GPU_MULTI_SHARE, DDP_GPU_SHARE, HOOKS, INTERCONNECTS, MIB, Interconnect, Step, Terms, bucketed,
     epoch_steps, predict_step,
 )
 from src.scaling.timed import Timed
-from src.strategies.ddp import HOOKS, MIB
 
 PROCESS_COUNTS = tuple(2**k for k in range(11))  # 1 ... 1024
 COLUMNS = ("model", "batch_size", "mode", "interconnect", "hook", "processes", "global_batch", "bytes_per_step", "compute_ms",
@@ -576,63 +576,18 @@ def time_baseline(run: RunFigures, cores: int, options: Options, meet_at: Sequen
                            need_clock=options.overhead_ms is None or options.skew is None)
 
 
-def _parse(argv: list[str] | None) -> Namespace:
-    parser = ArgumentParser(prog="python -m src.scaling", description=__doc__.splitlines()[0])
-    parser.add_argument("folder", type=Path, nargs="?", help="a run folder, a sweep folder or outputs/")
-    parser.add_argument("--out", type=Path, help="where to write (default: the folder; outputs/ for --probe alone)")
-    parser.add_argument("--probe", action="store_true", help="time gloo all-reduces here first and save probe.json")
-    parser.add_argument("--probe-file", type=Path, help="a saved probe.json (default: probe.json in the folder, if any)")
-    parser.add_argument("--per-process-batch", type=int, help="weak scaling: samples per process and step (default: strong "
-                        "scaling, the global batch split over the processes)")
-    terms = parser.add_argument_group("terms of the model (default: measured, or the assumption docs/scaling.md states)")
-    terms.add_argument("--overlap", type=float, help="share of every bucket's all-reduce but the last that hides behind the "
-                       "backward pass, where the run logged none (default 0; what-if: 1)")
-    terms.add_argument("--overhead-ms", type=float, help="per-step overhead that does not shrink with more processes "
-                       "(default: timed here; what-if: 0)")
-    terms.add_argument("--skew", type=float, help="spread of one process's step time, standard deviation / mean "
-                       "(default: timed here; what-if: 0)")
-    terms.add_argument("--bucket-mb", type=float, default=25.0, help="DDP's bucket_cap_mb: the size of the buckets, and "
-                       "so of the last one, which cannot overlap (default 25)")
-    terms.add_argument("--bus-share", type=float, help="share of a named link's bandwidth an all-reduce reaches "
-                       f"(default {PRESET_BUS_SHARE}; the probe's fit: 1)")
-    whatif.add_arguments(parser)
-    args = parser.parse_args(argv)
-    whatif_mode = args.model is not None or args.params is not None
-    if args.folder is None and not args.probe and not whatif_mode:
-        raise UsageError("give a run or sweep folder, --probe, or a what-if (--model or --params)")
-    _check_terms(args)
-    if whatif_mode:
-        if args.folder is not None or args.probe:
-            raise UsageError("--model/--params is a what-if without a run: give no run folder and no --probe with it")
-        whatif.check(args)
-    else:
-        whatif.refuse(args)
-    return args
-
-
-def _check_terms(args: Namespace) -> None:
-    """The terms' flags and --per-process-batch, each within what it can mean."""
-    allowed = [
-        ("--overlap", args.overlap, args.overlap is None or 0 <= args.overlap <= 1, "between 0 and 1"),
-        ("--skew", args.skew, args.skew is None or 0 <= args.skew <= 10, "between 0 and 10"),
-        ("--bus-share", args.bus_share, args.bus_share is None or 0 < args.bus_share <= 1, "above 0 and at most 1"),
-        ("--bucket-mb", args.bucket_mb, args.bucket_mb > 0, "above 0"),
-        ("--overhead-ms", args.overhead_ms, args.overhead_ms is None or args.overhead_ms >= 0, "0 or more"),
-        ("--per-process-batch", args.per_process_batch, args.per_process_batch is None or args.per_process_batch >= 1,
-         "a whole number of 1 or more"),
-    ]
-    for option, value, ok, rule in allowed:
-        if not ok:
-            raise UsageError(f"{option} {value:g} is not allowed; it must be {rule}")
-
-
 def options_from(args: Namespace) -> Options:
     return Options(args.overlap, args.overhead_ms, args.skew, args.bus_share, args.per_process_batch, args.bucket_mb)
 
 
 def main(argv: list[str] | None = None) -> None:
     with usage_errors_exit():
-        args = _parse(argv)
+        run(parse(argv))
+
+
+def run(args: Namespace) -> None:
+    """What the parsed command line asks for: a what-if, a probe, or the predictions for a folder."""
+    with usage_errors_exit():
         if args.model is not None or args.params is not None:
             print(whatif.report(args))
             return

@@ -135,7 +135,7 @@ def ddp_times(net: Any, input_shape: Sequence[int], hooks: Sequence[str], rank: 
     all-reduce a local no-op, so what is left is DDP's and the hook's own work. It runs in a process
     of its own: the group, DDP's threads and any failure stay there, away from the caller's process
     and its groups. None, with the reason logged, when that process fails; the caller then estimates
-    the hooks' arithmetic instead (`costmodel.encode_s`).
+    the hooks' arithmetic instead (`timed.encode_s`).
     """
     with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
         try:

@@ -15,7 +15,10 @@ entry for a run, the report's predictions say what they assume instead (`predict
 import dataclasses
 import json
 import logging
-from collections.abc import Sequence
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,7 +27,6 @@ import torch
 from hydra.utils import instantiate
 
 from src.scaling import stepclock
-from src.scaling.costmodel import encode_s
 from src.strategies.ddp import HOOKS
 
 log = logging.getLogger(__name__)
@@ -53,6 +55,59 @@ def key(model: str, batch: int, processes: int, precision: str, per_process_batc
         rank: int) -> str:
     """What the figures depend on: the model and the batch it was timed at, precision, mode, buckets and rank."""
     return f"{model}|batch {batch}|{processes} proc|{precision}|per process {per_process_batch}|{bucket_mb:g} MiB|rank {rank}"
+
+
+def _median_s(work: Callable[[], object], repeats: int = 3) -> float:
+    work()  # warm-up: allocation, first-call dispatch
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        work()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def encode_s(shapes: Sequence[Sequence[int]], hook: str, rank: int = 1) -> float:
+    """Seconds one CPU thread spends per step on the hook's own arithmetic, on tensors of the model's shapes.
+
+    none divides the gradients by N; fp16/bf16 cast them there and back; PowerSGD adds the error
+    feedback, computes P = M Q, orthonormalises P, computes Q = M^T P and rebuilds M = P Q^T.
+    One thread, as each of 2 DDP processes gets on 2 cores; it also keeps the figure steady on a
+    busy machine, where several threads mostly wait for each other.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _encode_s(shapes, hook, rank)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _encode_s(shapes: Sequence[Sequence[int]], hook: str, rank: int) -> float:
+    numel = sum(math.prod(shape) for shape in shapes)
+    flat = torch.randn(numel)
+    if hook == "none":
+        return _median_s(lambda: flat.div_(2))
+    if hook in ("fp16", "bf16"):
+        dtype = torch.float16 if hook == "fp16" else torch.bfloat16
+        return _median_s(lambda: flat.copy_(flat.to(dtype).div_(2)))
+    matrices = [torch.randn(s[0], math.prod(s) // s[0]) for s in shapes if len(s) > 1]
+    matrices = [m for m in matrices if 2 * (m.shape[0] + m.shape[1]) * min(rank, *m.shape) < m.numel()]
+    error = torch.zeros(numel)
+
+    def powersgd() -> None:
+        if hook == "powersgd_fp16":
+            flat.copy_(flat.half().float())
+        flat.add_(error)
+        kept = flat.clone()
+        for m in matrices:
+            r = min(rank, *m.shape)
+            p = torch.linalg.qr(m @ torch.randn(m.shape[1], r)).Q
+            q = m.T @ p
+            m.copy_(p @ q.T)
+        error.copy_(kept).sub_(flat)
+
+    return _median_s(powersgd)
 
 
 def time_run(net: Any, shapes: Sequence[Sequence[int]], input_shape: Sequence[int], batch: int, precision: str,

@@ -19,16 +19,16 @@ import importlib
 import math
 import warnings
 from argparse import ArgumentParser, Namespace
-
-import torch
+from typing import TYPE_CHECKING
 
 from src.errors import UsageError
-from src.scaling import stepclock
 from src.scaling.costmodel import (
-    BACKWARD_SHARE, DDP_GPU_MULTI_SHARE, DDP_GPU_SHARE, PRESET_BUS_SHARE, PRESETS, Interconnect, Terms, bucketed, epoch_steps,
-    expected_max_normal, predict_step,
+    BACKWARD_SHARE, DDP_GPU_MULTI_SHARE, DDP_GPU_SHARE, HOOKS, MIB, PRESET_BUS_SHARE, PRESETS, Interconnect, Terms, bucketed,
+    epoch_steps, expected_max_normal, predict_step,
 )
-from src.strategies.ddp import HOOKS, MIB
+
+if TYPE_CHECKING:  # torch is imported where a model is built or timed: the command line is checked without it
+    import torch
 
 TRAIN_SAMPLES = 55_000  # this project's training split: Fashion-MNIST's 60,000 less data.val_size
 CHUNK = 2**18  # --params: gradients as 1 MiB fp32 tensors, so that DDP's buckets fill as they would
@@ -112,8 +112,9 @@ def input_shape(text: str) -> tuple[int, ...]:
     return shape
 
 
-def build(path: str, device: str | None = None) -> torch.nn.Module:
+def build(path: str, device: str | None = None) -> "torch.nn.Module":
     """The model an import path names, built with its defaults (on the meta device: shapes only, no memory)."""
+    import torch
     module_name, _, attribute = path.rpartition(".")
     try:
         factory = getattr(importlib.import_module(module_name), attribute)
@@ -166,6 +167,8 @@ def report(args: Namespace) -> str:
     if args.step_ms is not None:
         step_1, step_origin = args.step_ms / 1000, "stated (--step-ms)"
     else:
+        from src.scaling import stepclock  # torch and the model: only to time it
+
         try:
             clock = stepclock.measure(build(args.model), input_shape(args.input), batch)
         except Exception as error:
