@@ -1,9 +1,10 @@
 """The README's commands, copied as a user copies them, run in a fresh shell.
 
-Each train and eval command runs verbatim through `bash -c`, with no virtualenv activated (no
-`.venv/bin` on PATH, no VIRTUAL_ENV), in a checkout of its own: a folder holding this checkout's
-`src/`, `conf/`, `pyproject.toml` and `.venv/` (links), with `../shared/data` beside it pointing at
-the offline Fashion-MNIST copy, as on the machine the README describes. Its `data/` folder is
+Each train and eval command runs verbatim through `bash -c` in the shell of a stock system: PATH
+only /usr/local/bin, /usr/bin and /bin (where Debian and Ubuntu have `python3` and often no
+`python`), no virtualenv activated (no VIRTUAL_ENV), in a checkout of its own: a folder holding
+this checkout's `src/`, `conf/`, `pyproject.toml` and `.venv/` (links), with `../shared/data`
+beside it pointing at the offline Fashion-MNIST copy, as on the machine the README describes. Its `data/` folder is
 what the first run would have downloaded (a link to the same copy), since these tests have no
 network. Its own `outputs/` keeps the runs out of this checkout.
 
@@ -16,7 +17,6 @@ command runs once; the tests below read what it left. The setup and test command
 (the setup installs, the test command is this suite); they must be the very lines `.ci/run` runs.
 """
 
-import os
 import re
 import shlex
 import subprocess
@@ -114,14 +114,17 @@ def checkout(tmp_path_factory) -> Path:
     return repo
 
 
+STOCK_PATH = "/usr/local/bin:/usr/bin:/bin"  # what a login shell of stock Debian or Ubuntu has: `python3`, and often no `python`
+
+
 def fresh_shell(command: str, cwd: Path, timeout: float = 1800) -> subprocess.CompletedProcess:
-    """`bash -c command` as in a new terminal: no virtualenv on PATH or in the environment.
+    """`bash -c command` as in a new terminal of a stock system: PATH only the system's folders, no virtualenv
+    on it or in the environment.
 
     The timeout only bounds a hang: ResNet-18 on 4 CPU processes with bf16 emulated took 530 s on
     the 2-core machine under load, before `SMALLEST`."""
-    env = {k: v for k, v in user_env().items() if k not in ("VIRTUAL_ENV", "FASHION_MNIST_ROOT", "PYTHONHOME")}
-    venv_bin = str(REPO / ".venv" / "bin")
-    env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep) if p and Path(p).resolve() != Path(venv_bin).resolve())
+    env = {k: v for k, v in user_env().items() if k not in ("VIRTUAL_ENV", "FASHION_MNIST_ROOT", "PYTHONHOME", "PYTHONPATH")}
+    env["PATH"] = STOCK_PATH
     return subprocess.run(["bash", "-c", command], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -135,9 +138,17 @@ def test_the_setup_and_test_commands_are_what_ci_runs():
 
 
 def test_the_commands_run_in_a_shell_without_the_virtualenv(checkout):
-    result = fresh_shell("command -v python; echo ${VIRTUAL_ENV:-none}", checkout)
-    found, virtual_env = result.stdout.split("\n")[:2]
-    assert ".venv" not in found and virtual_env == "none"
+    """The shell the commands run in has no virtualenv, and may have no `python`: each README command names
+    `python3` (to make the virtualenv) or the virtualenv's own interpreter."""
+    result = fresh_shell('echo "VIRTUAL_ENV=${VIRTUAL_ENV:-}"; command -v python3; command -v python || true', checkout)
+    assert result.returncode == 0, result.stderr
+    virtual_env, *found = result.stdout.splitlines()
+    assert virtual_env == "VIRTUAL_ENV=" and found and found[0].endswith("/python3")
+    assert not any(".venv" in path for path in found)
+    text = README.read_text()
+    commands = [line for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S) for line in block.splitlines()]
+    bare = [line for line in commands if re.search(r"(^|[\s;&|(])python\b(?!3)", without_comment(line))]
+    assert commands and not bare, f"README commands that need a `python` on PATH: {bare}"
 
 
 TRAIN = section_commands("Train")
