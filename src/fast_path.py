@@ -4,7 +4,10 @@
   where they compute bf16 natively (CPUs with AVX512-BF16 or AMX, GPUs from Ampere on), fp16
   autocast on older GPUs with tensor cores, fp32 elsewhere.
 - `channels_last=true`: weights and inputs in NHWC order, the layout oneDNN and cuDNN convolve
-  fastest (ResNet-18 on an H100: 5.9 against 10.6 ms a step in bf16). Same numbers.
+  fastest (ResNet-18 on an H100: 5.9 against 10.6 ms a step in bf16). Same numbers. Every
+  convolution, except under DDP on CUDA (`one_channel_nchw_pays`).
+- on CPU, freed memory stays in the process (`keep_freed_memory`): glibc otherwise hands large
+  blocks back to the kernel and faults them in again, page by page, at the next step.
 - `compile=true`: `torch.compile` on the network, in place, so that checkpoints keep their keys.
 - `trainer.benchmark=true`: cuDNN times its convolution algorithms once and keeps the fastest.
 - `cuda_graphs=auto`: on one CUDA device, each step's forward and backward pass is one CUDA graph
@@ -15,15 +18,17 @@
 `benchmarks/speed.py` measures each; docs/results.md has the figures.
 """
 
+import ctypes
 import logging
 import math
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from omegaconf import DictConfig
 from torch import nn
 
@@ -39,6 +44,9 @@ GRAPHED_STEPS_PER_EXECUTION = 8
 
 # Lightning's full names of the short precision values (`Trainer.precision` reports these).
 LIGHTNING_SPELLING = {"16": "16-mixed", "bf16": "bf16-mixed", "32": "32-true", "64": "64-true"}
+
+# glibc's mallopt parameters (malloc.h) and the value that turns trimming off.
+M_TRIM_THRESHOLD, M_MMAP_MAX, NEVER = -1, -4, -1
 
 StepFunction = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
@@ -74,21 +82,54 @@ def cudnn_benchmark(benchmark: bool | None, deterministic: object) -> bool:
     return (not deterministic) if benchmark is None else benchmark
 
 
-def speed_up(net: nn.Module, channels_last: bool, compile: bool) -> nn.Module:
+def one_channel_nchw_pays(accelerator: str, strategy: object) -> bool:
+    """Whether convolutions of one input channel keep NCHW weights under `channels_last`: only under DDP on CUDA.
+
+    There cuDNN handed back such a weight's gradient with NCHW strides, and DDP, which compares a gradient's
+    strides with its bucket's, warned and copied it every step (ResNet-18 on an H100; not measured since
+    channels_last became the GPU default). On CPU oneDNN returns it in the weight's own strides, and the
+    mixed layout costs: an NCHW first convolution hands NCHW activations to the NHWC layers after it, which
+    convert them in every forward and backward pass (LeNet, fp32, a 2-core AMD EPYC without AVX-512:
+    110 ms a step against 85 ms all NHWC, docs/results.md).
+    """
+    return accelerator == "gpu" and isinstance(strategy, DDPStrategy)
+
+
+def speed_up(net: nn.Module, channels_last: bool, compile: bool, one_channel_nchw: bool = False) -> nn.Module:
     """Apply the layout and compilation settings to `net` in place, before any device or wrapper sees it.
 
-    A convolution of one input channel keeps NCHW strides: its weight is the same bytes in both
-    layouts, cuDNN hands back its gradient with NCHW strides, and DDP compares a gradient's strides
-    with its bucket's (a mismatch costs a copy per step and a warning).
+    With `one_channel_nchw` (see `one_channel_nchw_pays`), a convolution of one input channel keeps
+    NCHW strides: its weight is the same bytes in both layouts.
     """
     if channels_last:
         net.to(memory_format=torch.channels_last)
-        for conv in net.modules():
+        for conv in net.modules() if one_channel_nchw else ():
             if isinstance(conv, nn.Conv2d) and conv.in_channels == 1:
                 conv.weight.data = conv.weight.data.clone(memory_format=torch.contiguous_format)
     if compile:
         net.compile()
     return net
+
+
+def keep_freed_memory() -> bool:
+    """Keep memory that a CPU step frees in this process, for the next step to reuse; whether the C library took it.
+
+    glibc serves blocks above a threshold (128 KiB, rising to what was last freed) by mapping fresh pages
+    and gives them back when they are freed, and trims the top of its heap back to the kernel. A training
+    step frees and allocates the same large activations every time, so each step faulted them in again, a
+    page at a time: LeNet at batch 256 took 1,000 to 11,000 page faults a step, depending on how the
+    threshold had moved, and up to a fifth of its step (a 2-core AMD EPYC, docs/results.md). With no
+    mapping per block and no trimming, the process keeps its largest step's memory and faults none.
+    Only on Linux with glibc (elsewhere `mallopt` is missing or refuses, and nothing changes).
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, NEVER))
 
 
 @dataclass(frozen=True)

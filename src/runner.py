@@ -28,7 +28,8 @@ from src.launch.cli import Result
 from src.launch.console import processes
 from src.launch.ranks import is_launching_process, is_rank_zero
 from src.errors import UsageError
-from src.fast_path import apply_fast_steps, cudnn_benchmark, resolve_accelerator, resolve_precision, speed_up
+from src.fast_path import (apply_fast_steps, cudnn_benchmark, keep_freed_memory, one_channel_nchw_pays, resolve_accelerator,
+                           resolve_precision, speed_up)
 from src.hparams import has_hparams, log_hparams, run_hparams
 from src.launch.naming import register_resolvers
 from src.loggers import purge_step
@@ -113,6 +114,8 @@ def run(cfg: DictConfig, fit: bool = True) -> Result:
     world_size = processes_per_node(strategy, cfg.devices) * cfg.num_nodes
     step_batch = per_process_batch(cfg.data.batch_size, world_size)
     seed_everything(cfg.seed, workers=True, verbose=False)
+    if accelerator == "cpu":
+        keep_freed_memory()
 
     # Data, model, callbacks, logger, trainer.
     datamodule = instantiate(cfg.data)
@@ -128,7 +131,8 @@ def run(cfg: DictConfig, fit: bool = True) -> Result:
     check_optimizer(optimizer, model.parameters())
     objects.check_checkpoint(checkpoint, cfg.ckpt_path, model, cfg.model_name)
     # The Classifier's network; a LightningModule of one's own (docs/extending.md) may have no `net`.
-    speed_up(getattr(model, "net", model), channels_last=cfg.channels_last, compile=cfg.compile)
+    speed_up(getattr(model, "net", model), channels_last=cfg.channels_last, compile=cfg.compile,
+             one_channel_nchw=one_channel_nchw_pays(accelerator, strategy))
     trainer_args = OmegaConf.to_container(cfg.trainer, resolve=True)
     trainer_args["benchmark"] = cudnn_benchmark(trainer_args["benchmark"], trainer_args["deterministic"])
     fast_steps = apply_fast_steps(cfg, trainer_args, model, datamodule, accelerator=accelerator,
