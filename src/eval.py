@@ -18,7 +18,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from src.errors import UsageError
-from src.launch import cli
+from src.launch import cli, forkserver
 from src.launch.naming import register_resolvers
 from src.runs import resolved_config, resolved_config_file
 
@@ -76,6 +76,7 @@ def as_trained(cfg: DictConfig, overrides: list[str], group: str) -> DictConfig:
 def evaluate(cfg: DictConfig) -> cli.Result:
     overrides = list(HydraConfig.get().overrides.task)
     cfg.model, cfg.data = as_trained(cfg, overrides, "model"), as_trained(cfg, overrides, "data")
+    forkserver.start_early(cfg)
     from src.runner import run  # torch and Lightning: once the command line has passed its checks
 
     return run(cfg, fit=False)
@@ -98,7 +99,7 @@ def with_checkpoint_model(args: list[str]) -> list[str]:
 
 def main() -> None:
     sys.argv = [sys.argv[0], *with_checkpoint_model(sys.argv[1:])]
-    cli.run_entry(hydra_main)
+    cli.run_entry(hydra_main, config_name="eval")
 
 
 if __name__ == "__main__":

@@ -89,8 +89,8 @@ def one_channel_nchw_pays(accelerator: str, strategy: object) -> bool:
     strides with its bucket's, warned and copied it every step (ResNet-18 on an H100; not measured since
     channels_last became the GPU default). On CPU oneDNN returns it in the weight's own strides, and the
     mixed layout costs: an NCHW first convolution hands NCHW activations to the NHWC layers after it, which
-    convert them in every forward and backward pass (LeNet, fp32, a 2-core AMD EPYC without AVX-512:
-    110 ms a step against 85 ms all NHWC, docs/results.md).
+    convert them in every forward and backward pass (docs/results.md: on a 2-core AMD EPYC without
+    AVX-512, this and `keep_freed_memory` together took LeNet's default step from 78 to 57 ms).
     """
     return accelerator == "gpu" and isinstance(strategy, DDPStrategy)
 

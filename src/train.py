@@ -11,7 +11,7 @@ imports what runs it (`src.runner`) once Hydra has composed its config.
 import hydra
 from omegaconf import DictConfig
 
-from src.launch import cli
+from src.launch import cli, forkserver
 from src.launch.naming import register_resolvers
 
 register_resolvers()
@@ -19,6 +19,7 @@ register_resolvers()
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
 def hydra_main(cfg: DictConfig) -> cli.JobDone | cli.JobFailed:
+    forkserver.start_early(cfg)  # a DDP run's workers: their server imports the code while this process does
     from src.runner import train
 
     return cli.run_job(train, cfg)

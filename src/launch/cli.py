@@ -8,6 +8,7 @@ exits non-zero at its end.
 
 import logging
 import os
+import string
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
 
+from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
@@ -155,11 +157,30 @@ def run_job(task: Callable[[DictConfig], Result], cfg: DictConfig) -> JobDone | 
     return JobDone(result.metrics.get("test/acc"), result.line, resumed=result.resumed)
 
 
-def run_entry(hydra_main: Callable[[], object], resumes: bool = False) -> None:
+def quick_help(config_name: str, args: list[str]) -> str | None:
+    """`--help` as Hydra renders the config's help template, without Hydra's walk over its own ninety-odd config
+    groups to fill `$APP_CONFIG_GROUPS` (1.2 to 1.7 s of a 1.8 s answer on a 2-core machine): this project's
+    groups are the folders of conf/. None where Hydra should answer: a template that asks for more, or a
+    `hydra.searchpath` that adds options."""
+    if not {"--help", "-h"} & set(args) or any(arg.startswith("hydra.searchpath") for arg in args):
+        return None
+    with initialize_config_dir(config_dir=str(checks.CONF_DIR), version_base="1.3"):
+        template = compose(config_name, return_hydra_config=True).hydra.help.template
+    if {"$CONFIG", "$FLAGS_HELP", "$HYDRA_CONFIG_GROUPS"} & {word for word in template.split() if word.startswith("$")}:
+        return None
+    groups = sorted(folder.name for folder in checks.CONF_DIR.iterdir() if checks.is_group(folder.name))
+    listed = "".join(f"{group}: {', '.join(checks.group_options(group))}\n" for group in groups)
+    return string.Template(template).substitute(APP_CONFIG_GROUPS=listed)
+
+
+def run_entry(hydra_main: Callable[[], object], resumes: bool = False, config_name: str = "train") -> None:
     """Check the command line, run the Hydra entry, sum a sweep up, and exit non-zero if any of its jobs failed.
     With `resumes` (training), a command that resumes a run folder takes that run's own settings first (`src.resume`)."""
     sys.argv = rank_argv(sys.argv)
     stops.handle_stop_signals()
+    if (text := quick_help(config_name, sys.argv[1:])) is not None:
+        print(text)
+        return
     try:
         checks.check_flags(sys.argv[1:])
         checks.check_overrides(sys.argv[1:])

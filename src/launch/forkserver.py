@@ -1,0 +1,28 @@
+"""The forkserver that a local DDP run forks its workers from, started as soon as the config shows that the run
+will need it: its import of the training code (torch and Lightning, seconds) then runs beside the launching
+process's own import, on another core, instead of after it (docs/results.md, start-up)."""
+
+import multiprocessing
+from multiprocessing import forkserver
+
+from omegaconf import DictConfig
+
+from src.launch.ranks import external_rank, is_launching_process
+
+# What the server imports once for every worker it forks: the run's code, and torch and Lightning with it.
+PRELOAD = ["src.launch.workers", "src.runner"]
+
+
+def will_fork_workers(cfg: DictConfig) -> bool:
+    """Several devices of one node under a DDP strategy, with no torchrun or SLURM around the run: where
+    `src.launch.workers.needed` will say so once the Trainer is built. A wrong guess costs an idle process."""
+    strategy = cfg.strategy if isinstance(cfg.strategy, DictConfig) else {}
+    target = str(strategy.get("_target_", ""))
+    return (cfg.devices > 1 and cfg.num_nodes == 1 and "DDP" in target.rsplit(".", 1)[-1]
+            and external_rank() is None and is_launching_process())
+
+
+def start_early(cfg: DictConfig) -> None:
+    if "forkserver" in multiprocessing.get_all_start_methods() and will_fork_workers(cfg):
+        multiprocessing.set_forkserver_preload(PRELOAD)
+        forkserver.ensure_running()
