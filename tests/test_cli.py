@@ -10,6 +10,7 @@ from omegaconf import OmegaConf
 from lightning.pytorch.utilities import rank_zero_only
 
 from src.errors import UsageError
+from src.launch import cli
 from src.launch.cli import report_failure
 from tests.helpers import QUICK, REPO, Run, assert_finished_run, cpu_precision, hparams, hparams_order, scalars, train, user_env, write_tiny_fashion_mnist
 
@@ -163,3 +164,40 @@ def test_help_and_a_mistake_are_answered_before_torch_and_lightning_are_imported
     assert result.returncode in (0, 2), result.stderr[-3000:]
     imported = {line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")}
     assert not {"torch", "lightning"} & imported, sorted(name for name in imported if name.split(".")[0] in ("torch", "lightning"))
+
+
+@pytest.mark.parametrize("name", ["train", "eval"])
+def test_quick_help_is_what_hydra_prints(name):
+    """Answered without Hydra's walk over its own config groups, `--help` is still Hydra's rendering of the
+    template: a `hydra.searchpath` hands the answer to Hydra, which must print the same."""
+    ours = subprocess.run([sys.executable, "-m", f"src.{name}", "--help"], cwd=REPO, env=user_env(),
+                          capture_output=True, text=True, timeout=300)
+    hydras = subprocess.run([sys.executable, "-m", f"src.{name}", "--help", "hydra.searchpath=[]"], cwd=REPO,
+                            env=user_env(), capture_output=True, text=True, timeout=300)
+    assert ours.returncode == hydras.returncode == 0, ours.stderr + hydras.stderr
+    assert cli.quick_help(name, ["--help"]) is not None and cli.quick_help(name, ["--help", "hydra.searchpath=[]"]) is None
+    assert ours.stdout == hydras.stdout and "model: lenet, resnet18" in ours.stdout
+
+
+@pytest.mark.parametrize(("overrides", "env", "expected"), [
+    (["strategy=ddp", "devices=2"], {}, True),
+    (["strategy=ddp_powersgd", "devices=4"], {}, True),
+    (["strategy=ddp", "devices=1"], {}, False),
+    (["strategy=ddp", "devices=2", "num_nodes=2"], {}, False),
+    (["strategy=dp", "devices=2"], {}, False),
+    (["strategy=ddp", "devices=2"], {"RANK": "0"}, False),  # torchrun started the processes
+    (["strategy=ddp", "devices=2"], {"LOCAL_RANK": "1"}, False),  # a worker
+], ids=lambda value: " ".join(value) if isinstance(value, list) else str(value))
+def test_the_forkserver_starts_early_only_for_a_run_that_forks_workers(monkeypatch, overrides, env, expected):
+    from hydra import compose, initialize_config_dir
+
+    from src.checks import CONF_DIR
+    from src.launch.forkserver import will_fork_workers
+
+    for key in ("RANK", "SLURM_PROCID", "LOCAL_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("train", overrides=overrides)
+    assert will_fork_workers(cfg) is expected
