@@ -203,6 +203,11 @@ def _cmdline(pid: int) -> bytes:
         return b""
 
 
+def forkserver_pids(launcher: int) -> list[int]:
+    """A launcher's forkserver, which its DDP workers are forked from, once it has started."""
+    return [child for child in children(launcher) if b"multiprocessing.forkserver" in _cmdline(child)]
+
+
 def worker_pids(launcher: int) -> list[int]:
     """A launcher's DDP workers, in the order started: the children of its forkserver (or, started by
     spawn, its own children running `spawn_main`)."""

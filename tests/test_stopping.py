@@ -21,7 +21,7 @@ from omegaconf import OmegaConf
 
 from src.errors import UsageError
 from src.strategies.ddp import CommHookDDPStrategy
-from tests.helpers import QUICK, REPO, cpu_precision, hparams, scalars, train, user_env, worker_pids
+from tests.helpers import QUICK, REPO, cpu_precision, forkserver_pids, hparams, scalars, train, user_env, worker_pids
 
 # Long enough to be signalled: 50 short epochs, each checkpointed in `checkpoints/last.ckpt`.
 LONG = [*QUICK, "max_epochs=50", "data.batch_size=64", "trainer.limit_train_batches=10"]
@@ -167,6 +167,25 @@ def test_signal_stops_every_ddp_process(tmp_path, data_root, name, target):
     assert "leaked semaphore" not in run.stderr, run.stderr[-3000:]
     if target == "launcher":
         assert_resumes(line, run.dir)
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_the_workers_forkserver_imports_ends_in_one_line(tmp_path, data_root):
+    """A DDP run starts its workers' forkserver as soon as its config is composed; a terminal's Ctrl-C that
+    reaches the server while it imports the training code ends the run in the same one line, no traceback."""
+    with Run(tmp_path / "run", *LONG, *DDP, f"hydra.run.dir={tmp_path / 'run'}") as run:
+        def server_started() -> bool:
+            if run.proc.poll() is not None:
+                pytest.fail(f"the run ended before it was signalled:\n{run.proc.stderr.read()[-3000:]}")
+            return bool(forkserver_pids(run.proc.pid))
+
+        wait_for(server_started, "the workers' forkserver started")
+        os.killpg(run.proc.pid, signal.SIGINT)
+        run.wait_exit()
+    assert run.proc.returncode == 130, run.stderr[-3000:]
+    assert [line for line in run.stderr.splitlines() if line.strip()][-1].startswith("error: run stopped by SIGINT")
+    assert "Traceback" not in run.stderr and "KeyboardInterrupt" not in run.stderr, run.stderr[-3000:]
+    assert live_processes(run.proc.pid) == []
 
 
 @pytest.mark.slow

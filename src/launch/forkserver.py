@@ -3,6 +3,7 @@ will need it: its import of the training code (torch and Lightning, seconds) the
 process's own import, on another core, instead of after it (docs/results.md, start-up)."""
 
 import multiprocessing
+import signal
 from multiprocessing import forkserver
 
 from omegaconf import DictConfig
@@ -24,5 +25,16 @@ def will_fork_workers(cfg: DictConfig) -> bool:
 
 def start_early(cfg: DictConfig) -> None:
     if "forkserver" in multiprocessing.get_all_start_methods() and will_fork_workers(cfg):
-        multiprocessing.set_forkserver_preload(PRELOAD)
+        ensure_running(PRELOAD)
+
+
+def ensure_running(preload: list[str]) -> None:
+    """Start the forkserver, which imports `preload`, unless it runs. It starts with SIGINT ignored, as it
+    ignores it once running: a terminal's Ctrl-C during its import would print its traceback under the run's
+    one line. The workers it forks set their own handlers; the server ends with the process that started it."""
+    multiprocessing.set_forkserver_preload(preload)
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
         forkserver.ensure_running()
+    finally:
+        signal.signal(signal.SIGINT, previous)

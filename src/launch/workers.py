@@ -40,7 +40,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from tqdm import tqdm
 
 from src.errors import TrainingDiverged, UsageError
-from src.launch import stops
+from src.launch import forkserver, stops
 from src.launch.console import close_progress_bars
 from src.launch.stops import STOP_SIGNALS, RankFailed, RunStopped, handle_stop_signals, ignore_stop_signals, rank_failure, signal_name
 
@@ -108,7 +108,8 @@ def start(function: Callable[..., T], cfg: DictConfig, *args: Any) -> T:
             rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0",  # port 0: the agent's store takes a free port
             max_restarts=0, start_method=START_METHOD, logs_specs=DefaultLogsSpecs(log_dir=error_files),
         )
-        multiprocessing.set_forkserver_preload(preloaded(function))  # once the server runs, a no-op
+        if START_METHOD == "forkserver":
+            forkserver.ensure_running(preloaded(function))  # a no-op where the run started it early
         resolved = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))  # workers have no Hydra to resolve with
         OmegaConf.set_struct(resolved, OmegaConf.is_struct(cfg))
         try:
