@@ -21,7 +21,7 @@ from src.callbacks.hardware import HardwareUse
 from src.callbacks.model_summary import without_zero_flops
 from src.callbacks.learning import LossFalls
 from src.callbacks.progress import EpochBar
-from src.launch import cli, workers
+from src.launch import workers
 from src.checkpoints import AtomicCheckpointIO, checkpoint_to_evaluate, resolve_ckpt_path, tested_weights
 from src.data.fashion_mnist import per_process_batch
 from src.launch.cli import Result

@@ -74,6 +74,7 @@ def log_lines(run: Path, sweep_dir: Path) -> list[str]:
 @pytest.mark.slow
 def test_jobs_side_by_side_write_what_one_after_another_writes(two_sweeps):
     (one_by_one, sequential), (side_by_side, parallel) = two_sweeps["sequential"], two_sweeps["parallel"]
+    assert one_by_one.returncode == 0, one_by_one.stderr[-3000:]
     assert side_by_side.returncode == 0, side_by_side.stderr[-3000:]
     jobs = {p.name for p in parallel.iterdir() if p.is_dir() and not p.name.startswith(".") and p.name != "report"}
     assert jobs == {p.name for p in sequential.iterdir() if p.is_dir() and p.name != "report"} == set(SEEDS)

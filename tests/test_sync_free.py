@@ -14,7 +14,6 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from lightning import Callback, Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from src.callbacks.hardware import HardwareUse

@@ -25,7 +25,6 @@ from hydra.errors import OverrideParseException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException, ValidationError
 
-from src.launch.console import counted
 from src.launch.ranks import external_rank
 from src.errors import UsageError
 from src.checks.lightning_names import trainer_arguments

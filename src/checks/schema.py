@@ -9,10 +9,8 @@ group names, which that object checks itself (e.g. `CommHookDDPStrategy.check_op
 the command-line check refuses keys those groups' files do not have.
 """
 
-import inspect
 import math
 import re
-import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
