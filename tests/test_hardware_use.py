@@ -93,17 +93,23 @@ def test_the_peak_is_lightnings_for_a_listed_gpu(monkeypatch):
     assert peak is None and "not a CPU" in why
 
 
+def short_bf16_fit(accelerator: str, net: torch.nn.Module, data_root, batch_size: int, batches: int) -> tuple[HardwareUse, EpochTimer]:
+    """Two bf16 epochs of `batches` training batches, no validation: the HardwareUse and EpochTimer they leave."""
+    usage, timer = HardwareUse(), EpochTimer()
+    trainer = Trainer(accelerator=accelerator, devices=1, max_epochs=2, limit_train_batches=batches, limit_val_batches=0,
+                      num_sanity_val_steps=0, precision="bf16-mixed", logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, callbacks=[timer, usage],
+                      use_distributed_sampler=False)
+    data = FashionMNISTDataModule(root=str(data_root), batch_size=batch_size, download=False)
+    trainer.fit(Classifier(net, functools.partial(torch.optim.SGD, lr=0.1)), datamodule=data)
+    return usage, timer
+
+
 def test_mfu_of_a_run_against_a_listed_gpu(monkeypatch, data_root):
     """A short fit whose device reads as an H100: MFU is the run's TFLOP/s over the table's bf16 peak."""
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: H100)
     monkeypatch.setattr(hardware, "peak_flops", lambda device, precision: peak_flops(torch.device("cuda"), precision))
-    usage, timer = HardwareUse(), EpochTimer()
-    trainer = Trainer(accelerator="cpu", devices=1, max_epochs=2, limit_train_batches=3, limit_val_batches=0,
-                      num_sanity_val_steps=0, precision="bf16-mixed", logger=False, enable_checkpointing=False,
-                      enable_progress_bar=False, enable_model_summary=False, callbacks=[timer, usage],
-                      use_distributed_sampler=False)
-    data = FashionMNISTDataModule(root=str(data_root), batch_size=32, download=False)
-    trainer.fit(Classifier(LeNet(), functools.partial(torch.optim.SGD, lr=0.1)), datamodule=data)
+    usage, timer = short_bf16_fit("cpu", LeNet(), data_root, batch_size=32, batches=3)
     assert usage.flops_per_sample == training_flops(LENET)
     peak = _CUDA_FLOPS["h100 sxm"][torch.bfloat16]
     assert len(usage.mfu) == len(usage.tflops_per_s) == len(timer.samples_per_s) == 2
@@ -116,13 +122,7 @@ def test_mfu_of_a_run_against_a_listed_gpu(monkeypatch, data_root):
 @pytest.mark.gpu
 def test_mfu_on_this_gpu(data_root):
     """A short bf16 fit on the GPU: MFU against Lightning's peak for it, printed for the GPU check's record."""
-    usage, timer = HardwareUse(), EpochTimer()
-    trainer = Trainer(accelerator="gpu", devices=1, max_epochs=2, limit_train_batches=20, limit_val_batches=0,
-                      num_sanity_val_steps=0, precision="bf16-mixed", logger=False, enable_checkpointing=False,
-                      enable_progress_bar=False, enable_model_summary=False, callbacks=[timer, usage],
-                      use_distributed_sampler=False)
-    data = FashionMNISTDataModule(root=str(data_root), batch_size=256, download=False)
-    trainer.fit(Classifier(resnet18(), functools.partial(torch.optim.SGD, lr=0.1)), datamodule=data)
+    usage, timer = short_bf16_fit("gpu", resnet18(), data_root, batch_size=256, batches=20)
     peak, why = peak_flops(torch.device("cuda", 0), "bf16-mixed")
     if peak is None:
         pytest.skip(why)

@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 
 from tests.helpers import DATA_ROOT, REPO, cpu_precision, steps_going_back, user_env
 
@@ -304,33 +303,10 @@ def test_a_sweep_that_sbatch_refuses_ends_in_one_line(checkout):
     assert "Traceback" not in result.stderr
 
 
-def test_a_launcher_job_cancelled_by_hand_fails_the_sweep(checkout):
-    """A job that leaves no result (here `scancel` while it trains) is a failed job, with or without sacct."""
-    submitter = subprocess.Popen(sweep_command(*ENDLESS), cwd=checkout, env=job_env(), stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True)
-    try:
-        sweep = checkout / "sweep"
-        wait_for(lambda: next(iter(sweep.glob("*/checkpoints/last.ckpt")), None), "the first last.ckpt")
-        array_id = next(p.name for p in (sweep / ".submitit").iterdir() if p.name.isdigit())
-        subprocess.run(["scancel", array_id], check=True)
-        out, err = submitter.communicate(timeout=WAIT_S)
-    finally:
-        if submitter.poll() is None:
-            submitter.kill()
-            submitter.communicate()
-    assert submitter.returncode == 1, err[-3000:]
-    last = err.strip().splitlines()[-1]
-    assert re.fullmatch(rf"error: 1 sweep job failed: {LABEL}: run stopped by SIGTERM during epoch \d+ \(step \d+\); "
-                        rf".*last\.ckpt holds the last finished epoch; resume with: python -m src\.train -m "
-                        rf"hydra\.sweep\.dir=sweep ckpt_path=auto \(SLURM job {array_id}(_0)?\)", last), last
-    assert "Traceback" not in err
-
-
-def test_a_cancelled_launcher_sweep_resumes_with_the_command_its_line_names(checkout):
-    """`scancel` of the whole array while its jobs train; the command the sweep's line names runs the same sweep
-    under the launcher again (its `hydra/launcher=slurm` kept): each job resumes from its checkpoint and finishes."""
-    short = ["max_epochs=4", *ENDLESS[1:], "seed=1,2"]
-    submitter = subprocess.Popen(sweep_command(*short), cwd=checkout, env=job_env(), stdout=subprocess.PIPE,
+def cancelled_sweep(checkout: Path, *overrides: str) -> tuple[int, str, str]:
+    """A launcher sweep whose array `scancel` cancels once a job has checkpointed an epoch: the submitter's exit
+    status, its stderr, and the array's id."""
+    submitter = subprocess.Popen(sweep_command(*overrides), cwd=checkout, env=job_env(), stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, text=True)
     try:
         sweep = checkout / "sweep"
@@ -342,7 +318,26 @@ def test_a_cancelled_launcher_sweep_resumes_with_the_command_its_line_names(chec
         if submitter.poll() is None:
             submitter.kill()
             submitter.communicate()
-    assert submitter.returncode == 1, err[-3000:]
+    return submitter.returncode, err, array_id
+
+
+def test_a_launcher_job_cancelled_by_hand_fails_the_sweep(checkout):
+    """A job that leaves no result (here `scancel` while it trains) is a failed job, with or without sacct."""
+    status, err, array_id = cancelled_sweep(checkout, *ENDLESS)
+    assert status == 1, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert re.fullmatch(rf"error: 1 sweep job failed: {LABEL}: run stopped by SIGTERM during epoch \d+ \(step \d+\); "
+                        rf".*last\.ckpt holds the last finished epoch; resume with: python -m src\.train -m "
+                        rf"hydra\.sweep\.dir=sweep ckpt_path=auto \(SLURM job {array_id}(_0)?\)", last), last
+    assert "Traceback" not in err
+
+
+def test_a_cancelled_launcher_sweep_resumes_with_the_command_its_line_names(checkout):
+    """`scancel` of the whole array while its jobs train; the command the sweep's line names runs the same sweep
+    under the launcher again (its `hydra/launcher=slurm` kept): each job resumes from its checkpoint and finishes."""
+    status, err, array_id = cancelled_sweep(checkout, "max_epochs=4", *ENDLESS[1:], "seed=1,2")
+    assert status == 1, err[-3000:]
+    sweep = checkout / "sweep"
     command = "python -m src.train -m hydra.sweep.dir=sweep ckpt_path=auto"
     assert f"; resume with: {command} (SLURM job {array_id}" in err, err[-3000:]
     interrupted = [p.parent.parent for p in sweep.glob("*/checkpoints/last.ckpt")]

@@ -20,7 +20,6 @@ where it stopped; Hydra's joblib launcher gives no job devices of its own.
 
 import logging
 import multiprocessing
-import multiprocessing.forkserver
 import os
 import pickle
 import signal
@@ -41,7 +40,7 @@ from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, open_dict
 
 from src.errors import UsageError
-from src.launch import cli
+from src.launch import cli, forkserver
 from src.launch.console import counted
 from src.launch.naming import job_dirname
 from src.launch.progress import Progress, outcome, settled
@@ -220,9 +219,8 @@ class ParallelLauncher(Launcher):
         configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
         import src.runner  # noqa: F401  what every job runs, imported here so that the forkserver preloads it
 
-        multiprocessing.set_forkserver_preload(workers.preloaded(self.task_function))  # once the server runs, a no-op
-        if workers.START_METHOD == "forkserver":
-            multiprocessing.forkserver.ensure_running()  # the server imports the code while the jobs' configs are composed
+        if workers.START_METHOD == "forkserver":  # the server imports the code while the jobs' configs are composed
+            forkserver.ensure_running(workers.preloaded(self.task_function))
         jobs = [self.job(number, list(overrides)) for number, overrides in enumerate(job_overrides, initial_job_idx)]
         cores = workers.usable_cores()
         gpus = machine_gpus() if any(job.gpu for job in jobs) else None
