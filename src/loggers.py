@@ -118,7 +118,9 @@ class RunLogger(TensorBoardLogger):
 def purge_step(resumed: Saved | None, run_dir: Path) -> int | None:
     """Resuming in its own folder, a run hides the TensorBoard points its earlier part logged after
     the checkpoint (TensorBoard's purge step), so no step appears twice. Lightning logs optimizer
-    step n at TensorBoard step n - 1, so the first point after a checkpoint at step s is at s."""
-    if resumed is None or resumed.path.parent.parent.resolve() != run_dir.resolve():
-        return None
-    return resumed.step if resumed.step >= 0 else None
+    step n at TensorBoard step n - 1, so the first point after a checkpoint at step s is at s.
+    Starting over in a folder where an earlier attempt logged but left no checkpoint to take up
+    (a sweep job stopped in its first epoch), it hides all of that attempt's points: step 0."""
+    if resumed is not None and resumed.step >= 0 and resumed.path.parent.parent.resolve() == run_dir.resolve():
+        return resumed.step
+    return 0 if any(run_dir.glob("events.out.tfevents.*")) else None

@@ -186,7 +186,7 @@ def run(cfg: DictConfig, fit: bool = True) -> Result:
         how += "".join(f"; {c.verdict()}" for c in callbacks if isinstance(c, LossFalls))
     line = result_line(metrics, fit, how, None if checkpoint is None else checkpoint.path, output_dir)
     if trainer.is_global_zero:
-        if resumed_at is None or not has_hparams(output_dir):  # a run resumed in its folder keeps the one record
+        if checkpoint is None or resumed_at is None or not has_hparams(output_dir):  # one resumed in its folder keeps its record
             params = run_hparams(cfg, trainer, optimizer.keywords["lr"])
             params.update(cuda_graphs=fast_steps.cuda_graphs, steps_per_execution=fast_steps.steps_per_execution,
                           tested_weights=tested_weights(tested))

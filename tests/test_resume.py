@@ -164,6 +164,20 @@ def test_ckpt_path_auto_starts_fresh_in_an_empty_folder(tmp_path, data_root):
 SMALL = [*QUICK, "max_epochs=2", "data.batch_size=64", "trainer.limit_train_batches=6"]
 
 
+def test_ckpt_path_auto_starting_over_hides_the_points_of_an_attempt_that_left_no_checkpoint(tmp_path, quick_run: Run):
+    """A sweep job stopped in its first epoch leaves points in its folder but no checkpoint; its resume starts over
+    there, and TensorBoard shows the new run alone, with no step going back (which it would purge by, at random)."""
+    run_dir = quick_run.copy(tmp_path)
+    shutil.rmtree(run_dir / "checkpoints")
+    earlier = steps(run_dir)
+    assert earlier["train/loss"]
+    result = train(*QUICK, "ckpt_path=auto", f"hydra.run.dir={run_dir}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert len(list(run_dir.glob("events.out.tfevents.*"))) > 1
+    assert not steps_going_back(run_dir)
+    assert steps(run_dir) == earlier  # the same run again: each point once
+
+
 @pytest.fixture(scope="module")
 def small_run(tmp_path_factory, data_root) -> Path:
     """A finished run of 2 epochs of 6 batches of 64, settings that are no default."""
