@@ -4,6 +4,7 @@ import contextlib
 import gzip
 import io
 import os
+import re
 import shutil
 import signal
 import socket
@@ -330,6 +331,11 @@ class TorchrunNodes:
                     if b"RANK" in env:
                         ranks[int(env[b"RANK"])] = pid
         return ranks
+
+
+def epoch_lines(log: str) -> list[tuple[int, int]]:
+    """(epoch, step) of every epoch line in a train.log: `epoch 3/1000 step 6: ...`."""
+    return [(int(e), int(s)) for e, s in re.findall(r"epoch (\d+)/\d+ step (\d+):", log)]
 
 
 def steps_going_back(run: Path) -> list[tuple[str, int, int]]:

@@ -19,7 +19,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.helpers import DATA_ROOT, REPO, cpu_precision, steps_going_back, user_env
+from tests.helpers import DATA_ROOT, REPO, cpu_precision, epoch_lines, steps_going_back, user_env
 
 # A job's folder: what it runs (the one-node cluster is this machine, so precision=auto uses what it does here).
 LABEL = f"lenet_auto_1dev_{cpu_precision()}"
@@ -107,11 +107,6 @@ def run_dir(checkout: Path, job_id: str) -> Path:
 
 def read_ckpt(path: Path) -> dict:
     return torch.load(path, map_location="cpu", weights_only=False)  # a checkpoint this test's own job wrote
-
-
-def epoch_lines(log: str) -> list[tuple[int, int]]:
-    """(epoch, step) of every epoch line in a train.log: `epoch 3/1000 step 6: ...`."""
-    return [(int(e), int(s)) for e, s in re.findall(r"epoch (\d+)/\d+ step (\d+):", log)]
 
 
 def test_launcher_sweep_on_a_cpu_cluster(checkout):

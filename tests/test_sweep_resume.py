@@ -1,13 +1,15 @@
 """A sweep resumes: the same command with `hydra.sweep.dir=<its folder> ckpt_path=auto` continues a sweep that was
 killed outright, its DDP workers included. Finished jobs are reported, not run again; the interrupted job resumes
-from its newest checkpoint; jobs that never started run; every job ends with the weights of an unbroken sweep."""
+from its newest checkpoint and ends with the weights of an unbroken run; jobs that never started run from the start."""
 
+import re
 import signal
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
-from tests.helpers import train
+from tests.helpers import epoch_lines, train
 from tests.test_resume import LONGER, assert_matches_unbroken
 from tests.test_stopping import Run
 
@@ -30,9 +32,10 @@ def results(folder: Path) -> dict[str, int]:
 
 
 @pytest.mark.slow
-def test_a_sweep_killed_mid_job_resumes_to_the_weights_of_an_unbroken_sweep(tmp_path, data_root):
-    unbroken = tmp_path / "unbroken"
-    result = train(*SWEEP, f"hydra.sweep.dir={unbroken}", timeout=900)
+def test_a_sweep_killed_mid_job_resumes_and_its_interrupted_job_ends_with_the_unbroken_weights(tmp_path, data_root):
+    unbroken = tmp_path / "unbroken"  # the interrupted job's settings in a run of its own: the weights it must end with
+    result = train(*[arg for arg in SWEEP if arg not in ("-m", "seed=1,2,3")], "seed=2", f"hydra.run.dir={unbroken}",
+                   timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
 
     sweep = tmp_path / "sweep"
@@ -50,9 +53,13 @@ def test_a_sweep_killed_mid_job_resumes_to_the_weights_of_an_unbroken_sweep(tmp_
     added = (first / "train.log").read_text().removeprefix(log).splitlines()
     assert len(added) == 1 and "finished before, not run again: test/acc=" in added[0]
     assert resumed.stdout.count("finished before, not run again: test/acc=") == 1
-    assert f"Restoring states from the checkpoint path at {second / 'checkpoints' / 'step.ckpt'}" in resumed.stdout
-    for job, reference in zip((first, second, third), job_dirs(unbroken)):
-        assert_matches_unbroken(job, reference)
+    # The interrupted job alone took up where it was (a finished fit restores the best weights to test them); the job
+    # that never started ran from the start, with its own seed.
+    restored = re.findall(r"Restoring states from the checkpoint path at (\S+)", resumed.stdout)
+    assert [path for path in restored if not Path(path).name.startswith("best-")] == [str(second / "checkpoints" / "step.ckpt")]
+    assert_matches_unbroken(second, unbroken)
+    assert [epoch for epoch, _ in epoch_lines((third / "train.log").read_text())] == [1, 2, 3]
+    assert OmegaConf.load(third / "config.yaml").seed == 3
     assert all(job.name in (sweep / "report.md").read_text() for job in (first, second, third))
 
 
