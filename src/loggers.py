@@ -121,6 +121,11 @@ def purge_step(resumed: Saved | None, run_dir: Path) -> int | None:
     step n at TensorBoard step n - 1, so the first point after a checkpoint at step s is at s.
     Starting over in a folder where an earlier attempt logged but left no checkpoint to take up
     (a sweep job stopped in its first epoch), it hides all of that attempt's points: step 0."""
-    if resumed is not None and resumed.step >= 0 and resumed.path.parent.parent.resolve() == run_dir.resolve():
+    if resumes_in(resumed, run_dir):
         return resumed.step
     return 0 if any(run_dir.glob("events.out.tfevents.*")) else None
+
+
+def resumes_in(resumed: Saved | None, run_dir: Path) -> bool:
+    """Whether a run takes up a checkpoint of its own folder, where its earlier part logged."""
+    return resumed is not None and resumed.step >= 0 and resumed.path.parent.parent.resolve() == run_dir.resolve()

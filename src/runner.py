@@ -32,7 +32,7 @@ from src.fast_path import (apply_fast_steps, cudnn_benchmark, keep_freed_memory,
                            resolve_precision, speed_up)
 from src.hparams import has_hparams, log_hparams, run_hparams
 from src.launch.naming import register_resolvers
-from src.loggers import purge_step
+from src.loggers import purge_step, resumes_in
 from src.optim import build_optimizer, build_schedule, check_optimizer
 from src.strategies.sync_batchnorm import SyncBatchNormPlugin
 
@@ -186,7 +186,7 @@ def run(cfg: DictConfig, fit: bool = True) -> Result:
         how += "".join(f"; {c.verdict()}" for c in callbacks if isinstance(c, LossFalls))
     line = result_line(metrics, fit, how, None if checkpoint is None else checkpoint.path, output_dir)
     if trainer.is_global_zero:
-        if checkpoint is None or resumed_at is None or not has_hparams(output_dir):  # one resumed in its folder keeps its record
+        if not (fit and resumes_in(checkpoint, output_dir)) or not has_hparams(output_dir):  # a resumed run keeps its record
             params = run_hparams(cfg, trainer, optimizer.keywords["lr"])
             params.update(cuda_graphs=fast_steps.cuda_graphs, steps_per_execution=fast_steps.steps_per_execution,
                           tested_weights=tested_weights(tested))
