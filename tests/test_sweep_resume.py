@@ -14,14 +14,21 @@ from tests.test_resume import LONGER, assert_matches_unbroken
 from tests.test_stopping import Run
 
 # Three DDP jobs of 2 processes, each 3 epochs of 10 steps, a mid-epoch checkpoint every 4 steps.
-SWEEP = ["-m", *LONGER, "strategy=ddp", "devices=2", "trainer.log_every_n_steps=1", "checkpoint.every_n_train_steps=4",
-         "seed=1,2,3"]
+JOB = [*LONGER, "strategy=ddp", "devices=2", "trainer.log_every_n_steps=1", "checkpoint.every_n_train_steps=4"]
+SWEEP = ["-m", *JOB, "seed=1,2,3"]
 JOBS = [f"lenet_ddp_2dev_{{precision}}_seed={seed}" for seed in (1, 2, 3)]
 
 
 def job_dirs(sweep: Path) -> list[Path]:
     precision = next(sweep.glob("lenet_ddp_2dev_*_seed=1")).name.split("_")[3]
     return [sweep / job.format(precision=precision) for job in JOBS]
+
+
+def settings(job: Path) -> dict:
+    """A job's config as Hydra composed it (interpolations unresolved), less its seed, which tells one job of the
+    sweep from another, and `ckpt_path`, which the resume's command line sets."""
+    config = OmegaConf.to_container(OmegaConf.load(job / ".hydra" / "config.yaml"))
+    return {key: value for key, value in config.items() if key not in ("seed", "ckpt_path")}
 
 
 def results(folder: Path) -> dict[str, int]:
@@ -34,8 +41,7 @@ def results(folder: Path) -> dict[str, int]:
 @pytest.mark.slow
 def test_a_sweep_killed_mid_job_resumes_and_its_interrupted_job_ends_with_the_unbroken_weights(tmp_path, data_root):
     unbroken = tmp_path / "unbroken"  # the interrupted job's settings in a run of its own: the weights it must end with
-    result = train(*[arg for arg in SWEEP if arg not in ("-m", "seed=1,2,3")], "seed=2", f"hydra.run.dir={unbroken}",
-                   timeout=900)
+    result = train(*JOB, "seed=2", f"hydra.run.dir={unbroken}", timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
 
     sweep = tmp_path / "sweep"
@@ -54,12 +60,12 @@ def test_a_sweep_killed_mid_job_resumes_and_its_interrupted_job_ends_with_the_un
     assert len(added) == 1 and "finished before, not run again: test/acc=" in added[0]
     assert resumed.stdout.count("finished before, not run again: test/acc=") == 1
     # The interrupted job alone took up where it was (a finished fit restores the best weights to test them); the job
-    # that never started ran from the start, with its own seed.
+    # that never started ran from the start, with the settings of the job that finished before and its own seed.
     restored = re.findall(r"Restoring states from the checkpoint path at (\S+)", resumed.stdout)
     assert [path for path in restored if not Path(path).name.startswith("best-")] == [str(second / "checkpoints" / "step.ckpt")]
     assert_matches_unbroken(second, unbroken)
     assert [epoch for epoch, _ in epoch_lines((third / "train.log").read_text())] == [1, 2, 3]
-    assert OmegaConf.load(third / "config.yaml").seed == 3
+    assert OmegaConf.load(third / "config.yaml").seed == 3 and settings(third) == settings(first)
     assert all(job.name in (sweep / "report.md").read_text() for job in (first, second, third))
 
 
