@@ -13,6 +13,8 @@ same Fashion-MNIST images for the same number of optimizer steps at the same bat
 - framework fp32 (old default): `python -m src.train precision=32 channels_last=false cuda_graphs=false
                        steps_per_execution=1`, the default before the fast path
 - framework default:   `python -m src.train` with today's defaults (every `auto`)
+- framework one step a batch: the defaults with `steps_per_execution=1`, so that Lightning's loop
+                       runs once per optimizer step (the default on CPU before 2026-11-25)
 - framework compile=true: the defaults with `compile=true` (no CUDA graphs then)
 - ... Lightning only:  the default without the project's callbacks, to tell what Lightning costs per
                        step from what the project adds (`--model tiny` makes that cost most of the step)
@@ -287,6 +289,7 @@ def main() -> None:
     fp32 = Settings("32", channels_last=False)
     fast = Settings(auto_precision(accelerator), channels_last=True)
     default = Settings(fast.precision, fast.channels_last, cuda_graphs="auto", steps_per_execution="auto")
+    one_step = Settings(fast.precision, fast.channels_last, cuda_graphs="auto", steps_per_execution=1)
     book_data = FashionMNIST(args.data_root, train=True, transform=ToTensor(), download=False)
     book_loader = DataLoader(book_data, args.batch_size, shuffle=True, num_workers=4, persistent_workers=True)
 
@@ -312,6 +315,7 @@ def main() -> None:
         "plain reduce-overhead": (reduce_overhead, lambda: plain(reduce_overhead)),
         "framework fp32 (old default)": (fp32, lambda: run_framework(fp32)),
         "framework default": (default, lambda: run_framework(default)),
+        "framework one step a batch": (one_step, lambda: run_framework(one_step)),
         "framework compile=true": (compiled, lambda: run_framework(compiled)),
         "framework default (Lightning only)": (default, lambda: run_framework(default, lightning_only=True)),
     }

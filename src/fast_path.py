@@ -12,8 +12,9 @@
 - `trainer.benchmark=true`: cuDNN times its convolution algorithms once and keeps the fastest.
 - `cuda_graphs=auto`: on one CUDA device, each step's forward and backward pass is one CUDA graph
   replay (`GraphedStep`) instead of hundreds of kernel launches from Python.
-- `steps_per_execution=auto`: with CUDA graphs, each of Lightning's training batches holds 8
-  optimizer steps, so Lightning's per-batch work (about 1.7 ms on a GPU host) is paid once per 8 steps.
+- `steps_per_execution=auto`: in one process, each of Lightning's training batches holds 8 optimizer
+  steps, so Lightning's per-batch work (its hooks on every callback, its progress and logging
+  bookkeeping: about 1.7 ms on a GPU host, 2.8 ms on a 2-core CPU) is paid once per 8 steps.
 
 `benchmarks/speed.py` measures each; docs/results.md has the figures.
 """
@@ -38,9 +39,9 @@ from src.sysinfo import cpu_has_bf16, gpu_info, recommend_precision
 
 log = logging.getLogger(__name__)
 
-# Lightning's loop and the callbacks cost about 1.7 ms a batch on an H100 host; at 8 steps a batch that is
-# about 0.2 ms a step, against the 1.0-1.4 ms a graphed LeNet step takes there (docs/results.md).
-GRAPHED_STEPS_PER_EXECUTION = 8
+# Lightning's loop and the callbacks cost about 1.7 ms a batch on an H100 host, against the 1.0-1.4 ms a graphed
+# LeNet step takes there, and 2.8 ms on a 2-core CPU, 4 to 6 % of a LeNet step there (docs/results.md).
+STEPS_PER_EXECUTION = 8
 
 # Lightning's full names of the short precision values (`Trainer.precision` reports these).
 LIGHTNING_SPELLING = {"16": "16-mixed", "bf16": "bf16-mixed", "32": "32-true", "64": "64-true"}
@@ -158,7 +159,8 @@ def resolve_fast_steps(cuda_graphs: bool | str, steps_per_execution: int | str, 
     measured yet). Lightning looks at the step count after each batch, so the counts in
     `step_counts` (a step checkpoint every N steps, `trainer.max_steps`, and the batch counts of
     `trainer.limit_train_batches` and `trainer.val_check_interval`, which stay counts of optimizer
-    steps) must be multiples of the steps per batch; `auto` takes the largest that divides them.
+    steps) must be multiples of the steps per batch; `auto` takes the largest that divides them,
+    on any device.
     """
     blockers = []
     if world_size > 1 or not (strategy == "auto" or isinstance(strategy, SingleDeviceStrategy)):
@@ -180,7 +182,7 @@ def resolve_fast_steps(cuda_graphs: bool | str, steps_per_execution: int | str, 
         raise UsageError(f"cuda_graphs=true needs {', '.join(graph_blockers)}; use cuda_graphs=auto or false")
     counts = {key: n for key, n in (step_counts or {}).items() if n > 0}
     if steps_per_execution == "auto":
-        steps = math.gcd(GRAPHED_STEPS_PER_EXECUTION, *counts.values()) if graphs else 1
+        steps = 1 if blockers else math.gcd(STEPS_PER_EXECUTION, *counts.values())
     else:
         steps = int(steps_per_execution)
         if steps > 1 and blockers:

@@ -7,7 +7,8 @@ from lightning import Callback, LightningModule, Trainer
 
 
 class KillAtStep(Callback):
-    """SIGKILLs this process after optimizer step `step` on global rank `rank`, as a crash or `kill -9` would.
+    """SIGKILLs this process after optimizer step `step` on global rank `rank`, as a crash or `kill -9` would: at the
+    end of the training batch that holds that step (a batch holds several with `steps_per_execution` > 1).
 
     Only a run that started afresh is killed: its resume (`ckpt_path=last`, or torchrun's restarted group with
     `ckpt_path=auto`) takes the same config, this callback included, and finishes.
@@ -16,11 +17,18 @@ class KillAtStep(Callback):
     def __init__(self, step: int, rank: int = 0) -> None:
         self.step = step
         self.rank = rank
+        self._batch_start = 0  # the optimizer steps taken when the current training batch began
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch, batch_idx: int) -> None:
+        self._batch_start = trainer.global_step
+
+    def reached(self, trainer: Trainer) -> bool:
+        """Whether the training batch that has just ended took step `step`."""
+        return self._batch_start < self.step <= trainer.global_step
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
-        if trainer.global_step == self.step and trainer.global_rank == self.rank and trainer.ckpt_path is None:
+        if self.reached(trainer) and trainer.global_rank == self.rank and trainer.ckpt_path is None:
             os.kill(os.getpid(), signal.SIGKILL)
-
 
 
 class KillSweepAtStep(KillAtStep):
@@ -32,6 +40,6 @@ class KillSweepAtStep(KillAtStep):
         self.job = job
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
-        if (trainer.global_step == self.step and trainer.global_rank == self.rank and trainer.ckpt_path is None
+        if (self.reached(trainer) and trainer.global_rank == self.rank and trainer.ckpt_path is None
                 and str(trainer.default_root_dir).endswith(self.job)):
             os.killpg(os.getpgid(0), signal.SIGKILL)

@@ -360,6 +360,13 @@ def scalars(run_dir: Path) -> dict[str, list[float]]:
     return {tag: [event.value for event in accumulator.Scalars(tag)] for tag in accumulator.Tags()["scalars"]}
 
 
+def scalar_steps(run_dir: Path) -> dict[str, list[int]]:
+    """Every scalar's steps as TensorBoard shows them (points hidden by a purge step left out)."""
+    accumulator = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    accumulator.Reload()
+    return {tag: [event.step for event in accumulator.Scalars(tag)] for tag in accumulator.Tags()["scalars"]}
+
+
 def write_idx(path: Path, array: np.ndarray, compress: bool = False) -> None:
     """IDX format as Fashion-MNIST ships it: magic (0, 0, dtype 0x08, ndim), big-endian sizes, bytes."""
     header = struct.pack(">BBBB", 0, 0, 0x08, array.ndim) + struct.pack(f">{array.ndim}I", *array.shape)

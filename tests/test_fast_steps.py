@@ -8,9 +8,9 @@ import pytest
 from lightning.pytorch.strategies import SingleDeviceStrategy
 
 from src.errors import UsageError
-from src.fast_path import GRAPHED_STEPS_PER_EXECUTION, FastSteps, resolve_fast_steps
+from src.fast_path import STEPS_PER_EXECUTION, FastSteps, resolve_fast_steps
 from tests.equivalence import checkpoint, deviation
-from tests.helpers import DATA_ROOT, scalars, train
+from tests.helpers import DATA_ROOT, scalar_steps, scalars, train
 
 SMALL = [f"data.root={DATA_ROOT}", "precision=32", "data.batch_size=64", "trainer.limit_train_batches=4",
          "trainer.limit_val_batches=2", "trainer.limit_test_batches=2", "trainer.enable_progress_bar=false",
@@ -22,13 +22,13 @@ def resolve(cuda_graphs="auto", steps="auto", **overrides) -> FastSteps:
     return resolve_fast_steps(cuda_graphs, steps, **{**args, **overrides})
 
 
-def test_auto_takes_graphs_and_several_steps_only_on_one_cuda_device():
-    assert resolve() == FastSteps(GRAPHED_STEPS_PER_EXECUTION, cuda_graphs=True)
-    assert resolve(strategy=SingleDeviceStrategy()) == FastSteps(GRAPHED_STEPS_PER_EXECUTION, cuda_graphs=True)
-    assert resolve(accelerator="cpu") == FastSteps(1, cuda_graphs=False)
+def test_auto_takes_several_steps_in_one_process_and_graphs_only_on_one_cuda_device():
+    assert resolve() == FastSteps(STEPS_PER_EXECUTION, cuda_graphs=True)
+    assert resolve(strategy=SingleDeviceStrategy()) == FastSteps(STEPS_PER_EXECUTION, cuda_graphs=True)
+    assert resolve(accelerator="cpu") == FastSteps(STEPS_PER_EXECUTION, cuda_graphs=False)
+    assert resolve(compile=True) == FastSteps(STEPS_PER_EXECUTION, cuda_graphs=False, compiled=True)
     assert resolve(world_size=2) == FastSteps(1, cuda_graphs=False)
     assert resolve(strategy=object()) == FastSteps(1, cuda_graphs=False)  # dp
-    assert resolve(compile=True) == FastSteps(1, cuda_graphs=False, compiled=True)
     assert resolve(trainer_args={"accumulate_grad_batches": 2}) == FastSteps(1, cuda_graphs=False)
     assert resolve(trainer_args={"gradient_clip_val": 1.0}) == FastSteps(1, cuda_graphs=False)
     assert resolve(supported=False) == FastSteps(1, cuda_graphs=False)
@@ -76,6 +76,16 @@ def test_two_steps_a_batch_train_what_one_step_a_batch_trains(runs):
     assert one["global_step"] == two["global_step"] == 8  # limit_train_batches counts optimizer steps either way
     assert deviation(two, one) < 1e-4
     assert scalars(runs["two"])["train/loss"] == pytest.approx(scalars(runs["one"])["train/loss"], rel=1e-5)
+
+
+def test_every_point_sits_at_its_optimizer_step_as_with_one_step_a_batch(runs):
+    """Lightning logs at the training batches it took; TensorBoard shows every series at the same steps either way,
+    also in a run that resumed a checkpoint of one step a batch (its folder holds the second epoch only)."""
+    one, two = scalar_steps(runs["one"]), scalar_steps(runs["two"])
+    assert one["val/acc"] == [3, 7] and one["test/acc"] == [8]
+    assert two == one
+    second_epoch = {tag: [step for step in steps if step > 3] for tag, steps in one.items()}
+    assert scalar_steps(runs["resumed"]) == second_epoch
 
 
 def test_a_checkpoint_resumes_across_steps_per_execution(runs):

@@ -9,10 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 from omegaconf import OmegaConf
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 
-from tests.helpers import QUICK, REPO, Run, free_port, steps_going_back, train, user_env
+from tests.helpers import QUICK, REPO, Run, free_port, scalar_steps, steps_going_back, train, user_env
 
 # Ten batches an epoch, three epochs; the fault callback kills a process after a given step.
 LONGER = [*QUICK, "max_epochs=3", "trainer.limit_train_batches=10", "data.batch_size=128", "optim.momentum=0.9"]
@@ -33,15 +32,8 @@ def assert_same_weights(run: Path, reference: Path) -> None:
     assert not different, f"tensors that differ from the unbroken run: {different}"
 
 
-def steps(run_dir: Path) -> dict[str, list[int]]:
-    """Every scalar's steps as TensorBoard shows them (points hidden by a purge step left out)."""
-    accumulator = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
-    accumulator.Reload()
-    return {tag: [event.step for event in accumulator.Scalars(tag)] for tag in accumulator.Tags()["scalars"]}
-
-
 def assert_same_tensorboard_steps(run: Path, reference: Path) -> None:
-    ours, theirs = steps(run), steps(reference)
+    ours, theirs = scalar_steps(run), scalar_steps(reference)
     for tag, series in ours.items():  # Lightning's own epoch counter is logged with train and val alike
         assert tag == "trainer/epoch" or len(series) == len(set(series)), f"{tag} has a step twice: {series}"
     assert ours == theirs
@@ -169,13 +161,13 @@ def test_ckpt_path_auto_starting_over_hides_the_points_of_an_attempt_that_left_n
     there, and TensorBoard shows the new run alone, with no step going back (which it would purge by, at random)."""
     run_dir = quick_run.copy(tmp_path)
     shutil.rmtree(run_dir / "checkpoints")
-    earlier = steps(run_dir)
+    earlier = scalar_steps(run_dir)
     assert earlier["train/loss"]
     result = train(*QUICK, "ckpt_path=auto", f"hydra.run.dir={run_dir}")
     assert result.returncode == 0, result.stderr[-3000:]
     assert len(list(run_dir.glob("events.out.tfevents.*"))) > 1
     assert not steps_going_back(run_dir)
-    assert steps(run_dir) == earlier  # the same run again: each point once
+    assert scalar_steps(run_dir) == earlier  # the same run again: each point once
 
 
 @pytest.fixture(scope="module")

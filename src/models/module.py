@@ -117,6 +117,9 @@ class Classifier(LightningModule):
         x, y = batch
         size = self.step_batch_size or len(y)
         losses = [self.optimizer_step_on(xs, ys) for xs, ys in zip(x.split(size), y.split(size))]
+        # Lightning logs its metrics at the training batches taken, counted in this private attribute (no public API
+        # sets the step it logs at); counted in optimizer steps, every point sits where one step a batch puts it.
+        self.trainer.fit_loop.epoch_loop._batches_that_stepped += len(losses) - 1
         return torch.stack(losses)
 
     def optimizer_step_on(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
