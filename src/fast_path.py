@@ -14,7 +14,7 @@
   replay (`GraphedStep`) instead of hundreds of kernel launches from Python.
 - `steps_per_execution=auto`: in one process, each of Lightning's training batches holds 8 optimizer
   steps, so Lightning's per-batch work (its hooks on every callback, its progress and logging
-  bookkeeping: about 1.7 ms on a GPU host, 2.8 ms on a 2-core CPU) is paid once per 8 steps.
+  bookkeeping: about 1.7 ms on a GPU host, 2.3 ms on a 2-core CPU) is paid once per 8 steps.
 
 `benchmarks/speed.py` measures each; docs/results.md has the figures.
 """
@@ -40,7 +40,8 @@ from src.sysinfo import cpu_has_bf16, gpu_info, recommend_precision
 log = logging.getLogger(__name__)
 
 # Lightning's loop and the callbacks cost about 1.7 ms a batch on an H100 host, against the 1.0-1.4 ms a graphed
-# LeNet step takes there, and 2.8 ms on a 2-core CPU, 4 to 6 % of a LeNet step there (docs/results.md).
+# LeNet step takes there, and 2.3 ms on a 2-core CPU, where LeNet's default step went from 9 to 4 % over a plain
+# loop (docs/results.md).
 STEPS_PER_EXECUTION = 8
 
 # Lightning's full names of the short precision values (`Trainer.precision` reports these).
