@@ -17,9 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.helpers import DATA_ROOT, REPO, cpu_precision, epoch_lines, steps_going_back, user_env
+from tests.helpers import DATA_ROOT, REPO, cpu_precision, epoch_lines, scalar_steps, steps_going_back, user_env
 
 # A job's folder: what it runs (the one-node cluster is this machine, so precision=auto uses what it does here).
 LABEL = f"lenet_auto_1dev_{cpu_precision()}"
@@ -269,10 +268,7 @@ def test_a_launcher_job_requeued_by_usr2_resumes_and_a_stopped_submitter_cancels
     assert wait_until_ended(job_id)["JobState"] == "CANCELLED"
     # The resumed attempt continued the TensorBoard series: no point going back, no step twice.
     assert not steps_going_back(run)
-    accumulator = EventAccumulator(str(run), size_guidance={"scalars": 0})
-    accumulator.Reload()
-    for tag in accumulator.Tags()["scalars"]:
-        series = [event.step for event in accumulator.Scalars(tag)]
+    for tag, series in scalar_steps(run).items():
         assert tag == "trainer/epoch" or len(series) == len(set(series)), (tag, series)
 
 
