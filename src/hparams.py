@@ -266,18 +266,17 @@ def log_hparams(logger: TensorBoardLogger, params: dict[str, Any], run_dir: Path
 
     A sweep job writes only its session (the sweep declares the columns when it ends, `write_experiment`);
     a single run also its experiment, with the settings typed on its command line marked as differing.
-    The summaries go into an event file of their own in the run folder (the logger's was closed
-    when the test ended); TensorBoard reads every event file of a run. They carry the run's last
-    step, so that no event goes back after the run's last points.
+    The summaries go into the logger's own event file, after the run's points, and carry the run's
+    last step, so that no event goes back.
     """
     sweep_job = str(OmegaConf.select(hydra_record(run_dir), "mode", default="")) == "MULTIRUN"
     name = trial_name(run_dir)
-    writer = FileWriter(logger.experiment.get_logdir())
+    writer = logger.experiment._get_file_writer()  # SummaryWriter has no public call for a Summary of one's own
     if not sweep_job:
         writer.add_summary(experiment([params], changed_names(params, typed_keys(run_dir))), step)
     writer.add_summary(session_start(params, trial_id(name, params)), step)
     writer.add_summary(session_end(), step)
-    writer.close()
+    writer.flush()
 
 
 def write_experiment(runs: list[Mapping[str, Any]], log_dir: Path, typed: Iterable[str] = ()) -> None:

@@ -105,6 +105,22 @@ class RunLogger(TensorBoardLogger):
             self.experiment._get_file_writer().add_summary(Summary(value=[point]), step)
         super().log_metrics(metrics, step)
 
+    @rank_zero_only
+    def finalize(self, status: str) -> None:
+        """Flush, and keep the file open until `close`: Lightning finalizes after fitting and again after testing,
+        and a writer opened again starts another event file. TensorBoard reads a run's files in the order of
+        their names, whose last field is a counter of the process, so a file `.10` would be read before `.9`,
+        points and all. A failed or stopped stage closes it: nothing more is written."""
+        if self._experiment is not None:
+            self._experiment.flush()
+            if status != "success":
+                self._experiment.close()
+
+    @rank_zero_only
+    def close(self) -> None:
+        """Close the run's event file, after its last summary (the HParams record)."""
+        if self._experiment is not None:
+            self._experiment.close()
 
     @rank_zero_only
     def save(self) -> None:

@@ -191,6 +191,7 @@ def run(cfg: DictConfig, fit: bool = True) -> Result:
             params.update(cuda_graphs=fast_steps.cuda_graphs, steps_per_execution=fast_steps.steps_per_execution,
                           tested_weights=tested_weights(tested))
             log_hparams(logger, params, output_dir, trainer.global_step)
+        logger.close()
         log.info(line)
     return Result(metrics, line, resumed=fit and checkpoint is not None)
 

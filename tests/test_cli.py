@@ -35,9 +35,7 @@ def test_ddp_on_two_cpu_processes_writes_one_run_folder(ddp_run: Run):
     assert "xfer/bytes_per_step" not in series
     assert {"xfer/bytes_per_step_epoch", "xfer/hook_ms_epoch", "xfer/backward_comm_ms_epoch", "xfer/overlap_frac_epoch"} <= set(series)
     assert [p.name for p in run_dir.parent.iterdir()] == ["run"]
-    assert len(list(run_dir.glob("events.out.tfevents.*"))) >= 1
-    # Only rank 0 writes TensorBoard files: every event file comes from one process id.
-    assert len({p.name.split(".")[4] for p in run_dir.glob("events.out.tfevents.*")}) == 1
+    # Only rank 0 writes TensorBoard files (assert_finished_run: one event file).
 
 
 # Four processes: tests/test_readme.py, whose README command trains ResNet-18 under strategy=ddp devices=4.
