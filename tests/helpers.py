@@ -87,6 +87,17 @@ def user_env() -> dict[str, str]:
     return {**env, "PYTHONUNBUFFERED": "1"}
 
 
+def start_ranks(worker: Callable[..., None], *args: object, nprocs: int) -> None:
+    """`torch.multiprocessing.spawn(worker, args, nprocs)`, the processes forked from the forkserver, which
+    imports `worker`'s module once for all of them, as `src.scaling` starts its own: a spawned interpreter
+    imports torch again, seconds of a core each."""
+    import torch.multiprocessing as mp
+
+    from src.launch import forkserver
+
+    mp.start_processes(worker, args=args, nprocs=nprocs, start_method=forkserver.context([worker.__module__]).get_start_method())
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

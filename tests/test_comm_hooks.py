@@ -15,7 +15,6 @@ import lightning
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
 
@@ -27,7 +26,7 @@ from src.errors import UsageError
 from src.models.lenet import LeNet
 from src.strategies.comm import CommMeter
 from src.strategies.ddp import HOOKS, CommHookDDPStrategy, one_bucket_cap_mb
-from tests.helpers import free_port, scalars, train as run_train
+from tests.helpers import free_port, scalars, start_ranks, train as run_train
 
 BATCHES = 4  # training batches per run: one optimizer step each, unless accumulating
 WARMUP = 2  # plain all-reduce steps before PowerSGD compresses
@@ -266,7 +265,7 @@ def _every_api_worker(rank: int, store: str, results: str) -> None:
 
 
 def test_every_collective_on_the_hooks_group_is_counted_whatever_issued_it(tmp_path: Path) -> None:
-    mp.spawn(_every_api_worker, args=(str(tmp_path / "store"), str(tmp_path / "result")), nprocs=WORLD)
+    start_ranks(_every_api_worker, str(tmp_path / "store"), str(tmp_path / "result"), nprocs=WORLD)
     for rank in range(WORLD):
         result = torch.load(tmp_path / f"result.{rank}", weights_only=False)
         assert result["counting"]
@@ -343,7 +342,7 @@ def _training_worker(rank: int, port: int, results: str) -> None:
 
 
 def test_training_counts_collectives_a_wrapper_of_all_reduce_missed_and_leaves_it_alone(tmp_path: Path) -> None:
-    mp.spawn(_training_worker, args=(free_port(), str(tmp_path / "result")), nprocs=WORLD)
+    start_ranks(_training_worker, free_port(), str(tmp_path / "result"), nprocs=WORLD)
     params = sum(p.numel() for p in TinyModel().parameters())
     for rank in range(WORLD):
         result = torch.load(tmp_path / f"result.{rank}", weights_only=False)

@@ -5,10 +5,10 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from src.strategies.sync_batchnorm import AllReduceBatchNorm, AllReduceBatchNorm1d, AllReduceBatchNorm2d, SyncBatchNormPlugin
+from tests.helpers import start_ranks
 
 WORLD = 2
 STEPS = 3
@@ -81,7 +81,7 @@ def _worker(rank: int, store: str, results: str) -> None:
 @pytest.fixture(scope="module")
 def two_processes(tmp_path_factory) -> list[dict[str, object]]:
     folder = tmp_path_factory.mktemp("gloo")
-    mp.spawn(_worker, args=(str(folder / "store"), str(folder / "result")), nprocs=WORLD)
+    start_ranks(_worker, str(folder / "store"), str(folder / "result"), nprocs=WORLD)
     return [torch.load(folder / f"result.{rank}", weights_only=False) for rank in range(WORLD)]
 
 

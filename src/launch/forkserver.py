@@ -5,6 +5,7 @@ process's own import, on another core, instead of after it (docs/results.md, sta
 import multiprocessing
 import signal
 from multiprocessing import forkserver
+from multiprocessing.context import BaseContext
 
 from omegaconf import DictConfig
 
@@ -12,6 +13,8 @@ from src.launch.ranks import external_rank, is_launching_process
 
 # What the server imports once for every worker it forks: the run's code, and torch and Lightning with it.
 PRELOAD = ["src.launch.workers", "src.runner"]
+# Where multiprocessing has no forkserver (Windows), a new interpreter per process.
+START_METHOD = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
 
 
 def will_fork_workers(cfg: DictConfig) -> bool:
@@ -38,3 +41,12 @@ def ensure_running(preload: list[str]) -> None:
         forkserver.ensure_running()
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def context(preload: list[str]) -> BaseContext:
+    """Processes forked from the forkserver, which imports `preload` once (where it runs already, the
+    children import what it lacks), instead of spawned: each new interpreter imports torch again, seconds
+    of a core. For processes of one's own, such as the timings of `src.scaling`."""
+    if START_METHOD == "forkserver":
+        ensure_running(preload)
+    return multiprocessing.get_context(START_METHOD)

@@ -41,6 +41,7 @@ from tqdm import tqdm
 
 from src.errors import TrainingDiverged, UsageError
 from src.launch import forkserver, stops
+from src.launch.forkserver import START_METHOD
 from src.launch.console import close_progress_bars
 from src.launch.stops import STOP_SIGNALS, RankFailed, RunStopped, handle_stop_signals, ignore_stop_signals, rank_failure, signal_name
 
@@ -48,8 +49,6 @@ T = TypeVar("T")
 # How long a worker that lost its peer waits for the agent, which knows how the peer ended, to end
 # it instead: the agent reports the first worker it finds ended, and this one is 25 ms behind.
 PEER_GONE_GRACE_S = 10.0
-# Where multiprocessing has no forkserver (Windows), a new interpreter per worker.
-START_METHOD = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
 # The environment this module was imported in: for a forked worker, the forkserver's at its start.
 _IMPORTED_WITH = dict(os.environ)
 class StopOnSignal(Callback):

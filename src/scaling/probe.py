@@ -15,7 +15,7 @@ of training on shared cores that all-reduces started together after a barrier do
 kept as a share of the work's turns: from 20 to 100 ms of work it grew with the work (2 processes on
 2 cores: 2 to 3 ms; 4 processes: 0.3 to 8 ms), about 3 to 4 % from 50 ms on; on a later day, 3 to
 16 % between probes a few minutes apart. The median meeting: the mean followed the outliers.
-Only torch is imported here: every probe process imports this module again.
+The probe's processes are forked from the forkserver, which imports this module once.
 """
 
 import json
@@ -32,6 +32,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from src.launch import forkserver
 
 SIZES = tuple(4 * 16**k for k in range(5)) + (2**20, 4 * 2**20, 16 * 2**20, 32 * 2**20)  # 4 B, 64 B, ... 32 MiB
 PROCESSES = (2, 4)
@@ -133,12 +135,13 @@ def _worker(rank: int, processes: int, port: int, sizes: Sequence[int], work: in
     dist.destroy_process_group()
 
 
-def spawn_ranks(worker: Callable[..., None], processes: int, *args: Any) -> Any:
+def start_ranks(worker: Callable[..., None], processes: int, *args: Any) -> Any:
     """Run `worker(rank, processes, port, *args, result)` in `processes` local processes that meet on a free
     port; what rank 0 wrote to the file named `result`, read as JSON."""
     with tempfile.TemporaryDirectory() as folder:
         result = os.path.join(folder, "result.json")
-        mp.spawn(worker, args=(processes, free_port(), *args, result), nprocs=processes)
+        mp.start_processes(worker, args=(processes, free_port(), *args, result), nprocs=processes,
+                           start_method=forkserver.context([worker.__module__]).get_start_method())
         return json.loads(Path(result).read_text())
 
 
@@ -153,7 +156,7 @@ def measure(processes: int, cores: int, sizes: Sequence[int] = SIZES) -> tuple[l
     the lag of a meeting: its median time beyond the work's turns on `cores` cores and the smallest all-reduce,
     as a share of those turns."""
     count, alone = _work_count()
-    data = spawn_ranks(_worker, processes, list(sizes), count)
+    data = start_ranks(_worker, processes, list(sizes), count)
     points = [(processes, int(b), float(t)) for b, t in data["timings"]]
     smallest = min(points, key=lambda p: p[1])[2]
     return points, lag_share(alone, data["meeting_s"] - smallest, processes, cores)

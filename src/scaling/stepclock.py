@@ -29,7 +29,6 @@ figures are shares of a step, applied to a run's own step time.
 import copy
 import json
 import logging
-import multiprocessing
 import os
 import statistics
 import time
@@ -45,7 +44,8 @@ from hydra.utils import instantiate
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from src.scaling.probe import lag_share, spawn_ranks
+from src.launch import forkserver
+from src.scaling.probe import lag_share, start_ranks
 from src.strategies.comm import CommMeter
 from src.strategies.ddp import CommHookDDPStrategy, one_bucket_cap_mb
 
@@ -137,7 +137,7 @@ def ddp_times(net: Any, input_shape: Sequence[int], hooks: Sequence[str], rank: 
     and its groups. None, with the reason logged, when that process fails; the caller then estimates
     the hooks' arithmetic instead (`timed.encode_s`).
     """
-    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+    with ProcessPoolExecutor(max_workers=1, mp_context=forkserver.context([__name__])) as pool:
         try:
             return pool.submit(_ddp_times, net, tuple(input_shape), tuple(hooks), rank, bucket_cap_mb, repeats).result()
         except Exception as error:  # noqa: BLE001  a figure that cannot be timed is estimated instead
@@ -195,7 +195,7 @@ def ddp_step_costs(net: Any, input_shape: Sequence[int], batch: int, precision: 
     median of `repeats` differences, after warm-up steps (PowerSGD's plain ones among them). It runs in a
     process of its own, like `ddp_times`; None, with the reason logged, when that process fails.
     """
-    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+    with ProcessPoolExecutor(max_workers=1, mp_context=forkserver.context([__name__])) as pool:
         try:
             return pool.submit(_ddp_step_costs, net, tuple(input_shape), batch, precision, tuple(hooks), rank, bucket_cap_mb,
                                device, repeats).result()
@@ -250,7 +250,7 @@ def meeting_lags(net: Any, input_shape: Sequence[int], batches: dict[int, int], 
     lags = {}
     for processes, batch in batches.items():
         try:
-            alone, together = spawn_ranks(_meeting_worker, processes, net, tuple(input_shape), batch, precision, rounds)
+            alone, together = start_ranks(_meeting_worker, processes, net, tuple(input_shape), batch, precision, rounds)
         except Exception as error:  # noqa: BLE001  the probe's lag stands in for a figure that cannot be timed
             log.warning(f"the model's steps on {processes} processes could not be timed ({type(error).__name__}: "
                         f"{' '.join(str(error).split())[:300]}); the probe's lag is used instead")
