@@ -1,6 +1,7 @@
 """Shared test helpers: run the real command line, read TensorBoard scalars, write tiny IDX files."""
 
 import contextlib
+import functools
 import gzip
 import io
 import os
@@ -95,7 +96,8 @@ def start_ranks(worker: Callable[..., None], *args: object, nprocs: int) -> None
 
     from src.launch import forkserver
 
-    mp.start_processes(worker, args=args, nprocs=nprocs, start_method=forkserver.context([worker.__module__]).get_start_method())
+    mp.start_processes(functools.partial(forkserver.run_in, dict(os.environ), worker), args=args, nprocs=nprocs,
+                       start_method=forkserver.context([worker.__module__]).get_start_method())
 
 
 def free_port() -> int:

@@ -3,13 +3,18 @@ will need it: its import of the training code (torch and Lightning, seconds) the
 process's own import, on another core, instead of after it (docs/results.md, start-up)."""
 
 import multiprocessing
+import os
 import signal
+from collections.abc import Callable
 from multiprocessing import forkserver
 from multiprocessing.context import BaseContext
+from typing import Any, TypeVar
 
 from omegaconf import DictConfig
 
 from src.launch.ranks import external_rank, is_launching_process
+
+T = TypeVar("T")
 
 # What the server imports once for every worker it forks: the run's code, and torch and Lightning with it.
 PRELOAD = ["src.launch.workers", "src.runner"]
@@ -46,7 +51,16 @@ def ensure_running(preload: list[str]) -> None:
 def context(preload: list[str]) -> BaseContext:
     """Processes forked from the forkserver, which imports `preload` once (where it runs already, the
     children import what it lacks), instead of spawned: each new interpreter imports torch again, seconds
-    of a core. For processes of one's own, such as the timings of `src.scaling`."""
+    of a core. For processes of one's own, such as the timings of `src.scaling`; what they run goes
+    through `run_in`, so that they see the caller's environment."""
     if START_METHOD == "forkserver":
         ensure_running(preload)
     return multiprocessing.get_context(START_METHOD)
+
+
+def run_in(environ: dict[str, str], function: Callable[..., T], *args: Any) -> T:
+    """`function(*args)` under `environ`: a forked process starts with the server's environment as it was when
+    the server started, where a spawned one would have its caller's of the moment."""
+    os.environ.clear()
+    os.environ.update(environ)
+    return function(*args)

@@ -18,6 +18,7 @@ kept as a share of the work's turns: from 20 to 100 ms of work it grew with the 
 The probe's processes are forked from the forkserver, which imports this module once.
 """
 
+import functools
 import json
 import os
 import socket
@@ -140,8 +141,8 @@ def start_ranks(worker: Callable[..., None], processes: int, *args: Any) -> Any:
     port; what rank 0 wrote to the file named `result`, read as JSON."""
     with tempfile.TemporaryDirectory() as folder:
         result = os.path.join(folder, "result.json")
-        mp.start_processes(worker, args=(processes, free_port(), *args, result), nprocs=processes,
-                           start_method=forkserver.context([worker.__module__]).get_start_method())
+        mp.start_processes(functools.partial(forkserver.run_in, dict(os.environ), worker), args=(processes, free_port(), *args, result),
+                           nprocs=processes, start_method=forkserver.context([worker.__module__]).get_start_method())
         return json.loads(Path(result).read_text())
 
 

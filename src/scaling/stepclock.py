@@ -139,7 +139,8 @@ def ddp_times(net: Any, input_shape: Sequence[int], hooks: Sequence[str], rank: 
     """
     with ProcessPoolExecutor(max_workers=1, mp_context=forkserver.context([__name__])) as pool:
         try:
-            return pool.submit(_ddp_times, net, tuple(input_shape), tuple(hooks), rank, bucket_cap_mb, repeats).result()
+            return pool.submit(forkserver.run_in, dict(os.environ), _ddp_times, net, tuple(input_shape), tuple(hooks), rank,
+                               bucket_cap_mb, repeats).result()
         except Exception as error:  # noqa: BLE001  a figure that cannot be timed is estimated instead
             log.warning(f"the DDP hooks could not be timed ({type(error).__name__}: {error}); their arithmetic is estimated")
             return None
@@ -197,8 +198,8 @@ def ddp_step_costs(net: Any, input_shape: Sequence[int], batch: int, precision: 
     """
     with ProcessPoolExecutor(max_workers=1, mp_context=forkserver.context([__name__])) as pool:
         try:
-            return pool.submit(_ddp_step_costs, net, tuple(input_shape), batch, precision, tuple(hooks), rank, bucket_cap_mb,
-                               device, repeats).result()
+            return pool.submit(forkserver.run_in, dict(os.environ), _ddp_step_costs, net, tuple(input_shape), batch, precision,
+                               tuple(hooks), rank, bucket_cap_mb, device, repeats).result()
         except Exception as error:  # noqa: BLE001  an unmeasured cost is assumed instead, and the report says so
             log.warning(f"DDP's own cost could not be measured on {device} ({type(error).__name__}: "
                         f"{' '.join(str(error).split())[:300]}); it is assumed")
