@@ -24,6 +24,8 @@ from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 
+from tests import forked
+
 # Set by torchrun, torch's elastic agent or Lightning for the processes they start; a user's shell has none.
 RANK_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
             "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT")
@@ -106,13 +108,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_cli(module: str, *args: str, timeout: float = 300, cwd: Path = REPO) -> subprocess.CompletedProcess:
-    """Run `python -m <module> <args>` as a user would, capturing its output."""
-    if module == "src.eval" and cwd == REPO and not needs_own_process(args):
+def run_cli(module: str, *args: str, timeout: float = 300, cwd: Path = REPO, env: dict[str, str] | None = None,
+            interpreter: bool = False) -> subprocess.CompletedProcess:
+    """Run `python -m <module> <args>` as a user would, capturing its output: in a process of its own, forked
+    from a server that imported the project (tests/forked.py), or with `interpreter` (or an `env` that changes
+    what native libraries read when they load) in a new interpreter, where its start-up is under test."""
+    env = env or user_env()
+    if module == "src.eval" and cwd == REPO and env == user_env() and not needs_own_process(args):
         return in_process(module, *args, timeout=timeout, workers=starts_workers(args))
-    return subprocess.run(
-        [sys.executable, "-m", module, *args], cwd=cwd, env=user_env(), capture_output=True, text=True, timeout=timeout
-    )
+    if interpreter or forked.needs_interpreter(env):
+        return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=env, capture_output=True, text=True,
+                              timeout=timeout)
+    return forked.run(module, *args, cwd=cwd, env=env, timeout=timeout)
 
 
 def call_main(main: Callable[[list[str]], object], *args: str) -> subprocess.CompletedProcess:
@@ -296,12 +303,10 @@ def needs_own_process(args: tuple[str, ...]) -> bool:
             or any(d not in ("1", "auto") for d in devices))
 
 
-def train(*args: str, timeout: float = 300, subprocess_: bool = False) -> subprocess.CompletedProcess:
+def train(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     """`python -m src.train <args>`: in this process for a one-process run or a local DDP launcher, else
-    as a real command.
-
-    `subprocess_=True` runs it as a real command anyway, where the process itself is what a test checks."""
-    if subprocess_ or needs_own_process(args):
+    as a command in a process of its own (`run_cli`)."""
+    if needs_own_process(args):
         return run_cli("src.train", *args, timeout=timeout)
     return in_process("src.train", *args, timeout=timeout, workers=starts_workers(args))
 

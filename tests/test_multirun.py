@@ -17,6 +17,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from tests.forked import Forked
 from tests.helpers import QUICK, REPO, assert_finished_run, cpu_precision, scalars, train, user_env
 from tests.test_stopping import checkpointed_epoch, proc_stat, wait_for
 
@@ -205,9 +206,8 @@ def test_a_stop_signal_stops_every_running_job_with_a_line_each_and_starts_none(
     running job gets the signal once, ends with its stop line, and the third job never starts."""
     folder = tmp_path / "sweep"
     long = ["max_epochs=50", "data.batch_size=64", "trainer.limit_train_batches=10"]
-    sweep_process = subprocess.Popen(
-        [sys.executable, "-m", "src.train", "-m", PARALLEL, "seed=1,2,3", *QUICK, *long, f"hydra.sweep.dir={folder}"],
-        cwd=REPO, env=user_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    sweep_process = Forked("src.train", "-m", PARALLEL, "seed=1,2,3", *QUICK, *long, f"hydra.sweep.dir={folder}",
+                           cwd=REPO, env=user_env(), new_session=True)
     started: set[int] = set()
     try:
         def both_training() -> bool:

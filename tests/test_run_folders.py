@@ -1,11 +1,9 @@
 """Every run gets a folder of its own, also when two start in the same second."""
 
-import subprocess
-import sys
-
 from omegaconf import OmegaConf
 
 from src.launch import naming
+from tests.forked import Forked
 from tests.helpers import QUICK, scalars, user_env
 
 
@@ -29,9 +27,7 @@ def test_torchrun_ranks_share_the_folder_named_after_the_run_id(tmp_path, monkey
 
 
 def test_two_runs_started_at_once_write_two_folders(tmp_path, data_root):
-    command = [sys.executable, "-m", "src.train", *QUICK]
-    runs = [subprocess.Popen(command, cwd=tmp_path, env=user_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            for _ in range(2)]
+    runs = [Forked("src.train", *QUICK, cwd=tmp_path, env=user_env()) for _ in range(2)]
     outputs = [run.communicate(timeout=300) for run in runs]
     assert [run.returncode for run in runs] == [0, 0], [err[-2000:] for _, err in outputs]
     folders = sorted((tmp_path / "outputs" / "runs").iterdir())

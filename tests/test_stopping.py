@@ -1,5 +1,5 @@
 """Stopping a run: signals, a rank that dies, a rank that hangs, a launcher killed outright.
-The real command line, in subprocesses.
+The real command line, each run in a process of its own (tests/forked.py).
 
 Every run is started in its own session, so that a test can signal all of its processes at once
 (as a terminal's Ctrl-C or `kill -- -PGID` does) and find any process it left behind. Nothing here
@@ -11,7 +11,6 @@ import re
 import shlex
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from omegaconf import OmegaConf
 
 from src.errors import UsageError
 from src.strategies.ddp import CommHookDDPStrategy
+from tests.forked import Forked
 from tests.helpers import QUICK, REPO, cpu_precision, forkserver_pids, hparams, scalars, train, user_env, worker_pids
 
 # Long enough to be signalled: 50 short epochs, each checkpointed in `checkpoints/last.ckpt`.
@@ -63,10 +63,7 @@ class Run:
     def __init__(self, run_dir: Path, *args: str, one_stream: bool = False) -> None:
         """`one_stream`: stderr into stdout, as a terminal shows both (progress bars go to stdout)."""
         self.dir = run_dir
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "src.train", *args], cwd=REPO, env=user_env(), stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT if one_stream else subprocess.PIPE, text=True, start_new_session=True,
-        )
+        self.proc = Forked("src.train", *args, cwd=REPO, env=user_env(), new_session=True, merged=one_stream)
         self.stdout = self.stderr = ""
 
     def __enter__(self) -> "Run":

@@ -1,0 +1,116 @@
+"""A command forked from the test process's server (tests/forked.py) sees what it would see in a new interpreter.
+
+Run as `python -m tests.test_forked <how to end>`, this module prints what a command can see of its start,
+then ends as asked; the tests run it both ways and compare.
+"""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from tests import forked
+from tests.helpers import REPO, user_env
+
+
+def facts() -> dict[str, object]:
+    return {
+        "argv": sys.argv, "orig_argv": sys.orig_argv[1:], "cwd": os.getcwd(), "path0": sys.path[0], "name": __name__,
+        "spec": __spec__.name if __spec__ else None, "main": sys.modules["__main__"].__file__,
+        "env": os.environ.get("FORKED_PROBE"), "stdin": sys.stdin.read(),
+        "handlers": {name: str(signal.getsignal(getattr(signal, name))) for name in ("SIGINT", "SIGTERM", "SIGPIPE", "SIGCHLD")},
+        "session_leader": os.getsid(0) == os.getpid(), "random": random.random(),
+    }
+
+
+def probe(how: str) -> None:
+    print(json.dumps(facts()), flush=True)
+    if how == "raise":
+        raise ValueError("uncaught")
+    if how == "interrupt":
+        raise KeyboardInterrupt
+    if how == "thread":  # the interpreter waits for a thread that is not a daemon, then runs the atexit handlers
+        import atexit
+
+        atexit.register(lambda: print("atexit ran", flush=True))
+        threading.Thread(target=lambda: (time.sleep(0.5), print("thread ended", flush=True))).start()
+        return
+    if how == "wait":
+        time.sleep(600)
+    sys.exit(int(how) if how.isdigit() else how)
+
+
+def both(*args: str, new_session: bool = False) -> tuple[subprocess.CompletedProcess, subprocess.CompletedProcess]:
+    """This module run as a command in a new interpreter and forked, from the checkout (where `tests` is found)."""
+    env = {**user_env(), "FORKED_PROBE": "set"}
+    interpreter = subprocess.run([sys.executable, "-m", "tests.test_forked", *args], cwd=REPO, env=env,
+                                 stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120,
+                                 start_new_session=new_session)
+    process = forked.Forked("tests.test_forked", *args, cwd=REPO, env=env, new_session=new_session)
+    out, err = process.communicate(120)
+    return interpreter, subprocess.CompletedProcess(process.args, process.returncode, out, err)
+
+
+def seen(result: subprocess.CompletedProcess) -> dict[str, object]:
+    return json.loads(result.stdout.splitlines()[0])
+
+
+@pytest.mark.parametrize("how", ["0", "3", "a message"])
+def test_a_forked_command_starts_and_exits_as_in_a_new_interpreter(how):
+    interpreter, fork = both(how, new_session=True)
+    assert (fork.returncode, fork.stderr) == (interpreter.returncode, interpreter.stderr)
+    assert fork.returncode == {"0": 0, "3": 3, "a message": 1}[how]
+    expected, got = seen(interpreter), seen(fork)
+    assert got.pop("random") != expected.pop("random")
+    assert got == expected
+    assert got["name"] == "__main__" and got["path0"] == str(REPO) and got["env"] == "set" and got["session_leader"]
+
+
+def test_its_working_folder_comes_first_on_its_path(tmp_path):
+    process = forked.Forked("tests.test_forked", "0", cwd=tmp_path, env=user_env())
+    assert process.wait(120) == 0
+    got = json.loads(process.communicate()[0])
+    assert (got["cwd"], got["path0"]) == (str(tmp_path), str(tmp_path))
+
+
+def test_an_uncaught_exception_and_ctrl_c_end_it_as_in_a_new_interpreter():
+    for how, status in (("raise", 1), ("interrupt", -signal.SIGINT)):
+        interpreter, fork = both(how)
+        assert fork.returncode == interpreter.returncode == status
+        assert fork.stderr.splitlines()[0] == "Traceback (most recent call last):"
+        assert fork.stderr.splitlines()[-1] == interpreter.stderr.splitlines()[-1]
+
+
+def test_it_waits_for_its_threads_then_runs_its_atexit_handlers():
+    interpreter, fork = both("thread")
+    assert fork.stdout.splitlines()[1:] == interpreter.stdout.splitlines()[1:] == ["thread ended", "atexit ran"]
+
+
+def test_two_forked_commands_draw_other_random_numbers():
+    first, second = (forked.Forked("tests.test_forked", "0", cwd=REPO, env=user_env()) for _ in range(2))
+    assert json.loads(first.communicate(120)[0])["random"] != json.loads(second.communicate(120)[0])["random"]
+
+
+def test_a_signal_ends_it_and_its_status_says_so(tmp_path):
+    process = forked.Forked("tests.test_forked", "wait", cwd=tmp_path, env=user_env())
+    while not process.stdout.readline():  # started
+        assert process.poll() is None
+        time.sleep(0.05)
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(120) == -signal.SIGTERM
+
+
+def test_a_setting_that_libraries_read_when_they_load_needs_a_new_interpreter():
+    assert not forked.needs_interpreter({**user_env(), "HOOK_NOTES": "/tmp/notes"})
+    assert forked.needs_interpreter({**user_env(), "OMP_NUM_THREADS": "1"})
+    assert forked.needs_interpreter({name: value for name, value in user_env().items() if name != "PYTHONUNBUFFERED"})
+
+
+if __name__ == "__main__":
+    probe(sys.argv[1])
