@@ -203,7 +203,7 @@ def test_powersgd_still_learns(tmp_path: Path, data_root: Path) -> None:
     """
     common = [f"data.root={data_root}", "devices=2", "max_epochs=1", "data.batch_size=128", "optim.lr=0.1",
               "optim.momentum=0.9", "optim.schedule=cosine", "model.net.batch_norm=true", "model.net.pool=max", "model.net.init=kaiming",
-              "trainer.limit_train_batches=300", "trainer.limit_val_batches=1", "trainer.num_sanity_val_steps=0",
+              "trainer.limit_train_batches=150", "trainer.limit_val_batches=1", "trainer.num_sanity_val_steps=0",
               "trainer.enable_progress_bar=false", "precision=32"]
     accuracy = {}
     for name, strategy in (("ddp", ["strategy=ddp"]), ("powersgd", ["strategy=ddp_powersgd", "strategy.powersgd_rank=4"])):
