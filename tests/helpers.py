@@ -1,7 +1,6 @@
 """Shared test helpers: run the real command line, read TensorBoard scalars, write tiny IDX files."""
 
 import contextlib
-import functools
 import gzip
 import io
 import os
@@ -94,12 +93,9 @@ def start_ranks(worker: Callable[..., None], *args: object, nprocs: int) -> None
     """`torch.multiprocessing.spawn(worker, args, nprocs)`, the processes forked from the forkserver, which
     imports `worker`'s module once for all of them, as `src.scaling` starts its own: a spawned interpreter
     imports torch again, seconds of a core each."""
-    import torch.multiprocessing as mp
-
     from src.launch import forkserver
 
-    mp.start_processes(functools.partial(forkserver.run_in, dict(os.environ), worker), args=args, nprocs=nprocs,
-                       start_method=forkserver.context([worker.__module__]).get_start_method())
+    forkserver.start_processes(worker, args, nprocs)
 
 
 def free_port() -> int:

@@ -6,8 +6,7 @@ import sys
 
 import pytest
 
-from tests import forked
-from tests.helpers import QUICK, REPO, in_process, user_env
+from tests.helpers import QUICK, REPO, in_process, run_cli, user_env
 
 SCRIPT = REPO / "benchmarks" / "gpu_check.sh"
 
@@ -45,14 +44,14 @@ def test_the_summary_holds_each_tests_result_the_speed_table_and_the_seed_statis
     (tmp_path / "test_sample.py").write_text(SAMPLE_TESTS)
     subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-o", "junit_logging=system-out",
                     f"--junitxml={logs / 'ddp2.xml'}", str(tmp_path / "test_sample.py")], cwd=tmp_path, capture_output=True)
-    speed = forked.run("benchmarks.speed", "--data-root", str(data_root), "--model", "tiny", "--steps", "8", "--rounds", "2",
-                       "--only", "plain fp32", cwd=REPO, env=user_env(), timeout=300)
+    speed = run_cli("benchmarks.speed", "--data-root", str(data_root), "--model", "tiny", "--steps", "8", "--rounds", "2",
+                    "--only", "plain fp32", timeout=300)
     assert speed.returncode == 0, speed.stderr[-3000:]
     (logs / "speed-lenet.log").write_text(speed.stdout)
     sweep = in_process("src.train", "-m", *QUICK, "seed=1,2", f"hydra.sweep.dir={logs / 'accuracy' / 'd2l_lenet'}")
     assert sweep.returncode == 0, sweep.stderr[-3000:]
 
-    result = forked.run("benchmarks.gpu_summary", str(logs), cwd=REPO, env=user_env(), timeout=300)
+    result = run_cli("benchmarks.gpu_summary", str(logs), timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     text = (logs / "summary.md").read_text()
     assert text == result.stdout

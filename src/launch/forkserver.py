@@ -2,6 +2,7 @@
 will need it: its import of the training code (torch and Lightning, seconds) then runs beside the launching
 process's own import, on another core, instead of after it (docs/results.md, start-up)."""
 
+import functools
 import multiprocessing
 import os
 import signal
@@ -51,14 +52,32 @@ def ensure_running(preload: list[str]) -> None:
 def context(preload: list[str]) -> BaseContext:
     """Processes forked from the forkserver, which imports `preload` once (where it runs already, the
     children import what it lacks), instead of spawned: each new interpreter imports torch again, seconds
-    of a core. For processes of one's own, such as the timings of `src.scaling`; what they run goes
-    through `run_in`, so that they see the caller's environment."""
+    of a core. For processes of one's own, such as the timings of `src.scaling`: `call` and
+    `start_processes` start them so that they see the caller's environment."""
     if START_METHOD == "forkserver":
         ensure_running(preload)
     return multiprocessing.get_context(START_METHOD)
 
 
-def run_in(environ: dict[str, str], function: Callable[..., T], *args: Any) -> T:
+def call(function: Callable[..., T], *args: Any) -> T:
+    """`function(*args)` in one process forked from the forkserver, under this process's environment: its
+    result, or its exception raised here."""
+    from concurrent.futures import ProcessPoolExecutor  # not at import: a run's command line is checked first
+
+    with ProcessPoolExecutor(max_workers=1, mp_context=context([function.__module__])) as pool:
+        return pool.submit(_run_in, dict(os.environ), function, *args).result()
+
+
+def start_processes(function: Callable[..., None], args: tuple[Any, ...], nprocs: int) -> None:
+    """`torch.multiprocessing.start_processes(function, args, nprocs)`, each process forked from the
+    forkserver, which imports `function`'s module once for all of them, under this process's environment."""
+    from torch import multiprocessing as torch_multiprocessing  # not at import: torch loads after the checks
+
+    torch_multiprocessing.start_processes(functools.partial(_run_in, dict(os.environ), function), args=args, nprocs=nprocs,
+                                          start_method=context([function.__module__]).get_start_method())
+
+
+def _run_in(environ: dict[str, str], function: Callable[..., T], *args: Any) -> T:
     """`function(*args)` under `environ`: a forked process starts with the server's environment as it was when
     the server started, where a spawned one would have its caller's of the moment."""
     os.environ.clear()

@@ -18,7 +18,6 @@ kept as a share of the work's turns: from 20 to 100 ms of work it grew with the 
 The probe's processes are forked from the forkserver, which imports this module once.
 """
 
-import functools
 import json
 import os
 import socket
@@ -32,7 +31,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from src.launch import forkserver
 
@@ -141,8 +139,7 @@ def start_ranks(worker: Callable[..., None], processes: int, *args: Any) -> Any:
     port; what rank 0 wrote to the file named `result`, read as JSON."""
     with tempfile.TemporaryDirectory() as folder:
         result = os.path.join(folder, "result.json")
-        mp.start_processes(functools.partial(forkserver.run_in, dict(os.environ), worker), args=(processes, free_port(), *args, result),
-                           nprocs=processes, start_method=forkserver.context([worker.__module__]).get_start_method())
+        forkserver.start_processes(worker, (processes, free_port(), *args, result), processes)
         return json.loads(Path(result).read_text())
 
 

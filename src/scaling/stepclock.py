@@ -33,7 +33,6 @@ import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -137,13 +136,11 @@ def ddp_times(net: Any, input_shape: Sequence[int], hooks: Sequence[str], rank: 
     and its groups. None, with the reason logged, when that process fails; the caller then estimates
     the hooks' arithmetic instead (`timed.encode_s`).
     """
-    with ProcessPoolExecutor(max_workers=1, mp_context=forkserver.context([__name__])) as pool:
-        try:
-            return pool.submit(forkserver.run_in, dict(os.environ), _ddp_times, net, tuple(input_shape), tuple(hooks), rank,
-                               bucket_cap_mb, repeats).result()
-        except Exception as error:  # noqa: BLE001  a figure that cannot be timed is estimated instead
-            log.warning(f"the DDP hooks could not be timed ({type(error).__name__}: {error}); their arithmetic is estimated")
-            return None
+    try:
+        return forkserver.call(_ddp_times, net, tuple(input_shape), tuple(hooks), rank, bucket_cap_mb, repeats)
+    except Exception as error:  # noqa: BLE001  a figure that cannot be timed is estimated instead
+        log.warning(f"the DDP hooks could not be timed ({type(error).__name__}: {error}); their arithmetic is estimated")
+        return None
 
 
 def _ddp_times(net: Any, input_shape: tuple[int, ...], hooks: tuple[str, ...], rank: int, bucket_cap_mb: float,
@@ -196,14 +193,13 @@ def ddp_step_costs(net: Any, input_shape: Sequence[int], batch: int, precision: 
     median of `repeats` differences, after warm-up steps (PowerSGD's plain ones among them). It runs in a
     process of its own, like `ddp_times`; None, with the reason logged, when that process fails.
     """
-    with ProcessPoolExecutor(max_workers=1, mp_context=forkserver.context([__name__])) as pool:
-        try:
-            return pool.submit(forkserver.run_in, dict(os.environ), _ddp_step_costs, net, tuple(input_shape), batch, precision,
-                               tuple(hooks), rank, bucket_cap_mb, device, repeats).result()
-        except Exception as error:  # noqa: BLE001  an unmeasured cost is assumed instead, and the report says so
-            log.warning(f"DDP's own cost could not be measured on {device} ({type(error).__name__}: "
-                        f"{' '.join(str(error).split())[:300]}); it is assumed")
-            return None
+    try:
+        return forkserver.call(_ddp_step_costs, net, tuple(input_shape), batch, precision, tuple(hooks), rank, bucket_cap_mb,
+                               device, repeats)
+    except Exception as error:  # noqa: BLE001  an unmeasured cost is assumed instead, and the report says so
+        log.warning(f"DDP's own cost could not be measured on {device} ({type(error).__name__}: "
+                    f"{' '.join(str(error).split())[:300]}); it is assumed")
+        return None
 
 
 def _ddp_step_costs(net: Any, input_shape: tuple[int, ...], batch: int, precision: str, hooks: tuple[str, ...], rank: int,
