@@ -42,6 +42,9 @@ PRELOAD = ("src.runner", "src.launch.workers", "src.launch.parallel_launcher", "
 # Settings that native libraries read once, when they load: a child cannot take other values of them.
 LOAD_TIME = re.compile(r"(OMP|GOMP|KMP|MKL|OPENBLAS|ONEDNN|DNNL|ATEN|TORCH|PYTORCH|LD|MALLOC)_\w*|PYTHON\w*|GLIBC_TUNABLES")
 PID, STATUS = struct.Struct("q"), struct.Struct("i")
+# The signals whose handling a new interpreter takes over from its parent: one the parent ignores stays ignored
+# (SIGINT too: Python then leaves it out of KeyboardInterrupt), any other starts at its default.
+INHERITED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 
 
 # ---------------------------------------------------------------- the server, in a process of its own
@@ -50,6 +53,7 @@ def serve(address: str) -> None:
     """Import `PRELOAD`, then fork a child for each request on `address` until standard input closes."""
     import importlib
 
+    at_start = {signum: signal.getsignal(signum) for signum in INHERITED}  # what the test process's commands inherit
     for name in PRELOAD:
         importlib.import_module(name)
     for name in ENTRIES:
@@ -86,7 +90,7 @@ def serve(address: str) -> None:
                         closed.close()
                     os.close(reaped_r)
                     os.close(reaped_w)
-                    _run(json.loads(message), fds)  # never returns
+                    _run(json.loads(message), fds, at_start)  # never returns
                 for fd in fds:
                     os.close(fd)
                 with contextlib.suppress(OSError):  # the test is gone; its command runs on, as a Popen's would
@@ -105,12 +109,12 @@ def _report_ended(waiting: dict[int, socket.socket]) -> None:
             connection.close()
 
 
-def _run(request: dict[str, Any], fds: list[int]) -> None:
+def _run(request: dict[str, Any], fds: list[int], handlers: dict[int, Any]) -> None:
     """In the child: become `python -m <module> <args>` as a new interpreter would, run it, exit as it would."""
     signal.set_wakeup_fd(-1)
-    for signum in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
-        signal.signal(signum, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for signum, handler in handlers.items():
+        signal.signal(signum, handler)
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)  # as Python sets it up
     if request["new_session"]:
         os.setsid()

@@ -24,7 +24,7 @@ def facts() -> dict[str, object]:
         "argv": sys.argv, "orig_argv": sys.orig_argv[1:], "cwd": os.getcwd(), "path0": sys.path[0], "name": __name__,
         "spec": __spec__.name if __spec__ else None, "main": sys.modules["__main__"].__file__,
         "env": os.environ.get("FORKED_PROBE"), "stdin": sys.stdin.read(),
-        "handlers": {name: str(signal.getsignal(getattr(signal, name))) for name in ("SIGINT", "SIGTERM", "SIGPIPE", "SIGCHLD")},
+        "handlers": {name: str(signal.getsignal(getattr(signal, name))) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGPIPE", "SIGCHLD")},
         "session_leader": os.getsid(0) == os.getpid(), "random": random.random(),
     }
 
@@ -70,6 +70,25 @@ def test_a_forked_command_starts_and_exits_as_in_a_new_interpreter(how):
     assert got.pop("random") != expected.pop("random")
     assert got == expected
     assert got["name"] == "__main__" and got["path0"] == str(REPO) and got["env"] == "set" and got["session_leader"]
+
+
+def test_signals_the_test_process_ignores_stay_ignored_as_in_a_new_interpreter(monkeypatch):
+    """A suite started in the background of a script (`... &`) ignores SIGINT, and a new interpreter it starts
+    inherits that; so must a forked command, from a server started the same way."""
+    monkeypatch.setattr(forked.Server, "_instance", None)
+    ignored = (signal.SIGINT, signal.SIGHUP)
+    saved = [signal.signal(signum, signal.SIG_IGN) for signum in ignored]
+    try:
+        interpreter, fork = both("0")
+    finally:
+        for signum, handler in zip(ignored, saved):
+            signal.signal(signum, handler)
+        server = forked.Server._instance
+        if server is not None:
+            server.process.stdin.close()  # the server ends when its standard input does
+            server.process.wait(120)
+    assert seen(interpreter)["handlers"] == seen(fork)["handlers"]
+    assert seen(fork)["handlers"]["SIGINT"] == seen(fork)["handlers"]["SIGHUP"] == str(signal.SIG_IGN)
 
 
 def test_its_working_folder_comes_first_on_its_path(tmp_path):
