@@ -30,6 +30,8 @@ from tensorboard.compat.proto.summary_pb2 import Summary
 from tensorboard.plugins.hparams import api_pb2, metadata, plugin_data_pb2
 from torch.utils.tensorboard.writer import FileWriter
 
+from src.launch.stops import held
+
 # Metric columns, in the order TensorBoard shows them (the first five by default): the scalar tag,
 # its column title and what it is. TensorBoard shows a tag's last value: the medians are logged once.
 METRICS: tuple[tuple[str, str, str], ...] = (
@@ -261,6 +263,7 @@ def trial_id(name: str, params: Mapping[str, Any]) -> str:
     return f"{name} #{digest}"
 
 
+@held()  # see RunLogger
 def log_hparams(logger: TensorBoardLogger, params: dict[str, Any], run_dir: Path, step: int = 0) -> None:
     """Write the run's HParams summaries, pointing at scalars already logged, so no metric is written twice.
 

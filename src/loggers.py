@@ -9,6 +9,7 @@ from tensorboard.compat.proto.summary_pb2 import DataClass, Summary, SummaryMeta
 from torch.utils.tensorboard.summary import custom_scalars
 
 from src.checkpoints import Saved
+from src.launch.stops import held
 
 EPOCH_TAG = "trainer/epoch"
 
@@ -79,7 +80,8 @@ class RunLogger(TensorBoardLogger):
     """Lightning's TensorBoard logger, with Lightning's `epoch` counter filed as `trainer/epoch`, so
     that it joins a group of its own instead of standing first among the run's scalars, each known
     tag's description written with its first point (Lightning's logger passes none), and the
-    Custom Scalars layout (`LAYOUT`) with the run's first points."""
+    Custom Scalars layout (`LAYOUT`) with the run's first points. A stop signal waits for a write or flush to end
+    (`held`): raised inside the writer's queue, it would leave the flush on the way out waiting 120 s."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -87,6 +89,7 @@ class RunLogger(TensorBoardLogger):
         self._laid_out = False
 
     @rank_zero_only  # as Lightning's: the other ranks' loggers write nothing
+    @held()
     def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
         metrics = {EPOCH_TAG if name == "epoch" else name: value for name, value in metrics.items()}
         if not self._laid_out:  # the run's first points: the Custom Scalars layout goes with them, at their step
@@ -106,6 +109,12 @@ class RunLogger(TensorBoardLogger):
         super().log_metrics(metrics, step)
 
     @rank_zero_only
+    @held()
+    def log_hyperparams(self, *args: Any, **kwargs: Any) -> None:
+        super().log_hyperparams(*args, **kwargs)
+
+    @rank_zero_only
+    @held()
     def finalize(self, status: str) -> None:
         """Flush, and keep the file open until `close`: Lightning finalizes after fitting and again after testing,
         and a writer opened again starts another event file. TensorBoard reads a run's files in the order of
@@ -117,12 +126,14 @@ class RunLogger(TensorBoardLogger):
                 self._experiment.close()
 
     @rank_zero_only
+    @held()
     def close(self) -> None:
         """Close the run's event file, after its last summary (the HParams record)."""
         if self._experiment is not None:
             self._experiment.close()
 
     @rank_zero_only
+    @held()
     def save(self) -> None:
         """Flush what was written. Not Lightning's save, which writes an `hparams.yaml` holding `{}` (the run's
         settings are in its config.yaml and HParams record) and opens a writer, so an empty event file, where

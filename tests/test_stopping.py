@@ -19,6 +19,8 @@ import torch
 from omegaconf import OmegaConf
 
 from src.errors import UsageError
+from src.launch.stops import STOP_SIGNALS, RunStopped, handle_stop_signals
+from src.loggers import RunLogger
 from src.strategies.ddp import CommHookDDPStrategy
 from tests.forked import Forked
 from tests.helpers import QUICK, REPO, cpu_precision, forkserver_pids, hparams, scalars, train, user_env, worker_pids
@@ -254,3 +256,37 @@ def test_collective_timeout_must_be_a_finite_positive_number(timeout_s):
 def test_collective_timeout_default_is_five_minutes():
     assert OmegaConf.load(REPO / "conf" / "strategy" / "ddp.yaml").timeout_s == 300
     assert CommHookDDPStrategy().timeout_s == 300
+
+
+@pytest.fixture
+def stop_handlers():
+    """The run's stop handlers in this test process, and its own back afterwards."""
+    saved = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
+    handle_stop_signals()
+    yield
+    for signum, handler in saved.items():
+        signal.signal(signum, handler)
+
+
+def test_a_stop_during_a_tensorboard_write_waits_for_the_write_and_the_run_flushes_at_once(tmp_path, stop_handlers):
+    """A stop raised inside the writer's queue, after the point was queued and before the writer thread was woken,
+    left the writer asleep until its flush interval was up: the run's flush on the way out waited 120 s (a sweep
+    job once took two minutes to stop). The signal comes at exactly that point here."""
+    logger = RunLogger(save_dir=str(tmp_path), name="", version="")
+    logger.log_metrics({"train/loss": 1.0}, step=0)  # the writer thread has written once; its next flush is 120 s away
+    queue = logger.experiment._get_file_writer().event_writer._async_writer._byte_queue  # tensorboard's, private
+    wake = queue.not_empty.notify
+
+    def stop_before_waking(n: int = 1) -> None:
+        signal.raise_signal(signal.SIGTERM)  # its handler runs before this returns
+        wake(n)
+
+    queue.not_empty.notify = stop_before_waking
+    with pytest.raises(RunStopped) as stopped:
+        logger.log_metrics({"train/loss": 0.5}, step=1)
+    queue.not_empty.notify = wake
+    assert stopped.value.signum == signal.SIGTERM
+    inside = [entry.frame.code.path for entry in stopped.traceback]
+    assert not any(Path(path).name in ("queue.py", "threading.py") for path in inside), inside
+    logger.finalize("failed")  # flushes, as Lightning's way out of a stopped fit does
+    assert scalars(tmp_path)["train/loss"] == [1.0, 0.5]

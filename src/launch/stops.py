@@ -4,6 +4,8 @@ from the DDP workers (`src.launch.workers`), so that every entry point handles s
 on, before torch is imported."""
 
 import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from omegaconf import DictConfig
@@ -44,8 +46,34 @@ def signal_name(signum: int) -> str:
 position = ""
 
 
+# Stop signals that came while `held`, raised when it ends; `_holding` counts the `held` blocks the main thread is in.
+_held_signals: list[int] = []
+_holding = 0
+
+
 def _raise_stop(signum: int, frame: Any) -> None:
+    if _holding:
+        _held_signals.append(signum)
+        return
     raise RunStopped(signum, position)
+
+
+@contextmanager
+def held() -> Iterator[None]:
+    """Stop signals that arrive inside wait until it ends, then raise as usual. For code that other threads wait
+    on: an exception raised inside `queue.Queue.put` between counting the item and waking the reader loses
+    the wake-up, and TensorBoard's writer thread then sleeps out its flush interval (120 s) before the run can
+    flush and end."""
+    global _holding
+    _holding += 1
+    try:
+        yield
+    finally:
+        _holding -= 1
+        if not _holding and _held_signals:
+            signum = _held_signals[0]
+            _held_signals.clear()
+            raise RunStopped(signum, position)
 
 
 def handle_stop_signals() -> None:
