@@ -3,6 +3,10 @@
 import logging
 import os
 import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import lightning
@@ -16,7 +20,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from src import sysinfo
 from src.callbacks.sysinfo import SystemInfoLogger
-from tests.helpers import run_cli
+from tests.helpers import REPO, run_cli, user_env
 
 GiB = 2**30
 A100 = SimpleNamespace(name="NVIDIA A100-SXM4-80GB", total_memory=80 * GiB, major=8, minor=0)
@@ -169,3 +173,27 @@ def test_callback_warns_in_one_line_on_rank_zero_only(monkeypatch, caplog):
     assert texts == [("system", 6)]  # at the step training starts from: a resumed run's, here 6
     [record] = caplog.records
     assert record.levelno == logging.WARNING and record.getMessage().startswith("4 DDP processes on 2 CPU cores")
+
+
+
+def _can_unshare_mounts() -> bool:
+    return os.geteuid() == 0 and shutil.which("unshare") is not None and \
+        subprocess.run(["unshare", "--mount", "true"], capture_output=True).returncode == 0
+
+
+def _cpu_flags() -> list[str]:
+    return [line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")]
+
+
+@pytest.mark.skipif(not _can_unshare_mounts(), reason="needs root and a mount namespace of its own (unshare)")
+def test_a_command_run_without_avx512_sees_a_cpu_without_it():
+    """benchmarks/without_avx512.sh: torch's kernels capped at AVX2, no AVX512-BF16 among the flags, so fp32 by
+    default; the machine's own /proc/cpuinfo stays as it was."""
+    flags = _cpu_flags()
+    probe = ("import torch; from src import sysinfo; "
+             "print(torch.backends.cpu.get_cpu_capability(), sysinfo.recommend_precision([], sysinfo.cpu_has_bf16())[0])")
+    result = subprocess.run(["bash", str(REPO / "benchmarks" / "without_avx512.sh"), sys.executable, "-c", probe],
+                            cwd=REPO, env=user_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["AVX2", "32"]
+    assert _cpu_flags() == flags
