@@ -25,6 +25,14 @@ def data_root():
     return DATA_ROOT
 
 
+def pytest_sessionfinish(session, exitstatus):
+    """This test process's command server (tests/forked.py), if it started one, ended and its folder gone."""
+    from tests import forked
+
+    if forked.Server._instance is not None:
+        forked.Server._instance.end()
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 

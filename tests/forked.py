@@ -22,6 +22,7 @@ import random
 import re
 import runpy
 import selectors
+import shutil
 import signal
 import socket
 import struct
@@ -172,7 +173,8 @@ def _shut_down() -> None:
 # ---------------------------------------------------------------- the test process's side
 
 class Server:
-    """The server of this test process, started at its first command; it ends when this process does."""
+    """The server of this test process, started at its first command; it ends when this process does, and
+    `end` (at the end of the test session) takes its folder away too."""
 
     _instance: "Server | None" = None
 
@@ -192,6 +194,18 @@ class Server:
         if cls._instance is None or cls._instance.process.poll() is not None:
             cls._instance = Server()
         return cls._instance
+
+    def end(self) -> None:
+        """Close its standard input, wait for it to end, and remove its socket, log and folder."""
+        if self.process.stdin is not None:
+            self.process.stdin.close()
+        try:
+            self.process.wait(60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.log.close()
+        shutil.rmtree(self.folder, ignore_errors=True)
 
     def connect(self) -> socket.socket:
         """A connection to the server, once it listens (it imports first: seconds)."""

@@ -83,10 +83,8 @@ def test_signals_the_test_process_ignores_stay_ignored_as_in_a_new_interpreter(m
     finally:
         for signum, handler in zip(ignored, saved):
             signal.signal(signum, handler)
-        server = forked.Server._instance
-        if server is not None:
-            server.process.stdin.close()  # the server ends when its standard input does
-            server.process.wait(120)
+        if forked.Server._instance is not None:
+            forked.Server._instance.end()
     assert seen(interpreter)["handlers"] == seen(fork)["handlers"]
     assert seen(fork)["handlers"]["SIGINT"] == seen(fork)["handlers"]["SIGHUP"] == str(signal.SIG_IGN)
 
