@@ -70,11 +70,15 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
-        with open(partial, "wb") as file:
-            torch.save(checkpoint, file)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(partial, path)
+        try:
+            with open(partial, "wb") as file:
+                torch.save(checkpoint, file)
+                file.flush()
+                os.fsync(file.fileno())
+            os.replace(partial, path)
+        except BaseException:  # a stop signal or a full disk mid-write: no half-written copy left in the run folder
+            partial.unlink(missing_ok=True)
+            raise
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ torch's own default (and so Lightning's) unsafe. A checkpoint a run writes still
 
 import pathlib
 import pickle
+import signal
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from src.checkpoints import AtomicCheckpointIO, newest, open_checkpoint, read_checkpoint, resolve_ckpt_path
 from src.checks.objects import check_checkpoint
 from src.errors import UsageError
+from src.launch.stops import RunStopped
 from src.eval import as_trained
 from src.loggers import purge_step
 from src.models.module import Classifier
@@ -95,6 +97,23 @@ def test_lightnings_own_load_through_the_runs_checkpoint_io_is_safe(tmp_path, un
     with pytest.raises(pickle.UnpicklingError):
         trainer.fit(Tiny(), DataLoader(TensorDataset(torch.ones(4, 2))), ckpt_path=str(bad))
     assert not marker.exists()
+
+
+def test_a_save_stopped_midway_leaves_the_last_checkpoint_and_no_partial_copy(tmp_path, monkeypatch):
+    """A stop signal during a save (RunStopped is raised wherever the main thread is) keeps the checkpoint
+    there was and takes its half-written successor away."""
+    path = tmp_path / "checkpoints" / "last.ckpt"
+    AtomicCheckpointIO().save_checkpoint({"epoch": 1}, path)
+
+    def stopped_midway(checkpoint, file):
+        file.write(b"half a checkpoint")
+        raise RunStopped(signal.SIGTERM)
+
+    monkeypatch.setattr(torch, "save", stopped_midway)
+    with pytest.raises(RunStopped):
+        AtomicCheckpointIO().save_checkpoint({"epoch": 2}, path)
+    assert [p.name for p in path.parent.iterdir()] == ["last.ckpt"]
+    assert read_checkpoint(path)["epoch"] == 1
 
 
 def refused_in_one_line(result, message: str) -> None:
