@@ -23,6 +23,7 @@ import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from src.errors import UsageError
+from src.launch.stops import held
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     ) -> dict[str, Any]:
         return super().load_checkpoint(path, map_location=map_location, weights_only=True)
 
+    @held()  # a stop signal during a save lets it finish: last.ckpt then holds the epoch that just ended
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | Path, storage_options: Any | None = None) -> None:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -76,7 +78,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 file.flush()
                 os.fsync(file.fileno())
             os.replace(partial, path)
-        except BaseException:  # a stop signal or a full disk mid-write: no half-written copy left in the run folder
+        except BaseException:  # a full disk, say: no half-written copy left in the run folder
             partial.unlink(missing_ok=True)
             raise
 

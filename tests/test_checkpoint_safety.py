@@ -8,7 +8,6 @@ torch's own default (and so Lightning's) unsafe. A checkpoint a run writes still
 
 import pathlib
 import pickle
-import signal
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,6 @@ from torch.utils.data import DataLoader, TensorDataset
 from src.checkpoints import AtomicCheckpointIO, newest, open_checkpoint, read_checkpoint, resolve_ckpt_path
 from src.checks.objects import check_checkpoint
 from src.errors import UsageError
-from src.launch.stops import RunStopped
 from src.eval import as_trained
 from src.loggers import purge_step
 from src.models.module import Classifier
@@ -99,18 +97,17 @@ def test_lightnings_own_load_through_the_runs_checkpoint_io_is_safe(tmp_path, un
     assert not marker.exists()
 
 
-def test_a_save_stopped_midway_leaves_the_last_checkpoint_and_no_partial_copy(tmp_path, monkeypatch):
-    """A stop signal during a save (RunStopped is raised wherever the main thread is) keeps the checkpoint
-    there was and takes its half-written successor away."""
+def test_a_save_that_fails_midway_leaves_the_last_checkpoint_and_no_partial_copy(tmp_path, monkeypatch):
+    """A full disk during a save keeps the checkpoint there was and takes its half-written successor away."""
     path = tmp_path / "checkpoints" / "last.ckpt"
     AtomicCheckpointIO().save_checkpoint({"epoch": 1}, path)
 
-    def stopped_midway(checkpoint, file):
+    def disk_full(checkpoint, file):
         file.write(b"half a checkpoint")
-        raise RunStopped(signal.SIGTERM)
+        raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(torch, "save", stopped_midway)
-    with pytest.raises(RunStopped):
+    monkeypatch.setattr(torch, "save", disk_full)
+    with pytest.raises(OSError):
         AtomicCheckpointIO().save_checkpoint({"epoch": 2}, path)
     assert [p.name for p in path.parent.iterdir()] == ["last.ckpt"]
     assert read_checkpoint(path)["epoch"] == 1

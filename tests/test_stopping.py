@@ -18,6 +18,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from src.checkpoints import AtomicCheckpointIO
 from src.errors import UsageError
 from src.launch.stops import STOP_SIGNALS, RunStopped, handle_stop_signals
 from src.loggers import RunLogger
@@ -290,3 +291,20 @@ def test_a_stop_during_a_tensorboard_write_waits_for_the_write_and_the_run_flush
     assert not any(Path(path).name in ("queue.py", "threading.py") for path in inside), inside
     logger.finalize("failed")  # flushes, as Lightning's way out of a stopped fit does
     assert scalars(tmp_path)["train/loss"] == [1.0, 0.5]
+
+
+def test_a_stop_during_a_checkpoint_save_lets_the_save_finish(tmp_path, monkeypatch, stop_handlers):
+    """The epoch that just ended is kept: the stop is raised once its checkpoint is in place."""
+    path = tmp_path / "checkpoints" / "last.ckpt"
+    save = torch.save
+
+    def signalled_midway(checkpoint, file):
+        file.write(b"")  # the file is open, the save under way
+        signal.raise_signal(signal.SIGTERM)
+        save(checkpoint, file)
+
+    monkeypatch.setattr(torch, "save", signalled_midway)
+    with pytest.raises(RunStopped):
+        AtomicCheckpointIO().save_checkpoint({"epoch": 2}, path)
+    assert [p.name for p in path.parent.iterdir()] == ["last.ckpt"]
+    assert checkpointed_epoch(path) == 2
