@@ -175,7 +175,6 @@ def test_callback_warns_in_one_line_on_rank_zero_only(monkeypatch, caplog):
     assert record.levelno == logging.WARNING and record.getMessage().startswith("4 DDP processes on 2 CPU cores")
 
 
-
 def _can_unshare_mounts() -> bool:
     return os.geteuid() == 0 and shutil.which("unshare") is not None and \
         subprocess.run(["unshare", "--mount", "true"], capture_output=True).returncode == 0
