@@ -16,11 +16,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from lightning import Callback, Trainer
+from lightning.pytorch.demos.boring_classes import BoringModel
 from omegaconf import OmegaConf
 
 from src.checkpoints import AtomicCheckpointIO
 from src.errors import UsageError
 from src.launch.stops import STOP_SIGNALS, RunStopped, handle_stop_signals
+from src.launch.workers import stop_on_signals
 from src.loggers import RunLogger
 from src.strategies.ddp import CommHookDDPStrategy
 from tests.forked import Forked
@@ -308,3 +311,20 @@ def test_a_stop_during_a_checkpoint_save_lets_the_save_finish(tmp_path, monkeypa
         AtomicCheckpointIO().save_checkpoint({"epoch": 2}, path)
     assert [p.name for p in path.parent.iterdir()] == ["last.ckpt"]
     assert checkpointed_epoch(path) == 2
+
+
+def test_a_stop_at_an_epochs_end_names_the_step_its_checkpoint_holds(stop_handlers):
+    """The stop line says where training was when the signal came: after an epoch's last step, while its checkpoint
+    is saved, that is the checkpoint's step, not the step its last batch started at (a line one step behind the
+    checkpoint it says holds the last finished epoch)."""
+    class StopAtTheEndOfEpoch2(Callback):
+        def on_train_epoch_end(self, trainer: Trainer, pl_module: BoringModel) -> None:
+            if trainer.current_epoch == 1:  # counted from 0
+                signal.raise_signal(signal.SIGTERM)
+
+    trainer = Trainer(max_epochs=3, limit_train_batches=2, limit_val_batches=0, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, callbacks=[StopAtTheEndOfEpoch2()])
+    stop_on_signals(trainer)
+    with pytest.raises(RunStopped) as stopped:
+        trainer.fit(BoringModel())
+    assert (stopped.value.where, trainer.global_step) == (" during epoch 2 (step 4)", 4)

@@ -4,7 +4,7 @@ from the DDP workers (`src.launch.workers`), so that every entry point handles s
 on, before torch is imported."""
 
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -41,9 +41,14 @@ def signal_name(signum: int) -> str:
         return f"signal {signum}"
 
 
-# Where training is, for the stop line: ` during epoch 3 (step 6)`, the epoch counted from 1 as train.log counts it
-# (set by `src.launch.workers.StopOnSignal`).
-position = ""
+def nowhere() -> str:
+    return ""
+
+
+# Where training is, for the stop line: ` during epoch 3 (step 6)`, the epoch counted from 1 as train.log counts it.
+# Asked when a signal comes, so that the line names the step the checkpoint of an epoch that just ended holds, and
+# no step pays for it (`src.launch.workers.StopOnSignal` points it at the trainer while it trains).
+position: Callable[[], str] = nowhere
 
 
 # Stop signals that came while `held`, raised when it ends; `_holding` counts the `held` blocks the main thread is in.
@@ -55,7 +60,7 @@ def _raise_stop(signum: int, frame: Any) -> None:
     if _holding:
         _held_signals.append(signum)
         return
-    raise RunStopped(signum, position)
+    raise RunStopped(signum, position())
 
 
 @contextmanager
@@ -73,7 +78,7 @@ def held() -> Iterator[None]:
         if not _holding and _held_signals:
             signum = _held_signals[0]
             _held_signals.clear()
-            raise RunStopped(signum, position)
+            raise RunStopped(signum, position())
 
 
 def handle_stop_signals() -> None:

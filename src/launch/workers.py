@@ -51,6 +51,8 @@ T = TypeVar("T")
 PEER_GONE_GRACE_S = 10.0
 # The environment this module was imported in: for a forked worker, the forkserver's at its start.
 _IMPORTED_WITH = dict(os.environ)
+
+
 class StopOnSignal(Callback):
     """Puts this module's handlers back after Lightning registers its own at each stage: Lightning's
     SIGTERM handler broadcasts from inside the handler, which hangs ranks that are in another collective."""
@@ -60,17 +62,15 @@ class StopOnSignal(Callback):
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         _handle_anew()
+        stops.position = lambda: f" during epoch {trainer.current_epoch + 1} (step {trainer.global_step})"
 
     def on_test_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         _handle_anew()
 
-    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        stops.position = f" during epoch {trainer.current_epoch + 1} (step {trainer.global_step})"
-
 
 def _handle_anew() -> None:
-    """The stop handlers back, and no position until a training batch starts."""
-    stops.position = ""
+    """The stop handlers back, and no position until training starts."""
+    stops.position = stops.nowhere
     handle_stop_signals()
 
 
