@@ -12,10 +12,17 @@ uncaught exception. A setting that native libraries read when they load (`OMP_NU
 changed in a forked child: a command whose environment changes one runs in a new interpreter
 (`needs_interpreter`), as does anything whose own start-up is under test. Nor can a child lose what the
 server imported: a module of the checkout (`tests.*`) is found from any working folder.
+
+A command that starts multiprocessing's forkserver (local DDP) forks that too, where a new interpreter would import
+the training code again for it (`fork_forkserver`): the fork runs `multiprocessing.forkserver.main` with the
+descriptors, signals and `__main__` that a new interpreter would have, and the project's module state that its
+import would give; a command that runs threads by then gets a new interpreter. A test of that import itself asks
+for a new interpreter (`new_forkserver=True`).
 """
 
 import atexit
 import contextlib
+import ctypes
 import json
 import os
 import random
@@ -31,6 +38,10 @@ import sys
 import tempfile
 import threading
 import traceback
+import types
+from collections.abc import Callable
+from multiprocessing import forkserver as mp_forkserver
+from multiprocessing import resource_tracker, util
 from pathlib import Path
 from typing import IO, Any
 
@@ -128,13 +139,9 @@ def _run(request: dict[str, Any], fds: list[int], handlers: dict[int, Any]) -> N
     sys.path[0] = os.getcwd()  # as `python -m` puts the working folder first
     sys.argv = ["-m", *request["args"]]
     sys.orig_argv = [sys.executable, "-m", request["module"], *request["args"]]
-    random.seed()
-    with contextlib.suppress(ImportError):
-        import numpy
-        import torch
-
-        numpy.random.seed()
-        torch.seed()
+    _seed_anew()
+    if not request["new_forkserver"]:
+        util.spawnv_passfds = fork_forkserver(util.spawnv_passfds)
     code = 1
     try:
         runpy._run_module_as_main(request["module"])  # what `python -m` calls
@@ -150,6 +157,77 @@ def _run(request: dict[str, Any], fds: list[int], handlers: dict[int, Any]) -> N
         sys.excepthook(*sys.exc_info())
     _shut_down()
     os._exit(code)
+
+
+def _seed_anew() -> None:
+    """The random generators seeded afresh, as in a new interpreter."""
+    random.seed()
+    with contextlib.suppress(ImportError):
+        import numpy
+        import torch
+
+        numpy.random.seed()
+        torch.seed()
+
+
+FORKSERVER = "from multiprocessing.forkserver import main"
+FORKSERVER_NAME = b"mp-forkserver"  # the name in /proc/<pid>/comm of a forkserver forked so, and of its workers
+PR_SET_NAME = 15
+Spawn = Callable[[str, list[str], list[int]], int]  # multiprocessing.util.spawnv_passfds(path, args, passfds) -> pid
+
+
+def fork_forkserver(spawnv_passfds: Spawn) -> Spawn:
+    """`multiprocessing.util.spawnv_passfds` that forks the forkserver instead of starting a new interpreter for it:
+    that one's import of torch and Lightning is 5 s of a core, each time a test's command starts local DDP. Only a
+    process of one thread forks it: a thread pool (OpenMP's, once this process has trained, as a sweep's earlier
+    job does) does not survive a fork, and the workers' first parallel region would wait forever."""
+    def spawn(path: str, args: list[str], passfds: list[int]) -> int:
+        if not args[-1].startswith(FORKSERVER) or len(os.listdir("/proc/self/task")) > 1:
+            return spawnv_passfds(path, args, passfds)
+        for stream in (sys.stdout, sys.stderr):  # or the server and its workers would write it again
+            stream.flush()
+        pid = os.fork()
+        if pid:
+            return pid
+        code = 1
+        try:
+            _as_a_new_interpreter(args, passfds)
+            exec(args[-1], {"__name__": "__main__"})  # the `-c` code: `main(...)`, until the last client is gone
+            code = 0
+        except SystemExit as exit_:
+            code = _exit_status(exit_.code)
+        except BaseException:  # noqa: BLE001  printed, as the interpreter would
+            traceback.print_exc()
+        os._exit(code)
+
+    return spawn
+
+
+def _as_a_new_interpreter(args: list[str], passfds: list[int]) -> None:
+    """What `exec` of `python -c` would leave: only descriptors 0-2 and `passfds` open, signals that had a handler
+    at their default (ignored ones stay ignored), an empty `__main__`, and the module state of the project's import
+    (the environment `src.launch.workers` records, which tells a worker the agent's variables from its own)."""
+    keep = {0, 1, 2, *passfds}
+    for fd in [int(name) for name in os.listdir("/proc/self/fd")]:
+        if fd not in keep:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+    signal.set_wakeup_fd(-1)
+    for signum in signal.valid_signals():
+        if callable(signal.getsignal(signum)):
+            signal.signal(signum, signal.SIG_DFL)
+    ctypes.CDLL(None).prctl(PR_SET_NAME, FORKSERVER_NAME, 0, 0, 0)  # its command line is still the server's
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    # multiprocessing's forkserver and resource tracker as they start in a new interpreter: the caller is inside
+    # `ensure_running`, holding the forkserver's lock, and its server and tracker are not this process's.
+    # (Its record of the current process each worker sets up for itself.)
+    mp_forkserver._forkserver.__init__()  # type: ignore[misc]
+    resource_tracker._resource_tracker.__init__()  # type: ignore[misc]
+    sys.argv = ["-c"]
+    sys.orig_argv = list(args)
+    if "src.launch.workers" in sys.modules:
+        sys.modules["src.launch.workers"]._IMPORTED_WITH = dict(os.environ)
+    _seed_anew()
 
 
 def _exit_status(code: object) -> int:
@@ -236,14 +314,15 @@ class Forked:
     output goes to files (`merged`: both streams to one, as a terminal shows them)."""
 
     def __init__(self, module: str, *args: str, cwd: Path, env: dict[str, str], new_session: bool = False,
-                 merged: bool = False) -> None:
+                 merged: bool = False, new_forkserver: bool = False) -> None:
         self.args = [sys.executable, "-m", module, *args]
         # The child writes to files of its own (its descriptors share their position); these read them.
         written = [tempfile.NamedTemporaryFile("ab") for _ in range(1 if merged else 2)]
         self.stdout: IO[str] = open(written[0].name, errors="replace")
         self.stderr: IO[str] = open(written[-1].name, errors="replace")
         self.returncode: int | None = None
-        request = {"module": module, "args": list(args), "cwd": str(cwd), "env": env, "new_session": new_session}
+        request = {"module": module, "args": list(args), "cwd": str(cwd), "env": env, "new_session": new_session,
+                   "new_forkserver": new_forkserver}
         self._connection = Server.get().connect()
         with open(os.devnull) as stdin:
             socket.send_fds(self._connection, [json.dumps(request).encode()],

@@ -224,9 +224,19 @@ def _cmdline(pid: int) -> bytes:
         return b""
 
 
+def is_forkserver(pid: int) -> bool:
+    """A new interpreter running multiprocessing's forkserver, or one that a command of tests/forked.py forked."""
+    if b"multiprocessing.forkserver" in _cmdline(pid):
+        return True
+    try:
+        return Path(f"/proc/{pid}/comm").read_bytes().strip() == forked.FORKSERVER_NAME
+    except OSError:
+        return False
+
+
 def forkserver_pids(launcher: int) -> list[int]:
     """A launcher's forkserver, which its DDP workers are forked from, once it has started."""
-    return [child for child in children(launcher) if b"multiprocessing.forkserver" in _cmdline(child)]
+    return [child for child in children(launcher) if is_forkserver(child)]
 
 
 def worker_pids(launcher: int) -> list[int]:
@@ -234,10 +244,9 @@ def worker_pids(launcher: int) -> list[int]:
     spawn, its own children running `spawn_main`)."""
     pids = []
     for child in children(launcher):
-        command = _cmdline(child)
-        if b"multiprocessing.forkserver" in command:
+        if is_forkserver(child):
             pids += children(child)
-        elif b"spawn_main" in command:
+        elif b"spawn_main" in _cmdline(child):
             pids.append(child)
     return sorted(pids)
 

@@ -43,7 +43,38 @@ def probe(how: str) -> None:
         return
     if how == "wait":
         time.sleep(600)
+    if how in ("forkserver", "forkserver after a thread"):
+        print(json.dumps(through_a_forkserver(threaded=how != "forkserver")), flush=True)
+        return
     sys.exit(int(how) if how.isdigit() else how)
+
+
+def through_a_forkserver(threaded: bool) -> dict[str, object]:
+    """What a process of multiprocessing's forkserver sees of its server, as a local DDP run starts it (with the
+    training code preloaded), after a variable is set that the project's import there records."""
+    import multiprocessing
+
+    from src.launch import forkserver
+
+    if threaded:  # a process with another thread has its forkserver started as a new interpreter
+        threading.Thread(target=time.sleep, args=(600,), daemon=True).start()
+    os.environ["SET_BEFORE_THE_SERVER"] = "yes"
+    forkserver.ensure_running(forkserver.PRELOAD)
+    with multiprocessing.get_context("forkserver").Pool(1) as pool:
+        return pool.apply(server_facts)
+
+
+def server_facts() -> dict[str, object]:
+    from src.launch import workers
+
+    server = os.getppid()
+    status = dict(line.split(":\t", 1) for line in open(f"/proc/{server}/status").read().splitlines() if ":\t" in line)
+    fds = [os.readlink(f"/proc/{server}/fd/{fd}").split(":[")[0] for fd in os.listdir(f"/proc/{server}/fd")
+           if int(fd) > 2]  # past the command's own streams, which `both` hands out in two ways
+    return {"server_forked": open(f"/proc/{server}/comm", "rb").read().strip() == forked.FORKSERVER_NAME,
+            "ignored": status["SigIgn"].strip(), "caught": status["SigCgt"].strip(), "server_fds": sorted(fds),
+            "recorded": workers._IMPORTED_WITH.get("SET_BEFORE_THE_SERVER"), "main": sys.modules["__main__"].__name__,
+            "argv": sys.argv, "cwd": os.getcwd()}
 
 
 def both(*args: str, new_session: bool = False) -> tuple[subprocess.CompletedProcess, subprocess.CompletedProcess]:
@@ -127,6 +158,24 @@ def test_a_setting_that_libraries_read_when_they_load_needs_a_new_interpreter():
     assert not forked.needs_interpreter({**user_env(), "HOOK_NOTES": "/tmp/notes"})
     assert forked.needs_interpreter({**user_env(), "OMP_NUM_THREADS": "1"})
     assert forked.needs_interpreter({name: value for name, value in user_env().items() if name != "PYTHONUNBUFFERED"})
+
+
+def test_a_forkserver_forked_for_a_command_is_as_one_started_in_a_new_interpreter():
+    """A command forks the forkserver that local DDP starts (instead of importing torch and Lightning again in a new
+    interpreter): its descriptors and signals, and what the project's import there records, are a new one's."""
+    interpreter, fork = both("forkserver")
+    assert interpreter.returncode == fork.returncode == 0, interpreter.stderr[-3000:] + fork.stderr[-3000:]
+    new, forked_server = json.loads(interpreter.stdout.splitlines()[1]), json.loads(fork.stdout.splitlines()[1])
+    assert (new.pop("server_forked"), forked_server.pop("server_forked")) == (False, True)
+    assert forked_server == new and new["recorded"] == "yes"
+
+
+def test_a_command_with_threads_starts_its_forkserver_as_a_new_interpreter():
+    """A thread pool does not survive a fork: where the command runs threads, its forkserver is a new interpreter."""
+    process = forked.Forked("tests.test_forked", "forkserver after a thread", cwd=REPO, env=user_env())
+    out, err = process.communicate(120)
+    assert process.returncode == 0, err[-3000:]
+    assert json.loads(out.splitlines()[1])["server_forked"] is False
 
 
 if __name__ == "__main__":

@@ -66,10 +66,12 @@ def wait_for(condition, what: str) -> None:
 class Run:
     """`python -m src.train ...` in its own session: started, signalled, and cleaned up in any case."""
 
-    def __init__(self, run_dir: Path, *args: str, one_stream: bool = False) -> None:
-        """`one_stream`: stderr into stdout, as a terminal shows both (progress bars go to stdout)."""
+    def __init__(self, run_dir: Path, *args: str, one_stream: bool = False, new_forkserver: bool = False) -> None:
+        """`one_stream`: stderr into stdout, as a terminal shows both (progress bars go to stdout);
+        `new_forkserver`: the workers' forkserver a new interpreter that imports the training code."""
         self.dir = run_dir
-        self.proc = Forked("src.train", *args, cwd=REPO, env=user_env(), new_session=True, merged=one_stream)
+        self.proc = Forked("src.train", *args, cwd=REPO, env=user_env(), new_session=True, merged=one_stream,
+                           new_forkserver=new_forkserver)
         self.stdout = self.stderr = ""
 
     def __enter__(self) -> "Run":
@@ -176,7 +178,7 @@ def test_signal_stops_every_ddp_process(tmp_path, data_root, name, target):
 def test_ctrl_c_while_the_workers_forkserver_imports_ends_in_one_line(tmp_path, data_root):
     """A DDP run starts its workers' forkserver as soon as its config is composed; a terminal's Ctrl-C that
     reaches the server while it imports the training code ends the run in the same one line, no traceback."""
-    with Run(tmp_path / "run", *LONG, *DDP, f"hydra.run.dir={tmp_path / 'run'}") as run:
+    with Run(tmp_path / "run", *LONG, *DDP, f"hydra.run.dir={tmp_path / 'run'}", new_forkserver=True) as run:
         def server_started() -> bool:
             if run.proc.poll() is not None:
                 pytest.fail(f"the run ended before it was signalled:\n{run.proc.stderr.read()[-3000:]}")
