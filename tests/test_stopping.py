@@ -6,6 +6,7 @@ Every run is started in its own session, so that a test can signal all of its pr
 bounds how long a stop takes: a loaded machine may be slow; each wait is for an event, with minutes to spare.
 """
 
+import gc
 import os
 import re
 import shlex
@@ -22,6 +23,7 @@ from omegaconf import OmegaConf
 
 from src.checkpoints import AtomicCheckpointIO
 from src.errors import UsageError
+from src.launch import stops
 from src.launch.stops import STOP_SIGNALS, RunStopped, handle_stop_signals
 from src.launch.workers import stop_on_signals
 from src.loggers import RunLogger
@@ -318,7 +320,7 @@ def test_a_stop_during_a_checkpoint_save_lets_the_save_finish(tmp_path, monkeypa
 def test_a_stop_at_an_epochs_end_names_the_step_its_checkpoint_holds(stop_handlers):
     """The stop line says where training was when the signal came: after an epoch's last step, while its checkpoint
     is saved, that is the checkpoint's step, not the step its last batch started at (a line one step behind the
-    checkpoint it says holds the last finished epoch)."""
+    checkpoint it says holds the last finished epoch). It holds the trainer weakly: a finished run's model is freed."""
     class StopAtTheEndOfEpoch2(Callback):
         def on_train_epoch_end(self, trainer: Trainer, pl_module: BoringModel) -> None:
             if trainer.current_epoch == 1:  # counted from 0
@@ -330,3 +332,6 @@ def test_a_stop_at_an_epochs_end_names_the_step_its_checkpoint_holds(stop_handle
     with pytest.raises(RunStopped) as stopped:
         trainer.fit(BoringModel())
     assert (stopped.value.where, trainer.global_step) == (" during epoch 2 (step 4)", 4)
+    del trainer, stopped
+    gc.collect()
+    assert stops.position() == ""  # the trainer, and its model, are not held by it

@@ -11,6 +11,7 @@ dead worker and stops the others; what is here covers only what it leaves open, 
 """
 
 import ctypes
+import functools
 import logging
 import logging.config
 import multiprocessing
@@ -22,6 +23,7 @@ import threading
 import time
 import traceback
 import uuid
+import weakref
 from collections.abc import Callable
 from multiprocessing import reduction
 from pathlib import Path
@@ -62,10 +64,14 @@ class StopOnSignal(Callback):
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         _handle_anew()
-        stops.position = lambda: f" during epoch {trainer.current_epoch + 1} (step {trainer.global_step})"
+        stops.position = functools.partial(_position, weakref.ref(trainer))  # weak: a run's model outlives no run
 
     def on_test_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         _handle_anew()
+
+
+def _position(trainer: "weakref.ref[Trainer]") -> str:
+    return "" if (alive := trainer()) is None else f" during epoch {alive.current_epoch + 1} (step {alive.global_step})"
 
 
 def _handle_anew() -> None:
