@@ -203,6 +203,14 @@ def fork_forkserver(spawnv_passfds: Spawn) -> Spawn:
     return spawn
 
 
+def is_forked_forkserver(pid: int) -> bool:
+    """A forkserver that `fork_forkserver` forked, or a worker of one (its command line is still the server's)."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_bytes().strip() == FORKSERVER_NAME
+    except OSError:
+        return False
+
+
 def _as_a_new_interpreter(args: list[str], passfds: list[int]) -> None:
     """What `exec` of `python -c` would leave: only descriptors 0-2 and `passfds` open, signals that had a handler
     at their default (ignored ones stay ignored), an empty `__main__`, and the module state of the project's import

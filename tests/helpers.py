@@ -226,12 +226,7 @@ def _cmdline(pid: int) -> bytes:
 
 def is_forkserver(pid: int) -> bool:
     """A new interpreter running multiprocessing's forkserver, or one that a command of tests/forked.py forked."""
-    if b"multiprocessing.forkserver" in _cmdline(pid):
-        return True
-    try:
-        return Path(f"/proc/{pid}/comm").read_bytes().strip() == forked.FORKSERVER_NAME
-    except OSError:
-        return False
+    return b"multiprocessing.forkserver" in _cmdline(pid) or forked.is_forked_forkserver(pid)
 
 
 def forkserver_pids(launcher: int) -> list[int]:

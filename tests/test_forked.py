@@ -71,7 +71,7 @@ def server_facts() -> dict[str, object]:
     status = dict(line.split(":\t", 1) for line in open(f"/proc/{server}/status").read().splitlines() if ":\t" in line)
     fds = [os.readlink(f"/proc/{server}/fd/{fd}").split(":[")[0] for fd in os.listdir(f"/proc/{server}/fd")
            if int(fd) > 2]  # past the command's own streams, which `both` hands out in two ways
-    return {"server_forked": open(f"/proc/{server}/comm", "rb").read().strip() == forked.FORKSERVER_NAME,
+    return {"server_forked": forked.is_forked_forkserver(server),
             "ignored": status["SigIgn"].strip(), "caught": status["SigCgt"].strip(), "server_fds": sorted(fds),
             "recorded": workers._IMPORTED_WITH.get("SET_BEFORE_THE_SERVER"), "main": sys.modules["__main__"].__name__,
             "argv": sys.argv, "cwd": os.getcwd()}
