@@ -344,8 +344,11 @@ def test_a_launcher_job_cancelled_by_hand_fails_the_sweep(checkout):
 
 def test_a_cancelled_launcher_sweep_resumes_with_the_command_its_line_names(checkout):
     """`scancel` of the whole array while its jobs train; the command the sweep's line names runs the same sweep
-    under the launcher again (its `hydra/launcher=slurm` kept): each job resumes from its checkpoint and finishes."""
-    status, err, array_id = cancelled_sweep(checkout, "max_epochs=4", *ENDLESS[1:], "seed=1,2")
+    under the launcher again (its `hydra/launcher=slurm` kept): each job resumes from its checkpoint and finishes.
+    Enough epochs that the jobs still train when `scancel` comes, after the first checkpoint: with 4, a fast machine
+    finished both jobs first."""
+    epochs = 30
+    status, err, array_id = cancelled_sweep(checkout, f"max_epochs={epochs}", *ENDLESS[1:], "seed=1,2")
     assert status == 1, err[-3000:]
     sweep = checkout / "sweep"
     command = "python -m src.train -m hydra.sweep.dir=sweep ckpt_path=auto"
@@ -362,9 +365,9 @@ def test_a_cancelled_launcher_sweep_resumes_with_the_command_its_line_names(chec
     jobs = sorted(p for p in sweep.iterdir() if p.name.startswith(f"{LABEL}_seed="))
     assert [p.name for p in jobs] == [f"{LABEL}_seed=1", f"{LABEL}_seed=2"]
     for job in jobs:
-        assert read_ckpt(job / "checkpoints" / "last.ckpt")["epoch"] == 3
+        assert read_ckpt(job / "checkpoints" / "last.ckpt")["epoch"] == epochs - 1
         assert not steps_going_back(job)
     for job, (saved, before) in interrupted.items():
         assert before == list(range(1, len(before) + 1)) and len(before) in (saved + 1, saved + 2), (saved, before)
         # Went on from its checkpoint, after the epochs it had logged: each epoch the checkpoint holds trained once.
-        assert logged_epochs(job) == [*before, *range(saved + 2, 5)]
+        assert logged_epochs(job) == [*before, *range(saved + 2, epochs + 1)]
