@@ -2,6 +2,8 @@
 
 import os
 import signal
+import time
+from pathlib import Path
 
 from lightning import Callback, LightningModule, Trainer
 
@@ -43,3 +45,21 @@ class KillSweepAtStep(KillAtStep):
         if (self.reached(trainer) and trainer.global_rank == self.rank and trainer.ckpt_path is None
                 and str(trainer.default_root_dir).endswith(self.job)):
             os.killpg(os.getpgid(0), signal.SIGKILL)
+
+
+class HoldAfterEpoch(Callback):
+    """Holds the run once epoch `epoch` (0-based) has ended and been checkpointed, until the file `until` exists: a test
+    stops it there (a signal's handler raises out of the wait), however fast the machine trains.
+
+    A run that resumes from a checkpoint never holds; nor does a run started afresh once the test has made `until`
+    (a job cancelled before its first checkpoint, run again by the sweep's resume).
+    """
+
+    def __init__(self, until: str, epoch: int = 0) -> None:
+        self.until = Path(until)
+        self.epoch = epoch
+
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.current_epoch == self.epoch + 1 and trainer.ckpt_path is None:
+            while not self.until.exists():
+                time.sleep(0.2)
