@@ -1,7 +1,8 @@
 """Callbacks that show, from inside a run's processes, what they see (`+callbacks.probe._target_=tests.probes.ShowVariable`),
-and a DDP hook that does the same (`strategy.hook=tests.probes.noted_allreduce_hook`)."""
+and DDP hooks that show what DDP runs (`strategy.hook=tests.probes.noted_allreduce_hook`)."""
 
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -9,6 +10,7 @@ from lightning import Callback, LightningModule, Trainer
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 HOOK_NOTES = "HOOK_NOTES"  # the environment variable naming the file noted_allreduce_hook appends to
+HOOK_SLEEP_S = 0.02  # what sleeping_allreduce_hook waits before it all-reduces
 
 
 class ShowVariable(Callback):
@@ -26,6 +28,13 @@ def noted_allreduce_hook(process_group: dist.ProcessGroup, bucket: dist.GradBuck
     """torch's plain all-reduce hook that first appends a line with the bucket's size to the file `$HOOK_NOTES` names."""
     with open(os.environ[HOOK_NOTES], "a") as notes:
         notes.write(f"{bucket.buffer().numel()}\n")
+    return default_hooks.allreduce_hook(process_group, bucket)
+
+
+def sleeping_allreduce_hook(process_group: dist.ProcessGroup, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """torch's plain all-reduce hook after a sleep of HOOK_SLEEP_S: a hook that takes at least that long, on any
+    machine, however loaded."""
+    time.sleep(HOOK_SLEEP_S)
     return default_hooks.allreduce_hook(process_group, bucket)
 
 
