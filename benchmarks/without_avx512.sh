@@ -4,16 +4,19 @@
 # (src/sysinfo.py reads the flags). Everything else is still this CPU's (clock, caches, cores), so its figures
 # show what the missing instructions cost, not how fast such a machine is (docs/results.md).
 #   sudo benchmarks/without_avx512.sh <command> [args...]
-# Needs root and util-linux's unshare: the cpuinfo copy is mounted in a mount namespace of the command's own.
+# Needs root and util-linux's unshare where the flags are there to hide: the cpuinfo copy is mounted in a mount
+# namespace of the command's own.
 set -euo pipefail
 if (($# == 0)); then echo "error: usage: benchmarks/without_avx512.sh <command> [args...]" >&2; exit 2; fi
+export ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
+# A CPU without them, or a command already run by this script: nothing to hide.
+if ! grep -qE ' (avx512[a-z0-9_]*|amx[a-z0-9_]*)( |$)' /proc/cpuinfo; then exec "$@"; fi
 if ((EUID != 0)) || ! command -v unshare >/dev/null; then
     echo "error: benchmarks/without_avx512.sh needs root and unshare (util-linux), to mount its own /proc/cpuinfo" >&2
     exit 2
 fi
 cpuinfo=$(mktemp)
 sed -E 's/ (avx512[a-z0-9_]*|amx[a-z0-9_]*)//g' /proc/cpuinfo >"$cpuinfo"
-export ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
 # The copy is removed once mounted; the mount keeps it for the command.
 exec unshare --mount --propagation private -- bash -c 'mount --bind "$1" /proc/cpuinfo && rm -f "$1" && shift && exec "$@"' \
     bash "$cpuinfo" "$@"

@@ -185,13 +185,15 @@ def _cpu_flags() -> list[str]:
 
 
 @pytest.mark.skipif(not _can_unshare_mounts(), reason="needs root and a mount namespace of its own (unshare)")
-def test_a_command_run_without_avx512_sees_a_cpu_without_it():
+@pytest.mark.parametrize("times", [1, 2], ids=["once", "within itself"])  # the suite run so runs this test so
+def test_a_command_run_without_avx512_sees_a_cpu_without_it(times):
     """benchmarks/without_avx512.sh: torch's kernels capped at AVX2, no AVX512-BF16 among the flags, so fp32 by
     default; the machine's own /proc/cpuinfo stays as it was."""
     flags = _cpu_flags()
     probe = ("import torch; from src import sysinfo; "
              "print(torch.backends.cpu.get_cpu_capability(), sysinfo.recommend_precision([], sysinfo.cpu_has_bf16())[0])")
-    result = subprocess.run(["bash", str(REPO / "benchmarks" / "without_avx512.sh"), sys.executable, "-c", probe],
+    script = ["bash", str(REPO / "benchmarks" / "without_avx512.sh")]
+    result = subprocess.run([*script * times, sys.executable, "-c", probe],
                             cwd=REPO, env=user_env(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.split() == ["AVX2", "32"]
