@@ -1,11 +1,14 @@
 """`src.sysinfo` on this machine, and on A100-, V100-, T4- and P100-like GPUs faked through torch.cuda."""
 
+import contextlib
+import json
 import logging
 import os
 import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -198,3 +201,53 @@ def test_a_command_run_without_avx512_sees_a_cpu_without_it(times):
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.split() == ["AVX2", "32"]
     assert _cpu_flags() == flags
+
+
+AUTOGROUP = Path("/proc/sys/kernel/sched_autogroup_enabled")
+# What the command sees: the kernel's session groups, and the cores of each busy loop the script started beside it.
+HALF_SPEED_PROBE = """
+import json, os, time
+from pathlib import Path
+script, cores = os.getppid(), len(os.sched_getaffinity(0))
+
+def is_loop(process):
+    try:  # a process may end while it is read
+        return (process / "stat").read_text().rsplit(")", 1)[1].split()[1] == str(script) and \\
+            (process / "cmdline").read_bytes() == b"bash\\0-c\\0while :; do :; done\\0"
+    except OSError:
+        return False
+
+def loops():
+    return [int(p.name) for p in Path("/proc").glob("[0-9]*") if is_loop(p)]
+
+deadline = time.monotonic() + 60  # a loop is started with `&`, and may not have run its command yet
+while len(loops()) < cores and time.monotonic() < deadline:
+    time.sleep(0.05)
+print(json.dumps({"autogroup": Path("/proc/sys/kernel/sched_autogroup_enabled").read_text().strip(), "loops": loops(),
+                  "cores": sorted(sorted(os.sched_getaffinity(pid)) for pid in loops())}))
+raise SystemExit(3)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not AUTOGROUP.exists(), reason="needs root, to switch the kernel's session groups off")
+def test_a_command_run_at_half_speed_shares_each_core_with_a_busy_loop():
+    """benchmarks/half_speed.sh: one busy loop pinned to each core while the command runs, session groups off;
+    afterwards the loops are gone, the setting is back, and the command's exit status is the script's."""
+    before = AUTOGROUP.read_text()
+    result = subprocess.run(["bash", str(REPO / "benchmarks" / "half_speed.sh"), sys.executable, "-c", HALF_SPEED_PROBE],
+                            cwd=REPO, env=user_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 3, result.stderr[-3000:]
+    seen = json.loads(result.stdout)
+    assert seen["autogroup"] == "0"
+    assert seen["cores"] == [[core] for core in sorted(os.sched_getaffinity(0))]
+    assert AUTOGROUP.read_text() == before
+
+    def running(pid: int) -> bool:
+        with contextlib.suppress(OSError):
+            return (Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]) != "Z"
+        return False
+
+    deadline = time.monotonic() + 60  # a bound on a hang only: the loops end on the script's kill
+    while any(running(pid) for pid in seen["loops"]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(running(pid) for pid in seen["loops"])
