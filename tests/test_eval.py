@@ -109,10 +109,11 @@ def test_a_failed_eval_leaves_no_folder_behind(tmp_path, trained, monkeypatch):
     """The data cannot be found nor downloaded (a mirror that does not exist, no network asked): no empty data
     folder from the attempt, no eval folder, no `outputs/eval/` made for it."""
     monkeypatch.setattr(FashionMNIST, "mirrors", [(tmp_path / "mirror").as_uri() + "/"])
-    evals = REPO / "outputs" / "eval"
-    existed = evals.exists()
+    # In a folder of its own: a folder made and removed in the checkout's outputs/ would also be seen there by
+    # a test that ends meanwhile in another test process (tests/conftest.py).
+    monkeypatch.chdir(tmp_path)
     nodata = tmp_path / "nodata"
     result = in_process("src.eval", f"ckpt_path={trained}", f"data.root={nodata}")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1].startswith(f"error: data.root={nodata}: Fashion-MNIST not found")
-    assert not nodata.exists() and evals.exists() == existed
+    assert not nodata.exists() and not (tmp_path / "outputs").exists()
