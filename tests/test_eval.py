@@ -1,15 +1,13 @@
 """`python -m src.eval`: a saved model's test accuracy and loss, on any strategy and number of processes."""
 
 import shutil
-import subprocess
-import sys
 
 import pytest
 from omegaconf import OmegaConf
 from torchvision.datasets import FashionMNIST
 
 from src.eval import as_trained, with_checkpoint_model
-from tests.helpers import DATA_ROOT, QUICK, REPO, hparams, in_process, run_cli, scalars, train, user_env
+from tests.helpers import DATA_ROOT, QUICK, hparams, in_process, run_cli, scalars, train
 
 SCORE = [f"data.root={DATA_ROOT}", "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false"]
 
@@ -97,9 +95,7 @@ def test_eval_builds_the_model_the_run_built_with_this_commands_model_overrides_
 
 def test_eval_as_the_readme_writes_it_scores_offline_with_the_runs_data(tmp_path, trained):
     """No data.root given, in a folder without data: the run's own data settings, not the default `data/`."""
-    env = {**user_env(), "PYTHONPATH": str(REPO)}
-    result = subprocess.run([sys.executable, "-m", "src.eval", f"ckpt_path={trained}", "trainer.enable_progress_bar=false"],
-                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    result = run_cli("src.eval", f"ckpt_path={trained}", "trainer.enable_progress_bar=false", cwd=tmp_path, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert scalars(next((tmp_path / "outputs" / "eval").iterdir()))["test/acc"] == scalars(trained)["test/acc"]
     assert not (tmp_path / "data").exists()
