@@ -9,14 +9,15 @@
 set -euo pipefail
 if (($# == 0)); then echo "error: usage: benchmarks/without_avx512.sh <command> [args...]" >&2; exit 2; fi
 export ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
+hidden='avx512[a-z0-9_]*|amx[a-z0-9_]*'  # the flags of /proc/cpuinfo that the command does not see
 # A CPU without them, or a command already run by this script: nothing to hide.
-if ! grep -qE ' (avx512[a-z0-9_]*|amx[a-z0-9_]*)( |$)' /proc/cpuinfo; then exec "$@"; fi
+if ! grep -qE " ($hidden)( |\$)" /proc/cpuinfo; then exec "$@"; fi
 if ((EUID != 0)) || ! command -v unshare >/dev/null; then
     echo "error: benchmarks/without_avx512.sh needs root and unshare (util-linux), to mount its own /proc/cpuinfo" >&2
     exit 2
 fi
 cpuinfo=$(mktemp)
-sed -E 's/ (avx512[a-z0-9_]*|amx[a-z0-9_]*)//g' /proc/cpuinfo >"$cpuinfo"
+sed -E "s/ ($hidden)//g" /proc/cpuinfo >"$cpuinfo"
 # The copy is removed once mounted; the mount keeps it for the command.
 exec unshare --mount --propagation private -- bash -c 'mount --bind "$1" /proc/cpuinfo && rm -f "$1" && shift && exec "$@"' \
     bash "$cpuinfo" "$@"

@@ -1,6 +1,5 @@
 """`src.sysinfo` on this machine, and on A100-, V100-, T4- and P100-like GPUs faked through torch.cuda."""
 
-import contextlib
 import json
 import logging
 import os
@@ -24,6 +23,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from src import sysinfo
 from src.callbacks.sysinfo import SystemInfoLogger
 from tests.helpers import REPO, run_cli, user_env
+from tests.test_stopping import proc_stat
 
 GiB = 2**30
 A100 = SimpleNamespace(name="NVIDIA A100-SXM4-80GB", total_memory=80 * GiB, major=8, minor=0)
@@ -210,17 +210,20 @@ import json, os, time
 from pathlib import Path
 script, cores = os.getppid(), len(os.sched_getaffinity(0))
 
-def is_loop(process):
-    try:  # a process may end while it is read
-        return (process / "stat").read_text().rsplit(")", 1)[1].split()[1] == str(script) and \\
-            (process / "cmdline").read_bytes() == b"bash\\0-c\\0while :; do :; done\\0"
-    except OSError:
-        return False
+def loops():  # the script's children that run the loop: one started with `&` may not have run its command yet
+    pids = []
+    for listing in Path(f"/proc/{script}/task").glob("*/children"):
+        pids += [int(child) for child in listing.read_text().split()]
+    found = []
+    for pid in pids:
+        try:  # a process may end while it is read
+            if Path(f"/proc/{pid}/cmdline").read_bytes() == b"bash\\0-c\\0while :; do :; done\\0":
+                found.append(pid)
+        except OSError:
+            pass
+    return found
 
-def loops():
-    return [int(p.name) for p in Path("/proc").glob("[0-9]*") if is_loop(p)]
-
-deadline = time.monotonic() + 60  # a loop is started with `&`, and may not have run its command yet
+deadline = time.monotonic() + 60  # a bound on a hang only
 while len(loops()) < cores and time.monotonic() < deadline:
     time.sleep(0.05)
 print(json.dumps({"autogroup": Path("/proc/sys/kernel/sched_autogroup_enabled").read_text().strip(), "loops": loops(),
@@ -243,9 +246,7 @@ def test_a_command_run_at_half_speed_shares_each_core_with_a_busy_loop():
     assert AUTOGROUP.read_text() == before
 
     def running(pid: int) -> bool:
-        with contextlib.suppress(OSError):
-            return (Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]) != "Z"
-        return False
+        return bool(fields := proc_stat(pid)) and fields[0] != "Z"
 
     deadline = time.monotonic() + 60  # a bound on a hang only: the loops end on the script's kill
     while any(running(pid) for pid in seen["loops"]) and time.monotonic() < deadline:
