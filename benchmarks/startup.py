@@ -3,8 +3,9 @@
     python benchmarks/startup.py --data-root ../shared/data               # 3 repeats of each
     python benchmarks/startup.py --data-root ../shared/data --repeats 5
 
-Each command runs in a fresh interpreter, as a user starts it, one after another; the figure is the
-median wall time over the repeats. The runs are LeNet for one step of training, one of validation
+Each command runs in a fresh interpreter, as a user starts it, one after another; the figures are the
+median wall time over the repeats, and the median CPU time (user and system) of the command and of the
+processes it waited for (not the DDP workers' forkserver, which ends on its own after the command). The runs are LeNet for one step of training, one of validation
 and one of test, so that what is left is their start and end: one process, then `strategy=ddp
 devices=2`. For those, train.log's timestamps split the time: from the command's start to the first
 line that Lightning's Trainer writes (imports, the checks, Hydra's composition, the data read into
@@ -16,6 +17,7 @@ record of the run, the interpreter's exit).
 
 import argparse
 import re
+import resource
 import statistics
 import subprocess
 import sys
@@ -30,14 +32,19 @@ ONE_STEP = ["max_epochs=1", "trainer.limit_train_batches=1", "trainer.limit_val_
             "trainer.num_sanity_val_steps=0", "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false"]
 
 
-def wall(command: list[str], expect: tuple[int, ...] = (0,)) -> tuple[float, float]:
-    """Seconds from the command's start to its exit, and the start as a Unix time."""
-    start, clock = time.time(), time.perf_counter()
+def cpu_of_children() -> float:
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return used.ru_utime + used.ru_stime
+
+
+def wall(command: list[str], expect: tuple[int, ...] = (0,)) -> tuple[float, float, float]:
+    """Seconds from the command's start to its exit, the start as a Unix time, and the CPU seconds it used."""
+    start, clock, cpu = time.time(), time.perf_counter(), cpu_of_children()
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
     seconds = time.perf_counter() - clock
     if result.returncode not in expect:
         sys.exit(f"{' '.join(command)} exited {result.returncode}:\n{result.stderr[-2000:]}")
-    return seconds, start
+    return seconds, start, cpu_of_children() - cpu
 
 
 def stamps(log: Path, start: float) -> dict[str, float]:
@@ -73,24 +80,27 @@ def main() -> None:
         "src.scaling --help": ([python, "-m", "src.scaling", "--help"], (0,)),
         "src.sysinfo --help": ([python, "-m", "src.sysinfo", "--help"], (0,)),
     }
-    print(f"{'command':40} {'median s':>9}  repeats (s)")
+    print(f"{'command':40} {'median s':>9} {'CPU s':>6}  repeats (s)")
     for name, (command, expect) in answers.items():
-        times = [wall(command, expect)[0] for _ in range(args.repeats)]
-        print(f"{name:40} {statistics.median(times):9.2f}  {', '.join(f'{t:.2f}' for t in times)}")
+        runs = [wall(command, expect) for _ in range(args.repeats)]
+        times = [seconds for seconds, _, _ in runs]
+        cpu = statistics.median(used for _, _, used in runs)
+        print(f"{name:40} {statistics.median(times):9.2f} {cpu:6.2f}  {', '.join(f'{t:.2f}' for t in times)}")
 
     print(f"\nLeNet, one step of each stage; seconds after the command's start (median of {args.repeats})")
-    print(f"{'run':22} {'Trainer':>8} {'workers':>8} {'1st epoch':>9} {'exit':>6}")
+    print(f"{'run':22} {'Trainer':>8} {'workers':>8} {'1st epoch':>9} {'exit':>6} {'CPU s':>6}")
     for name, extra in {"one process": [], "ddp, 2 processes": ["strategy=ddp", "devices=2"]}.items():
         rows = []
         for _ in range(args.repeats):
             with tempfile.TemporaryDirectory() as tmp:
                 command = [python, "-m", "src.train", f"data.root={args.data_root.resolve()}", *ONE_STEP, *extra,
                            f"hydra.run.dir={tmp}/run"]
-                seconds, start = wall(command)
-                rows.append({**stamps(Path(tmp, "run", "train.log"), start), "exit": seconds})
+                seconds, start, cpu = wall(command)
+                rows.append({**stamps(Path(tmp, "run", "train.log"), start), "exit": seconds, "cpu": cpu})
         median = {key: statistics.median(row[key] for row in rows) for key in rows[0]}
         workers = f"{median['last Trainer']:8.2f}" if extra else f"{'':8}"
-        print(f"{name:22} {median['first Trainer']:8.2f} {workers} {median['first epoch']:9.2f} {median['exit']:6.2f}")
+        print(f"{name:22} {median['first Trainer']:8.2f} {workers} {median['first epoch']:9.2f} {median['exit']:6.2f} "
+              f"{median['cpu']:6.2f}")
 
 
 if __name__ == "__main__":

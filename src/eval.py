@@ -18,7 +18,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from src.errors import UsageError
-from src.launch import cli, forkserver
+from src.launch import cli, forkserver, frozen
 from src.launch.naming import register_resolvers
 from src.runs import resolved_config, resolved_config_file
 
@@ -77,9 +77,9 @@ def evaluate(cfg: DictConfig) -> cli.Result:
     overrides = list(HydraConfig.get().overrides.task)
     cfg.model, cfg.data = as_trained(cfg, overrides, "model"), as_trained(cfg, overrides, "data")
     forkserver.start_early(cfg)
-    from src.runner import run  # torch and Lightning: once the command line has passed its checks
+    runner = frozen.import_module("src.runner")  # torch and Lightning: once the command line has passed its checks
 
-    return run(cfg, fit=False)
+    return runner.run(cfg, fit=False)
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="eval")

@@ -11,7 +11,7 @@ imports what runs it (`src.runner`) once Hydra has composed its config.
 import hydra
 from omegaconf import DictConfig
 
-from src.launch import cli, forkserver
+from src.launch import cli, forkserver, frozen
 from src.launch.naming import register_resolvers
 
 register_resolvers()
@@ -20,9 +20,9 @@ register_resolvers()
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
 def hydra_main(cfg: DictConfig) -> cli.JobDone | cli.JobFailed:
     forkserver.start_early(cfg)  # a DDP run's workers: their server imports the code while this process does
-    from src.runner import train
+    runner = frozen.import_module("src.runner")
 
-    return cli.run_job(train, cfg)
+    return cli.run_job(runner.train, cfg)
 
 
 def main() -> None:

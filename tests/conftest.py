@@ -1,5 +1,6 @@
 """Session fixtures, and the environment every test process and the processes it starts share."""
 
+import gc
 import os
 import sys
 
@@ -31,6 +32,13 @@ def pytest_sessionfinish(session, exitstatus):
 
     if forked.Server._instance is not None:
         forked.Server._instance.end()
+
+
+def pytest_collection_finish(session):
+    """What collection imported (torch, Lightning, hydra, the tests) lives as long as this test process: kept out of
+    the garbage collector's walks from here on, as a command keeps its import of them (src/launch/frozen.py). The two
+    test processes of a suite had spent 7 and 12 s in the collector, 5 and 6 s with this."""
+    gc.freeze()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -40,7 +40,7 @@ from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, open_dict
 
 from src.errors import UsageError
-from src.launch import cli, forkserver
+from src.launch import cli, forkserver, frozen
 from src.launch.console import counted
 from src.launch.naming import job_dirname
 from src.launch.progress import Progress, outcome, settled
@@ -212,12 +212,14 @@ class ParallelLauncher(Launcher):
         self.task_function = task_function
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
-        from src.launch import workers  # torch: only once the launcher runs, not when Hydra lists its plugins
+        # What every job runs (torch and Lightning), imported here so that the forkserver preloads it; only once the
+        # launcher runs, not when Hydra lists its plugins.
+        frozen.import_module("src.runner")
+        from src.launch import workers
 
         assert self.config is not None and self.hydra_context is not None and self.task_function is not None
         setup_globals()
         configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
-        import src.runner  # noqa: F401  what every job runs, imported here so that the forkserver preloads it
 
         if workers.START_METHOD == "forkserver":  # the server imports the code while the jobs' configs are composed
             forkserver.ensure_running(workers.preloaded(self.task_function))
