@@ -2,7 +2,7 @@
 
 That import makes about 700,000 objects (modules, classes, functions) that live as long as the process.
 The collector walks every one of them at each full collection: several times during the import itself,
-and again at the interpreter's exit, where it finds nothing to free. On a 2-core EPYC that was 2.5 s of a
+and again at the interpreter's exit, where it finds nothing to free. On a 2-core EPYC that was about 2 s of a
 core in each command (docs/results.md, start-up). Imported with the collector off and then moved to its
 permanent generation (`gc.freeze`), they are never walked again; objects made later are collected as
 before. The few garbage cycles the import leaves (about 2 % of its objects) stay in memory with them.
