@@ -1,5 +1,5 @@
-"""`src.launch.frozen`: an import kept out of the garbage collector's walks, the collector left as it was, and the
-training and evaluation commands importing torch and Lightning through it."""
+"""`src.launch.frozen`: an import kept out of the garbage collector's walks, the collector left as it was, and a
+training command importing torch and Lightning through it."""
 
 import json
 import subprocess
