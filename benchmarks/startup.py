@@ -5,9 +5,9 @@
 
 Each command runs in a fresh interpreter, as a user starts it, one after another; the figures are the
 median wall time over the repeats, and the median CPU time (user and system) of the command and of the
-processes it waited for (not the DDP workers' forkserver, which ends on its own after the command). The runs are LeNet for one step of training, one of validation
-and one of test, so that what is left is their start and end: one process, then `strategy=ddp
-devices=2`. For those, train.log's timestamps split the time: from the command's start to the first
+processes it waited for (not the DDP workers' forkserver, which ends on its own after the command).
+The runs are LeNet for one step of training, one of validation and one of test, so that what is left
+is their start and end: one process, then `strategy=ddp devices=2`. For those, train.log's timestamps split the time: from the command's start to the first
 line that Lightning's Trainer writes (imports, the checks, Hydra's composition, the data read into
 memory), then, under DDP, to the worker's own Trainer line (the forkserver that imports the training
 code, the agent's rendezvous and the workers' start), then to the first epoch's line (the process
