@@ -63,11 +63,11 @@ INHERITED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signa
 
 def serve(address: str) -> None:
     """Import `PRELOAD`, then fork a child for each request on `address` until standard input closes."""
-    import importlib
+    from src.launch import frozen
 
     at_start = {signum: signal.getsignal(signum) for signum in INHERITED}  # what the test process's commands inherit
     for name in PRELOAD:
-        importlib.import_module(name)
+        frozen.import_module(name)
     for name in ENTRIES:
         sys.modules.pop(name, None)
     listener = socket.socket(socket.AF_UNIX)

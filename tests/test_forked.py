@@ -65,6 +65,10 @@ def through_a_forkserver(threaded: bool) -> dict[str, object]:
 
 
 def server_facts() -> dict[str, object]:
+    import gc
+
+    from lightning import Trainer
+
     from src.launch import workers
 
     server = os.getppid()
@@ -74,7 +78,7 @@ def server_facts() -> dict[str, object]:
     return {"server_forked": forked.is_forked_forkserver(server),
             "ignored": status["SigIgn"].strip(), "caught": status["SigCgt"].strip(), "server_fds": sorted(fds),
             "recorded": workers._IMPORTED_WITH.get("SET_BEFORE_THE_SERVER"), "main": sys.modules["__main__"].__name__,
-            "argv": sys.argv, "cwd": os.getcwd()}
+            "argv": sys.argv, "cwd": os.getcwd(), "trainer_walked": any(obj is Trainer for obj in gc.get_objects())}
 
 
 def both(*args: str, new_session: bool = False) -> tuple[subprocess.CompletedProcess, subprocess.CompletedProcess]:
@@ -162,12 +166,14 @@ def test_a_setting_that_libraries_read_when_they_load_needs_a_new_interpreter():
 
 def test_a_forkserver_forked_for_a_command_is_as_one_started_in_a_new_interpreter():
     """A command forks the forkserver that local DDP starts (instead of importing torch and Lightning again in a new
-    interpreter): its descriptors and signals, and what the project's import there records, are a new one's."""
+    interpreter): its descriptors and signals, and what the project's import there records, are a new one's. Its
+    workers find torch and Lightning out of the garbage collector's walks, as the server imported them
+    (src/launch/preload.py): a full walk would copy every page the fork shares."""
     interpreter, fork = both("forkserver")
     assert interpreter.returncode == fork.returncode == 0, interpreter.stderr[-3000:] + fork.stderr[-3000:]
     new, forked_server = json.loads(interpreter.stdout.splitlines()[1]), json.loads(fork.stdout.splitlines()[1])
     assert (new.pop("server_forked"), forked_server.pop("server_forked")) == (False, True)
-    assert forked_server == new and new["recorded"] == "yes"
+    assert forked_server == new and new["recorded"] == "yes" and new["trainer_walked"] is False
 
 
 def test_a_command_with_threads_starts_its_forkserver_as_a_new_interpreter():

@@ -17,8 +17,9 @@ from src.launch.ranks import external_rank, is_launching_process
 
 T = TypeVar("T")
 
-# What the server imports once for every worker it forks: the run's code, and torch and Lightning with it.
-PRELOAD = ["src.launch.workers", "src.runner"]
+# What the server imports once for every worker it forks: the run's code, and torch and Lightning with it, out of
+# the garbage collector's walks.
+PRELOAD = ["src.launch.preload"]
 # Where multiprocessing has no forkserver (Windows), a new interpreter per process.
 START_METHOD = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
 

@@ -136,15 +136,15 @@ def start(function: Callable[..., T], cfg: DictConfig, *args: Any) -> T:
 
 
 def preloaded(function: Callable[..., Any]) -> list[str]:
-    """What the forkserver imports once: this module, and every module of `function`'s package that
-    this process has imported, except a `python -m` entry module, which each worker runs itself as
-    `__mp_main__` (imported beforehand, runpy would warn)."""
+    """What the forkserver imports once: the training code (`forkserver.PRELOAD`), this module, and every module of
+    `function`'s package that this process has imported, except a `python -m` entry module, which each worker runs
+    itself as `__mp_main__` (imported beforehand, runpy would warn)."""
     spec = getattr(sys.modules["__main__"], "__spec__", None)
     entry = spec.name if spec is not None else None
     package = (entry if function.__module__ == "__main__" else function.__module__) or ""
     top = package.split(".")[0]
     ours = [name for name in sys.modules if top and (name == top or name.startswith(f"{top}.")) and name != entry]
-    return [__name__, *sorted(ours)]
+    return [*forkserver.PRELOAD, __name__, *sorted(ours)]
 
 
 class Inherited:
