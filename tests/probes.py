@@ -57,3 +57,13 @@ class ShowCollector(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         walked = any(obj is Trainer for obj in gc.get_objects())
         os.write(1, f"collector rank {trainer.global_rank}: enabled={gc.isenabled()} trainer_walked={walked}\n".encode())
+
+
+class ShowForkserver(Callback):
+    """Writes `forkserver running=<bool> rank <r>` as training starts: whether this process has started the
+    forkserver that local DDP forks its workers from."""
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        from tests.helpers import forkserver_pids
+
+        os.write(1, f"forkserver running={bool(forkserver_pids(os.getpid()))} rank {trainer.global_rank}\n".encode())

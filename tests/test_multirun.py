@@ -169,6 +169,17 @@ def test_a_bad_job_fails_alone_and_the_sweep_exits_non_zero(tmp_path, data_root)
 
 
 @pytest.mark.slow
+def test_a_sweep_starts_the_forkserver_of_its_ddp_jobs_before_its_first_job(tmp_path, data_root):
+    """One job after another: the server that a later job's DDP workers fork from imports the code while the first
+    job, on one device, trains; that job has no workers of its own, and finds the server started."""
+    result = sweep(tmp_path / "sweep", "strategy=ddp", "devices=1,2", "+callbacks.probe._target_=tests.probes.ShowForkserver",
+                   "trainer.limit_train_batches=1", "trainer.limit_val_batches=1", "trainer.limit_test_batches=1")
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [line for line in result.stdout.splitlines() if line.startswith("forkserver running=")]
+    assert lines[0] == "forkserver running=True rank 0" and len(lines) == 3  # job 1, then job 2's two ranks
+
+
+@pytest.mark.slow
 def test_a_parallel_launcher_setting_out_of_range_stops_the_sweep_in_one_line(tmp_path, data_root):
     folder = tmp_path / "sweep"
     cores = len(os.sched_getaffinity(0))

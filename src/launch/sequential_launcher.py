@@ -12,6 +12,7 @@ from hydra._internal.core_plugins.basic_launcher import BasicLauncher
 from hydra.core.utils import JobReturn, configure_log, run_job, setup_globals
 from omegaconf import open_dict
 
+from src.launch import forkserver
 from src.launch.naming import job_dirname
 from src.launch.progress import Progress, settled
 
@@ -28,8 +29,11 @@ class SequentialLauncher(BasicLauncher):
         sweep_dir.mkdir(parents=True, exist_ok=True)
         progress = Progress(len(job_overrides), initial_job_idx, sweep_dir)
         returns = []
-        for number, overrides in enumerate(job_overrides, initial_job_idx):
-            config = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
+        configs = [self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
+                   for overrides in job_overrides]
+        for config in configs:  # the first DDP job's workers: their server imports the code while earlier jobs run
+            forkserver.start_early(config)
+        for number, config in enumerate(configs, initial_job_idx):
             with open_dict(config):
                 config.hydra.job.id = config.hydra.job.num = number
             name = job_dirname(config)
