@@ -2,6 +2,7 @@
 process (an earlier job of a sweep, an earlier run of this test session): each still takes the
 environment and the output of its own launch."""
 
+import inspect
 import json
 import subprocess
 import sys
@@ -67,3 +68,26 @@ def test_what_the_forkserver_imports_never_initializes_cuda():
     seen = json.loads(result.stdout.splitlines()[-1])
     assert {"src.launch.workers", "src.train", "src.models.module", "src.strategies.ddp"} <= set(seen["preloaded"])
     assert seen["calls"] == []
+
+
+def test_the_rendezvous_names_its_events_from_the_frame_without_reading_the_stacks_source(monkeypatch):
+    """torch names each rendezvous event after the method that records it, two frames up from the naming function.
+    The launcher's replacement names the same method from the frame alone: `inspect.stack()` read the source of
+    every frame, about 1 s of each local DDP launch (docs/results.md, start-up)."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    import src.launch.workers  # noqa: F401  what replaces it, as a launch imports it
+
+    def read_the_stack(*args: object, **kwargs: object) -> None:
+        raise AssertionError("inspect.stack() called")
+
+    monkeypatch.setattr(inspect, "stack", read_the_stack)
+
+    def record() -> str:  # as the handler's `_record` calls it
+        return dynamic_rendezvous.get_method_name()
+
+    def next_rendezvous() -> str:
+        return record()
+
+    assert next_rendezvous() == "next_rendezvous"
+    assert dynamic_rendezvous.get_method_name(depth=100_000) == "no_method_name"

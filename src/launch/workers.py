@@ -38,6 +38,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, get_error_handler
+from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from tqdm import tqdm
 
@@ -53,6 +54,20 @@ T = TypeVar("T")
 PEER_GONE_GRACE_S = 10.0
 # The environment this module was imported in: for a forked worker, the forkserver's at its start.
 _IMPORTED_WITH = dict(os.environ)
+
+
+def _method_name(depth: int = 2) -> str:
+    """torch's `dynamic_rendezvous.get_method_name`, which names the method of each rendezvous event from
+    `inspect.stack()`: that reads the source file of every frame on the stack, and looks through all 3,000-odd
+    imported modules for those it cannot find (cpython#92041), twice an event: about 1 s of a core before a
+    local DDP run's workers start, and more as it ends (docs/results.md, start-up)."""
+    try:
+        return sys._getframe(depth).f_code.co_name
+    except ValueError:  # a stack shorter than `depth`
+        return "no_method_name"
+
+
+dynamic_rendezvous.get_method_name = _method_name
 
 
 class StopOnSignal(Callback):
