@@ -62,7 +62,9 @@ INHERITED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signa
 # ---------------------------------------------------------------- the server, in a process of its own
 
 def serve(address: str) -> None:
-    """Import `PRELOAD`, then fork a child for each request on `address` until standard input closes."""
+    """Import `PRELOAD` as a command imports it (out of the garbage collector's walks: `src.launch.frozen`, or each
+    child's first full walk copies the pages it shares with the server), then fork a child for each request on
+    `address` until standard input closes."""
     from src.launch import frozen
 
     at_start = {signum: signal.getsignal(signum) for signum in INHERITED}  # what the test process's commands inherit

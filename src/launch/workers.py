@@ -67,7 +67,7 @@ def _method_name(depth: int = 2) -> str:
         return "no_method_name"
 
 
-dynamic_rendezvous.get_method_name = _method_name
+dynamic_rendezvous.get_method_name = _method_name  # torch calls it only to name those events
 
 
 class StopOnSignal(Callback):
