@@ -195,7 +195,9 @@ class ParallelLauncher(Launcher):
     """Hydra's launcher plugin interface: `setup` once, then `launch` with the sweep's jobs."""
 
     def __init__(self, jobs: Any = None, jobs_per_gpu: Any = 1) -> None:
-        from src.launch import workers  # torch: only once the launcher runs, not when Hydra lists its plugins
+        # torch and Lightning (out of the collector's walks, as the entry points import them): only once the launcher
+        # runs, not when Hydra lists its plugins.
+        workers = frozen.import_module("src.launch.workers")
 
         try:
             self.jobs = checked_setting("jobs", jobs, allow_null=True, most=len(workers.usable_cores()))
@@ -212,10 +214,7 @@ class ParallelLauncher(Launcher):
         self.task_function = task_function
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
-        # What every job runs (torch and Lightning), imported here so that the forkserver preloads it; only once the
-        # launcher runs, not when Hydra lists its plugins.
-        frozen.import_module("src.runner")
-        from src.launch import workers
+        from src.launch import workers  # imported by `__init__`
 
         assert self.config is not None and self.hydra_context is not None and self.task_function is not None
         setup_globals()
