@@ -3,10 +3,11 @@
 #   benchmarks/gpu_check.sh <part> <data root> <log folder>
 # parts: tests           pytest -m gpu, the two-rank module left out
 #        ddp2            tests/test_gpu_ddp.py: two NCCL ranks on one GPU, each a torchrun node of its own
-#        speed-lenet     benchmarks/speed.py --ablation: plain loops and the framework side by side
+#        speed-lenet     benchmarks/speed.py: the rows of docs/results.md (GPU), side by side
 #        speed-resnet18
 #        accuracy        experiment=d2l_lenet and d2l_resnet18, seeds 1-3, at the GPU defaults
-#        all             every part above, in that order
+#        all             every part above: tests and ddp2 side by side (they check, they time nothing that
+#                        docs/results.md reports), then speed and accuracy alone; about 10 minutes on an H100
 # Each part writes <log folder>/<part>.log (tests also <part>.xml); every call ends by writing
 # <log folder>/summary.md from whatever the folder holds (benchmarks/gpu_summary.py). Exit status 1
 # if a part failed, 2 for a wrong command line.
@@ -22,6 +23,7 @@ if [[ ! -d $data/FashionMNIST/raw ]]; then
     echo "error: data root=$data: no FashionMNIST/raw in it" >&2; exit 2
 fi
 cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # benchmarks/ import src where the project is not installed
 data=$(cd "$OLDPWD" && cd "$data" && pwd)
 mkdir -p "$logs" && logs=$(cd "$logs" && pwd)
 export PYTHONUNBUFFERED=1 FASHION_MNIST_ROOT="$data"
@@ -54,15 +56,25 @@ print(f"python {platform.python_version()}, torch {torch.__version__} (CUDA {tor
 cat "$logs/environment.log"
 
 pytest=("$py" -m pytest -v --tb=short --durations=20 -p no:cacheprovider -o junit_logging=system-out)
+checks=()
 if wanted tests; then
-    run tests "${pytest[@]}" -m gpu --junitxml="$logs/tests.xml" --ignore=tests/test_gpu_ddp.py tests/
+    (run tests "${pytest[@]}" -n 3 -m gpu --junitxml="$logs/tests.xml" --ignore=tests/test_gpu_ddp.py tests/; exit $status) &
+    checks+=($!)
 fi
 if wanted ddp2; then  # four pairs of ranks at a time: each pair is two processes of a few percent of the GPU
-    run ddp2 "${pytest[@]}" -n 4 --junitxml="$logs/ddp2.xml" tests/test_gpu_ddp.py
+    (run ddp2 "${pytest[@]}" -n 4 --junitxml="$logs/ddp2.xml" tests/test_gpu_ddp.py; exit $status) &
+    checks+=($!)
 fi
+for check in "${checks[@]}"; do wait "$check" || status=1; done
+# The rows docs/results.md reports; speed.py --ablation without --only times every setting and precision.
+common="book (torchvision + 4 workers),plain reduce-overhead,framework fp32 (old default),framework default,framework one step a batch"
+rows_lenet="$common,plain fp32,framework 32,framework 32 channels_last,framework bf16-mixed"
+rows_resnet18="$common,plain fast,framework compile=true,framework 32 channels_last,framework 16-mixed channels_last,framework bf16-mixed"
 for model in lenet resnet18; do
     if wanted "speed-$model"; then
-        run "speed-$model" "$py" benchmarks/speed.py --data-root "$data" --model "$model" --steps 64 --rounds 4 --ablation
+        rows=rows_$model
+        run "speed-$model" "$py" benchmarks/speed.py --data-root "$data" --model "$model" --steps 64 --rounds 4 --ablation \
+            --only "${!rows}"
     fi
 done
 if wanted accuracy; then

@@ -200,30 +200,48 @@ class GraphedStep:
 
     `step(x, y)` must compute the loss, call `backward()` on it and return (loss, logits). The
     parameters' gradients must be None when the graph is captured: the captured backward pass then
-    owns the gradient tensors, and every replay overwrites them (no `zero_grad` between steps;
-    `zero_grad(set_to_none=True)` would drop them). Autocast, if on, is kept with its weight cache
-    off, as graph capture requires. The first replays need warm steps run eagerly before the
-    capture (cuDNN's autotuning, lazily built optimizer state).
+    owns the gradient tensors, and every replay overwrites them (no `zero_grad` between steps).
+    A replay writes those tensors whatever `.grad` holds by then, so each replay first hands every
+    parameter its captured gradient back: Lightning sets all gradients to None before each
+    validation (`LightningModule.on_validation_model_zero_grad`), and the optimizer skips a
+    parameter whose `.grad` is None. Autocast, if on, is kept with its weight cache off, as graph
+    capture requires. The first replays need warm steps run eagerly before the capture (cuDNN's
+    autotuning, lazily built optimizer state).
     """
 
-    def __init__(self, step: StepFunction, x: torch.Tensor, y: torch.Tensor) -> None:
+    def __init__(self, step: StepFunction, x: torch.Tensor, y: torch.Tensor, parameters: list[nn.Parameter]) -> None:
         self.x, self.y = x.clone(), y.clone()
-        self.graph = torch.cuda.CUDAGraph()
         device = x.device.type
         start = time.perf_counter()
-        torch.cuda.synchronize(x.device)
-        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"), torch.autocast(
-            device, dtype=torch.get_autocast_dtype(device), enabled=torch.is_autocast_enabled(device), cache_enabled=False
-        ):
-            self.loss, self.logits = step(self.x, self.y)
-        torch.cuda.synchronize(x.device)
+        with torch.autocast(device, dtype=torch.get_autocast_dtype(device), enabled=torch.is_autocast_enabled(device),
+                            cache_enabled=False):
+            loss, logits = self._capture(step)
         self.capture_s = time.perf_counter() - start
+        # Detached, the capture's autograd graph goes: an eager step after it (an uneven last batch) would
+        # otherwise accumulate through its nodes, which live on the capture's stream (torch warns, and syncs).
+        self.loss, self.logits = loss.detach(), logits.detach()
+        self.grads = [(param, param.grad) for param in parameters if param.grad is not None]
+
+    def _capture(self, step: StepFunction) -> tuple[torch.Tensor, torch.Tensor]:
+        """The CUDA part, with `_replay`: apart, so that a test can play the graph on CPU."""
+        self.graph = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize(self.x.device)
+        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+            result = step(self.x, self.y)
+        torch.cuda.synchronize(self.x.device)
+        return result
+
+    def _replay(self) -> None:
+        self.graph.replay()
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay on `x`, `y`; the returned tensors are overwritten by the next replay."""
         self.x.copy_(x)
         self.y.copy_(y)
-        self.graph.replay()
+        for param, grad in self.grads:
+            if param.grad is not grad:
+                param.grad = grad
+        self._replay()
         return self.loss, self.logits
 
 

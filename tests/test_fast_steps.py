@@ -1,14 +1,22 @@
 """`steps_per_execution` and `cuda_graphs`: several optimizer steps per training batch train what one a batch
 trains, counts stay counts of optimizer steps, and the settings are refused where they cannot work.
 
-CUDA graphs themselves need a GPU: tests/test_gpu.py runs them against eager steps.
+CUDA graphs themselves need a GPU: tests/test_gpu.py runs them against eager steps. Here a stand-in
+replays the step on CPU as a graph does, to check what the module does around the graph.
 """
 
+import copy
+
 import pytest
+import torch
+from lightning import Trainer
 from lightning.pytorch.strategies import SingleDeviceStrategy
 
+from src.data.fashion_mnist import FashionMNISTDataModule
 from src.errors import UsageError
-from src.fast_path import STEPS_PER_EXECUTION, FastSteps, resolve_fast_steps
+from src.fast_path import STEPS_PER_EXECUTION, FastSteps, GraphedStep, resolve_fast_steps
+from src.models import module
+from src.models.lenet import LeNet
 from tests.equivalence import checkpoint, deviation
 from tests.helpers import DATA_ROOT, scalar_steps, scalars, train
 
@@ -102,3 +110,44 @@ def test_a_count_that_the_steps_do_not_divide_is_one_line(tmp_path, data_root):
         "error: steps_per_execution=3 does not divide trainer.limit_train_batches=4; use a divisor of it, "
         "or steps_per_execution=auto")
     assert "Traceback" not in result.stderr and not run_dir.exists()
+
+
+class ReplayedOnCpu(GraphedStep):
+    """A GraphedStep whose graph is played on CPU: capturing runs the step once, and a replay runs it again and
+    writes what it computed into the tensors of the capture, whatever the parameters' `.grad` hold by then,
+    as a CUDA graph writes the memory it was captured with."""
+
+    def _capture(self, step):
+        self.step = step
+        return step(self.x, self.y)
+
+    def _replay(self):
+        held = [param.grad for param, _ in self.grads]
+        for param, _ in self.grads:
+            param.grad = None
+        loss, logits = self.step(self.x, self.y)
+        for (param, captured), grad in zip(self.grads, held):
+            captured.copy_(param.grad)
+            param.grad = grad
+        self.loss.copy_(loss)
+        self.logits.copy_(logits)
+
+
+def test_graph_replays_keep_training_after_lightning_drops_the_gradients_to_validate(data_root, monkeypatch):
+    """Lightning sets every `.grad` to None before validating; replays after it must still step the optimizer."""
+    monkeypatch.setattr(module, "GraphedStep", ReplayedOnCpu)
+    torch.manual_seed(0)
+    eager = module.Classifier(LeNet(), lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9))
+    modules = {"eager": eager, "graphs": copy.deepcopy(eager)}
+    initial = copy.deepcopy(eager.net.state_dict())
+    for name, classifier in modules.items():
+        classifier.use_fast_steps(FastSteps(8, cuda_graphs=name == "graphs"), step_batch_size=32)
+        data = FashionMNISTDataModule(root=str(data_root), batch_size=32, download=False)
+        data.steps_per_execution = 8
+        Trainer(accelerator="cpu", max_epochs=3, limit_train_batches=2, limit_val_batches=1, num_sanity_val_steps=0,
+                logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                use_distributed_sampler=False).fit(classifier, datamodule=data)
+    assert isinstance(modules["graphs"].graphed, ReplayedOnCpu)
+    assert all(not torch.equal(initial[key], value) for key, value in eager.net.state_dict().items())
+    for (key, a), b in zip(eager.state_dict().items(), modules["graphs"].state_dict().values()):
+        torch.testing.assert_close(b, a, msg=key)

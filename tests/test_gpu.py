@@ -39,14 +39,16 @@ def test_16_mixed_on_one_gpu(tmp_path, data_root, model, strategy):
 
 
 @pytest.mark.parametrize("strategy", ["ddp_fp16", "ddp_powersgd"])
-def test_ddp_over_nccl_counts_what_its_hook_sends(tmp_path, data_root, strategy):
+def test_one_process_of_ddp_over_nccl_runs_its_hook_on_every_bucket(tmp_path, data_root, strategy):
+    """One process sends nothing, so it logs no bytes; tests/test_gpu_ddp.py counts them between two ranks."""
     run_dir = tmp_path / "run"
     result = train(*QUICK, "model=resnet18", f"strategy={strategy}", "devices=1", "accelerator=gpu",
                    "trainer.limit_train_batches=12", "strategy.start_powersgd_iter=2", f"hydra.run.dir={run_dir}")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "not counted" not in result.stderr and "Grad strides do not match" not in result.stderr
-    ratio = scalars(run_dir)["xfer/compression_ratio_epoch"][-1]
-    assert ratio == pytest.approx(2.0) if strategy == "ddp_fp16" else ratio > 20
+    logged = scalars(run_dir)
+    assert logged["xfer/buckets_per_step_epoch"][-1] >= 1
+    assert not any(tag.startswith(("xfer/bytes_per_step", "xfer/compression_ratio")) for tag in logged)
 
 
 def test_channels_last_under_ddp_gets_buckets_of_its_strides(tmp_path, data_root):
@@ -59,7 +61,8 @@ def test_channels_last_under_ddp_gets_buckets_of_its_strides(tmp_path, data_root
 
 def test_the_default_on_one_gpu_uses_cuda_graphs_and_several_steps_per_batch(tmp_path, data_root):
     run_dir = tmp_path / "run"
-    result = train(*QUICK, "model=resnet18", f"hydra.run.dir={run_dir}")
+    # 16 steps: debug=quick's 4 would make `auto` take 4 steps a batch, the largest that divides them
+    result = train(*QUICK, "model=resnet18", "trainer.limit_train_batches=16", f"hydra.run.dir={run_dir}")
     assert result.returncode == 0, result.stderr[-3000:]
     params = hparams(run_dir)
     assert (params["cuda_graphs"], params["steps_per_execution"]) == (1, 8)  # TensorBoard keeps bools as numbers
@@ -106,7 +109,8 @@ def test_no_host_sync_in_training_steps(tmp_path, data_root, model, fast):
 
 @pytest.mark.parametrize("model", ["lenet", "resnet18"])
 def test_cuda_graph_steps_train_what_eager_steps_train(data_root, model, exact_cuda_math):
-    """The same 24 optimizer steps, eager one per batch and as graph replays eight per batch: the same weights."""
+    """The same 24 optimizer steps, eager one per batch and as graph replays eight per batch: the same weights.
+    Three epochs of 8 steps, each validated: Lightning sets the gradients to None before validating."""
     torch.manual_seed(0)
     reference = Classifier(NETS[model](), functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9))
     modules = {"eager": reference, "graphs": copy.deepcopy(reference)}
@@ -114,7 +118,8 @@ def test_cuda_graph_steps_train_what_eager_steps_train(data_root, model, exact_c
     for name, module in modules.items():
         data = FashionMNISTDataModule(root=str(data_root), batch_size=64, download=False)
         data.steps_per_execution = module.fast_steps.steps_per_execution
-        Trainer(accelerator="gpu", devices=1, max_steps=24, limit_val_batches=0, num_sanity_val_steps=0, logger=False,
+        Trainer(accelerator="gpu", devices=1, max_epochs=3, limit_train_batches=8 // module.fast_steps.steps_per_execution,
+                limit_val_batches=1, num_sanity_val_steps=0, logger=False,
                 enable_checkpointing=False, enable_progress_bar=False, use_distributed_sampler=False,
                 deterministic=True).fit(module, datamodule=data)
     assert modules["graphs"].graphed is not None

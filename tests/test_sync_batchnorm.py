@@ -1,6 +1,10 @@
-"""AllReduceBatchNorm against BatchNorm on the whole batch, in a real 2-process gloo group on CPU."""
+"""AllReduceBatchNorm against BatchNorm on the whole batch, in a real 2-process gloo group on CPU; on a GPU, torch's
+SyncBatchNorm the same way over NCCL, in both memory layouts.
+"""
 
 import copy
+import os
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -38,13 +42,15 @@ def shard(tensor: torch.Tensor, rank: int) -> torch.Tensor:
     return tensor[:4] if rank == 0 else tensor[4:]
 
 
-def train(net: nn.Module, rank: int | None) -> dict[str, object]:
-    """SGD on the summed loss / global batch; `rank` None is one process on the whole batch."""
+def train(net: nn.Module, rank: int | None, place: Callable[[torch.Tensor], torch.Tensor] = lambda x: x) -> dict[str, object]:
+    """SGD on the summed loss / global batch; `rank` None is one process on the whole batch. `place` puts the
+    images where the network is, in its memory layout."""
     outputs, input_grads = [], []
     for x, y in batches():
         if rank is not None:
             x, y = shard(x, rank), shard(y, rank)
-        x = x.clone().requires_grad_()
+        x = place(x).clone().requires_grad_()
+        y = y.to(x.device)
         out = net(x)
         nn.functional.cross_entropy(out, y, reduction="sum").div(10).backward()
         for p in net.parameters():
@@ -55,7 +61,7 @@ def train(net: nn.Module, rank: int | None) -> dict[str, object]:
         outputs.append(out.detach())
         input_grads.append(x.grad)
     net.eval()
-    x_eval = batches()[0][0] if rank is None else shard(batches()[0][0], rank)
+    x_eval = place(batches()[0][0] if rank is None else shard(batches()[0][0], rank))
     return {"outputs": outputs, "input_grads": input_grads, "eval": net(x_eval).detach(), "state": net.state_dict()}
 
 
@@ -155,3 +161,46 @@ def test_cuda_plugin_keeps_torchs_syncbatchnorm():
     layers = [m for m in synced.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     assert [type(m) for m in layers] == [nn.SyncBatchNorm, nn.SyncBatchNorm]
     assert not any(isinstance(m, nn.SyncBatchNorm) for m in SyncBatchNormPlugin(cuda=True).revert(synced).modules())
+
+
+LAYOUTS = {"contiguous": torch.contiguous_format, "channels_last": torch.channels_last}
+
+
+def on_gpu(layout: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda tensor: tensor.cuda().to(memory_format=LAYOUTS[layout]) if tensor.dim() == 4 else tensor.cuda()
+
+
+def _nccl_worker(rank: int, store: str, results: str) -> None:
+    # Two ranks on the one GPU: each its own host to NCCL (tests/test_gpu_ddp.py says why).
+    os.environ.update(NCCL_HOSTID=f"syncbn-rank{rank}", NCCL_SOCKET_IFNAME="lo", NCCL_IB_DISABLE="1")
+    dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=WORLD,
+                            device_id=torch.device("cuda", 0))
+    try:
+        result = {}
+        for layout in LAYOUTS:
+            net = nn.SyncBatchNorm.convert_sync_batchnorm(bn_net().cuda().to(memory_format=LAYOUTS[layout]))
+            result[layout] = train(net, rank, on_gpu(layout))
+        torch.save(result, f"{results}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def two_gpu_ranks(tmp_path_factory) -> list[dict[str, dict[str, object]]]:
+    folder = tmp_path_factory.mktemp("nccl")
+    start_ranks(_nccl_worker, str(folder / "store"), str(folder / "result"), nprocs=WORLD)
+    return [torch.load(folder / f"result.{rank}", weights_only=False) for rank in range(WORLD)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_torch_syncbatchnorm_over_nccl_equals_batchnorm_on_the_whole_batch(two_gpu_ranks, layout):
+    """float64 on CUDA: no TF32, so only rounding separates them, in the layout the GPU default trains in too."""
+    one = train(bn_net().cuda().to(memory_format=LAYOUTS[layout]), None, on_gpu(layout))
+    for step in range(STEPS):
+        for key in ("outputs", "input_grads"):
+            torch.testing.assert_close(torch.cat([r[layout][key][step] for r in two_gpu_ranks]), one[key][step], **TOL,
+                                       msg=f"{key} of step {step}")
+    for key, value in one["state"].items():
+        torch.testing.assert_close(two_gpu_ranks[0][layout]["state"][key], value, **TOL, msg=key)
+    torch.testing.assert_close(torch.cat([r[layout]["eval"] for r in two_gpu_ranks]), one["eval"], **TOL)

@@ -130,7 +130,7 @@ class Classifier(LightningModule):
         if self.graphed is None and self.fast_steps.cuda_graphs and len(y) == self.step_batch_size:
             if self.warm_steps >= WARM_STEPS:
                 optimizer.zero_grad(set_to_none=True)  # the captured backward pass owns the gradients from now on
-                self.graphed = GraphedStep(self.forward_backward, x, y)
+                self.graphed = GraphedStep(self.forward_backward, x, y, list(self.parameters()))
                 self._captured_with = self.trainer.precision_plugin
                 self.warmup_s += self.graphed.capture_s
                 log.info(f"CUDA graph of the training step captured in {self.graphed.capture_s:.2f} s "
