@@ -57,8 +57,10 @@ cat "$logs/environment.log"
 
 pytest=("$py" -m pytest -v --tb=short --durations=20 -p no:cacheprovider -o junit_logging=system-out)
 checks=()
+workers=0  # pytest-xdist's: three where there is a GPU; elsewhere every gpu test is skipped, and one process collects
+if command -v nvidia-smi >/dev/null; then workers=3; fi
 if wanted tests; then
-    (run tests "${pytest[@]}" -n 3 -m gpu --junitxml="$logs/tests.xml" --ignore=tests/test_gpu_ddp.py tests/; exit $status) &
+    (run tests "${pytest[@]}" -n "$workers" -m gpu --junitxml="$logs/tests.xml" --ignore=tests/test_gpu_ddp.py tests/; exit $status) &
     checks+=($!)
 fi
 if wanted ddp2; then  # four pairs of ranks at a time: each pair is two processes of a few percent of the GPU
@@ -67,7 +69,7 @@ if wanted ddp2; then  # four pairs of ranks at a time: each pair is two processe
 fi
 for check in "${checks[@]}"; do wait "$check" || status=1; done
 # The rows docs/results.md reports; speed.py --ablation without --only times every setting and precision.
-common="book (torchvision + 4 workers),plain reduce-overhead,framework fp32 (old default),framework default,framework one step a batch"
+common="book (torchvision + 4 workers),plain reduce-overhead,framework fp32 (old default),framework default,framework one step a batch,framework compile=true cuda_graphs=true"
 rows_lenet="$common,plain fp32,framework 32,framework 32 channels_last,framework bf16-mixed"
 rows_resnet18="$common,plain fast,framework compile=true,framework 32 channels_last,framework 16-mixed channels_last,framework bf16-mixed"
 for model in lenet resnet18; do

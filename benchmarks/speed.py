@@ -16,6 +16,7 @@ same Fashion-MNIST images for the same number of optimizer steps at the same bat
 - framework one step a batch: the defaults with `steps_per_execution=1`, so that Lightning's loop
                        runs once per optimizer step (the default on CPU before 2026-11-25)
 - framework compile=true: the defaults with `compile=true` (no CUDA graphs then)
+- ... cuda_graphs=true: the compiled network's kernels captured in the framework's CUDA graph (on CPU: no graphs)
 - ... Lightning only:  the default without the project's callbacks, to tell what Lightning costs per
                        step from what the project adds (`--model tiny` makes that cost most of the step)
 
@@ -317,6 +318,8 @@ def main() -> None:
     book_optimizer = torch.optim.SGD(book_net.parameters(), lr=args.lr)
     reduce_overhead = Settings(fast.precision, fast.channels_last, compile=True, compile_mode="reduce-overhead")
     compiled = Settings(fast.precision, fast.channels_last, compile=True, cuda_graphs="auto", steps_per_execution="auto")
+    compiled_graphs = Settings(fast.precision, fast.channels_last, compile=True, cuda_graphs=device.type == "cuda",
+                               steps_per_execution="auto")
     makers: dict[str, tuple[Settings, Callable[[], Callable[[], Usage]]]] = {
         "book (torchvision + 4 workers)": (fp32, lambda: counted(lambda: book_epoch(book_net, book_optimizer, book_loader, args.steps, device))),
         "plain fp32": (fp32, lambda: plain(fp32)),
@@ -326,6 +329,7 @@ def main() -> None:
         "framework default": (default, lambda: run_framework(default)),
         "framework one step a batch": (one_step, lambda: run_framework(one_step)),
         "framework compile=true": (compiled, lambda: run_framework(compiled)),
+        "framework compile=true cuda_graphs=true": (compiled_graphs, lambda: run_framework(compiled_graphs)),
         "framework default (Lightning only)": (default, lambda: run_framework(default, lightning_only=True)),
     }
     if args.ablation:

@@ -11,7 +11,8 @@
 - `compile=true`: `torch.compile` on the network, in place, so that checkpoints keep their keys.
 - `trainer.benchmark=true`: cuDNN times its convolution algorithms once and keeps the fastest.
 - `cuda_graphs=auto`: on one CUDA device, each step's forward and backward pass is one CUDA graph
-  replay (`GraphedStep`) instead of hundreds of kernel launches from Python.
+  replay (`GraphedStep`) instead of hundreds of kernel launches from Python; `cuda_graphs=true
+  compile=true` captures the compiled network's kernels.
 - `steps_per_execution=auto`: in one process, each of Lightning's training batches holds 8 optimizer
   steps, so Lightning's per-batch work (its hooks on every callback, its progress and logging
   bookkeeping: about 1.7 ms on a GPU host, 2.3 ms on a 2-core CPU) is paid once per 8 steps.
@@ -156,8 +157,9 @@ def resolve_fast_steps(cuda_graphs: bool | str, steps_per_execution: int | str, 
     Both need the module to step its own optimizer, in one process: DDP's reducer expects one
     backward pass per forward call of its wrapper, and `nn.DataParallel` rebuilds its replicas every
     call. Lightning's gradient accumulation and clipping work only when it steps the optimizer.
-    CUDA graphs also need a CUDA device and an uncompiled network (capturing compiled code is not
-    measured yet). Lightning looks at the step count after each batch, so the counts in
+    CUDA graphs also need a CUDA device. With `compile=true`, only `cuda_graphs=true` captures the
+    compiled code in the graph: `auto` leaves graphs off there until that is measured on a GPU
+    (docs/results.md). Lightning looks at the step count after each batch, so the counts in
     `step_counts` (a step checkpoint every N steps, `trainer.max_steps`, and the batch counts of
     `trainer.limit_train_batches` and `trainer.val_check_interval`, which stay counts of optimizer
     steps) must be multiples of the steps per batch; `auto` takes the largest that divides them,
@@ -175,10 +177,8 @@ def resolve_fast_steps(cuda_graphs: bool | str, steps_per_execution: int | str, 
     graph_blockers = [*blockers]
     if accelerator != "gpu":
         graph_blockers.append("a CUDA device")
-    if compile:
-        graph_blockers.append("compile=false")
 
-    graphs = cuda_graphs == "auto" and not graph_blockers or cuda_graphs is True
+    graphs = cuda_graphs == "auto" and not graph_blockers and not compile or cuda_graphs is True
     if cuda_graphs is True and graph_blockers:
         raise UsageError(f"cuda_graphs=true needs {', '.join(graph_blockers)}; use cuda_graphs=auto or false")
     counts = {key: n for key, n in (step_counts or {}).items() if n > 0}

@@ -35,6 +35,7 @@ def test_auto_takes_several_steps_in_one_process_and_graphs_only_on_one_cuda_dev
     assert resolve(strategy=SingleDeviceStrategy()) == FastSteps(STEPS_PER_EXECUTION, cuda_graphs=True)
     assert resolve(accelerator="cpu") == FastSteps(STEPS_PER_EXECUTION, cuda_graphs=False)
     assert resolve(compile=True) == FastSteps(STEPS_PER_EXECUTION, cuda_graphs=False, compiled=True)
+    assert resolve(cuda_graphs=True, compile=True) == FastSteps(STEPS_PER_EXECUTION, cuda_graphs=True, compiled=True)
     assert resolve(world_size=2) == FastSteps(1, cuda_graphs=False)
     assert resolve(strategy=object()) == FastSteps(1, cuda_graphs=False)  # dp
     assert resolve(trainer_args={"accumulate_grad_batches": 2}) == FastSteps(1, cuda_graphs=False)
@@ -51,7 +52,6 @@ def test_auto_takes_the_largest_number_of_steps_that_divides_every_step_count():
 
 @pytest.mark.parametrize(("kwargs", "message"), [
     (dict(cuda_graphs=True, accelerator="cpu"), "cuda_graphs=true needs a CUDA device; use cuda_graphs=auto or false"),
-    (dict(cuda_graphs=True, compile=True), "cuda_graphs=true needs compile=false; use cuda_graphs=auto or false"),
     (dict(steps=4, world_size=2), "steps_per_execution=4 needs a strategy of one process on one device (strategy=auto)"),
     (dict(steps=4, trainer_args={"accumulate_grad_batches": 2}), "steps_per_execution=4 needs trainer.accumulate_grad_batches=1"),
     (dict(steps=3, step_counts={"trainer.limit_train_batches": 4}),
@@ -96,6 +96,16 @@ def test_every_point_sits_at_its_optimizer_step_as_with_one_step_a_batch(runs):
     assert scalar_steps(runs["resumed"]) == second_epoch
 
 
+def test_under_autocast_each_step_of_a_batch_computes_with_the_weights_the_last_one_left(tmp_path, data_root):
+    """Lightning opens one autocast context per training batch, with autocast's weight cache off: the cache
+    does not see in-place updates, and would serve the batch's later steps the weights of its first."""
+    dirs = {steps: tmp_path / f"steps{steps}" for steps in (1, 4)}
+    for steps, run_dir in dirs.items():
+        result = train(*SMALL, "precision=bf16-mixed", f"steps_per_execution={steps}", f"hydra.run.dir={run_dir}")
+        assert result.returncode == 0, result.stderr[-3000:]
+    assert deviation(checkpoint(dirs[4]), checkpoint(dirs[1])) < 1e-4
+
+
 def test_a_checkpoint_resumes_across_steps_per_execution(runs):
     resumed, one = checkpoint(runs["resumed"]), checkpoint(runs["one"])
     assert resumed["global_step"] == 8  # the 4 steps taken before the checkpoint count
@@ -133,21 +143,65 @@ class ReplayedOnCpu(GraphedStep):
         self.logits.copy_(logits)
 
 
-def test_graph_replays_keep_training_after_lightning_drops_the_gradients_to_validate(data_root, monkeypatch):
-    """Lightning sets every `.grad` to None before validating; replays after it must still step the optimizer."""
+def fit(classifier: module.Classifier, data_root, **trainer_args) -> None:
+    """Epochs of two training batches of 8 steps of 32 images, on CPU."""
+    data = FashionMNISTDataModule(root=str(data_root), batch_size=32, download=False)
+    data.steps_per_execution = 8
+    Trainer(**{"accelerator": "cpu", "max_epochs": 1, "limit_train_batches": 2, "limit_val_batches": 0,
+               "num_sanity_val_steps": 0, "logger": False, "enable_checkpointing": False, "enable_progress_bar": False,
+               "enable_model_summary": False, "use_distributed_sampler": False, **trainer_args}).fit(classifier, datamodule=data)
+
+
+def eager_and_graphed(monkeypatch) -> dict[str, module.Classifier]:
+    """Two copies of one LeNet classifier, 8 steps a batch, the second with the graph played on CPU."""
     monkeypatch.setattr(module, "GraphedStep", ReplayedOnCpu)
     torch.manual_seed(0)
     eager = module.Classifier(LeNet(), lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9))
     modules = {"eager": eager, "graphs": copy.deepcopy(eager)}
-    initial = copy.deepcopy(eager.net.state_dict())
     for name, classifier in modules.items():
         classifier.use_fast_steps(FastSteps(8, cuda_graphs=name == "graphs"), step_batch_size=32)
-        data = FashionMNISTDataModule(root=str(data_root), batch_size=32, download=False)
-        data.steps_per_execution = 8
-        Trainer(accelerator="cpu", max_epochs=3, limit_train_batches=2, limit_val_batches=1, num_sanity_val_steps=0,
-                logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                use_distributed_sampler=False).fit(classifier, datamodule=data)
-    assert isinstance(modules["graphs"].graphed, ReplayedOnCpu)
-    assert all(not torch.equal(initial[key], value) for key, value in eager.net.state_dict().items())
-    for (key, a), b in zip(eager.state_dict().items(), modules["graphs"].state_dict().values()):
+    return modules
+
+
+def assert_same_weights(modules: dict[str, module.Classifier]) -> None:
+    for (key, a), b in zip(modules["eager"].state_dict().items(), modules["graphs"].state_dict().values()):
         torch.testing.assert_close(b, a, msg=key)
+
+
+def test_graph_replays_keep_training_after_lightning_drops_the_gradients_to_validate(data_root, monkeypatch):
+    """Lightning sets every `.grad` to None before validating; replays after it must still step the optimizer."""
+    modules = eager_and_graphed(monkeypatch)
+    initial = copy.deepcopy(modules["eager"].net.state_dict())
+    for classifier in modules.values():
+        fit(classifier, data_root, max_epochs=3, limit_val_batches=1)
+    assert isinstance(modules["graphs"].graphed, ReplayedOnCpu)
+    assert all(not torch.equal(initial[key], value) for key, value in modules["eager"].net.state_dict().items())
+    assert_same_weights(modules)
+
+
+def test_a_graph_serves_the_next_fit_unless_it_holds_another_precision(data_root, monkeypatch):
+    modules = eager_and_graphed(monkeypatch)
+    for classifier in modules.values():
+        fit(classifier, data_root)
+    graph = modules["graphs"].graphed
+    for classifier in modules.values():
+        fit(classifier, data_root)
+    assert modules["graphs"].graphed is graph
+    assert_same_weights(modules)
+    fit(modules["graphs"], data_root, precision="bf16-mixed")
+    assert modules["graphs"].graphed is not graph
+
+
+def test_a_compiled_network_is_captured_without_compiling_again(data_root, monkeypatch):
+    """`cuda_graphs=true compile=true`: the capture runs under the autocast state of the warm steps before it
+    (Lightning's, weight cache off), or torch.compile would compile again inside the capture, where it cannot."""
+    monkeypatch.setattr(module, "GraphedStep", ReplayedOnCpu)
+    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    classifier = module.Classifier(LeNet(), lambda params: torch.optim.SGD(params, lr=0.1))
+    classifier.net.compile(backend="aot_eager")  # dynamo's guards without a C++ compiler's minutes
+    classifier.use_fast_steps(FastSteps(8, cuda_graphs=True, compiled=True), step_batch_size=32)
+    fit(classifier, data_root, precision="bf16-mixed")
+    assert isinstance(classifier.graphed, ReplayedOnCpu) and classifier.trainer.global_step == 16
+    torch._dynamo.reset()

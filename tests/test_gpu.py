@@ -107,14 +107,17 @@ def test_no_host_sync_in_training_steps(tmp_path, data_root, model, fast):
     assert syncs.checked == 12 - WARM_STEPS - 1 and trainer.global_step == 12 * fast.steps_per_execution
 
 
-@pytest.mark.parametrize("model", ["lenet", "resnet18"])
-def test_cuda_graph_steps_train_what_eager_steps_train(data_root, model, exact_cuda_math):
+@pytest.mark.parametrize(("model", "compiled"), [("lenet", False), ("resnet18", False), ("lenet", True)])
+def test_cuda_graph_steps_train_what_eager_steps_train(data_root, model, compiled, exact_cuda_math):
     """The same 24 optimizer steps, eager one per batch and as graph replays eight per batch: the same weights.
-    Three epochs of 8 steps, each validated: Lightning sets the gradients to None before validating."""
+    Three epochs of 8 steps, each validated: Lightning sets the gradients to None before validating. Compiled:
+    the graph holds the compiled kernels (`cuda_graphs=true compile=true`), against them run eagerly."""
     torch.manual_seed(0)
     reference = Classifier(NETS[model](), functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9))
     modules = {"eager": reference, "graphs": copy.deepcopy(reference)}
-    modules["graphs"].use_fast_steps(FastSteps(8, cuda_graphs=True), step_batch_size=64)
+    for module in modules.values() if compiled else ():
+        module.net.compile()
+    modules["graphs"].use_fast_steps(FastSteps(8, cuda_graphs=True, compiled=compiled), step_batch_size=64)
     for name, module in modules.items():
         data = FashionMNISTDataModule(root=str(data_root), batch_size=64, download=False)
         data.steps_per_execution = module.fast_steps.steps_per_execution

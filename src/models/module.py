@@ -68,7 +68,7 @@ class Classifier(LightningModule):
         self.fast_steps = FastSteps()
         self.step_batch_size = 0  # with steps_per_execution > 1: the images of one optimizer step
         self.graphed: GraphedStep | None = None
-        self._captured_with: object = None  # the precision plugin whose loss scale the graph holds
+        self._captured_with: tuple = ()  # what the graph holds of the fit that captured it (`_capture_key`)
         self.warm_steps = 0
         self.warmup_s = 0.0  # compiling, capturing the CUDA graph: one-off time that EpochTimer leaves out of time/epoch_s
         self._warmup_started: float | None = None
@@ -125,13 +125,11 @@ class Classifier(LightningModule):
     def optimizer_step_on(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """One optimizer step on one batch, stepped here (manual optimization); returns its detached loss."""
         optimizer = self.optimizers()
-        if self.graphed is not None and self._captured_with is not self.trainer.precision_plugin:
-            self.graphed, self.warm_steps = None, 0  # another fit: its loss scaler is not the one captured
         if self.graphed is None and self.fast_steps.cuda_graphs and len(y) == self.step_batch_size:
             if self.warm_steps >= WARM_STEPS:
                 optimizer.zero_grad(set_to_none=True)  # the captured backward pass owns the gradients from now on
                 self.graphed = GraphedStep(self.forward_backward, x, y, list(self.parameters()))
-                self._captured_with = self.trainer.precision_plugin
+                self._captured_with = self._capture_key()
                 self.warmup_s += self.graphed.capture_s
                 log.info(f"CUDA graph of the training step captured in {self.graphed.capture_s:.2f} s "
                          f"(after {WARM_STEPS} eager steps; left out of time/epoch_s)")
@@ -148,6 +146,18 @@ class Classifier(LightningModule):
         self._end_warmup()
         self.update_metrics("train", loss, logits, y)
         return loss.detach().clone()  # a replay overwrites the graph's own loss tensor
+
+    def on_train_start(self) -> None:
+        """A CUDA graph captured by an earlier fit serves this one while what it holds is the same."""
+        if self.graphed is not None and self._capture_key() != self._captured_with:
+            self.graphed, self.warm_steps = None, 0
+
+    def _capture_key(self) -> tuple:
+        """What a graph holds of its fit: the parameters' memory, the precision, and its loss scaler (16-mixed
+        multiplies the loss by the scaler's tensor inside the graph; the object itself, kept alive, not its id)."""
+        plugin = self.trainer.precision_plugin
+        return (type(plugin), getattr(plugin, "precision", None), getattr(plugin, "scaler", None),
+                tuple(param.data_ptr() for param in self.parameters()))
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Loss and logits of a batch, its gradients accumulated into the parameters' `.grad`."""
