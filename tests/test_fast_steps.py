@@ -137,9 +137,10 @@ def fit(classifier: module.Classifier, data_root, **trainer_args) -> None:
     """Epochs of 16 optimizer steps of 32 images, on CPU, in training batches of the classifier's steps."""
     data = FashionMNISTDataModule(root=str(data_root), batch_size=32, download=False)
     data.steps_per_execution = classifier.fast_steps.steps_per_execution
-    Trainer(**{"accelerator": "cpu", "max_epochs": 1, "limit_train_batches": 16 // data.steps_per_execution, "limit_val_batches": 0,
-               "num_sanity_val_steps": 0, "logger": False, "enable_checkpointing": False, "enable_progress_bar": False,
-               "enable_model_summary": False, "use_distributed_sampler": False, **trainer_args}).fit(classifier, datamodule=data)
+    settings = dict(accelerator="cpu", max_epochs=1, limit_train_batches=16 // data.steps_per_execution, limit_val_batches=0,
+                    num_sanity_val_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                    enable_model_summary=False, use_distributed_sampler=False)
+    Trainer(**{**settings, **trainer_args}).fit(classifier, datamodule=data)
 
 
 def eager_and_graphed(monkeypatch) -> dict[str, module.Classifier]:
