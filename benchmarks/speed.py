@@ -236,16 +236,16 @@ def flops_per_step(model: str, batch_size: int, device: torch.device) -> int:
     return counter.get_total_flops()
 
 
-def matmul_peak(device: torch.device, dtype: torch.dtype) -> float:
+def matmul_peak(device: torch.device, dtype: torch.dtype, tf32: bool) -> float:
     """FLOP/s of a large square matrix product: what this device really reaches in `dtype`.
 
-    float32 on CUDA is timed in TF32 where cuDNN convolves float32 in TF32 (its default): against the
-    true float32 peak, an fp32 convolutional network on an H100 came to 183 % of it.
+    With `tf32` (cuDNN convolves float32 in TF32, its default on CUDA), float32 is timed in TF32: against
+    the true float32 peak, an fp32 convolutional network on an H100 came to 183 % of it.
     """
     n = 8192 if device.type == "cuda" else 2048
     a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
-    tf32 = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = device.type == "cuda" and torch.backends.cudnn.allow_tf32
+    was = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = tf32
     try:
         a @ b
         sync(device)
@@ -255,7 +255,7 @@ def matmul_peak(device: torch.device, dtype: torch.dtype) -> float:
             repeats += 1
             sync(device)
     finally:
-        torch.backends.cuda.matmul.allow_tf32 = tf32
+        torch.backends.cuda.matmul.allow_tf32 = was
     return 2 * n**3 * repeats / (time.perf_counter() - start)
 
 
@@ -361,9 +361,10 @@ def main() -> None:
     cpu_per_step = {name: statistics.median(u.cpu_s for u in used) / args.steps for name, used in usages.items()}
 
     flops = flops_per_step(args.model, args.batch_size, device)
-    peaks = {dtype: matmul_peak(device, dtype) for dtype in {torch.float32, *(s.autocast_dtype or torch.float32 for s, _ in contenders.values())}}
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     tf32 = device.type == "cuda" and torch.backends.cudnn.allow_tf32
+    peaks = {dtype: matmul_peak(device, dtype, tf32)
+             for dtype in {torch.float32, *(s.autocast_dtype or torch.float32 for s, _ in contenders.values())}}
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     print(f"{name}; torch {torch.__version__}; {args.model}, batch {args.batch_size}, {args.steps} steps per round, "
           f"{args.rounds - 1} timed rounds; s/epoch scaled to a full epoch of {full_epoch_steps} steps")
     if device.type == "cpu":

@@ -170,6 +170,10 @@ def on_gpu(layout: str) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda tensor: tensor.cuda().to(memory_format=LAYOUTS[layout]) if tensor.dim() == 4 else tensor.cuda()
 
 
+def bn_net_on_gpu(layout: str) -> nn.Module:
+    return bn_net().cuda().to(memory_format=LAYOUTS[layout])
+
+
 def _nccl_worker(rank: int, store: str, results: str) -> None:
     # Two ranks on the one GPU: each its own host to NCCL (tests/test_gpu_ddp.py says why).
     os.environ.update(NCCL_HOSTID=f"syncbn-rank{rank}", NCCL_SOCKET_IFNAME="lo", NCCL_IB_DISABLE="1")
@@ -178,7 +182,7 @@ def _nccl_worker(rank: int, store: str, results: str) -> None:
     try:
         result = {}
         for layout in LAYOUTS:
-            net = nn.SyncBatchNorm.convert_sync_batchnorm(bn_net().cuda().to(memory_format=LAYOUTS[layout]))
+            net = nn.SyncBatchNorm.convert_sync_batchnorm(bn_net_on_gpu(layout))
             result[layout] = train(net, rank, on_gpu(layout))
         torch.save(result, f"{results}.{rank}")
     finally:
@@ -196,7 +200,7 @@ def two_gpu_ranks(tmp_path_factory) -> list[dict[str, dict[str, object]]]:
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_torch_syncbatchnorm_over_nccl_equals_batchnorm_on_the_whole_batch(two_gpu_ranks, layout):
     """float64 on CUDA: no TF32, so only rounding separates them, in the layout the GPU default trains in too."""
-    one = train(bn_net().cuda().to(memory_format=LAYOUTS[layout]), None, on_gpu(layout))
+    one = train(bn_net_on_gpu(layout), None, on_gpu(layout))
     for step in range(STEPS):
         for key in ("outputs", "input_grads"):
             torch.testing.assert_close(torch.cat([r[layout][key][step] for r in two_gpu_ranks]), one[key][step], **TOL,
