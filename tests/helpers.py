@@ -11,10 +11,8 @@ import socket
 import struct
 import subprocess
 import sys
-import tempfile
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -111,7 +109,7 @@ def run_cli(module: str, *args: str, timeout: float = 300, cwd: Path = REPO, env
     what native libraries read when they load) in a new interpreter, where its start-up is under test."""
     env = env or user_env()
     if module == "src.eval" and cwd == REPO and env == user_env() and not needs_own_process(args):
-        return in_process(module, *args, timeout=timeout, workers=starts_workers(args))
+        return in_process(module, *args, timeout=timeout)
     if interpreter or forked.needs_interpreter(env):
         return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=env, capture_output=True, text=True,
                               timeout=timeout)
@@ -130,7 +128,7 @@ def call_main(main: Callable[[list[str]], object], *args: str) -> subprocess.Com
     return subprocess.CompletedProcess(list(args), status, stdout.getvalue(), stderr.getvalue())
 
 
-def in_process(module: str, *args: str, timeout: float = 300, workers: bool = False) -> subprocess.CompletedProcess:
+def in_process(module: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     """`python -m <module> <args>` run through the module's own `main()` in this process: the same
     command-line check, Hydra, run folder, log and exit status, without starting Python and torch again.
 
@@ -138,11 +136,8 @@ def in_process(module: str, *args: str, timeout: float = 300, workers: bool = Fa
     handlers (closing the run's `train.log`), Hydra's global state and the sweep's failed jobs.
     Warnings go to the run's stderr, as they would in its own process. A run still going after
     `timeout` seconds ends the test session with every thread's traceback, as a hung subprocess would
-    end its test with a timeout. `workers=True`, for a run that starts worker processes (local DDP):
-    the output is taken from file descriptors 1 and 2, which the workers inherit, so that what they
-    print is in the result as it would be in a subprocess's; after `timeout` seconds the workers are
-    killed, which ends the run as a failed one (this test fails, the session goes on), and the
-    session ends only if the run is still going a minute later.
+    end its test with a timeout. For one process only: a run that starts processes (local DDP, a sweep
+    of such jobs) runs as a command (`train`), whose forkserver is forked from tests/forked.py's server.
     """
     import faulthandler
     import importlib
@@ -171,20 +166,9 @@ def in_process(module: str, *args: str, timeout: float = 300, workers: bool = Fa
         sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
 
     try:
-        with contextlib.ExitStack() as stack:
-            if workers:
-                stdout, stderr = stack.enter_context(inherited_output())
-            else:
-                stack.enter_context(contextlib.redirect_stdout(stdout))
-                stack.enter_context(contextlib.redirect_stderr(stderr))
-            stack.enter_context(warnings.catch_warnings())
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr), warnings.catch_warnings():
             warnings.showwarning = show
-            if workers:
-                timer = threading.Timer(timeout, _kill_workers)
-                timer.daemon = True
-                timer.start()
-                stack.callback(timer.cancel)
-            faulthandler.dump_traceback_later(timeout + 60 if workers else timeout, exit=True, file=hang_report)
+            faulthandler.dump_traceback_later(timeout, exit=True, file=hang_report)
             importlib.import_module("src.runner").ignore_known_warnings()  # as at the import in a process of its own
             try:
                 entry.main()
@@ -246,57 +230,11 @@ def worker_pids(launcher: int) -> list[int]:
     return sorted(pids)
 
 
-def _kill_workers() -> None:
-    """SIGKILL this process's DDP workers, as a timeout kills a subprocess."""
-    sys.stderr.write("error: the run's workers were still going at the test's timeout; killed\n")
-    for pid in worker_pids(os.getpid()):
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGKILL)
-
-
-@contextlib.contextmanager
-def inherited_output() -> Iterator[tuple[io.StringIO, io.StringIO]]:
-    """File descriptors 1 and 2 pointed at temporary files while the run lasts, with sys.stdout and
-    sys.stderr writing there: the processes the run starts inherit them, so their output lands in the
-    same place and order as this process's. What was written is in the yielded texts at the end."""
-    texts = io.StringIO(), io.StringIO()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    saved = os.dup(1), os.dup(2)
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        os.dup2(out.fileno(), 1)
-        os.dup2(err.fileno(), 2)
-        streams = [open(fd, "w", buffering=1, errors="replace", closefd=False) for fd in (1, 2)]
-        try:
-            with contextlib.redirect_stdout(streams[0]), contextlib.redirect_stderr(streams[1]):
-                yield texts
-        finally:
-            for stream in streams:
-                stream.close()
-            for fd, copy in zip((1, 2), saved):
-                os.dup2(copy, fd)
-                os.close(copy)
-            for file, text in zip((out, err), texts):
-                file.seek(0)
-                text.write(file.read().decode(errors="replace"))
-
-
-def starts_workers(args: tuple[str, ...]) -> bool:
-    """Local DDP on several devices of one node, not in a sweep: the command's own process only checks,
-    starts one worker process per device and waits for them, so it may be this one."""
-    values = dict(a.split("=", 1) for a in args if "=" in a)
-    devices, nodes = values.get("devices", "1"), values.get("num_nodes", "1")
-    return (values.get("strategy", "").startswith("ddp") and devices.isdigit() and int(devices) > 1 and nodes == "1"
-            and not any(a in ("-m", "--multirun") or "tests.faults" in a for a in args))
-
-
 def needs_own_process(args: tuple[str, ...]) -> bool:
-    """A sweep, a run of several processes that is not local DDP (`starts_workers`), a DDP strategy on
-    one device (a process group of its own), or a fault of tests/faults.py (which may kill its
-    process): what needs a process of its own. strategy=dp is one process with no process group, on
-    any number of devices."""
-    if starts_workers(args):
-        return False
+    """Whatever is not one process without a process group: a sweep, any DDP strategy (local DDP's
+    workers are forked from a forkserver that tests/forked.py's server forks, which a run in this
+    process would start as a new interpreter), more than one device or node, or a fault of
+    tests/faults.py (which may kill its process). strategy=dp is one process on any number of devices."""
     dp = any(a.startswith("strategy=dp") for a in args)
     devices = [a.split("=", 1)[1] for a in args if a.startswith("num_nodes=") or (a.startswith("devices=") and not dp)]
     return (any(a in ("-m", "--multirun") or "tests.faults" in a or a.startswith("strategy=ddp") for a in args)
@@ -304,11 +242,11 @@ def needs_own_process(args: tuple[str, ...]) -> bool:
 
 
 def train(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    """`python -m src.train <args>`: in this process for a one-process run or a local DDP launcher, else
-    as a command in a process of its own (`run_cli`)."""
+    """`python -m src.train <args>`: in this process for a run of one process, else as a command in a
+    process of its own (`run_cli`)."""
     if needs_own_process(args):
         return run_cli("src.train", *args, timeout=timeout)
-    return in_process("src.train", *args, timeout=timeout, workers=starts_workers(args))
+    return in_process("src.train", *args, timeout=timeout)
 
 
 class TorchrunNodes:
