@@ -1,5 +1,6 @@
 """Names of run and sweep-job folders, so that TensorBoard's run list reads as the runs."""
 
+import functools
 import shutil
 import sys
 from pathlib import Path
@@ -34,8 +35,15 @@ def sweep_args(sweep_dir: str) -> list[str]:
     """
     saved = Path(sweep_dir) / "multirun.yaml"
     if saved.is_file():
-        return list(OmegaConf.load(saved).hydra.overrides.task)
+        stat = saved.stat()
+        return list(_saved_overrides(str(saved), stat.st_mtime_ns, stat.st_size))
     return sys.argv[1:]
+
+
+@functools.lru_cache(maxsize=8)
+def _saved_overrides(path: str, mtime_ns: int, size: int) -> tuple[str, ...]:
+    """Read once per version of the file: each job's folder name asks for it, several times a job."""
+    return tuple(OmegaConf.load(path).hydra.overrides.task)
 
 
 def run_label(model: str, strategy: str, devices: int, num_nodes: int, precision: object, accelerator: str) -> str:
