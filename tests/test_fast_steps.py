@@ -143,11 +143,16 @@ def fit(classifier: module.Classifier, data_root, **trainer_args) -> None:
     Trainer(**{**settings, **trainer_args}).fit(classifier, datamodule=data)
 
 
+def lenet(momentum: float = 0.9) -> module.Classifier:
+    """The LeNet classifier these tests train, the same weights each call."""
+    torch.manual_seed(0)
+    return module.Classifier(LeNet(), lambda params: torch.optim.SGD(params, lr=0.1, momentum=momentum))
+
+
 def eager_and_graphed(monkeypatch) -> dict[str, module.Classifier]:
     """Two copies of one LeNet classifier, 8 steps a batch, the second with the graph played on CPU."""
     monkeypatch.setattr(module, "GraphedStep", ReplayedOnCpu)
-    torch.manual_seed(0)
-    eager = module.Classifier(LeNet(), lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9))
+    eager = lenet()
     modules = {"eager": eager, "graphs": copy.deepcopy(eager)}
     for name, classifier in modules.items():
         classifier.use_fast_steps(FastSteps(8, cuda_graphs=name == "graphs"), step_batch_size=32)
@@ -162,8 +167,7 @@ def assert_same_weights(trained: module.Classifier, reference: module.Classifier
 def test_under_autocast_each_step_of_a_batch_computes_with_the_weights_the_last_one_left(data_root):
     """Lightning opens one autocast context per training batch, with autocast's weight cache off: the cache
     does not see in-place updates, and would serve the batch's later steps the weights of its first."""
-    torch.manual_seed(0)
-    one = module.Classifier(LeNet(), lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9))
+    one = lenet()
     eight = copy.deepcopy(one)
     eight.use_fast_steps(FastSteps(8), step_batch_size=32)
     for classifier in (one, eight):
@@ -201,8 +205,7 @@ def test_a_compiled_network_is_captured_without_compiling_again(data_root, monke
     monkeypatch.setattr(module, "GraphedStep", ReplayedOnCpu)
     monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
     torch._dynamo.reset()
-    torch.manual_seed(0)
-    classifier = module.Classifier(LeNet(), lambda params: torch.optim.SGD(params, lr=0.1))
+    classifier = lenet(momentum=0.0)
     classifier.net.compile(backend="aot_eager")  # dynamo's guards without a C++ compiler's minutes
     classifier.use_fast_steps(FastSteps(8, cuda_graphs=True, compiled=True), step_batch_size=32)
     fit(classifier, data_root, precision="bf16-mixed")
