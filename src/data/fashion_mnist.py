@@ -253,8 +253,8 @@ class FashionMNISTDataModule(LightningDataModule):
         order = torch.randperm(len(train.targets), generator=torch.Generator().manual_seed(self.seed))
         val_idx, train_idx = order[: self.val_size], order[self.val_size :]
         self.splits = {
-            "train": TensorImages(train.data.index_select(0, train_idx), train.targets[train_idx]),
-            "val": TensorImages(train.data.index_select(0, val_idx), train.targets[val_idx]),
+            "train": TensorImages(train.data.index_select(0, train_idx), train.targets.index_select(0, train_idx)),
+            "val": TensorImages(train.data.index_select(0, val_idx), train.targets.index_select(0, val_idx)),
             "test": TensorImages(test.data, test.targets),
         }
 
