@@ -17,6 +17,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from src.checks import config_dirs, group_options, parse_overrides
 from src.errors import UsageError
 from src.launch import cli, forkserver, frozen
 from src.launch.naming import register_resolvers
@@ -94,11 +95,17 @@ def with_checkpoint_model(args: list[str]) -> list[str]:
         return args
     config = resolved_config(given["ckpt_path"])
     model = config.get("model_name") if config is not None else None
+    if model is not None and str(model) not in group_options("model", config_dirs(parse_overrides(args))):
+        raise UsageError(f"{resolved_config_file(given['ckpt_path'])}: model_name={model} is not an option of conf/model; "
+                         "give the model with model=<option>")
     return [*args, f"model={model}"] if model else args
 
 
 def main() -> None:
-    sys.argv = [sys.argv[0], *with_checkpoint_model(sys.argv[1:])]
+    try:
+        sys.argv = [sys.argv[0], *with_checkpoint_model(sys.argv[1:])]
+    except UsageError as error:
+        cli.end_run(str(error), 2)
     cli.run_entry(hydra_main, config_name="eval")
 
 

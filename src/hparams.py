@@ -30,6 +30,7 @@ from tensorboard.compat.proto.summary_pb2 import Summary
 from tensorboard.plugins.hparams import api_pb2, metadata, plugin_data_pb2
 from torch.utils.tensorboard.writer import FileWriter
 
+from src import records
 from src.launch.stops import held
 
 # Metric columns, in the order TensorBoard shows them (the first five by default): the scalar tag,
@@ -97,7 +98,7 @@ def run_hparams(cfg: DictConfig, trainer: Trainer, lr_used: float) -> dict[str, 
     class name, whichever it is; keys of the config's nested nodes are named by their path.
     """
     optim = {k: v for k, v in OmegaConf.to_container(cfg.optim, resolve=True).items() if not k.startswith("_")}
-    choices = OmegaConf.select(hydra_record(Path(cfg.output_dir)), "runtime.choices.experiment", default=None)
+    choices = records.select(hydra_record(Path(cfg.output_dir)), "runtime.choices.experiment")
     return {
         "model": cfg.model_name, "strategy": cfg.strategy_name, "devices": cfg.devices, "precision": str(cfg.precision),
         "num_nodes": cfg.num_nodes, "world_size": trainer.world_size, "precision_used": str(trainer.precision),
@@ -129,11 +130,11 @@ def _sources(name: str) -> tuple[str, ...]:
     return (name,)
 
 
-def hydra_record(run_dir: Path) -> DictConfig:
-    """Hydra's own settings of the run (`.hydra/hydra.yaml`: its mode, the config group options chosen);
+def hydra_record(run_dir: Path) -> Any:
+    """Hydra's own settings of the run (`.hydra/hydra.yaml`: its mode, the config group options chosen) as plain data;
     read from the folder, since DDP workers have no Hydra of their own."""
     saved = run_dir / ".hydra" / "hydra.yaml"
-    return OmegaConf.load(saved).hydra if saved.is_file() else OmegaConf.create()  # type: ignore[union-attr,return-value]
+    return records.select(records.load(saved), "hydra") if saved.is_file() else None
 
 
 STAMP = re.compile(r"^(\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d|torchrun-[^_]+|slurm-[^_]+)_")
@@ -142,7 +143,7 @@ STAMP = re.compile(r"^(\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d|torchrun-[^_]+|slurm-[^_]+
 def typed_keys(run_dir: Path) -> list[str]:
     """The keys and config groups set on the run's command line (Hydra's `.hydra/overrides.yaml`)."""
     saved = run_dir / ".hydra" / "overrides.yaml"
-    return override_keys(OmegaConf.load(saved)) if saved.is_file() else []
+    return override_keys(records.load(saved) or []) if saved.is_file() else []
 
 
 def override_keys(overrides: Iterable[object]) -> list[str]:
@@ -249,7 +250,7 @@ def trial_name(run_dir: Path) -> str:
     the HParams table cuts a trial id to its first characters."""
     name = STAMP.sub("", run_dir.name)
     saved = run_dir / "config.yaml"
-    label = str(OmegaConf.load(saved).get("run_name") or "") if saved.is_file() else ""
+    label = str(records.select(records.load(saved), "run_name") or "") if saved.is_file() else ""
     if label and name.startswith(label + "_"):
         return f"{name[len(label) + 1:]} {label}"
     return name
@@ -272,7 +273,7 @@ def log_hparams(logger: TensorBoardLogger, params: dict[str, Any], run_dir: Path
     The summaries go into the logger's own event file, after the run's points, and carry the run's
     last step, so that no event goes back.
     """
-    sweep_job = str(OmegaConf.select(hydra_record(run_dir), "mode", default="")) == "MULTIRUN"
+    sweep_job = str(records.select(hydra_record(run_dir), "mode")) == "MULTIRUN"
     name = trial_name(run_dir)
     writer = logger.experiment._get_file_writer()  # SummaryWriter has no public call for a Summary of one's own
     if not sweep_job:

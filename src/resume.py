@@ -18,12 +18,12 @@ from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.types import Override
 from omegaconf import DictConfig, OmegaConf
 
+from src import records
 from src.checks import CONF_DIR, flatten, is_hydra, parse_overrides
 from src.errors import UsageError
 from src.runs import RESOLVED_CONFIG, resolved_config
 
 RUN_OVERRIDES = Path(".hydra", "overrides.yaml")
-HYDRA_RECORD = Path(".hydra", "hydra.yaml")
 SWEEP_CONFIG = "multirun.yaml"  # in a sweep folder: Hydra's record of the sweep, its overrides among it
 PRECISION_USED = "precision_used"  # in a run folder's config.yaml, beside `precision`: what `auto` became there
 # Keys a resume may give anew: where the data is, what is shown, logged, saved and tested, how long a
@@ -62,9 +62,8 @@ def run_record(overrides: list[Override]) -> Record | None:
         raise UsageError(f"ckpt_path=last: hydra.run.dir={folder} does not exist; name the folder of the run to resume")
     if not has_checkpoints(folder) or not (folder / RUN_OVERRIDES).is_file():
         return None
-    hydra = folder / HYDRA_RECORD
-    started = OmegaConf.load(hydra).hydra.overrides.hydra if hydra.is_file() else []
-    return folder, [str(line) for line in OmegaConf.load(folder / RUN_OVERRIDES)], [str(line) for line in started]
+    # Hydra's own settings of the run (`.hydra/hydra.yaml`) are not taken: a record may set no Hydra callback or folder.
+    return folder, records.overrides(records.load(folder / RUN_OVERRIDES), folder / RUN_OVERRIDES), []
 
 
 def sweep_record(overrides: list[Override]) -> Record | None:
@@ -73,8 +72,8 @@ def sweep_record(overrides: list[Override]) -> Record | None:
     folder = given.get("hydra.sweep.dir")
     if given.get("ckpt_path") != "auto" or folder is None or not (Path(str(folder)) / SWEEP_CONFIG).is_file():
         return None
-    recorded = OmegaConf.load(Path(str(folder)) / SWEEP_CONFIG).hydra.overrides
-    return Path(str(folder)), [str(line) for line in recorded.task], [str(line) for line in recorded.hydra]
+    path = Path(str(folder)) / SWEEP_CONFIG
+    return Path(str(folder)), records.overrides(records.select(records.load(path), "hydra.overrides.task"), path), []
 
 
 def with_run_config(args: list[str]) -> list[str]:
@@ -86,6 +85,8 @@ def with_run_config(args: list[str]) -> list[str]:
     if record is None:
         return args
     folder, recorded, started = record
+    for line in [line for line in recorded if line not in args]:  # a line typed again is the command's own
+        records.check_override(line, folder / (SWEEP_CONFIG if multirun else RUN_OVERRIDES))
     base = [o for o in parse_overrides(recorded) if o.key_or_group != "ckpt_path"]
     given = [o for o in overrides if o.key_or_group != "ckpt_path" and not is_hydra(o.key_or_group)]
     replaced = {o.key_or_group for o in given}

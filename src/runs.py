@@ -2,12 +2,12 @@
 
 A run folder (`outputs/runs/<run>`, or one job's folder in a sweep) holds:
 
-- `.hydra/config.yaml`: the config as Hydra composed it; `.hydra/hydra.yaml`: Hydra's own, with the
-  option chosen in each config group;
 - `config.yaml`: the config resolved, as the run used it (`src.train` writes it);
+- `.hydra/hydra.yaml`: Hydra's own settings, with the option chosen in each config group;
 - `events.out.tfevents.*`: TensorBoard's scalars and the run's HParams summary;
 - `checkpoints/`: its checkpoints (`src.checkpoints`).
 
+Every record is read as data (`src.records`): nothing in a folder is resolved or built unchecked.
 Also here: the command-line shell that `python -m src.report` and `python -m src.scaling` share.
 """
 
@@ -23,10 +23,10 @@ from typing import Any, NoReturn, TypeVar
 
 from omegaconf import DictConfig, OmegaConf
 
+from src import records
 from src.errors import UsageError
 from src.launch.console import print_error
 
-COMPOSED_CONFIG = Path(".hydra", "config.yaml")
 HYDRA_CONFIG = Path(".hydra", "hydra.yaml")
 RESOLVED_CONFIG = "config.yaml"
 EVENT_FILES = "events.out.tfevents.*"
@@ -52,24 +52,21 @@ class RunFolder:
         self.path = path
         relative = path.relative_to(root).as_posix()
         self.name = relative if relative != "." else path.name  # how tables name the run
-        self.config: DictConfig = OmegaConf.load(path / COMPOSED_CONFIG)  # type: ignore[assignment]
+        self.config: DictConfig = OmegaConf.create(records.config(path / RESOLVED_CONFIG))
 
     @cached_property
-    def choices(self) -> DictConfig | None:
-        """The option chosen in each config group, as hydra.yaml recorded it; None without hydra.yaml."""
+    def hydra(self) -> Any:
+        """Hydra's own record of the run (`.hydra/hydra.yaml`) as plain data; None without one."""
         hydra_yaml = self.path / HYDRA_CONFIG
-        return OmegaConf.select(OmegaConf.load(hydra_yaml), "hydra.runtime.choices") if hydra_yaml.is_file() else None
+        return records.select(records.load(hydra_yaml), "hydra") if hydra_yaml.is_file() else None
 
-    @cached_property
+    @property
     def evaluation(self) -> bool:
         """Whether `python -m src.eval` made this folder: it scored a checkpoint and trained nothing."""
-        hydra_yaml = self.path / HYDRA_CONFIG
-        return hydra_yaml.is_file() and OmegaConf.select(OmegaConf.load(hydra_yaml), "hydra.job.name") == "eval"
+        return records.select(self.hydra, "job.name") == "eval"
 
     def value(self, key: str, group: str | None = None) -> Any:
-        """A config value; `${hydra:runtime.choices.<group>}` resolves only inside the run, so it is read from hydra.yaml."""
-        if group and self.choices is not None and group in self.choices and OmegaConf.is_interpolation(self.config, key):
-            return self.choices[group]
+        """A value of the run's resolved config (`group`: the config group whose option the key names)."""
         return OmegaConf.select(self.config, key)
 
     @cached_property
@@ -108,9 +105,9 @@ class RunFolder:
 
 
 def find_run_dirs(root: Path) -> list[Path]:
-    """Folders below `root` (itself included) that hold both a Hydra config and event files."""
-    configs = sorted(root.glob(f"**/{COMPOSED_CONFIG.as_posix()}"))
-    return [c.parent.parent for c in configs if any(c.parent.parent.glob(EVENT_FILES))]
+    """Folders below `root` (itself included) that hold both a run's config and event files."""
+    configs = sorted(root.glob(f"**/{RESOLVED_CONFIG}"))
+    return [c.parent for c in configs if any(c.parent.glob(EVENT_FILES))]
 
 
 def require_folder(root: Path) -> None:
@@ -121,22 +118,28 @@ def require_folder(root: Path) -> None:
 def read_runs(root: Path, read: Callable[[RunFolder], T | None]) -> list[T]:
     """`read` of every run folder below `root`, in path order, leaving out those it returns None for.
 
-    A folder that cannot be read (a hand-edited or truncated config) is a UsageError naming it, not a traceback.
+    A folder that cannot be read (a damaged or hand-edited record) is left out with one `warning:` line on stderr
+    naming it and why; only where no folder can be read is it a UsageError.
     """
     require_folder(root)
     run_dirs = find_run_dirs(root)
     if not run_dirs:
-        raise UsageError(f"{root}: no run folders below it (a run folder holds .hydra/config.yaml and event files)")
+        raise UsageError(f"{root}: no run folders below it (a run folder holds config.yaml and event files)")
     logging.getLogger("tensorboard").setLevel(logging.WARNING)  # it logs every event file it opens at INFO
-    found = []
+    found, unreadable = [], []
     for run_dir in run_dirs:
         try:
             item = read(RunFolder(run_dir, root))
         except Exception as error:
-            reason = " ".join(str(error).split())
-            raise UsageError(f"{run_dir}: cannot read this run ({type(error).__name__}: {reason})") from error
+            reason = str(error) if isinstance(error, UsageError) else f"{type(error).__name__}: {' '.join(str(error).split())}"
+            unreadable.append(f"{run_dir}: left out ({reason})")
+            continue
         if item is not None:
             found.append(item)
+    for line in unreadable:
+        print(f"warning: {line}", file=sys.stderr, flush=True)
+    if unreadable and not found:
+        raise UsageError(unreadable[0])
     return found
 
 
@@ -151,7 +154,7 @@ def resolved_config(ckpt_path: object | None) -> DictConfig | None:
     if ckpt_path is None:
         return None
     config = resolved_config_file(ckpt_path)
-    return OmegaConf.load(config) if config.is_file() else None  # type: ignore[return-value]
+    return OmegaConf.create(records.config(config)) if config.is_file() else None
 
 
 def output_folder(out: Path) -> Path:

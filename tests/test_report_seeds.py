@@ -80,6 +80,7 @@ def test_the_report_over_outputs_tells_the_truth(tmp_path):
                   {"seed": seed, "lr": 0.1, "precision_used": "32-true"})
     scored = write_run(root / "eval" / "scored", {**config("auto", 1), "seed": 42}, {"test/acc": [0.75]},
                        {"ckpt_path": "outputs/runs/a", "precision_used": "32-true"})
+    (scored / ".hydra").mkdir()
     OmegaConf.save(OmegaConf.create({"hydra": {"job": {"name": "eval"}}}), scored / ".hydra" / "hydra.yaml")
 
     result = call_main(report_main, str(root))

@@ -95,7 +95,9 @@ def test_a_run_killed_mid_epoch_resumes_to_the_unbroken_weights(tmp_path, unbrok
     log = (run_dir / "train.log").read_text()
     assert "epoch 1/3 step 10:" in log, "a killed run keeps the log of what it did"
 
-    resumed = train(*LONGER, *args, checkpointing, "ckpt_path=last", f"hydra.run.dir={run_dir}", timeout=600)
+    # The fault is a callback of the test's own: a resume takes no `_target_` from the run's records, so it is typed again.
+    resumed = train(*LONGER, *args, checkpointing, *kill_at(killed_after), "ckpt_path=last", f"hydra.run.dir={run_dir}",
+                    timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert_matches_unbroken(run_dir, unbroken(*args))
 

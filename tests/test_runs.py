@@ -12,7 +12,7 @@ from src.runs import RunFolder, find_run_dirs, median, read_runs, resolved_confi
 
 def write_run(folder: Path, config: dict, scalars: dict[str, list[float]], choices: dict | None = None) -> Path:
     (folder / ".hydra").mkdir(parents=True)
-    (folder / ".hydra" / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(config)))
+    (folder / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(config)))
     if choices is not None:
         OmegaConf.save(OmegaConf.create({"hydra": {"runtime": {"choices": choices}}}), folder / ".hydra" / "hydra.yaml")
     with SummaryWriter(log_dir=str(folder)) as writer:
@@ -22,13 +22,21 @@ def write_run(folder: Path, config: dict, scalars: dict[str, list[float]], choic
     return folder
 
 
-def test_a_group_choice_is_read_from_hydra_yaml_where_the_config_interpolates_it(tmp_path):
-    run = write_run(tmp_path / "run", {"model_name": "${hydra:runtime.choices.model}", "devices": 2}, {"x": [1.0]},
+def test_values_come_from_the_resolved_config_and_hydra_yaml_is_plain_data(tmp_path):
+    run = write_run(tmp_path / "run", {"model_name": "resnet18", "devices": 2}, {"x": [1.0]},
                     choices={"model": "resnet18"})
     folder = RunFolder(run, tmp_path)
-    assert folder.value("model_name", "model") == "resnet18"
-    assert folder.value("devices") == 2
+    assert folder.value("model_name") == "resnet18" and folder.value("devices") == 2
+    assert folder.hydra == {"runtime": {"choices": {"model": "resnet18"}}} and not folder.evaluation
     assert folder.name == "run" and RunFolder(run, run).name == "run"
+
+
+def test_a_resolver_in_a_record_is_refused_and_never_run(tmp_path):
+    made = tmp_path / "made_by_a_resolver"
+    run = write_run(tmp_path / "run", {"model_name": f"${{claim_dir:{made}}}"}, {"x": [1.0]})
+    with pytest.raises(UsageError, match=r"config.yaml: model_name=\$\{claim_dir:.*a resolver could act"):
+        RunFolder(run, tmp_path)
+    assert not made.exists()
 
 
 def test_scalars_come_from_the_first_tag_logged(tmp_path):
@@ -47,17 +55,22 @@ def test_a_run_logged_before_the_rename_gives_its_transfer_scalars_under_xfer(tm
 
 def test_only_folders_with_a_config_and_events_are_runs(tmp_path):
     write_run(tmp_path / "deep" / "run", {}, {"x": [1.0]})
-    (tmp_path / "config_only" / ".hydra").mkdir(parents=True)
-    (tmp_path / "config_only" / ".hydra" / "config.yaml").write_text("devices: 1\n")
+    (tmp_path / "config_only").mkdir(parents=True)
+    (tmp_path / "config_only" / "config.yaml").write_text("devices: 1\n")
     assert find_run_dirs(tmp_path) == [tmp_path / "deep" / "run"]
     assert read_runs(tmp_path, lambda run: run.name) == ["deep/run"]
     assert read_runs(tmp_path, lambda run: None) == []
 
 
-def test_a_folder_that_cannot_be_read_is_a_usage_error_naming_it(tmp_path):
+def test_a_folder_that_cannot_be_read_is_left_out_with_a_line_naming_it(tmp_path, capsys):
     run = write_run(tmp_path / "run", {}, {"x": [1.0]})
-    (run / ".hydra" / "config.yaml").write_text("devices: [\n")
-    with pytest.raises(UsageError, match=f"{run}: cannot read this run"):
+    good = write_run(tmp_path / "good", {}, {"x": [1.0]})
+    (run / "config.yaml").write_text("devices: [\n")
+    assert read_runs(tmp_path, lambda run: run.name) == ["good"]
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"warning: {run}: left out ({run / 'config.yaml'}: cannot be read as a record (while parsing")
+    (good / "config.yaml").write_text("[1, 2]\n")
+    with pytest.raises(UsageError, match=f"{good}: left out .*holds no config"):
         read_runs(tmp_path, lambda run: run.name)
     with pytest.raises(UsageError, match="no such folder"):
         read_runs(tmp_path / "nowhere", lambda run: run.name)

@@ -519,8 +519,8 @@ def write_ddp_run(folder: Path, accelerator: str = "cpu") -> Path:
               "strategy": {"_target_": "src.strategies.ddp.CommHookDDPStrategy", "hook": "none"},
               "model": {"net": {"_target_": "src.models.lenet.LeNet"}},
               "data": {"batch_size": 256, "in_channels": 1, "num_classes": 10}}
-    (folder / ".hydra").mkdir(parents=True)
-    OmegaConf.save(OmegaConf.create(config), folder / ".hydra" / "config.yaml")
+    folder.mkdir(parents=True)
+    OmegaConf.save(OmegaConf.create(config), folder / "config.yaml")
     with SummaryWriter(log_dir=str(folder)) as writer:
         for step, epoch_s in ((9, 1.0), (19, 1.2), (29, 1.1)):
             writer.add_scalar("time/epoch_s", epoch_s, step)
@@ -745,8 +745,8 @@ def test_missing_folder_and_no_argument(tmp_path):
 
 
 def test_folder_without_runs_writes_nothing(tmp_path):
-    (tmp_path / "config_only" / ".hydra").mkdir(parents=True)
-    (tmp_path / "config_only" / ".hydra" / "config.yaml").write_text("devices: 1\n")
+    (tmp_path / "config_only").mkdir(parents=True)
+    (tmp_path / "config_only" / "config.yaml").write_text("devices: 1\n")
     assert_one_error_line(call_main(main, str(tmp_path)), "no run folders")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config_only"]
 

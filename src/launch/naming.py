@@ -10,7 +10,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from src import folders
+from src import folders, records
 from src.launch.ranks import external_rank, run_stamp
 
 # Folders this process has claimed, by the name asked for: Hydra may resolve a folder name more than once.
@@ -43,7 +43,7 @@ def sweep_args(sweep_dir: str) -> list[str]:
 @functools.lru_cache(maxsize=8)
 def _saved_overrides(path: str, mtime_ns: int, size: int) -> tuple[str, ...]:
     """Read once per version of the file: each job's folder name asks for it, several times a job."""
-    return tuple(OmegaConf.load(path).hydra.overrides.task)
+    return tuple(records.overrides(records.select(records.load(Path(path)), "hydra.overrides.task"), Path(path)))
 
 
 def run_label(model: str, strategy: str, devices: int, num_nodes: int, precision: object, accelerator: str) -> str:
@@ -93,7 +93,7 @@ def job_folder_name(sweep_dir: Path, overrides: list[str], job_num: int) -> str:
     what the job resolved, which a submitter on another machine may not: `precision=auto`); named
     by the swept keys alone for a job that never started."""
     for saved in sweep_dir.glob("*/.hydra/overrides.yaml"):
-        if list(OmegaConf.load(saved)) == list(overrides):
+        if records.load(saved) == list(overrides):
             return saved.parent.parent.name
     return sweep_job_dirname(overrides, job_num, str(sweep_dir))
 

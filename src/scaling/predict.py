@@ -28,9 +28,10 @@ from matplotlib.figure import Figure
 from omegaconf import OmegaConf
 
 from src.data.fashion_mnist import IMAGE_SIZE
+from src import records
 from src.errors import UsageError
 from src.launch.console import processes, saying
-from src.runs import RunFolder, median, output_folder, read_runs, require_folder, usage_errors_exit
+from src.runs import RESOLVED_CONFIG, RunFolder, median, output_folder, read_runs, require_folder, usage_errors_exit
 from src.scaling import probe as gloo_probe
 from src.scaling import timed as timing
 from src.scaling import whatif
@@ -92,6 +93,8 @@ def read_figures(run: RunFolder) -> RunFigures | None:
     epochs = series("time/epoch_s")
     if not epochs:
         return None
+    # The network is built here, and timed: only from a class this project's conf/ names.
+    records.check_data(OmegaConf.to_container(config.model), run.path / RESOLVED_CONFIG, records.conf_targets(), "model")
     ends = [-1] + [step for step, _ in epochs]  # Lightning files an epoch's time at its last step, global_step - 1
     steps = [max(1, b - a) for a, b in zip(ends, ends[1:])]
     figures = RunFigures(

@@ -1,0 +1,95 @@
+"""A run folder's records, read as data: what a resume, `src.eval`, `src.report` and `src.scaling` take from a folder.
+
+Outputs folders are shared (a cluster's storage, a team's disk, a colleague's copy), so a record may have been
+written by anyone who can write the folder. Records are parsed as plain YAML and never resolved by OmegaConf (a
+resolver could act), and what they name to build must be a class this project's conf/ names (or a
+`hydra.searchpath` typed now): a record never adds code to run in the account of whoever reads it.
+"""
+
+import functools
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from src.errors import UsageError
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+# `${a.b}` points at another key; any other `${...}` calls a resolver, which may act (create a folder, read a file).
+RESOLVER = re.compile(r"\$\{(?![\w.]+\})")
+
+
+def load(path: Path) -> Any:
+    """The YAML file at `path` as plain data; a file that is not YAML is a UsageError naming it."""
+    try:
+        return yaml.safe_load(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as error:
+        reason = getattr(error, "strerror", None) or " ".join(str(error).split())[:200]
+        raise UsageError(f"{path}: cannot be read as a record ({reason})") from None
+
+
+@functools.cache
+def conf_targets(dirs: tuple[Path, ...] = (CONF_DIR,)) -> frozenset[str]:
+    """Every `_target_` the config files under `dirs` name: what a run folder's records may ask to build."""
+    found: set[str] = set()
+    for folder in dirs:
+        for path in folder.rglob("*.yaml"):
+            found |= set(re.findall(r"^\s*_target_:\s*(\S+)", path.read_text(), flags=re.MULTILINE))
+    return frozenset(found)
+
+
+def refused(path: Path, key: str, value: Any, why: str) -> UsageError:
+    return UsageError(f"{path}: {key}={value} is not allowed in a run's records; {why}")
+
+
+def check_data(node: Any, path: Path, allowed: frozenset[str] | None = None, key: str = "") -> None:
+    """Refuse a resolver call anywhere in `node`, and (with `allowed`) a `_target_` outside `allowed`."""
+    if isinstance(node, dict):
+        for name, value in node.items():
+            inner = f"{key}.{name}" if key else str(name)
+            if name == "_target_" and allowed is not None and value not in allowed:
+                raise refused(path, inner, value, "it names no class of this project's conf/, and a record may not "
+                                                  "add code to run")
+            check_data(value, path, allowed, inner)
+    elif isinstance(node, list):
+        for index, value in enumerate(node):
+            check_data(value, path, allowed, f"{key}[{index}]")
+    elif isinstance(node, str) and RESOLVER.search(node):
+        raise refused(path, key, node, "a resolver could act when it is read")
+
+
+def select(data: Any, dotted: str) -> Any:
+    """`data["a"]["b"]` for `a.b`; None where a level is missing or is no mapping."""
+    for key in dotted.split("."):
+        data = data.get(key) if isinstance(data, dict) else None
+    return data
+
+
+def config(path: Path) -> dict[str, Any]:
+    """A run's resolved `config.yaml` as plain data, holding no resolver call."""
+    data = load(path)
+    if not isinstance(data, dict):
+        raise UsageError(f"{path}: holds no config (a mapping of keys)")
+    check_data(data, path)
+    return data
+
+
+def overrides(lines: Any, path: Path) -> list[str]:
+    """Recorded command-line overrides (`.hydra/overrides.yaml`, a sweep's `multirun.yaml`): a list of lines."""
+    if not isinstance(lines, list) or not all(isinstance(line, str) for line in lines):
+        raise UsageError(f"{path}: holds no list of overrides")
+    return list(lines)
+
+
+def check_override(line: str, path: Path) -> None:
+    """A recorded override that a command takes, checked as typed input and more strictly: no Hydra setting, no
+    `_target_`, no resolver call."""
+    key, _, value = line.partition("=")
+    key = key.lstrip("+~")
+    if re.split(r"[./@]", key)[0] == "hydra":
+        raise refused(path, key, value, "a resume takes the run's settings, never Hydra's own")
+    if "_target_" in line:
+        raise refused(path, key, value, "a record may not name code to run; type the override again to resume with it")
+    if RESOLVER.search(line):
+        raise refused(path, key, value, "a resolver could act when it is read")
