@@ -183,3 +183,42 @@ def checkpoint_to_evaluate(ckpt_path: str | None, test_weights: str = "best") ->
     if not path.is_file():
         raise UsageError(f"ckpt_path={ckpt_path}: no checkpoint at {path}; give a .ckpt file or a run folder")
     return open_checkpoint(path)
+
+
+def unreadable(error: Exception) -> str:
+    """Why torch could not read a file, in words: torch's own messages advise calling torch.save differently."""
+    text = str(error)
+    if "mmap can only be used" in text:
+        return "it is not in the format torch.save writes"
+    if "zip archive" in text or "inline_container" in text:
+        return "it is damaged or cut short, or a zip archive that torch did not write"
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror
+    return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
+
+
+def check_checkpoint(saved: Saved | None, given: object, module: torch.nn.Module, model_name: str) -> None:
+    """A checkpoint to resume or score must be a Lightning checkpoint of this very model, and hold only tensors and
+    plain values: unpickling anything else could run code the file carries."""
+    if saved is None:
+        return
+    path = saved.path
+    if saved.error is not None:
+        if (refused := unsafe_content(saved.error)) is not None:
+            raise UsageError(f"ckpt_path={given} is not allowed; {path} is not a safe checkpoint: it holds objects that "
+                             f"cannot be loaded safely ({refused}); a checkpoint is read as tensors and plain values "
+                             "only, so that loading it cannot run code")
+        raise UsageError(f"ckpt_path={given} is not allowed; {path} is not a checkpoint file ({unreadable(saved.error)})")
+    weights = saved.contents.get("state_dict") if isinstance(saved.contents, dict) else None
+    if not isinstance(weights, dict):
+        raise UsageError(f"ckpt_path={given} is not allowed; {path} is not a Lightning checkpoint (it holds no state_dict)")
+    expected = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+    found = {k: tuple(v.shape) for k, v in weights.items() if isinstance(v, torch.Tensor)}
+    if expected == found:
+        return
+    differences = [f"{k} {found[k]} here {expected[k]}" for k in expected.keys() & found.keys() if expected[k] != found[k]]
+    differences += [f"{k} missing" for k in expected.keys() - found.keys()]
+    differences += [f"{k} not in model={model_name}" for k in found.keys() - expected.keys()]
+    raise UsageError(f"ckpt_path={given} is not allowed; it holds another model than model={model_name} "
+                     f"({len(differences)} weights differ, e.g. {sorted(differences)[0]}); use the model it was trained with")
+

@@ -4,12 +4,13 @@
     python -m src.eval ckpt_path=outputs/runs/<run> test_weights=last     # its newest of last.ckpt and step.ckpt
     python -m src.eval ckpt_path=outputs/runs/<run>/checkpoints/best-epoch7.ckpt strategy=ddp devices=2
 
-Any strategy and number of processes: every test image counts once. The model is the one the
-checkpoint's run built (its `config.yaml`, training overrides such as `model.net.*` included), with
-this command's own `model.*` overrides on top, unless `model=` names another. The result is one line and
-the `test/acc` and `test/loss` scalars in `outputs/eval/<date>_<time>_<model>_<strategy>_<N>dev_<precision>/`.
+Any strategy and number of processes: every test image counts once. The model is the one the checkpoint's run built
+(its `config.yaml`, training overrides such as `model.net.*` included), with this command's own `model.*` overrides
+on top, unless `model=` names another. The result is one line and the `test/acc` and `test/loss` scalars in
+`outputs/eval/<date>_<time>_<model>_<strategy>_<N>dev_<precision>/`.
 """
 
+import re
 import sys
 from typing import Any
 
@@ -17,17 +18,18 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from src.checks import config_dirs, group_options, parse_overrides
+from src import records
+from src.checkpoints import checkpoint_to_evaluate
 from src.errors import UsageError
-from src.launch import cli, forkserver, frozen
-from src.launch.naming import register_resolvers
+from src.launch import cli
+from src.launch.console import processes
+from src.records import Result
 from src.runs import resolved_config, resolved_config_file
-
-register_resolvers()
+from src.train import build_run, record, scalar_metrics, trainer_input_errors
 
 
 def targets(node: Any, prefix: str) -> dict[str, Any]:
-    """Every `_target_` of a config (a plain container, unresolved) by its dotted key: what building it calls."""
+    """Every `_target_` of a config (plain values) by its dotted key: what building it calls."""
     found: dict[str, Any] = {}
     if isinstance(node, dict):
         found |= {f"{prefix}._target_": node["_target_"]} if "_target_" in node else {}
@@ -39,53 +41,59 @@ def targets(node: Any, prefix: str) -> dict[str, Any]:
     return found
 
 
-def check_targets(saved: DictConfig, composed: DictConfig, ckpt_path: object, group: str, choice: str) -> None:
-    """A run folder's `config.yaml` may change a group's values, never what is called to build it: a copied or
-    downloaded folder could otherwise run any function through a `_target_`. No command line can type one."""
-    ours, theirs = (targets(OmegaConf.to_container(c, resolve=False), group) for c in (composed, saved))
-    differ = sorted(key for key in ours.keys() | theirs.keys() if ours.get(key) != theirs.get(key))
-    if differ:
-        key, here = differ[0], f"{group}={choice}" if choice else f"this command's {group}"
-        raise UsageError(
-            f"ckpt_path={ckpt_path} is not allowed; {resolved_config_file(ckpt_path)} builds the {group} with {key}={theirs.get(key)} "
-            f"where {here} has {ours.get(key)}, and a run's config may change the {group}'s values, not what "
-            f"builds it; move that file away to score with {here} as configured here"
-        )
-
-
 def as_trained(cfg: DictConfig, overrides: list[str], group: str) -> DictConfig:
     """A group's config to score with (`model`, `data`): the checkpoint's run's own, this command's `<group>.*`
-    overrides on top.
+    overrides on top. Rebuilding the model from its name alone would drop the run's overrides (`model.net.hidden=32`,
+    `model.loss.label_smoothing=0.1`); the data from the defaults would look for it where the run did not (`data.root`).
 
-    Rebuilding the model from its name alone would drop the run's overrides (`model.net.hidden=32`,
-    `model.loss.label_smoothing=0.1`) and give a wrong shape or a different loss; the data from the
-    defaults would look for it where the run did not (`data.root`).
-    """
+    The run's config may change a group's values, never what is called to build it: a copied or downloaded folder could
+    otherwise run any function through a `_target_`."""
     saved = None if OmegaConf.is_missing(cfg, "ckpt_path") else resolved_config(cfg.ckpt_path)
     choice = cfg.get(f"{group}_name")  # model_name; the data group has one option, and no name in the config
     if saved is None or saved.get(f"{group}_name") != choice or not isinstance(saved.get(group), DictConfig):
         return cfg[group]
     trained = saved[group]
-    check_targets(trained, cfg[group], cfg.ckpt_path, group, choice)
-    for key in (override.split("=", 1)[0] for override in overrides):  # the checks allow only `<group>.<known key>=`
+    ours, theirs = (targets(OmegaConf.to_container(c, resolve=False), group) for c in (cfg[group], trained))
+    differ = sorted(key for key in ours.keys() | theirs.keys() if ours.get(key) != theirs.get(key))
+    if differ:
+        key, here = differ[0], f"{group}={choice}" if choice else f"this command's {group}"
+        raise UsageError(f"ckpt_path={cfg.ckpt_path} is not allowed; {resolved_config_file(cfg.ckpt_path)} builds the "
+                         f"{group} with {key}={theirs.get(key)} where {here} has {ours.get(key)}, and a run's config may "
+                         f"change the {group}'s values, not what builds it; move that file away to score with {here} "
+                         "as configured here")
+    for key in (override.split("=", 1)[0] for override in overrides):  # `<group>.<known key>=` typed here wins
         if key.startswith(f"{group}."):
             path = key.removeprefix(f"{group}.")
             OmegaConf.update(trained, path, OmegaConf.select(cfg[group], path), merge=False)
     return trained
 
 
-def evaluate(cfg: DictConfig) -> cli.Result:
-    overrides = list(HydraConfig.get().overrides.task)
-    cfg.model, cfg.data = as_trained(cfg, overrides, "model"), as_trained(cfg, overrides, "data")
-    forkserver.start_early(cfg)
-    runner = frozen.import_module("src.runner")  # torch and Lightning: once the command line has passed its checks
+def evaluate(cfg: DictConfig) -> tuple[Result, dict[str, Any]]:
+    """Score one checkpoint in this process: its result, and the objects built."""
+    checkpoint = checkpoint_to_evaluate(cfg.ckpt_path, cfg.test_weights)
+    objects = build_run(cfg, checkpoint, fit=False)
+    trainer, model = objects["trainer"], objects["model"]
+    model.load_state_dict(checkpoint.contents["state_dict"])  # the weights alone: nothing of the training run's loops
+    with trainer_input_errors():
+        trainer.test(model, datamodule=objects["datamodule"], verbose=False, weights_only=True)
+    metrics = scalar_metrics(trainer)
+    line = (f"test/acc={metrics.get('test/acc', float('nan')):.4f} test/loss={metrics.get('test/loss', float('nan')):.4f} "
+            f"(precision {cfg.precision_used}, {processes(trainer.world_size)}) of {checkpoint.path} -> {cfg.output_dir}")
+    result = Result(metrics, line, trainer.global_step)
+    record(cfg, objects, result, checkpoint.path)
+    return result, objects
 
-    return runner.run(cfg, fit=False)
+
+def score(cfg: DictConfig) -> Result:
+    """What each of the command's processes runs."""
+    return evaluate(cfg)[0]
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="eval")
-def hydra_main(cfg: DictConfig) -> cli.JobDone | cli.JobFailed:
-    return cli.run_job(evaluate, cfg)
+def main(cfg: DictConfig) -> Result:
+    overrides = list(HydraConfig.get().overrides.task)
+    cfg.model, cfg.data = as_trained(cfg, overrides, "model"), as_trained(cfg, overrides, "data")
+    return cli.run_job(cfg, score)
 
 
 def with_checkpoint_model(args: list[str]) -> list[str]:
@@ -95,19 +103,15 @@ def with_checkpoint_model(args: list[str]) -> list[str]:
         return args
     config = resolved_config(given["ckpt_path"])
     model = config.get("model_name") if config is not None else None
-    if model is not None and str(model) not in group_options("model", config_dirs(parse_overrides(args))):
-        raise UsageError(f"{resolved_config_file(given['ckpt_path'])}: model_name={model} is not an option of conf/model; "
-                         "give the model with model=<option>")
+    if model is not None and not re.fullmatch(r"[\w-]+", str(model)):
+        raise records.refused(resolved_config_file(given["ckpt_path"]), "model_name", model,
+                              "it must name an option of the model group; give the model with model=<option>")
     return [*args, f"model={model}"] if model else args
 
 
-def main() -> None:
+if __name__ == "__main__":
     try:
         sys.argv = [sys.argv[0], *with_checkpoint_model(sys.argv[1:])]
     except UsageError as error:
         cli.end_run(str(error), 2)
-    cli.run_entry(hydra_main, config_name="eval")
-
-
-if __name__ == "__main__":
-    main()
+    cli.main(main)

@@ -35,7 +35,6 @@ from omegaconf import DictConfig
 from torch import nn
 
 from src.errors import UsageError
-from src.launch.ranks import is_rank_zero
 from src.sysinfo import cpu_has_bf16, gpu_info, recommend_precision
 
 log = logging.getLogger(__name__)
@@ -66,16 +65,14 @@ def resolve_accelerator(requested: str) -> str:
     return "gpu" if requested == "cuda" else requested
 
 
-def resolve_precision(requested: object, accelerator: str, quiet: bool = False) -> str:
-    """The precision Lightning will really use, in its own full spelling (`32-true`, `bf16-mixed`), the one name
-    the run's folder, config.yaml, result line and HParams give it: `auto` picks by hardware; fp16 autocast
-    exists only on CUDA, so CPU gets bf16 (said once, by the run; `quiet` where only the name is wanted)."""
+def resolve_precision(requested: object, accelerator: str) -> str:
+    """The precision Lightning will really use, in its own full spelling (`32-true`, `bf16-mixed`), the one name the
+    run's folder, config.yaml, result line and HParams give it: `auto` picks by hardware; fp16 autocast exists only on
+    CUDA, so CPU gets bf16 (the run says so)."""
     precision = str(requested)
     if precision == "auto":
         precision = auto_precision(accelerator)
     elif accelerator == "cpu" and precision in ("16", "16-mixed"):
-        if is_rank_zero() and not quiet:
-            log.warning(f"precision={precision} needs a CUDA GPU; this CPU run uses bf16-mixed instead")
         precision = "bf16-mixed"
     return LIGHTNING_SPELLING.get(precision, precision)
 

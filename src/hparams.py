@@ -23,9 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from lightning import Trainer
-from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.loggers import Logger, TensorBoardLogger
 from omegaconf import DictConfig, OmegaConf
-from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 from tensorboard.compat.proto.summary_pb2 import Summary
 from tensorboard.plugins.hparams import api_pb2, metadata, plugin_data_pb2
 from torch.utils.tensorboard.writer import FileWriter
@@ -109,7 +108,8 @@ def run_hparams(cfg: DictConfig, trainer: Trainer, lr_used: float) -> dict[str, 
         **{k: _plain(v) for k, v in optim.items()},
         "max_epochs": cfg.max_epochs, "seed": cfg.seed,
         "sync_batchnorm": cfg.sync_batchnorm, "channels_last": cfg.channels_last, "compile": cfg.compile,
-        "ckpt_path": str(cfg.ckpt_path or ""), "tags": ",".join(str(tag) for tag in cfg.get("tags") or []),
+        # The file a run started from (`last` and `auto` resume the same run: a resumed run's row is the unbroken one's).
+        "ckpt_path": "" if cfg.ckpt_path in (None, "last", "auto") else str(cfg.ckpt_path), "tags": ",".join(str(tag) for tag in cfg.get("tags") or []),
         **parameter_counts(trainer),
         **{k: v for node in NESTED for k, v in _nested(cfg, node).items()},
     }
@@ -265,22 +265,25 @@ def trial_id(name: str, params: Mapping[str, Any]) -> str:
 
 
 @held()  # see RunLogger
-def log_hparams(logger: TensorBoardLogger, params: dict[str, Any], run_dir: Path, step: int = 0) -> None:
-    """Write the run's HParams summaries, pointing at scalars already logged, so no metric is written twice.
+def log_hparams(loggers: list[Logger], params: dict[str, Any], run_dir: Path, step: int = 0) -> None:
+    """The run's settings in each logger: TensorBoard's HParams summaries, pointing at scalars already logged (so no
+    metric is written twice), and another logger's own record of hyperparameters.
 
-    A sweep job writes only its session (the sweep declares the columns when it ends, `write_experiment`);
-    a single run also its experiment, with the settings typed on its command line marked as differing.
-    The summaries go into the logger's own event file, after the run's points, and carry the run's
-    last step, so that no event goes back.
+    A sweep job writes only its session (the sweep declares the columns when it ends, `write_experiment`); a single
+    run also its experiment, with the settings typed on its command line marked as differing. The summaries go into
+    the logger's own event file, after the run's points, at the run's last step, so that no event goes back.
     """
-    sweep_job = str(records.select(hydra_record(run_dir), "mode")) == "MULTIRUN"
-    name = trial_name(run_dir)
-    writer = logger.experiment._get_file_writer()  # SummaryWriter has no public call for a Summary of one's own
-    if not sweep_job:
-        writer.add_summary(experiment([params], changed_names(params, typed_keys(run_dir))), step)
-    writer.add_summary(session_start(params, trial_id(name, params)), step)
-    writer.add_summary(session_end(), step)
-    writer.flush()
+    for logger in loggers:
+        if not isinstance(logger, TensorBoardLogger):
+            logger.log_hyperparams(params)
+            continue
+        sweep_job = str(records.select(hydra_record(run_dir), "mode")) == "MULTIRUN"
+        writer = logger.experiment._get_file_writer()  # SummaryWriter has no public call for a Summary of one's own
+        if not sweep_job:
+            writer.add_summary(experiment([params], changed_names(params, typed_keys(run_dir))), step)
+        writer.add_summary(session_start(params, trial_id(trial_name(run_dir), params)), step)
+        writer.add_summary(session_end(), step)
+        writer.flush()
 
 
 def write_experiment(runs: list[Mapping[str, Any]], log_dir: Path, typed: Iterable[str] = ()) -> None:
@@ -289,12 +292,3 @@ def write_experiment(runs: list[Mapping[str, Any]], log_dir: Path, typed: Iterab
     writer = FileWriter(str(log_dir))
     writer.add_summary(experiment(runs, typed=typed))
     writer.close()
-
-
-def has_hparams(run_dir: Path) -> bool:
-    """Whether an earlier part of this run (before a resume) already wrote the HParams summary."""
-    for events in run_dir.glob("events.out.tfevents.*"):
-        for event in EventFileLoader(str(events)).Load():
-            if any(value.metadata.plugin_data.plugin_name == "hparams" for value in event.summary.value):
-                return True
-    return False

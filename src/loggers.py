@@ -3,8 +3,9 @@
 from pathlib import Path
 from typing import Any
 
-from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.loggers import Logger, TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only
+from omegaconf import DictConfig
 from tensorboard.compat.proto.summary_pb2 import DataClass, Summary, SummaryMetadata
 from torch.utils.tensorboard.summary import custom_scalars
 
@@ -140,6 +141,20 @@ class RunLogger(TensorBoardLogger):
         none is open (`_experiment`, the attribute Lightning's own `finalize` reads)."""
         if self._experiment is not None:
             self._experiment.flush()
+
+
+def is_tensorboard(config: DictConfig) -> bool:
+    """Whether a `logger=` option is TensorBoard's, which takes the purge step of a resumed run."""
+    return str(config.get("_target_", "")).endswith("RunLogger")
+
+
+def close_loggers(loggers: list[Logger]) -> None:
+    """Every logger's files closed, after the run's last record."""
+    for logger in loggers:
+        if isinstance(logger, RunLogger):
+            logger.close()
+        else:
+            logger.finalize("success")
 
 
 def purge_step(resumed: Saved | None, run_dir: Path) -> int | None:

@@ -24,43 +24,21 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from src.errors import UsageError
 
-LR_SCALINGS = ("none", "linear")
-SCALING_KEYS = ("lr_scaling", "base_batch_size")
-SCHEDULES = ("none", "cosine")
-SCHEDULE_KEYS = ("schedule", "warmup")
-
 
 def scaled_lr(lr: float, global_batch: int, lr_scaling: str = "none", base_batch_size: int = 256) -> float:
     """`lr` as given (`none`) or times global_batch / base_batch_size (`linear`)."""
-    if lr_scaling not in LR_SCALINGS:
-        raise UsageError(f"optim.lr_scaling={lr_scaling} is not an option; choose one of: {', '.join(LR_SCALINGS)}")
-    if isinstance(base_batch_size, bool) or not isinstance(base_batch_size, int) or base_batch_size < 1:
-        raise UsageError(
-            f"optim.base_batch_size={base_batch_size} is not allowed; it must be a whole number of at least 1"
-        )
-    if lr_scaling == "linear":
-        return lr * global_batch / base_batch_size
-    return lr
-
-
-def optimizer_config(optim: Mapping[str, Any], global_batch: int) -> dict[str, Any]:
-    """The `optim` config as the optimizer takes it: scaling keys consumed, `lr` the one used."""
-    args = OmegaConf.to_container(optim, resolve=True) if OmegaConf.is_config(optim) else dict(optim)
-    assert isinstance(args, dict)
-    lr_scaling = args.pop("lr_scaling", "none")
-    base_batch_size = args.pop("base_batch_size", 256)
-    for key in SCHEDULE_KEYS:
-        args.pop(key, None)
-    args["lr"] = scaled_lr(args["lr"], global_batch, lr_scaling, base_batch_size)
-    return args
+    return lr * global_batch / base_batch_size if lr_scaling == "linear" else lr
 
 
 def build_optimizer(optim: Mapping[str, Any], global_batch: int) -> functools.partial:
-    """The optimizer as a partial that takes the parameters, as the Classifier calls it."""
-    args = optimizer_config(optim, global_batch)
-    if not args.get("_partial_"):
-        raise UsageError(f"optim: the optimizer config must have `_partial_: true` (the Classifier passes its parameters); "
-                         f"add it to conf/optim/<file> beside _target_: {args.get('_target_')}")
+    """The optimizer as a partial that takes the parameters, as the Classifier calls it: the scaling and schedule keys
+    read here, `lr` the one used."""
+    args = OmegaConf.to_container(optim, resolve=True) if OmegaConf.is_config(optim) else dict(optim)
+    assert isinstance(args, dict)
+    scaling = [args.pop(name, default) for name, default in (("lr_scaling", "none"), ("base_batch_size", 256))]
+    for name in ("schedule", "warmup"):
+        args.pop(name, None)
+    args["lr"] = scaled_lr(args["lr"], global_batch, *scaling)
     try:
         return instantiate(args, _convert_="all")
     except InstantiationException as error:
@@ -68,7 +46,7 @@ def build_optimizer(optim: Mapping[str, Any], global_batch: int) -> functools.pa
 
 
 def check_optimizer(factory: functools.partial, params: Iterable[nn.Parameter]) -> None:
-    """Build the optimizer once, before any process starts, so a bad argument is one line, not a traceback in fit."""
+    """Build the optimizer once before fitting, so that a bad argument is one line, not a traceback inside fit."""
     try:
         factory(params)
     except (TypeError, ValueError) as error:
@@ -105,9 +83,4 @@ class Schedule:
 
 def build_schedule(optim: Mapping[str, Any]) -> Schedule:
     """The `optim.schedule` and `optim.warmup` of the config (`none` and 0 when absent)."""
-    name, warmup = optim.get("schedule", "none"), optim.get("warmup", 0.0)
-    if name not in SCHEDULES:
-        raise UsageError(f"optim.schedule={name} is not an option; choose one of: {', '.join(SCHEDULES)}")
-    if isinstance(warmup, bool) or not isinstance(warmup, (int, float)) or not 0 <= warmup < 1:
-        raise UsageError(f"optim.warmup={warmup} is not allowed; it must be a share of the steps from 0 up to (not including) 1")
-    return Schedule(name, float(warmup))
+    return Schedule(optim.get("schedule", "none"), float(optim.get("warmup", 0.0)))

@@ -7,7 +7,9 @@ resolver could act), and what they name to build must be a class this project's 
 """
 
 import functools
+import json
 import re
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -93,3 +95,37 @@ def check_override(line: str, path: Path) -> None:
         raise refused(path, key, value, "a record may not name code to run; type the override again to resume with it")
     if RESOLVER.search(line):
         raise refused(path, key, value, "a resolver could act when it is read")
+
+
+@dataclass(frozen=True)
+class Result:
+    """What a run returns and records in its folder's `result.json`: its final metrics, the line it ended with, the
+    optimizer step it ended at, whether it went on from a checkpoint of its folder (`resumed`), and whether it only
+    repeated the record of a run that had finished (`skipped`)."""
+
+    metrics: dict[str, float]
+    line: str
+    step: int = -1
+    resumed: bool = False
+    skipped: bool = False
+
+    def save(self, folder: Path) -> None:
+        partial = folder / ".result.json.partial"
+        partial.write_text(json.dumps(asdict(self), indent=1))
+        partial.replace(folder / RESULT)
+
+
+RESULT = "result.json"
+
+
+def result(folder: Path) -> Result | None:
+    """The result a run recorded; None where it recorded none, or one that is not a result."""
+    path = folder / RESULT
+    if not path.is_file():
+        return None
+    data = load(path)
+    metrics, line, step = select(data, "metrics"), select(data, "line"), select(data, "step")
+    if not (isinstance(metrics, dict) and isinstance(line, str) and isinstance(step, int)
+            and all(isinstance(v, (int, float)) for v in metrics.values())):
+        return None
+    return Result({str(k): float(v) for k, v in metrics.items()}, line, step)

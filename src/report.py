@@ -20,8 +20,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
 
 from src.errors import UsageError
 from src.launch.console import counted, saying
@@ -432,25 +430,21 @@ def write_tensorboard_text(runs: list[Run], log_dir: Path) -> None:
         writer.add_text("report", markdown_table(runs))
 
 
-class SweepReport(Callback):
-    """Hydra callback: when a sweep ends, the report goes into the sweep folder, and `<sweep>/report` in
-    TensorBoard gets its table and the HParams columns of the sweep (`src.hparams.write_experiment`)."""
+def write_sweep_report(sweep_dir: Path, failed: dict[str, str]) -> Path | None:
+    """When a sweep ends: its report in its folder (its failed jobs listed), and `<sweep>/report` in TensorBoard with the
+    table and the sweep's HParams columns (`src.hparams.write_experiment`); None where no run could be reported."""
+    try:
+        runs = write_report(sweep_dir, failed=failed)
+    except UsageError as error:
+        log.warning(f"no sweep report: {error}")
+        return None
+    write_tensorboard_text(runs, sweep_dir / "report")
+    if any(run.params for run in runs):
+        from src.hparams import override_keys, write_experiment
+        from src.launch.naming import sweep_args
 
-    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        from src.launch.cli import failed_jobs  # filled by the jobs (locally) or by the launcher that waited for them
-
-        sweep_dir = Path(str(config.hydra.sweep.dir))
-        try:
-            runs = write_report(sweep_dir, failed={job: failed.line for job, failed in failed_jobs.items()})
-        except UsageError as error:
-            log.warning(f"no sweep report: {error}")
-            return
-        write_tensorboard_text(runs, sweep_dir / "report")
-        if any(run.params for run in runs):
-            from src.hparams import override_keys, write_experiment
-
-            typed = override_keys(config.hydra.overrides.task)
-            write_experiment([run.params for run in runs if run.params], sweep_dir / "report", typed)
+        write_experiment([run.params for run in runs if run.params], sweep_dir / "report", override_keys(sweep_args(str(sweep_dir))))
+    return sweep_dir / "report.md"
 
 
 def main(argv: list[str] | None = None) -> None:

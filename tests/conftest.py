@@ -1,19 +1,9 @@
-"""Session fixtures, and the environment every test process and the processes it starts share."""
+"""Session fixtures: the data copy, runs trained once for the tests that read them, and checks every test passes."""
 
-import gc
-import os
-import sys
+import pytest
+import torch
 
-# Two test processes share the machine's cores (README: `-n 2`). OpenMP's threads spin on a core while they
-# wait for work, taking it from the other test process; waiting asleep, the suite took 18 % less time on 2
-# cores. The numbers a run computes do not change. Set before torch loads OpenMP, which reads it once.
-assert "torch" not in sys.modules, "OMP_WAIT_POLICY must be set before torch is imported"
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from tests.helpers import DATA_ROOT, LINEAR_LR, QUICK, REPO, Run, train  # noqa: E402
+from tests.helpers import DATA_ROOT, LINEAR_LR, QUICK, REPO, Run, train
 
 OUTPUTS = REPO / "outputs"
 
@@ -26,24 +16,7 @@ def data_root():
     return DATA_ROOT
 
 
-def pytest_sessionfinish(session, exitstatus):
-    """This test process's command server (tests/forked.py), if it started one, ended and its folder gone."""
-    from tests import forked
-
-    if forked.Server._instance is not None:
-        forked.Server._instance.end()
-
-
-def pytest_collection_finish(session):
-    """What collection imported (torch, Lightning, hydra, the tests) lives as long as this test process: kept out of
-    the garbage collector's walks from here on, as a command keeps its import of them (src/launch/frozen.py). The two
-    test processes of a suite had spent 7 and 12 s in the collector, 5 and 6 s with this."""
-    gc.freeze()
-
-
 def pytest_collection_modifyitems(config, items):
-    import torch
-
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "gpu" in item.keywords and not torch.cuda.is_available():
@@ -56,8 +29,8 @@ def _checkout_runs() -> set[str]:
 
 @pytest.fixture(autouse=True)
 def checkout_outputs_untouched():
-    """Every test runs in folders of its own: a folder it leaves in the checkout's outputs/ (a run's,
-    a sweep's, an eval's) is an error of that test, and would mix with a user's runs."""
+    """Every test runs in folders of its own: a folder it leaves in the checkout's outputs/ (a run's, a sweep's, an
+    eval's) is an error of that test, and would mix with a user's runs."""
     before = _checkout_runs()
     yield
     added = _checkout_runs() - before
@@ -82,13 +55,13 @@ def _trained(tmp_path_factory: pytest.TempPathFactory, name: str, *args: str) ->
 
 @pytest.fixture(scope="session")
 def quick_run(tmp_path_factory, data_root) -> Run:
-    """`python -m src.train debug=quick` (LeNet, one process), trained once for every test that reads
-    such a run; a test that changes the folder works in a `Run.copy` of it."""
+    """`python -m src.train debug=quick` (LeNet, one process), trained once for every test that reads such a run; a
+    test that changes the folder works in a `Run.copy` of it."""
     return _trained(tmp_path_factory, "quick_run", *QUICK)
 
 
 @pytest.fixture(scope="session")
 def ddp_run(tmp_path_factory, data_root) -> Run:
-    """The same on 2 DDP processes, with a global batch of 128 and linear learning-rate scaling
-    (`LINEAR_LR`), trained once for every test that reads such a run."""
+    """The same on 2 DDP processes, with a global batch of 128 and linear learning-rate scaling (`LINEAR_LR`), trained
+    once for every test that reads such a run."""
     return _trained(tmp_path_factory, "ddp_run", *QUICK, "strategy=ddp", "devices=2", *LINEAR_LR)

@@ -17,11 +17,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from omegaconf import OmegaConf
+from hydra import compose, initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf, open_dict
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 
-from tests import forked
+from src.records import Result
 
 # Set by torchrun, torch's elastic agent or Lightning for the processes they start; a user's shell has none.
 RANK_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
@@ -88,12 +90,10 @@ def user_env() -> dict[str, str]:
 
 
 def start_ranks(worker: Callable[..., None], *args: object, nprocs: int) -> None:
-    """`torch.multiprocessing.spawn(worker, args, nprocs)`, the processes forked from the forkserver, which
-    imports `worker`'s module once for all of them, as `src.scaling` starts its own: a spawned interpreter
-    imports torch again, seconds of a core each."""
-    from src.launch import forkserver
+    """`worker(rank, *args)` in `nprocs` new processes (torch's spawn), waited for."""
+    import torch.multiprocessing
 
-    forkserver.start_processes(worker, args, nprocs)
+    torch.multiprocessing.start_processes(worker, args, nprocs=nprocs, start_method="spawn")
 
 
 def free_port() -> int:
@@ -102,23 +102,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_cli(module: str, *args: str, timeout: float = 300, cwd: Path = REPO, env: dict[str, str] | None = None,
-            interpreter: bool = False) -> subprocess.CompletedProcess:
-    """Run `python -m <module> <args>` as a user would, capturing its output: in a process of its own, forked
-    from a server that imported the project (tests/forked.py), or with `interpreter` (or an `env` that changes
-    what native libraries read when they load) in a new interpreter, where its start-up is under test."""
-    env = env or user_env()
-    if module == "src.eval" and cwd == REPO and env == user_env() and not needs_own_process(args):
-        return in_process(module, *args, timeout=timeout)
-    if interpreter or forked.needs_interpreter(env):
-        return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=env, capture_output=True, text=True,
-                              timeout=timeout)
-    return forked.run(module, *args, cwd=cwd, env=env, timeout=timeout)
+def run_cli(module: str, *args: str, timeout: float = 300, cwd: Path = REPO, env: dict[str, str] | None = None
+            ) -> subprocess.CompletedProcess:
+    """`python -m <module> <args>` as a user runs it: a new process, its output captured."""
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=env or user_env(), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def train(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`python -m src.train <args>`."""
+    return run_cli("src.train", *args, timeout=timeout)
 
 
 def call_main(main: Callable[[list[str]], object], *args: str) -> subprocess.CompletedProcess:
-    """`main(args)` in this process, with its exit status and output as `run_cli` returns them: for a
-    command whose own start-up is not what the test is about."""
+    """`main(args)` of a command that takes its argument list (src.report, src.scaling) in this process, with its exit
+    status and output as `run_cli` returns them."""
     stdout, stderr, status = io.StringIO(), io.StringIO(), 0
     with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
         try:
@@ -128,68 +126,30 @@ def call_main(main: Callable[[list[str]], object], *args: str) -> subprocess.Com
     return subprocess.CompletedProcess(list(args), status, stdout.getvalue(), stderr.getvalue())
 
 
-def in_process(module: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    """`python -m <module> <args>` run through the module's own `main()` in this process: the same
-    command-line check, Hydra, run folder, log and exit status, without starting Python and torch again.
+def composed(*overrides: str, run_dir: Path | str = "/tmp/run", config_name: str = "train") -> DictConfig:
+    """The config `python -m src.train <overrides>` composes, with its folder `run_dir`, for a run in this process (the
+    Lightning + Hydra template's way): Hydra's own settings are set for it, as a command's job has them."""
+    from src.config import CONF_DIR
 
-    What the run changes in this process is put back: argv, signal handlers, the root logger's
-    handlers (closing the run's `train.log`), Hydra's global state and the sweep's failed jobs.
-    Warnings go to the run's stderr, as they would in its own process. A run still going after
-    `timeout` seconds ends the test session with every thread's traceback, as a hung subprocess would
-    end its test with a timeout. For one process only: a run that starts processes (local DDP, a sweep
-    of such jobs) runs as a command (`train`), whose forkserver is forked from tests/forked.py's server.
-    """
-    import faulthandler
-    import importlib
-    import logging
-    import warnings
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name, overrides=list(overrides), return_hydra_config=True)
+    with open_dict(cfg):
+        cfg.hydra.run.dir = cfg.hydra.runtime.output_dir = str(run_dir)
+        cfg.hydra.job.name = config_name
+    HydraConfig.instance().set_config(cfg)
+    return cfg
 
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.core.hydra_config import HydraConfig
 
-    from src.launch import cli
+def fit(*overrides: str, run_dir: Path) -> tuple[Result, dict]:
+    """`train(cfg)` in this process on the composed, checked config, its records written: the result and the objects."""
+    from src import config
+    from src.launch.cli import save_records
+    from src.train import train as train_in_process
 
-    entry = importlib.import_module(module)
-    stdout, stderr, status = io.StringIO(), io.StringIO(), 0
-    saved_argv, root = sys.argv, logging.getLogger()
-    saved_root = root.handlers[:], root.level
-    stop_signals = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-    saved_signals = {signum: signal.getsignal(signum) for signum in stop_signals}
-    cli.failed_jobs.clear()
-    hang_report = open(os.dup(sys.__stderr__.fileno()), "w")  # this stderr, also while fd 2 is redirected
-    sys.argv = [f"{module.replace('.', '/')}.py", *args]
-    saved_env = dict(os.environ)  # a launcher sets some for its workers
-    os.environ["HYDRA_MAIN_MODULE"] = "__main__"  # find conf/ beside the entry's file, as `python -m` does
-    HydraConfig.instance().cfg = None  # as in a new process: no config of an earlier run or test to resolve against
-
-    def show(message, category, filename, lineno, file=None, line=None) -> None:
-        sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
-
-    try:
-        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr), warnings.catch_warnings():
-            warnings.showwarning = show
-            faulthandler.dump_traceback_later(timeout, exit=True, file=hang_report)
-            importlib.import_module("src.runner").ignore_known_warnings()  # as at the import in a process of its own
-            try:
-                entry.main()
-            except SystemExit as exit_:
-                status = exit_.code if isinstance(exit_.code, int) else 0 if exit_.code is None else 1
-    finally:
-        faulthandler.cancel_dump_traceback_later()
-        hang_report.close()
-        sys.argv = saved_argv
-        os.environ.clear()
-        os.environ.update(saved_env)
-        for handler in root.handlers[:]:
-            if handler not in saved_root[0]:
-                handler.close()
-        root.handlers[:], _ = saved_root
-        root.setLevel(saved_root[1])
-        for signum, handler in saved_signals.items():
-            signal.signal(signum, handler)
-        GlobalHydra.instance().clear()
-        cli.failed_jobs.clear()
-    return subprocess.CompletedProcess([module, *args], status, stdout.getvalue(), stderr.getvalue())
+    cfg = composed(*overrides, run_dir=run_dir)
+    config.check(cfg)
+    save_records(cfg)
+    return train_in_process(cfg)
 
 
 def children(pid: int) -> list[int]:
@@ -201,52 +161,15 @@ def children(pid: int) -> list[int]:
     return sorted(pids)
 
 
-def _cmdline(pid: int) -> bytes:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return b""
-
-
-def is_forkserver(pid: int) -> bool:
-    """A new interpreter running multiprocessing's forkserver, or one that a command of tests/forked.py forked."""
-    return b"multiprocessing.forkserver" in _cmdline(pid) or forked.is_forked_forkserver(pid)
-
-
-def forkserver_pids(launcher: int) -> list[int]:
-    """A launcher's forkserver, which its DDP workers are forked from, once it has started."""
-    return [child for child in children(launcher) if is_forkserver(child)]
-
-
 def worker_pids(launcher: int) -> list[int]:
-    """A launcher's DDP workers, in the order started: the children of its forkserver (or, started by
-    spawn, its own children running `spawn_main`)."""
-    pids = []
-    for child in children(launcher):
-        if is_forkserver(child):
-            pids += children(child)
-        elif b"spawn_main" in _cmdline(child):
-            pids.append(child)
-    return sorted(pids)
+    """A launcher's DDP workers, in the order started: its children that multiprocessing spawned."""
+    def cmdline(pid: int) -> bytes:
+        try:
+            return Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            return b""
 
-
-def needs_own_process(args: tuple[str, ...]) -> bool:
-    """Whatever is not one process without a process group: a sweep, any DDP strategy (local DDP's
-    workers are forked from a forkserver that tests/forked.py's server forks, which a run in this
-    process would start as a new interpreter), more than one device or node, or a fault of
-    tests/faults.py (which may kill its process). strategy=dp is one process on any number of devices."""
-    dp = any(a.startswith("strategy=dp") for a in args)
-    devices = [a.split("=", 1)[1] for a in args if a.startswith("num_nodes=") or (a.startswith("devices=") and not dp)]
-    return (any(a in ("-m", "--multirun") or "tests.faults" in a or a.startswith("strategy=ddp") for a in args)
-            or any(d not in ("1", "auto") for d in devices))
-
-
-def train(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    """`python -m src.train <args>`: in this process for a run of one process, else as a command in a
-    process of its own (`run_cli`)."""
-    if needs_own_process(args):
-        return run_cli("src.train", *args, timeout=timeout)
-    return in_process("src.train", *args, timeout=timeout)
+    return [child for child in children(launcher) if b"spawn_main" in cmdline(child)]
 
 
 class TorchrunNodes:

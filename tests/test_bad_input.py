@@ -1,48 +1,31 @@
 """Every input a user can type is checked: one `error: ...` line naming the option, exit status 2, no run folder.
 
-The range rules are tested in-process on the composed config; the command line is tested once
-per way a run can fail (before Hydra, in `train()`, when the Trainer takes the strategy, when
-the checkpoint is read, inside Lightning's fit, and a loss that diverges).
+The rules are tested in this process on the config Hydra composes (`src.config.check`), Hydra's own refusals through
+the line `src.config.explain` makes of them, and what was typed through `check_args`; the command line is tested once
+per way a run can fail (Hydra's composition, the checks, the launch, building, the checkpoint, inside Lightning's fit,
+and a loss that diverges).
 """
 
+import inspect
+import typing
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
-from hydra.core.hydra_config import HydraConfig
-from hydra.errors import ConfigCompositionException
 from hydra.utils import instantiate
 from lightning import LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import open_dict
 from torch.utils.data import DataLoader, TensorDataset
 
-from src import checks
-from src.checks import CONF_DIR, check_config, check_overrides, check_run_dir, group_options
-from src.checks import objects
-from src.checks.lightning_names import precisions, trainer_arguments
-from src.checks.objects import check_checkpoint
+from src import config
 from src.callbacks.finite_loss import FiniteLossCheck
-from src.build import build
-from src.checkpoints import open_checkpoint, resolve_ckpt_path
+from src.checkpoints import check_checkpoint, open_checkpoint, resolve_ckpt_path
 from src.errors import TrainingDiverged, UsageError
 from src.models.module import Classifier
-from src.launch.naming import register_resolvers
-from tests.helpers import QUICK, hparams, train
-
-register_resolvers()
-
-
-def composed(*overrides: str):
-    """The config a run with these overrides gets, as `train()` sees it."""
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose("train", overrides=list(overrides), return_hydra_config=True)
-    with open_dict(cfg):  # as a run's: its folder chosen (resolving the default would create one)
-        cfg.hydra.run.dir = cfg.hydra.runtime.output_dir = "/tmp/run"
-    HydraConfig.instance().set_config(cfg)
-    return cfg
+from src.train import build, check_model
+from tests.helpers import QUICK, composed, hparams, train
 
 
 def refused(check, *args) -> str:
@@ -53,13 +36,26 @@ def refused(check, *args) -> str:
     return message
 
 
+def hydra_refusal(*overrides: str) -> str:
+    """The one line a command gets where Hydra refuses to compose these overrides."""
+    with pytest.raises(Exception) as caught:
+        composed(*overrides)
+    line = config.explain(caught.value, list(overrides))
+    assert line is not None and "\n" not in line, caught.value
+    return line
+
+
+def group_options(group: str) -> list[str]:
+    return sorted(path.stem for path in (config.CONF_DIR / group).glob("*.yaml"))
+
+
 # --- the composed config, in-process ---------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("group", ["model", "optim", "strategy", "experiment", "data", "debug"])
 def test_every_shipped_option_passes_the_checks(group):
     for option in group_options(group):
-        check_config(composed(f"{group}={option}"))
+        config.check(composed(f"{group}={option}"))
 
 
 OUT_OF_RANGE = {
@@ -88,7 +84,7 @@ OUT_OF_RANGE = {
     "accelerator=tpu": "accelerator must be one of: auto, cpu, gpu, cuda",
     "optim.lr_scaling=sqrt": "optim.lr_scaling must be one of: none, linear",
     "ckpt_path=''": "ckpt_path must be null, or a non-empty string",
-    "model.net.num_classes=5": "it must equal data.num_classes=10, what data=fashion_mnist holds",
+    "model.net.num_classes=5": "it must equal data.num_classes=10, what the data holds",
     "model.num_classes=5": "it must equal data.num_classes=10",
     "model.net.in_channels=3": "it must equal data.in_channels=1",
     "data.num_classes=1": "data.num_classes must be a whole number of at least 2",
@@ -129,13 +125,19 @@ OUT_OF_RANGE = {
     "trainer.min_epochs=20": "it must be at most max_epochs=10",
     "trainer.enable_checkpointing=false": "remove them with ~callbacks.best_checkpoint ~callbacks.last_checkpoint",
     "num_nodes=2": "torchrun or SLURM (see docs/cluster.md)",
+    "strategy=ddp strategy.hook=zip": "strategy.hook must be one of: none, fp16, bf16, powersgd, powersgd_fp16, or the import path",
+    "strategy=ddp strategy.powersgd_rank=0": "strategy.powersgd_rank must be a whole number of at least 1",
+    "strategy=ddp strategy.start_powersgd_iter=1": "(PowerSGD's error feedback needs plain all-reduce steps first)",
+    "strategy=ddp strategy.timeout_s=0": "strategy.timeout_s must be a number above 0",
+    "strategy=ddp strategy.process_group_backend=ucc": "strategy.process_group_backend must be null, or one of: gloo, nccl, mpi",
+    "strategy=ddp strategy.static_graph=1": "strategy.static_graph must be one of: true, false",
 }
 
 
 @pytest.mark.parametrize("override", OUT_OF_RANGE)
 def test_out_of_range_values_are_refused_naming_the_key(override):
-    message = refused(check_config, composed(override))
-    key = override.split("=")[0]
+    message = refused(config.check, composed(*override.split()))
+    key = override.split()[-1].split("=")[0]
     assert message.startswith(f"{key}=") and " is not allowed; " in message
     assert OUT_OF_RANGE[override] in message
 
@@ -151,15 +153,8 @@ WRONG_TYPES = {  # refused by the schema (src/config.py) when Hydra composes; on
 
 @pytest.mark.parametrize("override", WRONG_TYPES)
 def test_values_of_the_wrong_type_are_refused_naming_the_key(override):
-    with pytest.raises(ConfigCompositionException):
-        composed(override)
-    message = refused(check_overrides, [override])
+    message = hydra_refusal(override)
     assert message.startswith(f"{override} is not allowed; ") and WRONG_TYPES[override] in message
-
-
-def test_each_swept_value_has_its_type_checked():
-    check_overrides(["-m", "devices=1,2", "seed=0,1"])
-    assert refused(check_overrides, ["-m", "devices=1,two"]).startswith("devices=two is not allowed; devices must be")
 
 
 ACCEPTED = [
@@ -175,64 +170,76 @@ ACCEPTED = [
 
 @pytest.mark.parametrize("override", ACCEPTED)
 def test_values_in_range_pass(override):
-    check_config(composed(override))
+    config.check(composed(override))
 
 
 def test_more_than_one_node_is_fine_under_a_launcher(monkeypatch):
-    monkeypatch.setenv("RANK", "0")
-    check_config(composed("num_nodes=2", "strategy=ddp"))
+    for name, value in {"RANK": "0", "GROUP_RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}.items():
+        monkeypatch.setenv(name, value)
+    config.check(composed("num_nodes=2", "strategy=ddp"))
 
 
-# --- keys and groups on the command line, before Hydra ---------------------------------------------------
+# --- keys and groups: what was typed, and Hydra's refusals in one line ---------------------------------------
 
-UNKNOWN_KEYS = {
-    "+unknown_key=1": "unknown_key is not a known key (top-level keys: accelerator,",
-    "++unknown=1": "unknown is not a known key",
-    "unknown_key=1": "unknown_key is not a known key",
+UNKNOWN_KEYS = {  # refused by Hydra while it composes, said in one line
+    "unknown_key=1": "unknown_key is not a known key (top-level keys: accelerator,",
     "optim.learning_rate=0.1": "optim.learning_rate is not a known key; did you mean optim.lr?",
     "data.batchsize=64": "data.batchsize is not a known key; did you mean data.batch_size?",
-    "+optim.nesterov=true": "optim.nesterov is not a known key",
     "callbacks.best_checkpoint.monitr=val/acc": "did you mean callbacks.best_checkpoint.monitor?",
-    "trainer.epochs=3": "trainer.epochs is not a lightning.Trainer argument",
-    "trainer.max_epochs=3": "trainer.max_epochs is set by the top-level key; use max_epochs=... instead",
+    "trainer.max_epoch=3": "trainer.max_epoch is not a lightning.Trainer argument; did you mean max_epochs? (a top-level key",
+    "trainer.epochs=3": "trainer.epochs is not a known key; did you mean trainer.min_epochs?",
     "+optim.lr=0.1": "+optim.lr: optim.lr is already in the config; set it with optim.lr=...",
-    "~optim.momentum": "~optim.momentum: only a callback (~callbacks.<name>) or a trainer argument can be removed",
-    "~model": "~model is not allowed; choose model=<option> instead",
-    "output_dir=/tmp/x": "output_dir is derived from the other settings; set hydra.run.dir=<folder> instead",
-    "model.net._target_=torch.nn.Identity": "model.net._target_ is set by the config group; choose model=<option>",
-    "optim._target_=torch.optim.Adam": "optim._target_ is set by the config group; choose optim=<option>",
     "optim=rmsprop": "optim=rmsprop is not an option; choose one of: adam, sgd",
     "debug=slow": "debug=slow is not an option; choose one of: quick",
-    "~debug": "~debug is not allowed; choose debug=<option> instead",
     "optim.lr=[": "optim.lr=[ is not allowed; it must follow Hydra's override grammar",
 }
 
 
 @pytest.mark.parametrize("override", UNKNOWN_KEYS)
 def test_unknown_keys_are_refused_with_the_closest_known_key(override):
-    assert UNKNOWN_KEYS[override] in refused(check_overrides, [override])
+    assert UNKNOWN_KEYS[override] in hydra_refusal(override)
+
+
+TYPED = {  # refused as typed, before Hydra composes anything
+    "++unknown=1": None,  # added: then refused by the rules, as a key no rule knows
+    "trainer.max_epochs=3": "trainer.max_epochs is set by the top-level key; use max_epochs=... instead",
+    "~model": "~model is not allowed; choose model=<option> instead",
+    "~debug": "~debug is not allowed; choose debug=<option> instead",
+    "output_dir=/tmp/x": "output_dir is derived from the other settings; set hydra.run.dir=<folder> instead",
+    "precision_used=32-true": "precision_used is derived from the other settings; set precision and accelerator instead",
+    "model.net._target_=torch.nn.Identity": "model.net._target_ is set by the config group; choose model=<option>",
+    "optim._target_=torch.optim.Adam": "optim._target_ is set by the config group; choose optim=<option>",
+    "--devices": "--devices is not an option; settings are typed key=value: devices=...",
+    "optim.lr=[": "optim.lr=[ is not allowed; it must follow Hydra's override grammar",
+}
+
+
+@pytest.mark.parametrize("override", TYPED)
+def test_what_a_command_line_may_not_type_is_refused_before_hydra(override):
+    if TYPED[override] is None:
+        config.check_args([override])
+        assert refused(config.check, composed(override)).startswith("unknown is not a known key (top-level keys:")
+    else:
+        assert refused(config.check_args, [override]).startswith(TYPED[override])
 
 
 def test_keys_are_still_checked_under_debug_quick():
-    check_overrides(["debug=quick", "trainer.limit_train_batches=10", "max_epochs=2"])
-    assert refused(check_overrides, ["debug=quick", "trainer.limit_train_batchs=10"]) == (
-        "trainer.limit_train_batchs is not a lightning.Trainer argument; did you mean trainer.limit_train_batches?")
-    assert "data.batchsize is not a known key; did you mean data.batch_size?" in refused(
-        check_overrides, ["debug=quick", "data.batchsize=64"])
-    assert refused(check_config, composed("debug=quick", "trainer.limit_train_batches=0")).startswith(
+    config.check(composed("debug=quick", "trainer.limit_train_batches=10", "max_epochs=2"))
+    assert hydra_refusal("debug=quick", "trainer.limit_train_batchs=10").startswith(
+        "trainer.limit_train_batchs is not a known key; did you mean trainer.limit_train_batches?")
+    assert refused(config.check, composed("debug=quick", "trainer.limit_train_batches=0")).startswith(
         "trainer.limit_train_batches=0 is not allowed")
 
 
-def test_a_key_is_checked_against_each_swept_group_option():
-    check_overrides(["-m", "strategy=ddp,ddp_fp16", "strategy.powersgd_rank=2"])
-    message = refused(check_overrides, ["-m", "strategy=ddp,auto", "strategy.hook=fp16"])
-    assert message.startswith("strategy.hook is not a known key of strategy=auto")
+def test_a_key_of_a_group_option_that_lacks_it_names_the_option():
+    config.check(composed("strategy=ddp_fp16", "strategy.powersgd_rank=2"))
+    assert hydra_refusal("strategy=auto", "strategy.hook=fp16").startswith("strategy.hook is not a known key of strategy=auto")
 
 
 def test_a_new_callback_needs_its_target():
-    assert refused(check_config, composed("+callbacks.extra.logging_interval=step")).startswith(
+    assert refused(config.check, composed("+callbacks.extra.logging_interval=step")).startswith(
         "callbacks.extra has no _target_; a new callback needs +callbacks.extra._target_=")
-    assert refused(check_config, composed("+callbacks.extra._target_=nowhere.Callback")).startswith(
+    assert refused(config.check, composed("+callbacks.extra._target_=nowhere.Callback")).startswith(
         "callbacks.extra._target_=nowhere.Callback is not allowed; it must name a class of an importable module")
 
 
@@ -241,23 +248,8 @@ def test_a_new_callback_needs_its_target():
                                    "+callbacks.lr.logging_interval=step"],
                                   ["experiment=d2l_lenet", "optim.lr=0.3"], ["++trainer.max_steps=5"]])
 def test_known_keys_pass(args):
-    check_overrides(args)
-
-
-# --- the run folder ----------------------------------------------------------------------------------------
-
-
-def test_a_run_folder_that_cannot_be_created_is_refused(tmp_path, monkeypatch):
-    assert "/proc is not writable" in refused(check_run_dir, ["hydra.run.dir=/proc/nope/run"])
-    (tmp_path / "file").write_text("x")
-    message = refused(check_run_dir, [f"hydra.run.dir={tmp_path}/file/run"])
-    assert message.startswith(f"hydra.run.dir={tmp_path}/file/run is not allowed") and "is a file" in message
-    assert "hydra.sweep.dir=" in refused(check_run_dir, ["-m", f"hydra.sweep.dir={tmp_path}/file/sweep"])
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / "outputs").write_text("not a folder")  # the default location, outputs/runs/..., is unusable
-    assert refused(check_run_dir, []).startswith("hydra.run.dir=outputs/runs/${run_stamp:}")
-    check_run_dir([f"hydra.run.dir={tmp_path}/new/run"])
-    assert not (tmp_path / "new").exists()
+    config.check_args(args)
+    config.check(composed(*args))
 
 
 def test_a_model_config_that_cannot_be_built_is_one_line():
@@ -265,12 +257,21 @@ def test_a_model_config_that_cannot_be_built_is_one_line():
     with open_dict(cfg):
         cfg.model.net.depth = 3
     message = refused(build, "model", cfg.model)
-    assert message.startswith("model: Error in call to target 'src.models.lenet.LeNet'") and "depth" in message
+    assert message.startswith("model: Error in call to target 'src.models.module.Classifier'") and "depth" in message
     cfg = composed("model=lenet")
     with open_dict(cfg):
         cfg.model._target_ = "torch.nn.Identity"
-    assert refused(objects.check_model, build("model", cfg.model), cfg.model._target_).startswith(
+    assert refused(check_model, build("model", cfg.model), cfg.model._target_, (1, 28, 28), 10).startswith(
         "model._target_=torch.nn.Identity is not allowed; it must name a LightningModule")
+
+
+def test_a_network_that_does_not_fit_the_data_is_one_line():
+    lenet = Classifier(instantiate(composed("model=lenet").model.net))
+    check_model(lenet, "x", (1, 28, 28), 10)
+    assert refused(check_model, lenet, "x", (1, 28, 28), 7) == (
+        "model: the network gives outputs of shape (10,) for the data's images, not one score for each of its 7 classes")
+    assert refused(check_model, lenet, "x", (1, 32, 32), 10).startswith(
+        "model: the network cannot take the data's images of shape (1, 32, 32)")
 
 
 # --- checkpoints -------------------------------------------------------------------------------------------
@@ -307,12 +308,13 @@ BAD_INPUTS = {
     "unknown model": (["model=vgg"], "model=vgg is not an option; choose one of: lenet, resnet18"),
     "unknown strategy in a sweep": (["-m", "strategy=ddp,bogus"], "strategy=bogus is not an option"),
     "misspelled key": (["optim.learning_rate=0.1"], "optim.learning_rate is not a known key; did you mean optim.lr?"),
-    "run folder below /proc": (["hydra.run.dir=/proc/nope/run"], "hydra.run.dir=/proc/nope/run is not allowed"),
+    "run folder below /proc": (["hydra.run.dir=/proc/nope/run"], "cannot write /proc/nope: No such file or directory"),
     "negative learning rate": (["optim.lr=-0.1"], "optim.lr=-0.1 is not allowed; optim.lr must be a number above 0"),
     "batch not divisible": (["strategy=ddp", "devices=2", "data.batch_size=255"], "data.batch_size=255"),
-    "strategy knob": (["strategy=ddp", "devices=2", "strategy.hook=zip"], "strategy.hook=zip is not an option"),
+    "strategy knob": (["strategy=ddp", "devices=2", "strategy.hook=zip"], "strategy.hook=zip is not allowed"),
     "classes the data lacks": (["data.num_classes=5"], "data.num_classes=5 is not allowed; Fashion-MNIST has 10 classes"),
     "optimizer argument": (["optim=adam", "optim.betas=[0.9,1.5]"], "optim: Adam refuses its arguments (Invalid beta parameter"),
+    "a sweep's bad value": (["-m", "seed=1,abc"], "seed=abc is not allowed; seed must be a whole number"),
 }
 
 
@@ -329,19 +331,25 @@ def test_bad_input_fails_with_one_line_and_no_run_folder(tmp_path, data_root, ca
 
 
 def test_auto_strategy_on_two_devices_and_a_missing_checkpoint_are_refused(tmp_path):
-    from src.runner import processes_per_node
-
-    assert "strategy=auto runs on one device" in refused(processes_per_node, "auto", 2)
+    assert refused(config.check, composed("devices=2")) == (
+        "strategy=auto runs on one device, not devices=2; use strategy=ddp (or dp on GPUs)")
     assert "ckpt_path=last: no checkpoint" in refused(resolve_ckpt_path, "last", tmp_path)
 
 
-def test_a_resumed_run_keeps_its_folder_when_its_input_is_bad(tmp_path, data_root):
-    run_dir = tmp_path / "run"
-    checkpoint = lenet_checkpoint(run_dir / "checkpoints" / "last.ckpt")
+def test_a_resumed_run_keeps_its_folder_when_its_input_is_bad(tmp_path, quick_run):
+    run_dir = quick_run.copy(tmp_path)
+    before = sorted(p.relative_to(run_dir) for p in run_dir.rglob("*"))
     result = train(*QUICK, f"hydra.run.dir={run_dir}", "ckpt_path=last", "model=resnet18")
     assert result.returncode == 2
-    assert result.stderr.strip().splitlines()[-1].startswith("error: ckpt_path=last is not allowed; it holds another model")
-    assert checkpoint.is_file()
+    assert result.stderr.strip().splitlines()[-1].startswith(
+        f"error: model=resnet18 is not allowed in a resume of {run_dir}: the run used model=lenet")
+    assert sorted(p.relative_to(run_dir) for p in run_dir.rglob("*")) == before
+    checkpoint = lenet_checkpoint(tmp_path / "alone" / "checkpoints" / "last.ckpt")
+    result = train(*QUICK, f"hydra.run.dir={tmp_path / 'alone'}", "ckpt_path=last")
+    assert result.returncode == 2 and checkpoint.is_file()
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"error: {tmp_path / 'alone' / '.hydra' / 'overrides.yaml'} is missing: a resume takes the run's settings from "
+        "it; resume a folder that a run wrote, or start a new run elsewhere")
 
 
 @pytest.mark.slow
@@ -388,10 +396,14 @@ def test_precision_64_trains_end_to_end(tmp_path, data_root):
     assert weights["net.0.weight"].dtype == torch.float64
 
 
-def test_every_trainer_argument_has_a_rule():
-    """A Trainer argument without a rule in src/checks/schema.py would be refused as unknown."""
-    for name in trainer_arguments() - checks.OWNED_BY_TOP_LEVEL:
-        assert checks.rule_for(f"trainer.{name}") is not None, name
+def test_every_trainer_argument_has_a_rule_and_the_precisions_are_lightnings():
+    """A Trainer argument without a rule in src/config.py would be refused as unknown; the precisions the rules list
+    are those `Trainer(precision=...)` declares."""
+    declared = inspect.signature(Trainer.__init__).parameters
+    for name in set(declared) - {"self"} - config.OWNED_BY_TOP_LEVEL:
+        assert config.rule_for(f"trainer.{name}") is not None, name
+    literals = typing.get_args(declared["precision"].annotation)
+    assert set(config.LIGHTNING_PRECISIONS) == {str(v) for literal in literals for v in typing.get_args(literal)}
 
 
 class DivergesAt(LightningModule):
@@ -465,19 +477,6 @@ def test_a_near_miss_gets_what_was_meant(args, message):
 
 
 def test_the_keys_an_unknown_key_is_told_are_those_a_user_can_set():
-    listed = refused(check_overrides, ["foo=1"]).split("top-level keys: ", 1)[1]
-    assert "max_epochs" in listed and not {"model_name", "strategy_name", "run_name", "output_dir"} & set(
-        listed.rstrip(")").split(", "))
-
-
-def test_the_trainer_names_read_from_lightnings_source_are_those_its_trainer_declares():
-    """The command line is checked from Lightning's source, unimported: it must say what the imported Trainer does."""
-    import inspect
-    import typing
-
-    from lightning import Trainer
-
-    declared = inspect.signature(Trainer.__init__).parameters
-    assert trainer_arguments() == set(declared) - {"self"}
-    literals = typing.get_args(declared["precision"].annotation)
-    assert precisions() == tuple(dict.fromkeys(str(v) for literal in literals for v in typing.get_args(literal)))
+    listed = hydra_refusal("foo=1").split("top-level keys: ", 1)[1]
+    assert "max_epochs" in listed and not {"model_name", "strategy_name", "run_name", "output_dir", "precision_used",
+                                             "hydra"} & set(listed.rstrip(")").split(", "))

@@ -7,12 +7,11 @@ import sys
 import pytest
 import torch
 from omegaconf import OmegaConf
-from lightning.pytorch.utilities import rank_zero_only
 
 from src.errors import UsageError
 from src.launch import cli
-from src.launch.cli import report_failure
-from tests.helpers import QUICK, REPO, Run, assert_finished_run, cpu_precision, hparams, hparams_order, scalars, train, user_env, write_tiny_fashion_mnist
+from tests.helpers import (QUICK, REPO, Run, assert_finished_run, composed, cpu_precision, hparams, hparams_order, scalars,
+                           train, user_env, write_tiny_fashion_mnist)
 
 
 def test_single_device_run_logs_every_interface_scalar(quick_run: Run):
@@ -96,16 +95,13 @@ def test_lenet_learns_on_the_real_data(tmp_path, data_root):
     assert scalars(run_dir)["test/acc"][-1] >= 0.70
 
 
-@pytest.mark.parametrize("rank", [0, 1])
-def test_only_rank_zero_reports_a_failure_and_every_rank_removes_the_new_folder(tmp_path, monkeypatch, capsys, rank):
-    """Under SLURM every rank runs the Hydra job and may recreate the folder after rank 0 removed it."""
-    monkeypatch.setattr(rank_zero_only, "rank", rank)  # Lightning's record of the rank, which is_rank_zero reads
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    assert report_failure(UsageError("optim.lr=-1 is not allowed"), run_dir, new_folder=True) == 2
-    said = capsys.readouterr().err
-    assert said == ("error: optim.lr=-1 is not allowed\n" if rank == 0 else "")
-    assert not run_dir.exists()
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_only_rank_zero_says_a_failure(monkeypatch, capsys, rank):
+    """Under torchrun or SLURM every rank runs the command line and meets the same bad input: one line in all."""
+    for name, value in {"RANK": rank, "GROUP_RANK": "0", "LOCAL_RANK": rank, "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(name, value)
+    assert cli.failed(UsageError("optim.lr=-1 is not allowed"), []) == 2
+    assert capsys.readouterr().err == ("error: optim.lr=-1 is not allowed\n" if rank == "0" else "")
 
 
 def test_debug_quick_says_whether_the_loss_fell_in_its_steps(tmp_path, quick_run):
@@ -149,53 +145,53 @@ def test_a_slow_command_says_what_it_is_doing_and_a_quick_one_says_nothing(capsy
     assert "never said" not in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("command", [
-    ["src.train", "--help"], ["src.train", "max_epoch=3"], ["src.train", "precision=fp16"], ["src.train", "--devices", "2"],
-    ["src.train", "trainer.max_epoch=3"], ["src.eval", "--help"], ["src.report", "--help"], ["src.report", "/nowhere"],
-    ["src.sysinfo", "--help"], ["src.scaling", "--help"], ["src.scaling", "outputs", "--overlap", "2"],
-    ["src.scaling", "--model", "x", "--hook", "bad", "--link", "25gbe"],
-], ids=lambda command: " ".join(command))
-def test_help_and_a_mistake_are_answered_before_torch_and_lightning_are_imported(command):
-    """Importing torch and Lightning takes seconds: `--help` and a wrong key or value are answered without them."""
-    result = subprocess.run([sys.executable, "-X", "importtime", "-m", *command], cwd=REPO, env=user_env(),
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode in (0, 2), result.stderr[-3000:]
-    imported = {line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")}
-    assert not {"torch", "lightning"} & imported, sorted(name for name in imported if name.split(".")[0] in ("torch", "lightning"))
+def test_the_rules_import_no_torch():
+    """The rules (src/config.py) run on the composed config before anything is built, and need neither torch nor
+    Lightning: only Hydra's composition and the rules' own tables."""
+    script = ("import sys; from tests.helpers import composed; from src import config; cfg = composed('optim.lr=0.1'); "
+              "config.check(cfg); print(sorted(name for name in sys.modules if name.split('.')[0] in ('torch', 'lightning')))")
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=user_env(), capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "[]"
 
 
 @pytest.mark.parametrize("name", ["train", "eval"])
-def test_quick_help_is_what_hydra_prints(name):
-    """Answered without Hydra's walk over its own config groups, `--help` is still Hydra's rendering of the
-    template: a `hydra.searchpath` hands the answer to Hydra, which must print the same."""
-    ours = subprocess.run([sys.executable, "-m", f"src.{name}", "--help"], cwd=REPO, env=user_env(),
-                          capture_output=True, text=True, timeout=300)
-    hydras = subprocess.run([sys.executable, "-m", f"src.{name}", "--help", "hydra.searchpath=[]"], cwd=REPO,
-                            env=user_env(), capture_output=True, text=True, timeout=300)
-    assert ours.returncode == hydras.returncode == 0, ours.stderr + hydras.stderr
-    assert cli.quick_help(name, ["--help"]) is not None and cli.quick_help(name, ["--help", "hydra.searchpath=[]"]) is None
-    assert ours.stdout == hydras.stdout and "model: lenet, resnet18" in ours.stdout
+def test_help_lists_each_groups_options(name):
+    result = subprocess.run([sys.executable, "-m", f"src.{name}", "--help"], cwd=REPO, env=user_env(),
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "model: lenet, resnet18" in result.stdout and f"Usage: {sys.executable} -m src.{name}" not in result.stdout
 
 
 @pytest.mark.parametrize(("overrides", "env", "expected"), [
-    (["strategy=ddp", "devices=2"], {}, True),
-    (["strategy=ddp_powersgd", "devices=4"], {}, True),
-    (["strategy=ddp", "devices=1"], {}, False),
-    (["strategy=ddp", "devices=2", "num_nodes=2"], {}, False),
-    (["strategy=dp", "devices=2"], {}, False),
-    (["strategy=ddp", "devices=2"], {"RANK": "0"}, False),  # torchrun started the processes
-    (["strategy=ddp", "devices=2"], {"LOCAL_RANK": "1"}, False),  # a worker
+    (["strategy=ddp", "devices=2"], {}, 2),
+    (["strategy=ddp_powersgd", "devices=4"], {}, 4),
+    (["strategy=ddp", "devices=1"], {}, 1),
+    (["strategy=dp", "devices=2"], {}, 1),
+    (["strategy=auto"], {}, 1),
 ], ids=lambda value: " ".join(value) if isinstance(value, list) else str(value))
-def test_the_forkserver_starts_early_only_for_a_run_that_forks_workers(monkeypatch, overrides, env, expected):
-    from hydra import compose, initialize_config_dir
+def test_a_run_starts_a_process_per_device_under_ddp_only(overrides, env, expected):
+    from src.launch.workers import processes_per_node
 
-    from src.checks import CONF_DIR
-    from src.launch.forkserver import will_fork_workers
+    assert processes_per_node(composed(*overrides)) == expected
 
-    for key in ("RANK", "SLURM_PROCID", "LOCAL_RANK"):
-        monkeypatch.delenv(key, raising=False)
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose("train", overrides=overrides)
-    assert will_fork_workers(cfg) is expected
+
+def test_processes_that_torchrun_or_srun_started_are_told_apart_from_a_stray_variable(monkeypatch):
+    from src.launch.ranks import external_rank
+
+    for name in ("RANK", "GROUP_RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_JOB_NAME"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("RANK", "7")
+    assert external_rank() is None, "a RANK alone in a user's shell starts nothing"
+    for name, value in {"GROUP_RANK": "0", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(name, value)
+    assert external_rank() == "7"
+    for name in ("RANK", "GROUP_RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("SLURM_NTASKS", "2")
+    monkeypatch.setenv("SLURM_PROCID", "1")
+    monkeypatch.setenv("SLURM_JOB_NAME", "bash")
+    assert external_rank() is None, "an interactive allocation: the person started this process"
+    monkeypatch.setenv("SLURM_JOB_NAME", "train")
+    assert external_rank() == "1"

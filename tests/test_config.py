@@ -1,26 +1,17 @@
 """Every config group option composes, and instantiates into the object it names."""
 
 import pytest
-from hydra import compose, initialize_config_dir
-from hydra.core.hydra_config import HydraConfig
+import yaml
 from hydra.utils import instantiate
 from lightning.pytorch.strategies import Strategy
 from omegaconf import OmegaConf
 
-from src.build import build
-from src.checks import CONF_DIR, group_options
+from src.config import CONF_DIR
 from src.models.module import Classifier
-from src.launch.naming import register_resolvers
 from src.optim import build_optimizer
-
-register_resolvers()
-
-
-def composed(*overrides: str):
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose("train", overrides=list(overrides), return_hydra_config=True)
-    HydraConfig.instance().set_config(cfg)
-    return cfg
+from src.train import build
+from tests.helpers import composed
+from tests.test_bad_input import group_options
 
 
 @pytest.mark.parametrize("model", group_options("model"))
@@ -94,8 +85,9 @@ def test_top_level_interface_keys_exist():
 def test_run_folder_is_named_after_model_strategy_devices_and_precision_used():
     cfg = composed("model=resnet18", "strategy=ddp", "devices=4", "precision=16-mixed", "accelerator=cpu")
     assert cfg.run_name == "resnet18_ddp_4dev_bf16-mixed"  # fp16 autocast needs CUDA: the run uses bf16
+    assert cfg.precision_used == "bf16-mixed"
     assert composed("precision=32", "num_nodes=2").run_name == "lenet_auto_1dev_2nodes_32-true"
-    run_dir = OmegaConf.to_container(cfg.hydra.run, resolve=False)["dir"]  # resolving it would claim the folder
+    run_dir = yaml.safe_load((CONF_DIR / "hydra" / "default.yaml").read_text())["run"]["dir"]
     assert run_dir == "${claim_dir:outputs/runs/${run_stamp:}_${run_name}}"
 
 

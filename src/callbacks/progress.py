@@ -1,5 +1,6 @@
-"""The progress bar of a run that shows one."""
+"""The progress bar of a run that shows one: a run whose output goes to a terminal, or that asks for it."""
 
+import sys
 from typing import Any
 
 from lightning import Trainer
@@ -20,3 +21,9 @@ class EpochBar(TQDMProgressBar):
         bar.set_description(f"Epoch {trainer.current_epoch + 1}/{trainer.max_epochs}", refresh=False)
         bar.reset(convert_inf(self.total_train_batches))
         bar.initial = 0
+
+
+def progress_bar(enable: bool | None) -> EpochBar | None:
+    """The bar for `trainer.enable_progress_bar` (null: where the output is a terminal). Elsewhere (a file, a pipe) a bar
+    would fill it with carriage returns and escapes: the epoch lines of `train.log` say the same, one line an epoch."""
+    return EpochBar() if enable or enable is None and sys.stdout.isatty() else None

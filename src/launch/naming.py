@@ -1,8 +1,6 @@
-"""Names of run and sweep-job folders, so that TensorBoard's run list reads as the runs."""
+"""Names of run and sweep-job folders, so that TensorBoard's run list reads as the runs; the resolvers that make them."""
 
-import functools
 import shutil
-import sys
 from pathlib import Path
 
 from hydra.core.hydra_config import HydraConfig
@@ -13,9 +11,10 @@ from omegaconf import DictConfig, OmegaConf
 from src import folders, records
 from src.launch.ranks import external_rank, run_stamp
 
-# Folders this process has claimed, by the name asked for: Hydra may resolve a folder name more than once.
+# Folders this process has claimed, by the name asked for (Hydra may resolve a name more than once), and the
+# folders each claim created, deepest first.
 _claimed: dict[str, str] = {}
-_created: dict[str, list[Path]] = {}  # by claimed folder: the folders its claim created, deepest first
+_created: dict[str, list[Path]] = {}
 
 
 def swept_keys(args: list[str]) -> list[str]:
@@ -28,46 +27,31 @@ def swept_keys(args: list[str]) -> list[str]:
 
 
 def sweep_args(sweep_dir: str) -> list[str]:
-    """The sweep's command-line overrides, from the `multirun.yaml` Hydra writes before any job starts.
-
-    Read from the file rather than sys.argv, because a launcher such as submitit runs each job
-    in a worker whose argv is its own.
-    """
+    """The sweep's overrides from the `multirun.yaml` Hydra writes before any job starts (a SLURM job's argv is its own)."""
     saved = Path(sweep_dir) / "multirun.yaml"
-    if saved.is_file():
-        stat = saved.stat()
-        return list(_saved_overrides(str(saved), stat.st_mtime_ns, stat.st_size))
-    return sys.argv[1:]
+    return records.overrides(records.select(records.load(saved), "hydra.overrides.task"), saved) if saved.is_file() else []
 
 
-@functools.lru_cache(maxsize=8)
-def _saved_overrides(path: str, mtime_ns: int, size: int) -> tuple[str, ...]:
-    """Read once per version of the file: each job's folder name asks for it, several times a job."""
-    return tuple(records.overrides(records.select(records.load(Path(path)), "hydra.overrides.task"), Path(path)))
+def precision_used(precision: object, accelerator: str) -> str:
+    """The one place `precision=auto` (and 16-mixed on a CPU) becomes what the run computes in: Lightning's spelling."""
+    from src.fast_path import resolve_accelerator, resolve_precision  # torch: only once a run is named
+
+    return resolve_precision(precision, resolve_accelerator(str(accelerator)))
 
 
-def run_label(model: str, strategy: str, devices: int, num_nodes: int, precision: object, accelerator: str) -> str:
-    """`lenet_ddp_2dev_bf16-mixed`: what the run is, with the precision it uses (`auto` resolved, Lightning's
-    spelling: `32` is `32-true`), so that runs read apart in folder lists and in TensorBoard."""
-    from src.fast_path import resolve_accelerator, resolve_precision
-
-    used = resolve_precision(precision, resolve_accelerator(str(accelerator)), quiet=True)
+def run_label(model: str, strategy: str, devices: int, num_nodes: int, precision: str) -> str:
+    """`lenet_ddp_2dev_bf16-mixed`: what the run is, with the precision it uses."""
     nodes = f"_{num_nodes}nodes" if int(num_nodes) > 1 else ""
-    return f"{model}_{strategy}_{devices}dev{nodes}_{used}"
+    return f"{model}_{strategy}_{devices}dev{nodes}_{precision}"
 
 
-# Swept keys the run label already shows by value.
-LABELLED = ("model", "strategy", "devices", "num_nodes")
+LABELLED = ("model", "strategy", "devices", "num_nodes")  # swept keys the run label shows by value
 
 
 def sweep_job_dirname(job_overrides: list[str], job_num: int, sweep_dir: str, label: str = "") -> str:
-    """The job's run label, then the job's values of the swept keys it does not show:
-    `lenet_ddp_2dev_32-true` for `devices=1,2`, `lenet_auto_1dev_32-true_seed=2` for `seed=1,2`.
-
-    A swept precision is shown as typed unless the label shows it as typed (`32` is `32-true`
-    there, and `auto` may become any), so two jobs never share a folder.
-    """
-    # `+key=a,b` adds a key: swept_keys names it `key`
+    """The job's run label, then the job's values of the swept keys it does not show: `lenet_ddp_2dev_32-true` for
+    `devices=1,2`, `lenet_auto_1dev_32-true_seed=2` for `seed=1,2`. A swept precision is shown as typed unless the
+    label shows it so (`32` is `32-true` there, and `auto` may become any): two jobs never share a folder."""
     values = {key.lstrip("+"): value for key, value in (item.split("=", 1) for item in job_overrides if "=" in item)}
     swept = [key for key in swept_keys(sweep_args(sweep_dir)) if key in values]
     if not label:  # a job named before it resolved its label (one that never started): by every swept value
@@ -78,8 +62,7 @@ def sweep_job_dirname(job_overrides: list[str], job_num: int, sweep_dir: str, la
 
 
 def job_dirname(config: DictConfig) -> str:
-    """A sweep job's folder name before it runs, resolved from its config as Hydra's `run_job` resolves it:
-    under the job's own Hydra config, which `hydra:` interpolations (its model and strategy) read."""
+    """A sweep job's folder name before it runs, resolved under the job's own Hydra config, as Hydra's `run_job` does."""
     saved = HydraConfig.instance().cfg
     HydraConfig.instance().set_config(config)
     try:
@@ -89,9 +72,8 @@ def job_dirname(config: DictConfig) -> str:
 
 
 def job_folder_name(sweep_dir: Path, overrides: list[str], job_num: int) -> str:
-    """The folder a job of this sweep ran in, found by the overrides Hydra saved there (its name holds
-    what the job resolved, which a submitter on another machine may not: `precision=auto`); named
-    by the swept keys alone for a job that never started."""
+    """The folder a job of this sweep ran in, found by the overrides it recorded there; named by the swept keys alone
+    for a job that never started."""
     for saved in sweep_dir.glob("*/.hydra/overrides.yaml"):
         if records.load(saved) == list(overrides):
             return saved.parent.parent.name
@@ -99,12 +81,9 @@ def job_folder_name(sweep_dir: Path, overrides: list[str], job_num: int) -> str:
 
 
 def claim_dir(path: str, kind: str = "run") -> str:
-    """`path`, or `path-2`, `path-3`, ... if taken: created here, atomically, so that two runs (or
-    sweeps, `kind=sweep`) started in the same second never share a folder.
-
-    Processes started by torchrun or SLURM all name the same folder after the launcher's run id
-    (see `run_stamp`), so there the name is used as it is: a restarted run finds its own folder.
-    """
+    """`path`, or `path-2`, `path-3`, ... if taken: created here, atomically, so that two runs (or sweeps) started in
+    the same second never share a folder. Processes of one run under torchrun or SLURM all name the folder after the
+    launcher's run id (`run_stamp`) and use it as it is."""
     if external_rank() is not None:
         return path
     if kind == "run" and HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
@@ -123,27 +102,31 @@ def claim_dir(path: str, kind: str = "run") -> str:
             number += 1
             candidate = Path(f"{path}-{number}")
         except OSError:
-            return path  # not creatable: reported in one line where the folder is checked
+            return path  # not creatable: Hydra's own mkdir says why, in one line
     _claimed[path] = str(candidate)
     _created[str(candidate.absolute())] = created
     return str(candidate)
 
 
 def unclaim_dir(folder: Path) -> None:
-    """Remove a claimed folder and the parents its claim created, as far as they are empty (a failed run's)."""
+    """Remove a folder and the parents its claim created, as far as they are empty (a failed run's or sweep's)."""
     shutil.rmtree(folder, ignore_errors=True)
     folders.remove_empty(_created.get(str(Path(folder).absolute()), [Path(folder)]))
 
 
+def unclaim_unused() -> None:
+    """Take back every folder this process claimed that holds no more than a run's settings and logs."""
+    for folder in map(Path, list(_claimed.values())):
+        if folder.is_dir() and all(p.name in (".hydra", ".lock", "config.yaml") or p.suffix == ".log" for p in folder.iterdir()):
+            unclaim_dir(folder)
+
+
 def register_resolvers() -> None:
-    if not OmegaConf.has_resolver("run_stamp"):
-        OmegaConf.register_new_resolver("run_stamp", run_stamp, use_cache=True)
-    if not OmegaConf.has_resolver("claim_dir"):
-        OmegaConf.register_new_resolver("claim_dir", claim_dir, use_cache=True)
-    if not OmegaConf.has_resolver("run_label"):
-        OmegaConf.register_new_resolver("run_label", run_label, use_cache=True)
+    for name, function in (("run_stamp", run_stamp), ("claim_dir", claim_dir), ("run_label", run_label),
+                           ("precision_used", precision_used)):
+        if not OmegaConf.has_resolver(name):
+            OmegaConf.register_new_resolver(name, function, use_cache=True)
     if not OmegaConf.has_resolver("sweep_job_dirname"):
         OmegaConf.register_new_resolver(
             "sweep_job_dirname",
-            lambda overrides, num, sweep_dir, label="": sweep_job_dirname(list(overrides), num, sweep_dir, str(label)),
-        )
+            lambda overrides, num, sweep_dir, label="": sweep_job_dirname(list(overrides), num, sweep_dir, str(label)))

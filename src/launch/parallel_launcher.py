@@ -3,19 +3,17 @@
     python -m src.train -m hydra/launcher=parallel seed=1,2,3,4                              # K: as many as fit
     python -m src.train -m hydra/launcher=parallel seed=1,2,3,4 hydra.launcher.jobs_per_gpu=4  # 4 jobs share a GPU
 
-Each job runs as Hydra's `run_job` in a process of its own, as a SLURM job does, forked from a
-forkserver that imported the code once (as DDP workers are, `src.launch.workers`): a job pays no
-import of torch and Lightning. The machine is cut into K slots of cores; a job holds one slot, its
-cores by affinity (its DDP workers inherit it) with as many threads, and on a GPU machine `devices`
-GPUs by CUDA_VISIBLE_DEVICES, each GPU shared by at most `jobs_per_gpu` jobs. What a job prints goes
-to `<sweep>/.parallel/<job>.out`; the terminal gets the progress lines (`src.launch.progress`). A
-failed job fails alone. A stop signal to the sweep goes on to every running job, once (the jobs are
-in process groups of their own, so a terminal's Ctrl-C reaches them only this way); no job starts
-after it, and a second signal kills what still runs.
+Each job runs as Hydra's `run_job` in a process of its own (a new interpreter), as a SLURM job does. The machine is cut
+into K slots of cores; a job holds one slot, its cores by affinity (its DDP workers inherit it) with as many threads,
+and on a GPU machine `devices` GPUs by CUDA_VISIBLE_DEVICES, each GPU shared by at most `jobs_per_gpu` jobs (an app
+without `devices` and `accelerator` keys asks for one CPU slot). A job's return is its own `JobReturn`; what it prints
+goes to `<sweep>/.parallel/<job>.out`, the terminal gets the progress lines. A stop signal to the sweep goes on to every
+running job, once (each is in a process group of its own, so a terminal's Ctrl-C reaches it only this way); no job
+starts after it, and a second signal kills what still runs.
 
-No launcher at hand does this: hydra-submitit-launcher's local executor starts every job at once, on
-the same GPUs, each in a new interpreter, and kills a job one second after Ctrl-C, before it can say
-where it stopped; Hydra's joblib launcher gives no job devices of its own.
+No launcher at hand does this: hydra-submitit-launcher's local executor starts every job at once on the same GPUs and
+kills a job one second after Ctrl-C, before it can say where it stopped; Hydra's joblib launcher gives no job devices
+of its own.
 """
 
 import logging
@@ -34,28 +32,27 @@ from typing import Any
 
 import cloudpickle
 from hydra.core.singleton import Singleton
-from hydra.core.utils import JobReturn, JobStatus, configure_log, filter_overrides, run_job, setup_globals
+from hydra.core.utils import JobReturn, JobStatus, configure_log, run_job, setup_globals
 from hydra.plugins.launcher import Launcher
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, open_dict
 
 from src.errors import UsageError
-from src.launch import cli, forkserver, frozen
 from src.launch.console import counted
 from src.launch.naming import job_dirname
-from src.launch.progress import Progress, outcome, settled
-from src.launch.stops import STOP_SIGNALS, RunStopped, handle_stop_signals, signal_name
+from src.launch.progress import Progress, value
+from src.launch.stops import STOP_SIGNALS, RunStopped, die_with_launcher, handle_stop_signals, signal_name
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class Placement:
-    """What one running job holds: a slot of cores, and the GPUs it sees (none on a machine without)."""
+    """What one running job holds: a slot of cores, and the GPUs it sees (None on a machine without)."""
 
     slot: int
     cores: tuple[int, ...]
-    gpus: tuple[str, ...] | None  # None: the machine has no GPU, CUDA_VISIBLE_DEVICES is left as it is
+    gpus: tuple[str, ...] | None
 
     def take(self) -> None:
         """In the job's process, before it runs: its cores, its threads and its GPUs."""
@@ -63,10 +60,7 @@ class Placement:
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(self.gpus)
         if hasattr(os, "sched_setaffinity"):
             os.sched_setaffinity(0, self.cores)
-        if "OMP_NUM_THREADS" not in os.environ:  # a user's setting wins, as under torchrun
-            import torch
-
-            torch.set_num_threads(len(self.cores))
+        os.environ.setdefault("OMP_NUM_THREADS", str(len(self.cores)))  # a user's setting wins, as under torchrun
 
 
 class Places:
@@ -81,9 +75,8 @@ class Places:
         self.jobs_per_gpu = jobs_per_gpu
 
     def take(self, gpus: int) -> Placement | None:
-        """A slot and `gpus` GPUs with a free place each, the least shared first; None until they are free.
-        A job that asks for more GPUs than there are gets all of them, once none is in use (its own checks then
-        refuse it in one line)."""
+        """A slot and `gpus` GPUs with a free place each, the least shared first; None until they are free. A job that
+        asks for more GPUs than there are gets all of them, once none is in use (its own checks then refuse it)."""
         if not self.free:
             return None
         if gpus > len(self.load):
@@ -108,7 +101,7 @@ class Places:
 
 def machine_gpus() -> list[str] | None:
     """The GPUs this process sees, by the names CUDA_VISIBLE_DEVICES gives them; None without any."""
-    import torch
+    import torch  # only for a sweep whose jobs ask for GPUs
 
     count = torch.cuda.device_count()  # read through NVML where it can, without starting CUDA here
     if count == 0:
@@ -117,16 +110,27 @@ def machine_gpus() -> list[str] | None:
     return visible.split(",")[:count] if visible else [str(index) for index in range(count)]
 
 
+def wants_gpu(config: DictConfig) -> bool:
+    """Whether a job runs on GPUs: its `accelerator` (gpu, cuda; auto where CUDA is), none for an app without one."""
+    accelerator = str(config.get("accelerator", "cpu"))
+    if accelerator == "auto":
+        import torch
+
+        return torch.cuda.is_available()
+    return accelerator in ("gpu", "cuda")
+
+
+def usable_cores() -> list[int]:
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+
+
 def slots_that_fit(jobs: int | None, cores: int, gpus: int, jobs_per_gpu: int, needs: list["Job"]) -> int:
-    """K, the jobs run at once: `jobs` where given, else as many as fit: on GPUs, their places over the
-    fewest devices a GPU job asks for; on CPU, the cores over the most devices a job asks for (each DDP
-    process wants a core). At least one core per job, and no more slots than jobs."""
+    """K, the jobs run at once: `jobs` where given, else as many as fit: on GPUs, their places over the fewest devices
+    a GPU job asks for; on CPU, the cores over the most devices a job asks for (each DDP process wants a core). At
+    least one core per job, and no more slots than jobs."""
     if jobs is None:
         on_gpu = [job.devices for job in needs if job.gpu]
-        if gpus and on_gpu:
-            jobs = max(1, gpus * jobs_per_gpu // min(on_gpu))
-        else:
-            jobs = max(1, cores // max(job.devices for job in needs))
+        jobs = max(1, gpus * jobs_per_gpu // min(on_gpu)) if gpus and on_gpu else max(1, cores // max(job.devices for job in needs))
     return min(jobs, cores, len(needs))
 
 
@@ -137,8 +141,8 @@ def checked_setting(name: str, value: Any, allow_null: bool, most: int | None = 
     if isinstance(value, bool) or not isinstance(value, int) or value < 1 or (most is not None and value > most):
         allowed = ("a whole number of at least 1" if most is None else
                    f"a whole number from 1 to {most} (this machine's cores: each running job has cores of its own)")
-        allowed += ", or null for as many as fit" if allow_null else ""
-        raise UsageError(f"hydra.launcher.{name}={value} is not allowed: it must be {allowed}")
+        raise UsageError(f"hydra.launcher.{name}={value} is not allowed: it must be {allowed}"
+                         + (", or null for as many as fit" if allow_null else ""))
     return value
 
 
@@ -156,7 +160,7 @@ class Job:
 
 @dataclass
 class Running:
-    """A job's process, the pipe its result comes back on, and where its output goes."""
+    """A job's process, the pipe its JobReturn comes back on, and where its output goes."""
 
     job: Job
     placement: Placement
@@ -167,63 +171,25 @@ class Running:
     returned: JobReturn | None = None
 
 
-@dataclass(frozen=True)
-class TaskByName:
-    """The sweep's task function, found again by its name in the job's process: `@hydra.main` wraps it, so
-    pickle finds no function of its name, and a copy by value would hold copies of the functions that DDP
-    workers are handed (src.train.run), which pickle then cannot find either."""
-
-    module: str
-    name: str
-
-    @classmethod
-    def of(cls, function: TaskFunction) -> "TaskByName | TaskFunction":
-        import inspect
-
-        found = getattr(sys.modules.get(function.__module__), function.__qualname__, None)
-        return cls(function.__module__, function.__qualname__) if inspect.unwrap(found) is function else function
-
-    def __call__(self, cfg: DictConfig) -> Any:
-        import importlib
-        import inspect
-
-        module = sys.modules.get(self.module) or importlib.import_module(self.module)
-        return inspect.unwrap(getattr(module, self.name))(cfg)
-
-
 class ParallelLauncher(Launcher):
     """Hydra's launcher plugin interface: `setup` once, then `launch` with the sweep's jobs."""
 
     def __init__(self, jobs: Any = None, jobs_per_gpu: Any = 1) -> None:
-        # torch and Lightning (out of the collector's walks, as the entry points import them): only once the launcher
-        # runs, not when Hydra lists its plugins.
-        workers = frozen.import_module("src.launch.workers")
-
-        try:
-            self.jobs = checked_setting("jobs", jobs, allow_null=True, most=len(workers.usable_cores()))
-            self.jobs_per_gpu = checked_setting("jobs_per_gpu", jobs_per_gpu, allow_null=False)
-        except UsageError as error:
-            cli.end_run(str(error), 2)
+        self.jobs = checked_setting("jobs", jobs, allow_null=True, most=len(usable_cores()))
+        self.jobs_per_gpu = checked_setting("jobs_per_gpu", jobs_per_gpu, allow_null=False)
         self.config: DictConfig | None = None
         self.hydra_context: HydraContext | None = None
         self.task_function: TaskFunction | None = None
 
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
-        self.config = config
-        self.hydra_context = hydra_context
-        self.task_function = task_function
+        self.config, self.hydra_context, self.task_function = config, hydra_context, task_function
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
-        from src.launch import workers  # imported by `__init__`
-
         assert self.config is not None and self.hydra_context is not None and self.task_function is not None
         setup_globals()
         configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
-
-        if workers.START_METHOD == "forkserver":  # the server imports the code while the jobs' configs are composed
-            forkserver.ensure_running(workers.preloaded(self.task_function))
         jobs = [self.job(number, list(overrides)) for number, overrides in enumerate(job_overrides, initial_job_idx)]
-        cores = workers.usable_cores()
+        cores = usable_cores()
         gpus = machine_gpus() if any(job.gpu for job in jobs) else None
         slots = slots_that_fit(self.jobs, len(cores), len(gpus or ()), self.jobs_per_gpu, jobs)
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
@@ -231,19 +197,18 @@ class ParallelLauncher(Launcher):
         log.info(f"{counted(len(jobs), 'job')}, {slots} at a time, in {sweep_dir}; each job's output in {sweep_dir / '.parallel'}")
         places = Places(cores, slots, gpus, self.jobs_per_gpu)
         progress = Progress(len(jobs), initial_job_idx, sweep_dir)
-        context = multiprocessing.get_context(workers.START_METHOD)
         waiting, running, returns = deque(jobs), {}, {}
         with Stops() as stops:
             try:
                 while (waiting or running) and not stops.signals:
                     while waiting and (placement := places.take(waiting[0].devices if waiting[0].gpu else 0)) is not None:
                         job = waiting.popleft()
-                        running[job.number] = self.start(job, placement, context, sweep_dir)
+                        running[job.number] = self.start(job, placement, sweep_dir)
                         progress.started(job.number, job.name)
                     for ended in ended_jobs(running, stops.woken):
                         places.give_back(ended.placement)
-                        returns[ended.job.number] = settled(returned(ended), ended.job.name)
-                        progress.ended(ended.job.number, ended.job.name, returns[ended.job.number].return_value)
+                        returns[ended.job.number] = returned(ended)
+                        progress.ended(ended.job.number, ended.job.name, returns[ended.job.number])
                 if stops.signals:
                     stopped = len(running)
                     stop_all(running, stops, progress)
@@ -255,34 +220,30 @@ class ParallelLauncher(Launcher):
 
     def job(self, number: int, overrides: list[str]) -> Job:
         """A job's config composed here, as Hydra's basic launcher composes it, for its name and devices."""
-        from src.fast_path import resolve_accelerator
-
         assert self.hydra_context is not None and self.config is not None
         config = self.hydra_context.config_loader.load_sweep_config(self.config, overrides)
         with open_dict(config):
             config.hydra.job.id = config.hydra.job.num = number
-        log.info(f"\t#{number} : {' '.join(filter_overrides(overrides))}")
-        gpu = resolve_accelerator(str(config.accelerator)) == "gpu"
-        return Job(number, overrides, config, job_dirname(config), int(config.devices), gpu)
+        devices = config.get("devices", 1)
+        return Job(number, overrides, config, job_dirname(config), devices if isinstance(devices, int) else 1, wants_gpu(config))
 
-    def start(self, job: Job, placement: Placement, context: Any, sweep_dir: Path) -> Running:
+    def start(self, job: Job, placement: Placement, sweep_dir: Path) -> Running:
         assert self.hydra_context is not None and self.task_function is not None
-        payload = cloudpickle.dumps((self.hydra_context, TaskByName.of(self.task_function), job.config,
-                                     Singleton.get_state()))
+        payload = cloudpickle.dumps((self.hydra_context, self.task_function, job.config, Singleton.get_state()))
         out = sweep_dir / ".parallel" / f"{job.name}.out"
         start = out.stat().st_size if out.is_file() else 0
+        context = multiprocessing.get_context("spawn")
         results, sent = context.Pipe(duplex=False)
         process = context.Process(target=run_in_own_process, name=f"sweep job {job.number}",
-                                  args=(payload, placement, dict(os.environ), str(out), sent))
+                                  args=(payload, placement, str(out), sent))
         process.start()
         sent.close()  # the job holds the sending end now: its end reads as the end of the pipe
         return Running(job, placement, process, results, out, start)
 
 
 class Stops:
-    """The stop signals that reach the sweep while its jobs run: noted, and the wait for the jobs woken,
-    rather than an exception raised wherever the launcher is (between starting a job's process and
-    holding on to it, say)."""
+    """The stop signals that reach the sweep while its jobs run: noted, and the wait for the jobs woken, rather than an
+    exception raised wherever the launcher is (between starting a job's process and holding on to it, say)."""
 
     def __init__(self) -> None:
         self.signals: list[int] = []
@@ -306,8 +267,8 @@ class Stops:
 
 
 def ended_jobs(running: dict[int, Running], woken: int) -> list[Running]:
-    """Wait until a running job has ended, or a stop signal wakes the wait; the jobs that have ended, taken
-    out of `running`. A job's result is read as it comes, since a job sending a large one waits until it is read."""
+    """Wait until a running job has ended, or a stop signal wakes the wait; the jobs that have ended, taken out of
+    `running`. A job's return is read as it comes, since a job sending a large one waits until it is read."""
     assert running, "a job can always start while none runs"
     while True:
         waits: dict[Any, Running] = {r.process.sentinel: r for r in running.values()}
@@ -344,12 +305,11 @@ def receive(job: Running) -> JobReturn | None:
 
 
 def returned(job: Running) -> JobReturn:
-    """The job's own JobReturn, or for a job that ended without one (killed, say), its failure."""
+    """The job's own JobReturn, or for a job that ended without one (killed, say), a failure saying how it ended."""
     if job.returned is not None:
         return job.returned
-    code = job.process.exitcode or 0
-    return JobReturn(overrides=job.job.overrides, status=JobStatus.COMPLETED,
-                     _return_value=cli.JobFailed(f"{last_words(job)} (see {job.out})", code if code > 0 else 1))
+    failure = RuntimeError(f"{last_words(job)} (see {job.out})")
+    return JobReturn(overrides=job.job.overrides, status=JobStatus.FAILED, _return_value=failure)
 
 
 def last_words(job: Running) -> str:
@@ -372,16 +332,16 @@ def last_error(out: Path, start: int) -> str | None:
 
 
 def stop_all(running: dict[int, Running], stops: Stops, progress: Progress) -> None:
-    """The first stop signal to each running job, once; then one line for each as it ends. A second
-    signal kills what still runs."""
+    """The first stop signal to each running job, once; then one line for each as it ends. A second signal kills what
+    still runs."""
     for job in running.values():
-        with _gone():
+        with suppress(ProcessLookupError, PermissionError):
             os.kill(job.process.pid, stops.signals[0])
     killed = False
     while running:
         for ended in ended_jobs(running, stops.woken):
-            said = last_words(ended) if ended.returned is None else outcome(ended.returned).line or "ended"
-            progress.stopped(ended.job.number, ended.job.name, said)
+            progress.stopped(ended.job.number, ended.job.name, last_words(ended) if ended.returned is None else
+                             getattr(value(ended.returned), "line", "") or "ended")
         if len(stops.signals) > 1 and not killed:
             killed = True
             for job in running.values():
@@ -389,37 +349,21 @@ def stop_all(running: dict[int, Running], stops: Stops, progress: Progress) -> N
 
 
 def kill(pid: int) -> None:
-    """SIGKILL to a job's process group (its DDP workers and their forkserver too), or to the job alone
-    while it has none of its own yet."""
-    with _gone():
-        os.killpg(pid, signal.SIGKILL)
-    with _gone():
-        os.kill(pid, signal.SIGKILL)
-
-
-class _gone:
-    """A process that has already ended is no error here."""
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind: type | None, *rest: object) -> bool:
-        return kind is not None and issubclass(kind, (ProcessLookupError, PermissionError))
+    """SIGKILL to a job's process group (its DDP workers too), or to the job alone while it has none of its own yet."""
+    for send in (os.killpg, os.kill):
+        with suppress(ProcessLookupError, PermissionError):
+            send(pid, signal.SIGKILL)
 
 
 # ---------------------------------------------------------------- in the job's process
 
 
-def run_in_own_process(payload: bytes, placement: Placement, environ: dict[str, str], out: str, results: Connection) -> None:
-    """One sweep job: its process group, devices and output file, then Hydra's `run_job`; its JobReturn
-    goes back on `results`, a failure as its value. A stopped job exits with the run's status instead."""
-    from src.launch import workers
-
+def run_in_own_process(payload: bytes, placement: Placement, out: str, results: Connection) -> None:
+    """One sweep job: its process group, devices and output file, then Hydra's `run_job`; its JobReturn goes back on
+    `results`. A job stopped by a signal exits with the run's status instead."""
     os.setpgid(0, 0)  # signals come from the sweep, once, not also from the terminal
     handle_stop_signals()
-    workers.die_with_launcher()
-    os.environ.clear()  # the forkserver's environment is the sweep's when the server started
-    os.environ.update(environ)
+    die_with_launcher()
     placement.take()
     with open(out, "ab", buffering=0) as file:
         sys.stdout.flush()
@@ -431,7 +375,5 @@ def run_in_own_process(payload: bytes, placement: Placement, environ: dict[str, 
     setup_globals()
     job = run_job(hydra_context=hydra_context, task_function=task_function, config=config,
                   job_dir_key="hydra.sweep.dir", job_subdir_key="hydra.sweep.subdir")
-    job.return_value = outcome(job)  # an exception as a failure, its traceback in the job's output
-    job.status = JobStatus.COMPLETED
-    results.send_bytes(cloudpickle.dumps(job))  # its Hydra config names classes that plain pickle may not find as they are
+    results.send_bytes(cloudpickle.dumps(job))  # its Hydra config names classes that plain pickle may not find
     results.close()

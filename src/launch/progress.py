@@ -4,46 +4,46 @@
     job 2/4 done: lenet_auto_1dev_32-true_seed=2: test/acc=0.7012 ... -> outputs/multirun/... (elapsed 1:22, about 0:41 left)
     sweep of 4 jobs: 3 done, 0 resumed, 0 skipped, 1 failed; report: outputs/multirun/.../report.md
 
-Every launcher (basic, parallel, SLURM) feeds the same `Progress` from the process that waits for
-the jobs: the lines cost the jobs nothing, and they start at the left edge even while a progress
-bar shows (`console.print_line`). The time left is the mean length of the jobs ended so far, spread
-over the most jobs seen running at once; until a job has ended it is not known.
+Every launcher (sequential, parallel, SLURM) feeds the same `Progress` from the process that waits for the jobs. It
+reads only Hydra's `JobReturn`, so it serves any Hydra app: a task's value that has a `line` (the project's `Result`)
+is shown, and its `resumed` and `skipped` are counted. The time left is the mean length of the jobs ended so far,
+spread over the most jobs seen running at once.
 """
 
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from hydra.core.utils import JobReturn, JobStatus
 
-from src.launch.cli import JobDone, JobFailed, failed_jobs
+from src.errors import UsageError
 from src.launch.console import print_line
 
 
-def outcome(job: JobReturn) -> JobDone | JobFailed:
-    """How a job ended, as a launcher reports it: its `JobDone` or `JobFailed`; an exception the task did
-    not expect is a failure whose traceback is printed (Hydra's sweeper would raise it after the last job)."""
-    value = job._return_value
-    if job.status == JobStatus.FAILED:
-        traceback.print_exception(value)
-        return JobFailed(f"{type(value).__name__}: {value}", 1)
-    if isinstance(value, (JobDone, JobFailed)):
-        return value
-    return JobDone(None, "")  # a task of Hydra's own, not cli.run_job: it ended
+@dataclass(frozen=True)
+class Failure:
+    """A job that failed: its folder's name, its one line, the exit status it earns, and its exception."""
+
+    name: str
+    line: str
+    status: int
+    error: BaseException | None = None
 
 
-def settled(job: JobReturn, name: str, where: str = "") -> JobReturn:
-    """The job's return with a failure as its value, which Hydra's sweeper takes as it is, and the failure
-    remembered under the job's folder `name`, so that the sweep exits non-zero naming it; `where` is added
-    to its line (` (SLURM job 35_0)`)."""
-    ended = outcome(job)
-    if isinstance(ended, JobFailed):
-        ended = JobFailed(ended.line + where, ended.status)
-        job.status, job.return_value = JobStatus.COMPLETED, ended
-        failed_jobs[name] = ended
-    return job
+def value(job: JobReturn) -> object:
+    """A job's return value, or its exception where it failed: `JobReturn.return_value` raises that exception, and
+    Hydra keeps it in the field its constructor names `_return_value`."""
+    return job._return_value
+
+
+def failure(job: JobReturn, name: str) -> Failure | None:
+    """How a job failed, from its JobReturn (an exception as its value); None for a job that ended well."""
+    if job.status != JobStatus.FAILED:
+        return None
+    error = value(job)
+    line = str(error) if isinstance(error, UsageError) else f"{type(error).__name__}: {error}"
+    return Failure(name, " ".join(line.split()), 2 if isinstance(error, UsageError) else 1, error)
 
 
 def clock_time(seconds: float) -> str:
@@ -55,38 +55,37 @@ def clock_time(seconds: float) -> str:
 
 @dataclass
 class Tally:
-    """How the jobs of a sweep ended, across the launcher's calls: what the summary line counts."""
+    """How the jobs of this command's sweep ended, across the launcher's calls: what the summary counts."""
 
     total: int = 0
     done: int = 0
     resumed: int = 0
     skipped: int = 0
-    failed: int = 0
+    failures: list[Failure] = field(default_factory=list)
     sweep_dir: Path | None = None
 
-    def add(self, ended: JobDone | JobFailed) -> None:
-        if isinstance(ended, JobFailed):
-            self.failed += 1
-        elif ended.skipped:
+    def add(self, job: JobReturn, name: str) -> Failure | None:
+        failed = failure(job, name)
+        if failed is not None:
+            self.failures.append(failed)
+        elif getattr(job.return_value, "skipped", False):
             self.skipped += 1
-        elif ended.resumed:
+        elif getattr(job.return_value, "resumed", False):
             self.resumed += 1
         else:
             self.done += 1
+        return failed
 
-    def summary(self) -> str:
-        """`sweep of 4 jobs: 3 done, 0 resumed, 0 skipped, 1 failed; report: <path>`: done, resumed and skipped
-        ended well (ran from the start, went on from a checkpoint, or had ended before); jobs not ended are not run."""
-        counts = f"{self.done} done, {self.resumed} resumed, {self.skipped} skipped, {self.failed} failed"
-        ended = self.done + self.resumed + self.skipped + self.failed
+    def summary(self, report: Path | None) -> str:
+        """`sweep of 4 jobs: 3 done, 0 resumed, 0 skipped, 1 failed; report: <path>`; jobs not ended were not run."""
+        counts = f"{self.done} done, {self.resumed} resumed, {self.skipped} skipped, {len(self.failures)} failed"
+        ended = self.done + self.resumed + self.skipped + len(self.failures)
         if ended < self.total:
             counts += f", {self.total - ended} not run"
-        report = self.sweep_dir / "report.md" if self.sweep_dir is not None else None
-        where = str(report) if report is not None and report.is_file() else "none written"
-        return f"sweep of {self.total} {'job' if self.total == 1 else 'jobs'}: {counts}; report: {where}"
+        return f"sweep of {self.total} {'job' if self.total == 1 else 'jobs'}: {counts}; report: {report or 'none written'}"
 
 
-# The sweep of this command, once a launcher has started it: `cli.run_entry` prints its summary at the end.
+# This command's sweep, once a launcher has started it.
 tally: Tally | None = None
 
 
@@ -120,16 +119,17 @@ class Progress:
         self.widest = max(self.widest, len(self.running))
         self.say(f"job {number + 1}/{self.total} started: {name} ({self.times()})")
 
-    def ended(self, number: int, name: str, ended: JobDone | JobFailed) -> None:
-        """The job's end: its result line, or its error; a job that ended without one started now."""
+    def ended(self, number: int, name: str, job: JobReturn) -> None:
+        """The job's end: its result line, or its error."""
         now = self.clock()
         self.lengths.append(now - self.running.pop(number, now))
         assert tally is not None
-        tally.add(ended)
-        if isinstance(ended, JobFailed):
-            said = f"failed: {name}: {ended.line}"
+        failed = tally.add(job, name)
+        if failed is not None:
+            said = f"failed: {name}: {failed.line}"
         else:
-            said = f"{'skipped' if ended.skipped else 'done'}: {name}" + (f": {ended.line}" if ended.line else "")
+            line = getattr(job.return_value, "line", "")
+            said = f"{'skipped' if getattr(job.return_value, 'skipped', False) else 'done'}: {name}" + (f": {line}" if line else "")
         self.say(f"job {number + 1}/{self.total} {said} ({self.times()})")
 
     def stopped(self, number: int, name: str, line: str) -> None:

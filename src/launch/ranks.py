@@ -3,41 +3,32 @@
 import os
 from datetime import datetime
 
-from lightning_utilities.core.rank_zero import rank_zero_only  # Lightning's, without importing Lightning
-
-
-# Where Lightning reads a process's rank at import, in its order.
-RANK_VARIABLES = ("RANK", "LOCAL_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK")
-
-
-def is_rank_zero() -> bool:
-    """True in the run's first process (global rank 0), the one that speaks and writes for the run.
-
-    The one place to ask "am I rank zero" where no Trainer is at hand: entry points, config
-    checks, the config file, error reports. It reads Lightning's own record of the rank, taken
-    from the launcher's environment (RANK, LOCAL_RANK, SLURM_PROCID) at import and set to the
-    global rank once the strategy knows it, so it agrees with Lightning's `rank_zero_only`
-    functions. Where a trainer is at hand (callbacks, after `Trainer.fit`), ask Lightning's
-    `trainer.is_global_zero` instead.
-    """
-    rank = getattr(rank_zero_only, "rank", None)  # set once Lightning is imported, which entry points leave until needed
-    if rank is None:  # as Lightning will read it
-        rank = next((int(os.environ[name]) for name in RANK_VARIABLES if name in os.environ), 0)
-    return rank == 0
 
 
 def external_rank() -> str | None:
-    """The global rank given by torchrun or SLURM, which start every process themselves."""
-    return os.environ.get("RANK") or os.environ.get("SLURM_PROCID")
+    """The global rank that torchrun or SLURM's srun gave this process, starting every process of the run themselves;
+    None where a person (or this project's own launcher, `src.launch.workers`) did. Told apart as Lightning tells its
+    cluster environments apart: torchrun's four variables, or SLURM's task count outside an interactive job."""
+    if {"RANK", "GROUP_RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"} <= os.environ.keys():
+        return os.environ["RANK"]
+    if "SLURM_NTASKS" in os.environ and os.environ.get("SLURM_JOB_NAME") not in ("bash", "interactive"):
+        return os.environ.get("SLURM_PROCID")
+    return None
+
+
+def is_rank_zero() -> bool:
+    """True in the run's first process (global rank 0), the one that speaks and writes for the run, where no Trainer
+    is at hand to ask (`trainer.is_global_zero`)."""
+    return external_rank() in (None, "0")
 
 
 def rank_argv(argv: list[str]) -> list[str]:
-    """argv for this process: under torchrun or SLURM every process runs the command line, and
-    only rank 0 writes the config and `train.log`; the others log under their own names."""
+    """argv for this process: under torchrun or SLURM every process runs the command line, and only rank 0 writes
+    the run's records and `train.log`; the others log under their own names."""
     rank = external_rank()
     if rank in (None, "0"):
         return argv
-    return [*argv, "hydra.output_subdir=null", f"hydra.job.name=train_rank_{rank}"]
+    return [*argv, f"hydra.job.name=train_rank_{rank}"]
 
 
 def run_stamp() -> str:
@@ -51,8 +42,3 @@ def run_stamp() -> str:
     if os.environ.get("SLURM_JOB_ID"):
         return f"slurm-{os.environ['SLURM_JOB_ID']}"
     return datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
-
-
-def is_launching_process() -> bool:
-    """True in the process a person started; False in a worker, or under torchrun or SLURM."""
-    return "LOCAL_RANK" not in os.environ

@@ -1,12 +1,11 @@
 """`hydra/launcher=slurm`: hydra-submitit-launcher's SLURM launcher, with the endings a user can trust.
 
 On the submitting machine it waits for the job array itself, with a line as each job starts and ends
-(`src.launch.progress`): a job that failed (an `error:` line, or no result at all) is remembered in
-`cli.failed_jobs`, so the sweep exits non-zero naming it; a stop signal cancels the array; a job that
-SLURM can never start ends the sweep with one line.
-In each SLURM task it runs the Hydra job as rank N of the run (rank N>0 logs to `train_rank_N.log`
-and writes no `.hydra/`), resumes a requeued job (`ckpt_path=auto` unless given), and exits with the
-job's status, so that SLURM records a failed job as FAILED.
+(`src.launch.progress`): a job that failed (an exception, or no result at all) returns a FAILED JobReturn, so the
+sweep exits non-zero naming it; a stop signal cancels the array; a job that SLURM can never start ends the sweep with
+one line. In each SLURM task it runs the Hydra job as rank N of the run (rank N>0 logs to `train_rank_N.log`),
+resumes a requeued job (`ckpt_path=auto` unless given), and exits non-zero for a failed job, so that SLURM records
+it as FAILED.
 """
 
 import logging
@@ -26,9 +25,10 @@ from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLaunche
 from omegaconf import OmegaConf, open_dict
 from submitit.core.utils import UncompletedJobError, cloudpickle_dump, temporary_save_path
 
-from src.launch import cli, stops
+from src.errors import UsageError
+from src.launch import stops
 from src.launch.naming import job_folder_name
-from src.launch.progress import Progress, outcome, settled
+from src.launch.progress import Progress, failure
 from src.launch.stops import RunStopped
 
 log = logging.getLogger(__name__)
@@ -60,13 +60,15 @@ class SlurmLauncher(SubmititSlurmLauncher):
         numbers = range(initial_job_idx, initial_job_idx + len(job_overrides))
         for number, overrides in zip(numbers, job_overrides):
             log.info(f"\t#{number} : {' '.join(filter_overrides(overrides))}")
+        for overrides in job_overrides:  # a value Hydra refuses stops the sweep before anything is submitted
+            self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
         arguments = [(list(overrides), "hydra.sweep.dir", number, f"job_id_for_{number}", Singleton.get_state())
                      for number, overrides in zip(numbers, job_overrides)]
         try:
             jobs = executor.map_array(self, *zip(*arguments))
         except (submitit.core.utils.FailedJobError, subprocess.SubprocessError) as error:
             said = str(error).strip().splitlines()
-            cli.end_run(f"sbatch refused the sweep: {said[-1].removeprefix('sbatch: error: ') if said else error}", 2)
+            raise UsageError(f"sbatch refused the sweep: {said[-1].removeprefix('sbatch: error: ') if said else error}") from None
         progress = Progress(len(jobs), initial_job_idx, sweep_dir)
         try:
             return wait(jobs, [list(overrides) for overrides in job_overrides], list(numbers), sweep_dir, progress)
@@ -87,20 +89,18 @@ class SlurmLauncher(SubmititSlurmLauncher):
             config.hydra.job.id = environment.job_id
             config.hydra.job.num = job_num
             if environment.global_rank:  # as src.launch.ranks.rank_argv does under sbatch + srun
-                config.hydra.output_subdir = None
                 config.hydra.job.name = f"{config.hydra.job.name}_rank_{environment.global_rank}"
             if "ckpt_path" in config and not OmegaConf.is_missing(config, "ckpt_path") and config.ckpt_path is None:
                 config.ckpt_path = "auto"  # a requeued job runs again in its folder, and resumes there
         job = run_hydra_job(hydra_context=self.hydra_context, task_function=self.task_function, config=config,
                             job_dir_key=job_dir_key, job_subdir_key="hydra.sweep.subdir")
-        ended = outcome(job)
-        if isinstance(ended, cli.JobFailed):
-            # The result first, as submitit would write it, so that the submitter reads the error line;
-            # then the job's own exit status, which submitit would have made 0.
-            job.status, job.return_value = JobStatus.COMPLETED, ended
+        failed = failure(job, "")
+        if failed is not None:
+            # The JobReturn first, as submitit would write it, so that the submitter reads the failure; then the job's
+            # own exit status, which submitit would have made 0.
             with temporary_save_path(environment.paths.result_pickle) as path:
                 cloudpickle_dump(("success", job), path)
-            sys.exit(ended.status)
+            sys.exit(failed.status)
         return job
 
     def checkpoint(self, *args: Any, **kwargs: Any) -> Any:
@@ -129,14 +129,14 @@ def wait(jobs: list[submitit.Job], overrides: list[list[str]], numbers: list[int
                 progress.started(numbers[index], job_folder_name(sweep_dir, overrides[index], numbers[index]))
             if done:
                 name = job_folder_name(sweep_dir, overrides[index], numbers[index])
-                returns[index] = result(job, overrides[index], name)
-                progress.ended(numbers[index], name, returns[index].return_value)
+                returns[index] = result(job, overrides[index])
+                progress.ended(numbers[index], name, returns[index])
         if len(returns) == len(jobs):
             return [returns[index] for index in range(len(jobs))]
         impossible = never_starts(listed or [])
         if impossible:
             cancel(jobs)
-            cli.end_run(impossible, 2)
+            raise UsageError(impossible)
         time.sleep(POLL_S)
 
 
@@ -181,16 +181,16 @@ def cancel(jobs: list[submitit.Job]) -> None:
     log.info(f"cancelled SLURM job {array_id}")
 
 
-def result(job: submitit.Job, overrides: Sequence[str], name: str) -> JobReturn:
-    """Rank 0's JobReturn; a failure, its value, is recorded in `cli.failed_jobs` under the job's folder `name`."""
+def result(job: submitit.Job, overrides: Sequence[str]) -> JobReturn:
+    """Rank 0's JobReturn; for a job that left none, a failure with its last `error:` line."""
     try:
         if not job.paths.result_pickle.exists():  # gone from the queue without one: submitit would wait for it
             raise UncompletedJobError("no result")
         returned: JobReturn = job.results()[0]
     except (UncompletedJobError, submitit.core.utils.FailedJobError) as error:
-        returned = JobReturn(overrides=list(overrides), status=JobStatus.COMPLETED,
-                             _return_value=cli.JobFailed(last_error(job, str(error)), 1))
-    return settled(returned, name, where=f" (SLURM job {job.job_id})")
+        failed = RuntimeError(f"{last_error(job, str(error))} (SLURM job {job.job_id})")
+        returned = JobReturn(overrides=list(overrides), status=JobStatus.FAILED, _return_value=failed)
+    return returned
 
 
 def last_error(job: submitit.Job, fallback: str) -> str:

@@ -3,7 +3,12 @@
 from the DDP workers (`src.launch.workers`), so that every entry point handles signals from its first line
 on, before torch is imported."""
 
+import ctypes
+import multiprocessing
+import os
 import signal
+import sys
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -109,3 +114,19 @@ def rank_failure(error: BaseException, cfg: DictConfig) -> "RankFailed | None":
             return RankFailed(f"a collective failed ({first[:160]}); run stopped")
         current = current.__cause__ or current.__context__
     return None
+
+
+def die_with_launcher() -> None:
+    """The agent watches its workers from the launcher, so a launcher killed by SIGKILL would leave them waiting in a
+    collective (and a parallel sweep's job, training on): on Linux the kernel ends this process once its parent is
+    gone, also while it is stopped; elsewhere a thread does once the launcher has ended."""
+    if sys.platform.startswith("linux"):
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    launcher = multiprocessing.parent_process()
+    if launcher is None:
+        return
+    if not launcher.is_alive():  # it was gone before the watch began
+        os._exit(1)
+    threading.Thread(target=lambda: (launcher.join(), os.kill(os.getpid(), signal.SIGKILL)), name="launcher-watch",
+                     daemon=True).start()

@@ -3,15 +3,20 @@
 import copy
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
+from hydra.utils import instantiate
 from lightning import LightningModule
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torchmetrics import MaxMetric, MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
+from src import records
+from src.checkpoints import read_checkpoint
 from src.fast_path import FastSteps, GraphedStep
 from src.optim import Schedule
 
@@ -22,6 +27,11 @@ STAGES = ("train", "val", "test")
 AUTOMATIC_STEPS, MANUAL_STEPS = "epoch_loop.automatic_optimization.optim_progress", "epoch_loop.manual_optimization.optim_step_progress"
 WARM_STEPS = 3  # eager steps before a CUDA graph is captured: cuDNN's autotuning and the optimizer's state are built by then
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+
+def plain(node: Any) -> Any:
+    """A config as plain values; None for an object (a network handed over as a module is not recorded)."""
+    return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node) if isinstance(node, Mapping) else None
 
 
 def default_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
@@ -41,19 +51,20 @@ class Classifier(LightningModule):
 
     def __init__(
         self,
-        net: nn.Module,
+        net: nn.Module | Mapping[str, Any],
         optimizer: OptimizerFactory = default_optimizer,
         num_classes: int = 10,
-        loss: nn.Module | None = None,
+        loss: nn.Module | Mapping[str, Any] | None = None,
         schedule: Schedule | None = None,
     ) -> None:
         super().__init__()
-        # Objects stay out of the checkpoint's hyperparameters: a checkpoint is read with weights_only.
-        self.save_hyperparameters(ignore=["net", "optimizer", "loss", "schedule"], logger=False)
-        self.net = net
+        # The network and loss given as configs (conf/model: `_recursive_: false`) are built here and recorded in the
+        # checkpoint's hyperparameters as plain values, so that `load_from_checkpoint(path)` needs nothing else.
+        self.save_hyperparameters({"net": plain(net), "loss": plain(loss), "num_classes": num_classes}, logger=False)
+        self.net = instantiate(net) if isinstance(net, Mapping) else net
         self.optimizer = optimizer
         self.schedule = schedule or Schedule()
-        self.loss = loss if loss is not None else nn.CrossEntropyLoss()
+        self.loss = instantiate(loss) if isinstance(loss, Mapping) else loss if loss is not None else nn.CrossEntropyLoss()
         # Per stage, the epoch's accuracy and image-weighted mean loss, updated at every step. Images
         # are weighted so that processes holding one image more or less than the others (unpadded
         # evaluation shards) count each image once. No per-step checks of the labels or of NaNs
@@ -73,6 +84,16 @@ class Classifier(LightningModule):
         self.warmup_s = 0.0  # compiling, capturing the CUDA graph: one-off time that EpochTimer leaves out of time/epoch_s
         self._warmup_started: float | None = None
         self._compile_timed = False
+
+    @classmethod
+    def load_from_checkpoint(cls, checkpoint_path: str | Path, *args: Any, **kwargs: Any) -> "Classifier":  # type: ignore[override]
+        """Lightning's, reading the file as tensors and plain values only, and building the recorded network and loss
+        only from classes the project's conf/ names: a checkpoint may come from anyone."""
+        recorded = read_checkpoint(checkpoint_path).get("hyper_parameters", {})
+        records.check_data({k: v for k, v in recorded.items() if k not in kwargs}, Path(checkpoint_path),
+                           records.conf_targets(), "hyper_parameters")
+        kwargs["weights_only"] = True
+        return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)
 
     def use_fast_steps(self, fast_steps: FastSteps, step_batch_size: int) -> None:
         """Run `fast_steps.steps_per_execution` optimizer steps of `step_batch_size` images per training

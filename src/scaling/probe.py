@@ -15,7 +15,7 @@ of training on shared cores that all-reduces started together after a barrier do
 kept as a share of the work's turns: from 20 to 100 ms of work it grew with the work (2 processes on
 2 cores: 2 to 3 ms; 4 processes: 0.3 to 8 ms), about 3 to 4 % from 50 ms on; on a later day, 3 to
 16 % between probes a few minutes apart. The median meeting: the mean followed the outliers.
-The probe's processes are forked from the forkserver, which imports this module once.
+The probe's processes are new interpreters (spawn), each importing this module.
 """
 
 import json
@@ -32,7 +32,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from src.launch import forkserver
 
 SIZES = tuple(4 * 16**k for k in range(5)) + (2**20, 4 * 2**20, 16 * 2**20, 32 * 2**20)  # 4 B, 64 B, ... 32 MiB
 PROCESSES = (2, 4)
@@ -139,7 +138,7 @@ def start_ranks(worker: Callable[..., None], processes: int, *args: Any) -> Any:
     port; what rank 0 wrote to the file named `result`, read as JSON."""
     with tempfile.TemporaryDirectory() as folder:
         result = os.path.join(folder, "result.json")
-        forkserver.start_processes(worker, (processes, free_port(), *args, result), processes)
+        torch.multiprocessing.start_processes(worker, (processes, free_port(), *args, result), processes, start_method="spawn")
         return json.loads(Path(result).read_text())
 
 

@@ -29,13 +29,15 @@ figures are shares of a step, applied to a run's own step time.
 import copy
 import json
 import logging
+import multiprocessing
 import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -43,10 +45,11 @@ from hydra.utils import instantiate
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from src.launch import forkserver
 from src.scaling.probe import lag_share, start_ranks
 from src.strategies.comm import CommMeter
 from src.strategies.ddp import CommHookDDPStrategy, one_bucket_cap_mb
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +123,12 @@ def overhead_share(step: float, batch: int, small_step: float, small_batch: int)
     return min(max(intercept / step, 0.0), 0.99)
 
 
+def in_own_process(function: Callable[..., T], *args: Any) -> T:
+    """`function(*args)` in a new process of its own (spawn): its result, or its exception raised here."""
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(function, *args).result()
+
+
 @dataclass(frozen=True)
 class DDPClock:
     hooks: dict[str, float]  # s per step: each hook from its call to its future's completion
@@ -137,7 +146,7 @@ def ddp_times(net: Any, input_shape: Sequence[int], hooks: Sequence[str], rank: 
     the hooks' arithmetic instead (`timed.encode_s`).
     """
     try:
-        return forkserver.call(_ddp_times, net, tuple(input_shape), tuple(hooks), rank, bucket_cap_mb, repeats)
+        return in_own_process(_ddp_times, net, tuple(input_shape), tuple(hooks), rank, bucket_cap_mb, repeats)
     except Exception as error:  # noqa: BLE001  a figure that cannot be timed is estimated instead
         log.warning(f"the DDP hooks could not be timed ({type(error).__name__}: {error}); their arithmetic is estimated")
         return None
@@ -194,7 +203,7 @@ def ddp_step_costs(net: Any, input_shape: Sequence[int], batch: int, precision: 
     process of its own, like `ddp_times`; None, with the reason logged, when that process fails.
     """
     try:
-        return forkserver.call(_ddp_step_costs, net, tuple(input_shape), batch, precision, tuple(hooks), rank, bucket_cap_mb,
+        return in_own_process(_ddp_step_costs, net, tuple(input_shape), batch, precision, tuple(hooks), rank, bucket_cap_mb,
                                device, repeats)
     except Exception as error:  # noqa: BLE001  an unmeasured cost is assumed instead, and the report says so
         log.warning(f"DDP's own cost could not be measured on {device} ({type(error).__name__}: "

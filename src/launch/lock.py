@@ -1,0 +1,77 @@
+"""One writer per run folder and per sweep folder: a lock held for the writer's life, which the kernel releases when
+the process ends however it ends (docs/reliability.md says what this does on NFS and Lustre)."""
+
+import errno
+import fcntl
+import logging
+import os
+import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+from src.errors import UsageError
+
+log = logging.getLogger(__name__)
+LOCK = ".lock"
+# What a filesystem without locks answers (some NFS mounts, Lustre without `-o flock`): there the folder goes unlocked.
+NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
+
+
+def acquire(folder: Path, what: str) -> int | None:
+    """Lock `folder` for this process: its lock file's descriptor, held until it is closed (or the process ends).
+    A folder another process holds is refused in one line naming that process."""
+    folder.mkdir(parents=True, exist_ok=True)
+    fd = os.open(folder / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as error:
+        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        if error.errno in (errno.EWOULDBLOCK, errno.EACCES):
+            raise UsageError(f"{folder} is in use: {holder} is writing this {what}; wait for it to end, or stop it "
+                             "first (one writer per folder)") from None
+        if error.errno in NO_LOCKS:
+            log.warning(f"{folder}: this filesystem takes no locks ({error.strerror}); nothing keeps a second writer out")
+            return None
+        raise
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+    return fd
+
+
+def release(fd: int | None) -> None:
+    if fd is not None:
+        os.ftruncate(fd, 0)
+        os.close(fd)
+
+
+@contextmanager
+def held(folder: Path, what: str = "run") -> Iterator[None]:
+    fd = acquire(folder, what)
+    try:
+        yield
+    finally:
+        release(fd)
+
+
+class SweepLock(Callback):
+    """Hydra callback: the sweep folder is locked from the sweep's start to its end (or to this process's end).
+    Remembers whether the sweep made the folder, so that a sweep Hydra refuses before any job ran leaves none."""
+
+    folder: Path | None = None
+    fresh = False
+    _fd: int | None = None
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        folder = Path(str(config.hydra.sweep.dir))
+        SweepLock.folder, SweepLock.fresh = folder, not folder.exists() or not any(folder.iterdir())
+        SweepLock._fd = acquire(folder, "sweep")
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        release(SweepLock._fd)
+        SweepLock._fd = None
