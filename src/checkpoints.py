@@ -197,21 +197,26 @@ def unreadable(error: Exception) -> str:
     return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
 
 
+def check_readable(saved: Saved | None, given: object) -> None:
+    """A checkpoint to resume or score holds only tensors and plain values (unpickling anything else could run code the
+    file carries), and is one torch can read."""
+    if saved is None or saved.error is None:
+        return
+    if (refused := unsafe_content(saved.error)) is not None:
+        raise UsageError(f"ckpt_path={given} is not allowed; {saved.path} is not a safe checkpoint: it holds objects that "
+                         f"cannot be loaded safely ({refused}); a checkpoint is read as tensors and plain values only, so "
+                         "that loading it cannot run code")
+    raise UsageError(f"ckpt_path={given} is not allowed; {saved.path} is not a checkpoint file ({unreadable(saved.error)})")
+
+
 def check_checkpoint(saved: Saved | None, given: object, module: torch.nn.Module, model_name: str) -> None:
-    """A checkpoint to resume or score must be a Lightning checkpoint of this very model, and hold only tensors and
-    plain values: unpickling anything else could run code the file carries."""
+    """A checkpoint to resume or score must be a safe, readable Lightning checkpoint of this very model."""
+    check_readable(saved, given)
     if saved is None:
         return
-    path = saved.path
-    if saved.error is not None:
-        if (refused := unsafe_content(saved.error)) is not None:
-            raise UsageError(f"ckpt_path={given} is not allowed; {path} is not a safe checkpoint: it holds objects that "
-                             f"cannot be loaded safely ({refused}); a checkpoint is read as tensors and plain values "
-                             "only, so that loading it cannot run code")
-        raise UsageError(f"ckpt_path={given} is not allowed; {path} is not a checkpoint file ({unreadable(saved.error)})")
     weights = saved.contents.get("state_dict") if isinstance(saved.contents, dict) else None
     if not isinstance(weights, dict):
-        raise UsageError(f"ckpt_path={given} is not allowed; {path} is not a Lightning checkpoint (it holds no state_dict)")
+        raise UsageError(f"ckpt_path={given} is not allowed; {saved.path} is not a Lightning checkpoint (it holds no state_dict)")
     expected = {k: tuple(v.shape) for k, v in module.state_dict().items()}
     found = {k: tuple(v.shape) for k, v in weights.items() if isinstance(v, torch.Tensor)}
     if expected == found:

@@ -336,14 +336,19 @@ def check_across_keys(cfg: DictConfig, flat: dict[str, Any]) -> None:
         raise not_allowed("compile", True, "nn.DataParallel copies the network each step and would drop the compiled "
                                            "code; use compile=false with strategy=dp, or strategy=ddp")
     hook, state = flat.get("strategy.hook"), OmegaConf.select(cfg, "strategy.hook_state")
-    if state is not None and (hook in HOOKS or not isinstance(state, DictConfig) or state.get("_partial_") is not True):
+    if state is not None and hook in HOOKS:
         raise UsageError(f"strategy.hook_state is not allowed with strategy.hook={hook}; it is for a hook named by its "
-                         "import path, as a config with _target_ and _partial_: true (called with process_group=)")
+                         "import path (the built-in hooks make their own state)")
+    if state is not None and not (isinstance(state, DictConfig) and state.get("_partial_") is True):
+        raise not_allowed("strategy.hook_state", state, "it must be null or a config with _target_ and _partial_: true "
+                          "(it is called with process_group=)")
     for key, value in flat.items():  # e.g. model.net.num_classes: the output layer must fit the labels
         name = key.rpartition(".")[2]
         if key.startswith("model.") and name in ("num_classes", "in_channels") and f"data.{name}" in flat:
             if value != flat[f"data.{name}"]:
                 raise not_allowed(key, value, f"it must equal data.{name}={shown(flat[f'data.{name}'])}, what the data holds")
+    if "optim._target_" in flat and flat.get("optim._partial_") is not True:
+        raise not_allowed("optim._partial_", flat.get("optim._partial_"), f"optim._partial_ must be {RULES['optim._partial_'].allowed}")
     min_epochs = flat.get("trainer.min_epochs")
     if min_epochs is not None and min_epochs > flat["max_epochs"]:
         raise not_allowed("trainer.min_epochs", min_epochs, f"it must be at most max_epochs={flat['max_epochs']}")

@@ -89,11 +89,14 @@ def score(cfg: DictConfig) -> Result:
     return evaluate(cfg)[0]
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="eval")
-def main(cfg: DictConfig) -> Result:
+def take_the_runs_model(cfg: DictConfig) -> None:
     overrides = list(HydraConfig.get().overrides.task)
     cfg.model, cfg.data = as_trained(cfg, overrides, "model"), as_trained(cfg, overrides, "data")
-    return cli.run_job(cfg, score)
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="eval")
+def main(cfg: DictConfig) -> Result:
+    return cli.run_job(cfg, score, prepare=take_the_runs_model)
 
 
 def with_checkpoint_model(args: list[str]) -> list[str]:

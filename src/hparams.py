@@ -25,6 +25,7 @@ from typing import Any
 from lightning import Trainer
 from lightning.pytorch.loggers import Logger, TensorBoardLogger
 from omegaconf import DictConfig, OmegaConf
+from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 from tensorboard.compat.proto.summary_pb2 import Summary
 from tensorboard.plugins.hparams import api_pb2, metadata, plugin_data_pb2
 from torch.utils.tensorboard.writer import FileWriter
@@ -292,3 +293,12 @@ def write_experiment(runs: list[Mapping[str, Any]], log_dir: Path, typed: Iterab
     writer = FileWriter(str(log_dir))
     writer.add_summary(experiment(runs, typed=typed))
     writer.close()
+
+
+def has_hparams(run_dir: Path) -> bool:
+    """Whether an earlier part of this run (before a resume) already wrote its HParams record: a run keeps its first."""
+    for events in run_dir.glob("events.out.tfevents.*"):
+        for event in EventFileLoader(str(events)).Load():
+            if any(value.metadata.plugin_data.plugin_name == "hparams" for value in event.summary.value):
+                return True
+    return False

@@ -96,7 +96,7 @@ def gradient_math(flat: dict[str, Any]) -> tuple[Any, ...]:
     """What a strategy does to the gradients: its hook, and PowerSGD's settings where it compresses."""
     hook = flat.get("strategy.hook") or "none"
     powersgd = ("strategy.powersgd_rank", "strategy.start_powersgd_iter") if str(hook).startswith("powersgd") else ()
-    state = {k: v for k, v in flat.items() if k.startswith("strategy.hook_state")}
+    state = {k: v for k, v in flat.items() if k.startswith("strategy.hook_state") and v is not None}
     return (hook, sorted(state.items()), *(flat.get(k) for k in powersgd))
 
 
@@ -117,7 +117,7 @@ def check(cfg: DictConfig) -> records.Result | None:
         raise refused("strategy", before.get("strategy_name"), after["strategy_name"], folder,
                       f", and the two treat gradients differently (hook {gradient_math(before)[0]} against "
                       f"{gradient_math(after)[0]}); leave it out, or start a new run (without ckpt_path) to change it")
-    for name in sorted(before.keys() | after.keys(), key=lambda k: (k not in GROUP_NAMES, k)):
+    for name in sorted(before.keys() | after.keys(), key=lambda k: (k not in GROUP_NAMES, "." in k, k)):
         old, new = before.get(name, "(none)"), after.get(name, "(none)")
         if old == new or name in MAY_CHANGE or strategy_changed and name.startswith("strategy"):
             continue
@@ -147,9 +147,10 @@ def refused(name: str, old: Any, new: Any, folder: Path, why: str) -> UsageError
 
 def finished(cfg: DictConfig, folder: Path) -> records.Result | None:
     """The recorded result of a run that trained as far as its config asks and was tested; None for any other."""
-    from src.checkpoints import newest
+    from src.checkpoints import check_readable, newest
 
     done, saved = records.result(folder), newest(folder)
+    check_readable(saved, cfg.ckpt_path)  # before anything of the run is written again
     if done is None or saved is None or saved.path.name != "last.ckpt" or done.step != saved.step:
         return None  # no result, or another attempt's: the run goes on
     epochs, max_steps = saved.contents.get("epoch", -1) + 1, cfg.trainer.get("max_steps", -1)

@@ -35,7 +35,7 @@ from src.checkpoints import AtomicCheckpointIO, Saved, check_checkpoint, resolve
 from src.errors import UsageError
 from src.fast_path import (LIGHTNING_SPELLING, apply_fast_steps, cudnn_benchmark, keep_freed_memory,
                            one_channel_nchw_pays, resolve_accelerator, speed_up)
-from src.hparams import log_hparams, run_hparams
+from src.hparams import has_hparams, log_hparams, run_hparams
 from src.launch import cli
 from src.launch.console import processes
 from src.launch.ranks import is_rank_zero
@@ -207,10 +207,11 @@ def record(cfg: DictConfig, objects: dict[str, Any], result: Result, tested: Pat
     trainer = objects["trainer"]
     if not trainer.is_global_zero:
         return
-    params = run_hparams(cfg, trainer, objects["optimizer"].keywords["lr"])
-    params.update(cuda_graphs=objects["fast_steps"].cuda_graphs, steps_per_execution=objects["fast_steps"].steps_per_execution,
-                  tested_weights=tested_weights(tested))
-    log_hparams(objects["loggers"], params, Path(cfg.output_dir), trainer.global_step)
+    if not has_hparams(Path(cfg.output_dir)):  # a resumed run keeps the record it began with
+        params = run_hparams(cfg, trainer, objects["optimizer"].keywords["lr"])
+        params.update(cuda_graphs=objects["fast_steps"].cuda_graphs,
+                      steps_per_execution=objects["fast_steps"].steps_per_execution, tested_weights=tested_weights(tested))
+        log_hparams(objects["loggers"], params, Path(cfg.output_dir), trainer.global_step)
     close_loggers(objects["loggers"])
     result.save(Path(cfg.output_dir))
     log.info(result.line)

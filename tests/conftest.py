@@ -3,6 +3,10 @@
 import pytest
 import torch
 
+# The launchers' configs, registered in Hydra's ConfigStore as Hydra scans its plugins; imported here, before any test
+# saves Hydra's singletons to put them back after it (`hydra_restore_singletons`, the launcher kit's fixture).
+import hydra_plugins.project_launchers.parallel  # noqa: F401
+import hydra_plugins.project_launchers.sequential  # noqa: F401
 from tests.helpers import DATA_ROOT, LINEAR_LR, QUICK, REPO, Run, train
 
 OUTPUTS = REPO / "outputs"

@@ -34,7 +34,7 @@ class KillAtStep(Callback):
 
 
 class KillSweepAtStep(KillAtStep):
-    """SIGKILLs the whole process group (a sweep's launcher, its forkserver and every DDP worker) after step `step`
+    """SIGKILLs the whole process group (a sweep's launcher and every DDP worker) after step `step`
     of the sweep job whose folder name ends with `job`, as a reboot or `kill -9 -- -PGID` would."""
 
     def __init__(self, step: int, job: str, rank: int = 0) -> None:

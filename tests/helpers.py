@@ -34,6 +34,8 @@ DATA_ROOT = Path(os.environ.get("FASHION_MNIST_ROOT", REPO.parent / "shared" / "
 # Keeps command-line tests small (conf/debug/quick.yaml: one short epoch, few batches, no progress
 # bar) on the offline data, which is machine-specific and so not part of that file.
 QUICK = [f"data.root={DATA_ROOT}", "debug=quick"]
+# The interpreter as a command started in the checkout names it, to be run from there (src.launch.cli.interpreter).
+INTERPRETER = str(Path(sys.executable).relative_to(REPO)) if Path(sys.executable).is_relative_to(REPO) else sys.executable
 
 
 def cpu_precision() -> str:
@@ -107,6 +109,15 @@ def run_cli(module: str, *args: str, timeout: float = 300, cwd: Path = REPO, env
     """`python -m <module> <args>` as a user runs it: a new process, its output captured."""
     return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=env or user_env(), capture_output=True,
                           text=True, timeout=timeout)
+
+
+def start_cli(module: str, *args: str, cwd: Path = REPO, env: dict[str, str] | None = None, new_session: bool = False,
+              merged: bool = False) -> subprocess.Popen:
+    """`python -m <module> <args>` started, not waited for: in a session of its own with `new_session` (a test can
+    then signal all of its processes at once), stderr into stdout with `merged` (as a terminal shows both)."""
+    return subprocess.Popen([sys.executable, "-m", module, *args], cwd=cwd, env=env or user_env(), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT if merged else subprocess.PIPE,
+                            start_new_session=new_session)
 
 
 def train(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:

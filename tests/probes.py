@@ -1,7 +1,6 @@
 """Callbacks that show, from inside a run's processes, what they see (`+callbacks.probe._target_=tests.probes.ShowVariable`),
 and DDP hooks that show what DDP runs (`strategy.hook=tests.probes.noted_allreduce_hook`)."""
 
-import gc
 import os
 import time
 
@@ -48,22 +47,3 @@ class ShowPlacement(Callback):
         line = (f"placement rank {trainer.global_rank}: cores={cores} threads={torch.get_num_threads()} "
                 f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')}\n")
         os.write(1, line.encode())
-
-
-class ShowCollector(Callback):
-    """Writes `collector rank <r>: enabled=<bool> trainer_walked=<bool>` as training starts: whether Python's garbage
-    collector runs, and whether Lightning's Trainer class is among the objects it walks (not frozen)."""
-
-    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        walked = any(obj is Trainer for obj in gc.get_objects())
-        os.write(1, f"collector rank {trainer.global_rank}: enabled={gc.isenabled()} trainer_walked={walked}\n".encode())
-
-
-class ShowForkserver(Callback):
-    """Writes `forkserver running=<bool> rank <r>` as training starts: whether this process has started the
-    forkserver that local DDP forks its workers from."""
-
-    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        from tests.helpers import forkserver_pids
-
-        os.write(1, f"forkserver running={bool(forkserver_pids(os.getpid()))} rank {trainer.global_rank}\n".encode())

@@ -83,6 +83,9 @@ OUT_OF_RANGE = {
     "precision=8-mixed": "precision must be one of auto, 32, 16-mixed, bf16-mixed, 64, or Lightning's other spellings",
     "accelerator=tpu": "accelerator must be one of: auto, cpu, gpu, cuda",
     "optim.lr_scaling=sqrt": "optim.lr_scaling must be one of: none, linear",
+    "optim.schedule=step": "optim.schedule must be one of: none, cosine",
+    "optim.warmup=1.0": "optim.warmup must be a number at least 0 and below 1",
+    "~optim._partial_": "optim._partial_ must be true (the Classifier calls the optimizer with its parameters)",
     "ckpt_path=''": "ckpt_path must be null, or a non-empty string",
     "model.net.num_classes=5": "it must equal data.num_classes=10, what the data holds",
     "model.num_classes=5": "it must equal data.num_classes=10",
@@ -137,7 +140,7 @@ OUT_OF_RANGE = {
 @pytest.mark.parametrize("override", OUT_OF_RANGE)
 def test_out_of_range_values_are_refused_naming_the_key(override):
     message = refused(config.check, composed(*override.split()))
-    key = override.split()[-1].split("=")[0]
+    key = override.split()[-1].split("=")[0].lstrip("~+")
     assert message.startswith(f"{key}=") and " is not allowed; " in message
     assert OUT_OF_RANGE[override] in message
 

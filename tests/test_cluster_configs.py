@@ -2,6 +2,8 @@
 
 import os
 
+from types import SimpleNamespace
+
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
@@ -11,7 +13,7 @@ from lightning import Trainer
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from submitit.slurm.slurm import SlurmExecutor
 
-from src.checks import CONF_DIR
+from src.config import CONF_DIR
 
 SLURM_LAUNCHER = "hydra_plugins.project_launchers.slurm.SlurmLauncher"
 
@@ -81,7 +83,8 @@ def test_launcher_writes_an_sbatch_script_with_one_task_per_process(monkeypatch,
     monkeypatch.setattr(SlurmExecutor, "affinity", classmethod(lambda cls: 2))  # pretend srun is on PATH
     monkeypatch.setattr(SlurmExecutor, "_internal_process_submissions", submit)
     launcher = instantiate(cfg.hydra.launcher)
-    launcher.setup(hydra_context=None, task_function=None, config=cfg)
+    composes = SimpleNamespace(config_loader=SimpleNamespace(load_sweep_config=lambda config, overrides: config))
+    launcher.setup(hydra_context=composes, task_function=None, config=cfg)
     with pytest.raises(Submitted):
         launcher.launch([["seed=1"], ["seed=2"]], initial_job_idx=0)
 

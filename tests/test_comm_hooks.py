@@ -22,11 +22,12 @@ from torch import nn
 # made through this name.
 from torch.distributed import all_reduce as all_reduce_imported_by_name
 
+from src import config
 from src.errors import UsageError
 from src.models.lenet import LeNet
 from src.strategies.comm import CommMeter
 from src.strategies.ddp import HOOKS, CommHookDDPStrategy, one_bucket_cap_mb
-from tests.helpers import free_port, scalars, start_ranks, train as run_train
+from tests.helpers import composed, free_port, scalars, start_ranks, train as run_train
 
 BATCHES = 4  # training batches per run: one optimizer step each, unless accumulating
 WARMUP = 2  # plain all-reduce steps before PowerSGD compresses
@@ -157,31 +158,27 @@ def test_bad_option_fails_with_one_line(tmp_path: Path, data_root: Path, overrid
     assert not run_dir.exists()
 
 
-@pytest.mark.parametrize(
-    ("options", "named"),
-    [
-        ({"hook": "batched_powersgd"}, "strategy.hook=batched_powersgd"),
-        ({"powersgd_rank": 0}, "strategy.powersgd_rank=0"),
-        ({"powersgd_rank": 1.5}, "strategy.powersgd_rank=1.5"),
-        ({"powersgd_rank": True}, "strategy.powersgd_rank=True"),
-        ({"start_powersgd_iter": 1}, "strategy.start_powersgd_iter=1"),
-        ({"timeout_s": 0}, "strategy.timeout_s=0"),
-        ({"timeout_s": "soon"}, "strategy.timeout_s=soon"),
-        ({"bucket_cap_mb": -1}, "strategy.bucket_cap_mb=-1"),
-        ({"static_graph": "yes"}, "strategy.static_graph=yes"),
-        ({"process_group_backend": "tcp"}, "strategy.process_group_backend=tcp"),
-    ],
-)
-def test_check_options_names_the_option(options: dict, named: str) -> None:
-    strategy = CommHookDDPStrategy(**options)
-    with pytest.raises(UsageError, match=f"^{named} ") as error:
-        strategy.check_options()
-    assert "\n" not in str(error.value)
+@pytest.mark.parametrize(("override", "named"), [
+    ("strategy.hook=batched_powersgd", "strategy.hook=batched_powersgd is not allowed"),
+    ("strategy.powersgd_rank=0", "strategy.powersgd_rank=0 is not allowed"),
+    ("strategy.powersgd_rank=1.5", "strategy.powersgd_rank=1.5 is not allowed"),
+    ("strategy.powersgd_rank=true", "strategy.powersgd_rank=true is not allowed"),
+    ("strategy.start_powersgd_iter=1", "strategy.start_powersgd_iter=1 is not allowed"),
+    ("strategy.timeout_s=0", "strategy.timeout_s=0 is not allowed"),
+    ("strategy.timeout_s=soon", "strategy.timeout_s=soon is not allowed"),
+    ("strategy.bucket_cap_mb=-1", "strategy.bucket_cap_mb=-1 is not allowed"),
+    ("strategy.static_graph=yes", "strategy.static_graph=yes is not allowed"),
+    ("strategy.process_group_backend=tcp", "strategy.process_group_backend=tcp is not allowed"),
+])
+def test_every_strategy_option_has_its_rule_naming_it(override: str, named: str) -> None:
+    with pytest.raises(UsageError) as error:
+        config.check(composed("strategy=ddp", override))
+    assert str(error.value).startswith(named) and "\n" not in str(error.value)
 
 
 def test_every_hook_is_a_valid_option() -> None:
     for hook in HOOKS:
-        CommHookDDPStrategy(hook=hook).check_options()
+        config.check(composed("strategy=ddp", f"strategy.hook={hook}"))
 
 
 def test_one_bucket_cap_holds_the_whole_model() -> None:
@@ -357,12 +354,14 @@ def test_a_hook_of_your_own_is_named_by_its_import_path() -> None:
     from src.strategies.ddp import import_hook
     from tests.examples.hooks import fp16_allreduce_hook
 
+    config.check(composed("strategy=ddp", "strategy.hook=tests.examples.hooks.fp16_allreduce_hook"))
     strategy = CommHookDDPStrategy(hook="tests.examples.hooks.fp16_allreduce_hook")
-    strategy.check_options()
     assert strategy.build_hook(None)[1] is fp16_allreduce_hook
     assert import_hook("tests.examples.hooks.missing") is None and import_hook("no_such_module.hook") is None
-    with pytest.raises(UsageError, match="^strategy.hook=os.sep is not an option; .* or the import path of a hook function"):
-        CommHookDDPStrategy(hook="os.sep").check_options()
+    with pytest.raises(UsageError, match="^strategy.hook=osx.sep is not allowed; .* or the import path of a hook function"):
+        config.check(composed("strategy=ddp", "strategy.hook=osx.sep"))
+    with pytest.raises(UsageError, match="^strategy.hook=os.nothing: no function of that name can be imported"):
+        CommHookDDPStrategy(hook="os.nothing").build_hook(None)
 
 
 def test_a_group_that_cannot_count_leaves_the_run_uncounted_with_one_line(tmp_path: Path, monkeypatch, caplog) -> None:

@@ -20,9 +20,9 @@ from src.models.module import Classifier
 from src.models.resnet import resnet18
 from src.strategies.dp import DataParallelNet, DataParallelStrategy
 from src.strategies.sync_batchnorm import SyncBatchNormPlugin
-from src.runner import processes_per_node
+from src.launch.workers import processes_per_node
 from tests.equivalence import checkpoint, deviation
-from tests.helpers import QUICK, REPO, hparams, train
+from tests.helpers import QUICK, REPO, composed, hparams, train
 
 GPUS = torch.cuda.device_count()
 needs_two_gpus = pytest.mark.skipif(GPUS < 2, reason="needs two CUDA GPUs")
@@ -42,7 +42,7 @@ def test_importing_src_strategies_registers_dp():
 def test_dp_config_is_one_process_whatever_the_devices():
     strategy = instantiate(OmegaConf.load(REPO / "conf" / "strategy" / "dp.yaml"))
     assert isinstance(strategy, DataParallelStrategy) and strategy.net_attribute == "net"
-    assert processes_per_node(strategy, 4) == 1
+    assert processes_per_node(composed("strategy=dp", "devices=4")) == 1
 
 
 def test_several_cpu_devices_are_a_usage_error():

@@ -4,10 +4,9 @@ import shutil
 
 import pytest
 from omegaconf import OmegaConf
-from torchvision.datasets import FashionMNIST
 
 from src.eval import as_trained, with_checkpoint_model
-from tests.helpers import DATA_ROOT, QUICK, hparams, in_process, run_cli, scalars, train
+from tests.helpers import DATA_ROOT, QUICK, hparams, run_cli, scalars, train
 
 SCORE = [f"data.root={DATA_ROOT}", "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false"]
 
@@ -101,15 +100,12 @@ def test_eval_as_the_readme_writes_it_scores_offline_with_the_runs_data(tmp_path
     assert not (tmp_path / "data").exists()
 
 
-def test_a_failed_eval_leaves_no_folder_behind(tmp_path, trained, monkeypatch):
-    """The data cannot be found nor downloaded (a mirror that does not exist, no network asked): no empty data
-    folder from the attempt, no eval folder, no `outputs/eval/` made for it."""
-    monkeypatch.setattr(FashionMNIST, "mirrors", [(tmp_path / "mirror").as_uri() + "/"])
-    # In a folder of its own: a folder made and removed in the checkout's outputs/ would also be seen there by
-    # a test that ends meanwhile in another test process (tests/conftest.py).
-    monkeypatch.chdir(tmp_path)
+def test_a_failed_eval_leaves_no_folder_behind(tmp_path, trained):
+    """The data cannot be found (and may not be downloaded): no eval folder, no `outputs/eval/` made for it. Run in a
+    folder of its own: a folder made and removed in the checkout's outputs/ would also be seen there by a test that
+    ends meanwhile in another test process (tests/conftest.py). A failed download's own cleanup: tests/test_data.py."""
     nodata = tmp_path / "nodata"
-    result = in_process("src.eval", f"ckpt_path={trained}", f"data.root={nodata}")
+    result = run_cli("src.eval", f"ckpt_path={trained}", f"data.root={nodata}", "data.download=false", cwd=tmp_path)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1].startswith(f"error: data.root={nodata}: Fashion-MNIST not found")
     assert not nodata.exists() and not (tmp_path / "outputs").exists()

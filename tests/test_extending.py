@@ -12,9 +12,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from src.checks import check_overrides
-from src.errors import UsageError
-from tests.helpers import DATA_ROOT, QUICK, REPO, hparams, run_cli, scalars, train
+from src import config
+from tests.helpers import DATA_ROOT, QUICK, REPO, composed, hparams, run_cli, scalars, train
+from tests.test_bad_input import hydra_refusal
 
 DOC = REPO / "docs" / "extending.md"
 
@@ -47,14 +47,12 @@ def test_the_doc_gives_a_file_for_every_kind_of_piece():
                                        "strategy/announced.yaml", "data/random_images.yaml"}
 
 
-def test_searchpath_options_are_known_to_the_command_line_checks(searchpath):
-    check_overrides([searchpath, "model=mlp", "model.net.hidden=32", "data=random_images", "data.image_size=28"])
-    with pytest.raises(UsageError, match="model=vgg is not an option; choose one of: lenet, mlp, resnet18"):
-        check_overrides([searchpath, "model=vgg"])
-    with pytest.raises(UsageError, match="model.net.hiden is not a known key of model=mlp; did you mean model.net.hidden"):
-        check_overrides([searchpath, "model=mlp", "model.net.hiden=32"])
-    with pytest.raises(UsageError, match="model=mlp is not an option"):
-        check_overrides(["model=mlp"])
+def test_searchpath_options_are_known_to_the_checks(searchpath):
+    config.check(composed(searchpath, "model=mlp", "model.net.hidden=32", "data=random_images", "data.image_size=28"))
+    assert hydra_refusal(searchpath, "model=vgg") == "model=vgg is not an option; choose one of: lenet, mlp, resnet18"
+    assert hydra_refusal(searchpath, "model=mlp", "model.net.hiden=32").startswith(
+        "model.net.hiden is not a known key of model=mlp; did you mean model.net.hidden")
+    assert hydra_refusal("model=mlp").startswith("model=mlp is not an option")
 
 
 def test_a_new_model_trains_and_its_checkpoint_is_scored_by_eval(tmp_path, data_root, searchpath):
@@ -105,7 +103,10 @@ def test_a_hook_with_state_gets_it_built_from_the_strategy_file(tmp_path, data_r
      "error: strategy.hook_state is not allowed with strategy.hook=fp16"),
     (["strategy.hook=tests.examples.hooks.fp16_after_warmup_hook", "strategy.hook_state=3"],
      "error: strategy.hook_state=3 is not allowed; it must be null or a config with _target_ and _partial_: true"),
-    (["strategy.hook=tests.examples.hooks.fp16_after_warmup_hook", "strategy.hook_state={_target_:tests.examples.hooks.Nothing}"],
+    (["strategy.hook=tests.examples.hooks.fp16_after_warmup_hook", "strategy.hook_state={_target_:tests.examples.hooks.WarmupState}"],
+     "error: strategy.hook_state={'_target_': 'tests.examples.hooks.WarmupState'} is not allowed; it must be null or a config"),
+    (["strategy.hook=tests.examples.hooks.fp16_after_warmup_hook",
+      "strategy.hook_state={_target_:tests.examples.hooks.Nothing,_partial_:true}"],
      "error: strategy: Error locating target 'tests.examples.hooks.Nothing'"),
 ])
 def test_a_bad_hook_state_is_one_line(tmp_path, args, message):
@@ -120,7 +121,7 @@ def test_an_unknown_hook_path_is_one_line(tmp_path):
                    f"hydra.run.dir={tmp_path / 'run'}")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1].startswith(
-        "error: strategy.hook=tests.examples.hooks.nothing_here is not an option; choose one of: none, fp16")
+        "error: strategy.hook=tests.examples.hooks.nothing_here: no function of that name can be imported")
     assert not (tmp_path / "run").exists()
 
 

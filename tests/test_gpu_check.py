@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from tests.helpers import QUICK, REPO, in_process, run_cli, user_env
+from tests.helpers import QUICK, REPO, run_cli, train, user_env
 
 SCRIPT = REPO / "benchmarks" / "gpu_check.sh"
 
@@ -48,7 +48,7 @@ def test_the_summary_holds_each_tests_result_the_speed_table_and_the_seed_statis
                     "--only", "plain fp32", timeout=300)
     assert speed.returncode == 0, speed.stderr[-3000:]
     (logs / "speed-lenet.log").write_text(speed.stdout)
-    sweep = in_process("src.train", "-m", *QUICK, "seed=1,2", f"hydra.sweep.dir={logs / 'accuracy' / 'd2l_lenet'}")
+    sweep = train("-m", *QUICK, "seed=1,2", f"hydra.sweep.dir={logs / 'accuracy' / 'd2l_lenet'}")
     assert sweep.returncode == 0, sweep.stderr[-3000:]
 
     result = run_cli("benchmarks.gpu_summary", str(logs), timeout=300)

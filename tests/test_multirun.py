@@ -17,8 +17,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from tests.forked import Forked
-from tests.helpers import QUICK, REPO, assert_finished_run, cpu_precision, scalars, train, user_env
+from tests.helpers import INTERPRETER, start_cli, QUICK, REPO, assert_finished_run, cpu_precision, scalars, train, user_env
 from tests.test_stopping import checkpointed_epoch, proc_stat, wait_for
 
 PRECISION = cpu_precision()  # what precision=auto uses here
@@ -160,23 +159,12 @@ def test_a_bad_job_fails_alone_and_the_sweep_exits_non_zero(tmp_path, data_root)
     folder = tmp_path / "sweep"
     result = sweep(folder, "strategy=auto,ddp", "devices=2")
     assert result.returncode == 2
-    assert "error: strategy=auto runs on one device" in result.stderr
-    assert result.stderr.strip().splitlines()[-1].startswith("error: 1 sweep job failed")
+    assert result.stderr.strip().splitlines()[-1].startswith(
+        "error: 1 sweep job failed: lenet_auto_2dev_") and "strategy=auto runs on one device" in result.stderr
     assert {p.name for p in folder.iterdir() if p.is_dir() and p.name != "report"} == {f"lenet_ddp_2dev_{PRECISION}"}
     assert re.search(r"^job 1/2 failed: lenet_auto_2dev_\S+: strategy=auto runs on one device", result.stdout, flags=re.M)
     assert re.search(r"^job 2/2 done: lenet_ddp_2dev_\S+: test/acc=", result.stdout, flags=re.M)
     assert result.stdout.splitlines()[-1] == f"sweep of 2 jobs: 1 done, 0 resumed, 0 skipped, 1 failed; report: {folder / 'report.md'}"
-
-
-@pytest.mark.slow
-def test_a_sweep_starts_the_forkserver_of_its_ddp_jobs_before_its_first_job(tmp_path, data_root):
-    """One job after another: the server that a later job's DDP workers fork from imports the code while the first
-    job, on one device, trains; that job has no workers of its own, and finds the server started."""
-    result = sweep(tmp_path / "sweep", "strategy=ddp", "devices=1,2", "+callbacks.probe._target_=tests.probes.ShowForkserver",
-                   "trainer.limit_train_batches=1", "trainer.limit_val_batches=1", "trainer.limit_test_batches=1")
-    assert result.returncode == 0, result.stderr[-3000:]
-    lines = [line for line in result.stdout.splitlines() if line.startswith("forkserver running=")]
-    assert lines[0] == "forkserver running=True rank 0" and len(lines) == 3  # job 1, then job 2's two ranks
 
 
 @pytest.mark.slow
@@ -217,7 +205,7 @@ def test_a_stop_signal_stops_every_running_job_with_a_line_each_and_starts_none(
     running job gets the signal once, ends with its stop line, and the third job never starts."""
     folder = tmp_path / "sweep"
     long = ["max_epochs=50", "data.batch_size=64", "trainer.limit_train_batches=10"]
-    sweep_process = Forked("src.train", "-m", PARALLEL, "seed=1,2,3", *QUICK, *long, f"hydra.sweep.dir={folder}",
+    sweep_process = start_cli("src.train", "-m", PARALLEL, "seed=1,2,3", *QUICK, *long, f"hydra.sweep.dir={folder}",
                            cwd=REPO, env=user_env(), new_session=True)
     started: set[int] = set()
     try:
@@ -244,7 +232,7 @@ def test_a_stop_signal_stops_every_running_job_with_a_line_each_and_starts_none(
     for number, job in enumerate(SEEDS, 1):
         stop = (rf"^job {number}/3 stopped: {re.escape(job)}: run stopped by {name} during epoch \d+ \(step \d+\); "
                 rf"{re.escape(str(folder / job / 'checkpoints' / 'last.ckpt'))} holds the last finished epoch; "
-                rf"resume with: python -m src\.train -m hydra\.sweep\.dir={re.escape(str(folder))} ckpt_path=auto ")
+                rf"resume with: {re.escape(INTERPRETER)} -m src\.train -m hydra\.sweep\.dir={re.escape(str(folder))} ckpt_path=auto ")
         assert len(re.findall(stop, stdout, flags=re.M)) == 1, stdout
         assert "Traceback" not in (folder / ".parallel" / f"{job}.out").read_text()
     assert "job 3/3" not in stdout and not (folder / f"lenet_auto_1dev_{PRECISION}_seed=3").exists()

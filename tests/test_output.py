@@ -18,8 +18,8 @@ from tqdm import tqdm
 
 from src import sysinfo
 from src.callbacks.model_summary import SummaryWithoutZeroFlops, without_zero_flops
-from src.checks import CONF_DIR
-from src.checks.objects import unreadable_checkpoint
+from src.config import CONF_DIR
+from src.checkpoints import unreadable as unreadable_checkpoint
 from src.launch.console import ConsoleHandler, counted, open_progress_bars, print_error, processes
 from tests.helpers import QUICK, run_cli, train
 

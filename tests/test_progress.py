@@ -13,11 +13,12 @@ from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from src.errors import UsageError
-from src.launch import cli, progress
-from src.launch.cli import JobDone, JobFailed
+from src.launch import progress
 from src.launch.console import open_progress_bars, print_line
 from src.launch.parallel_launcher import Job, Places, checked_setting, slots_that_fit
-from src.launch.progress import Progress, Tally, clock_time, settled
+from src.launch.progress import Progress, Tally, clock_time
+from src.launch.stops import RankFailed
+from src.records import Result
 
 
 class Clock:
@@ -32,12 +33,10 @@ class Clock:
 
 @pytest.fixture(autouse=True)
 def fresh_sweep():
-    """Each test starts as a command does: no sweep tallied, no failed job, no bar on screen."""
+    """Each test starts as a command does: no sweep tallied, no bar on screen."""
     progress.tally = None
-    cli.failed_jobs.clear()
     yield
     progress.tally = None
-    cli.failed_jobs.clear()
     for bar in open_progress_bars():
         bar.close()
 
@@ -47,17 +46,23 @@ def lines_of(count: int, first: int = 0, sweep_dir: Path | None = None) -> tuple
     return Progress(count, first, sweep_dir, clock=clock, say=said.append), clock, said
 
 
-DONE = JobDone(0.71, "test/acc=0.7100 val/acc_best=0.7000 median epoch 3.00 s (precision 32, 1 process) -> out/a")
+def ended(value: object) -> JobReturn:
+    """A job's JobReturn as Hydra's `run_job` makes it: its task's value, or the exception it raised."""
+    failed = isinstance(value, BaseException)
+    return JobReturn(overrides=[], status=JobStatus.FAILED if failed else JobStatus.COMPLETED, _return_value=value)
+
+
+DONE = Result({"test/acc": 0.71}, "test/acc=0.7100 val/acc_best=0.7000 median epoch 3.00 s (precision 32, 1 process) -> out/a")
 
 
 def test_one_job_after_another_says_each_start_and_end_with_the_time_left():
     lines, clock, said = lines_of(3)
     lines.started(0, "lenet_seed=1")
     clock.now += 30
-    lines.ended(0, "lenet_seed=1", DONE)
+    lines.ended(0, "lenet_seed=1", ended(DONE))
     lines.started(1, "lenet_seed=2")
     clock.now += 10
-    lines.ended(1, "lenet_seed=2", JobFailed("optim.lr=-1 is not allowed", 2))
+    lines.ended(1, "lenet_seed=2", ended(UsageError("optim.lr=-1 is not allowed")))
     assert said == [
         "job 1/3 started: lenet_seed=1 (elapsed 0:00, time left not known yet)",
         f"job 1/3 done: lenet_seed=1: {DONE.line} (elapsed 0:30, about 1:00 left)",  # two more jobs of 30 s
@@ -72,12 +77,12 @@ def test_jobs_side_by_side_share_the_time_left_between_them():
     for number in range(2):
         lines.started(number, f"job{number}")
     clock.now += 60
-    lines.ended(0, "job0", DONE)
+    lines.ended(0, "job0", ended(DONE))
     # job1 has run as long as the mean: nothing left of it; two jobs of 60 s wait, two at a time
     assert said[-1].endswith("(elapsed 1:00, about 1:00 left)")
     lines.started(2, "job2")
     clock.now += 15
-    lines.ended(1, "job1", DONE)
+    lines.ended(1, "job1", ended(DONE))
     # mean 67.5 s: job2 ran 15 s of it, job3 waits; spread over the 2 jobs seen running at once
     assert said[-1].endswith(f"(elapsed 1:15, about {clock_time((67.5 - 15 + 67.5) / 2)} left)")
 
@@ -91,34 +96,30 @@ def test_a_second_launch_of_the_same_sweep_numbers_its_jobs_on():
 
 def test_the_summary_counts_each_ending_once_and_names_the_report(tmp_path):
     (tmp_path / "report.md").write_text("# report\n")
-    lines, _, _ = lines_of(5, sweep_dir=tmp_path)
-    endings = [DONE, JobDone(0.7, "resumed", resumed=True), JobDone(0.7, "", skipped=True), JobFailed("x", 1)]
-    for number, ended in enumerate(endings):
+    lines, _, said = lines_of(6, sweep_dir=tmp_path)
+    endings = [DONE, Result({}, "resumed", resumed=True), Result({}, "", skipped=True), ValueError("x"), 7]
+    for number, value in enumerate(endings):
         lines.started(number, f"job{number}")
-        lines.ended(number, f"job{number}", ended)
-    assert progress.tally.summary() == (
-        f"sweep of 5 jobs: 1 done, 1 resumed, 1 skipped, 1 failed, 1 not run; report: {tmp_path / 'report.md'}")
-    assert Tally(total=1, done=1, sweep_dir=tmp_path / "none").summary() == (
-        "sweep of 1 job: 1 done, 0 resumed, 0 skipped, 0 failed; report: none written")
+        lines.ended(number, f"job{number}", ended(value))
+    assert progress.tally.summary(tmp_path / "report.md") == (
+        f"sweep of 6 jobs: 2 done, 1 resumed, 1 skipped, 1 failed, 1 not run; report: {tmp_path / 'report.md'}")
+    assert [(f.name, f.line, f.status) for f in progress.tally.failures] == [("job3", "ValueError: x", 1)]
+    assert Tally(total=1, done=1).summary(None) == "sweep of 1 job: 1 done, 0 resumed, 0 skipped, 0 failed; report: none written"
 
 
 def test_a_skipped_job_says_so():
     lines, _, said = lines_of(1)
     lines.started(0, "job0")
-    lines.ended(0, "job0", JobDone(0.7, "test/acc=0.7000 ...", skipped=True))
+    lines.ended(0, "job0", ended(Result({}, "test/acc=0.7000 ...", skipped=True)))
     assert said[-1].startswith("job 1/1 skipped: job0: test/acc=0.7000 ...")
 
 
-def test_an_unexpected_exception_fails_its_job_with_a_line_and_its_traceback(capsys):
-    try:
-        raise ValueError("bad value")
-    except ValueError as error:
-        job = JobReturn(overrides=["seed=1"], status=JobStatus.FAILED, _return_value=error)
-    settled(job, "lenet_seed=1", where=" (SLURM job 7_0)")
-    assert job.status == JobStatus.COMPLETED
-    assert job.return_value == JobFailed("ValueError: bad value (SLURM job 7_0)", 1)
-    assert cli.failed_jobs == {"lenet_seed=1": job.return_value}
-    assert "Traceback" in capsys.readouterr().err
+def test_a_job_of_any_hydra_app_ends_with_what_its_task_returned():
+    lines, _, said = lines_of(2)
+    lines.ended(0, "job0", ended(0.93))  # an optimizing sweeper's objective, say
+    lines.ended(1, "job1", ended(UsageError("seed=x is not allowed")))
+    assert [line.split(" (elapsed")[0] for line in said] == ["job 1/2 done: job0", "job 2/2 failed: job1: seed=x is not allowed"]
+    assert progress.tally.failures[0].status == 2
 
 
 def test_clock_time_reads_as_a_clock():
@@ -180,7 +181,7 @@ class FakeSlurmJob:
 def test_the_slurm_launcher_says_each_start_and_end_as_it_polls(tmp_path, monkeypatch, capsys):
     slurm_launcher = pytest.importorskip("src.launch.slurm_launcher")
     done = JobReturn(overrides=["seed=1"], status=JobStatus.COMPLETED, _return_value=DONE)
-    failed = JobReturn(overrides=["seed=2"], status=JobStatus.COMPLETED, _return_value=JobFailed("rank 1 died", 1))
+    failed = JobReturn(overrides=["seed=2"], status=JobStatus.FAILED, _return_value=RankFailed("rank 1 died"))
     jobs = [FakeSlurmJob("7_0", tmp_path, done), FakeSlurmJob("7_1", tmp_path, failed)]
     for job in jobs:
         job.paths.result_pickle.write_bytes(b"")
@@ -206,10 +207,12 @@ def test_the_slurm_launcher_says_each_start_and_end_as_it_polls(tmp_path, monkey
         "job 1/2 started: seed=1",
         f"job 1/2 done: seed=1: {DONE.line}",
         "job 2/2 started: seed=2",
-        "job 2/2 failed: seed=2: rank 1 died (SLURM job 7_1)",
+        "job 2/2 failed: seed=2: rank 1 died",
     ]
-    assert [r.return_value for r in returns] == [DONE, JobFailed("rank 1 died (SLURM job 7_1)", 1)]
-    assert cli.failed_jobs == {"seed=2": JobFailed("rank 1 died (SLURM job 7_1)", 1)}
+    assert returns[0].return_value == DONE and returns[1].status == JobStatus.FAILED
+    jobs[1].paths.result_pickle.unlink()  # a job that SLURM ended without a result: its last words instead
+    jobs[1].stderr = lambda: "error: run stopped by SIGTERM\n"
+    assert str(slurm_launcher.result(jobs[1], ["seed=2"])._return_value) == "run stopped by SIGTERM (SLURM job 7_1)"
 
 
 # ---------------------------------------------------------------- where the parallel launcher puts jobs

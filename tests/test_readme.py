@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from src.checks import CONF_DIR
+from src.config import CONF_DIR
 from tests.helpers import DATA_ROOT, REPO, assert_finished_run, cpu_precision, hparams, scalars, user_env
 
 README = REPO / "README.md"

@@ -108,8 +108,9 @@ def test_eval_refuses_a_config_yaml_that_builds_other_code_or_calls_a_resolver(t
     edit(config, lambda data: data.update(model_name="lenet,resnet18"))
     result = run_cli("src.eval", *score)
     assert result.returncode == 2, result.stderr
-    assert result.stderr.strip().splitlines()[-1] == (f"error: {config}: model_name=lenet,resnet18 is not an option of "
-                                                      "conf/model; give the model with model=<option>")
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"error: {config}: model_name=lenet,resnet18 is not allowed in a run's records; it must name an option of the model "
+        "group; give the model with model=<option>")
     assert not (tmp_path / "eval").exists() and not marker.exists()
 
 

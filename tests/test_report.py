@@ -1,4 +1,4 @@
-"""`python -m src.report` and the sweep callback: on a real two-run sweep, on synthetic runs whose numbers
+"""`python -m src.report` and a sweep's own report: on a real two-run sweep, on synthetic runs whose numbers
 are known, and on bad input."""
 
 import csv
@@ -44,15 +44,12 @@ def assert_nothing_written(result, *folders: Path) -> None:
         assert not folder.exists() or not any(name in {p.name for p in folder.iterdir()} for name in FILES)
 
 
-# ---- a real sweep: LeNet under DDP on 1 and 2 processes, with the report callback registered ----
+# ---- a real sweep: LeNet under DDP on 1 and 2 processes, whose report the sweep writes as it ends ----
 
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory, data_root) -> Path:
     folder = tmp_path_factory.mktemp("sweep")
-    # The 2-process job first: its workers' forkserver is then forked from the command (tests/forked.py), before
-    # the 1-process job starts OpenMP's threads in it, which a fork cannot keep (3 s less here).
-    result = train("-m", "model=lenet", "strategy=ddp", "devices=2,1", *SWEEP, f"hydra.sweep.dir={folder}",
-                   "++hydra.callbacks.report._target_=src.report.SweepReport")
+    result = train("-m", "model=lenet", "strategy=ddp", "devices=2,1", *SWEEP, f"hydra.sweep.dir={folder}")
     assert result.returncode == 0, result.stderr[-3000:]
     return folder
 

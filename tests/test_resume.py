@@ -223,16 +223,18 @@ def test_a_run_on_a_schedule_cannot_be_made_longer_and_its_precision_is_kept_by_
     run_dir = Path(shutil.copytree(small_run, tmp_path / "run"))
     overrides = run_dir / ".hydra" / "overrides.yaml"  # as if the run had been started with a cosine schedule
     overrides.write_text(overrides.read_text() + "- optim.schedule=cosine\n")
+    config = run_dir / "config.yaml"  # its record of what it computed says so too, as the run would have written it
+    config.write_text(config.read_text().replace("schedule: none", "schedule: cosine"))
     longer = train("ckpt_path=last", "max_epochs=3", f"hydra.run.dir={run_dir}")
     assert longer.returncode == 2
     assert ("error: max_epochs=3 is not allowed in a resume of {run}: the run used max_epochs=2, over which its "
             "learning rate follows optim.schedule=cosine").format(run=run_dir) in longer.stderr
 
-    config = run_dir / "config.yaml"  # as if the run had been made where precision=auto meant true fp16
-    config.write_text(config.read_text().replace("precision_used:", "precision_used: 16-mixed\nformer_precision_used:"))
+    # as if the run had been made where precision=auto meant true fp16
+    used_here = OmegaConf.load(small_run / "config.yaml").precision_used
+    config.write_text(config.read_text().replace(f"precision_used: {used_here}", "precision_used: 16-mixed"))
     elsewhere = train("ckpt_path=last", f"hydra.run.dir={run_dir}")
     assert elsewhere.returncode == 2
-    used_here = OmegaConf.load(small_run / "config.yaml").precision_used
     assert (f"error: precision=auto is not allowed in a resume of {run_dir}: on this machine it means {used_here}, "
             "where the run used 16-mixed") in elsewhere.stderr
 

@@ -3,8 +3,7 @@
 from omegaconf import OmegaConf
 
 from src.launch import naming
-from tests.forked import Forked
-from tests.helpers import QUICK, scalars, user_env
+from tests.helpers import start_cli, QUICK, scalars, user_env
 
 
 def test_claiming_a_taken_folder_name_gives_the_next_free_one(tmp_path, monkeypatch):
@@ -21,13 +20,14 @@ def test_claiming_a_taken_folder_name_gives_the_next_free_one(tmp_path, monkeypa
 
 def test_torchrun_ranks_share_the_folder_named_after_the_run_id(tmp_path, monkeypatch):
     monkeypatch.setattr(naming, "_claimed", {})
-    monkeypatch.setenv("RANK", "1")
+    for name, value in {"RANK": "1", "GROUP_RANK": "0", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(name, value)  # as torchrun sets them
     base = str(tmp_path / "torchrun-job7_lenet_ddp_2dev_32")
     assert naming.claim_dir(base) == base and not (tmp_path / "torchrun-job7_lenet_ddp_2dev_32").exists()
 
 
 def test_two_runs_started_at_once_write_two_folders(tmp_path, data_root):
-    runs = [Forked("src.train", *QUICK, cwd=tmp_path, env=user_env()) for _ in range(2)]
+    runs = [start_cli("src.train", *QUICK, cwd=tmp_path, env=user_env()) for _ in range(2)]
     outputs = [run.communicate(timeout=300) for run in runs]
     assert [run.returncode for run in runs] == [0, 0], [err[-2000:] for _, err in outputs]
     folders = sorted((tmp_path / "outputs" / "runs").iterdir())

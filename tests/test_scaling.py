@@ -21,7 +21,6 @@ from omegaconf import OmegaConf
 from torch.utils.tensorboard import SummaryWriter
 from torch.utils.tensorboard.summary import hparams as hparams_summary
 
-from src.launch import forkserver
 from src.scaling import costmodel
 from src.scaling.costmodel import (
     DDP_GPU_MULTI_SHARE, DDP_GPU_SHARE, INTERCONNECTS, PRESETS, Interconnect, Terms, bucketed, collectives, ddp_buckets, expected_max_normal,
@@ -206,8 +205,7 @@ LENET = OmegaConf.create({"_target_": "src.models.lenet.LeNet"})
 
 def test_each_hook_is_timed_as_torch_runs_it_in_a_process_of_its_own(monkeypatch, tmp_path):
     notes = tmp_path / "notes"
-    forkserver.context([stepclock.__name__])  # the timing's process is forked from a server started before this
-    monkeypatch.setenv(HOOK_NOTES, str(notes))  # environment, which the hook reads
+    monkeypatch.setenv(HOOK_NOTES, str(notes))  # the timing's process is a new one: it sees this environment
     noted, sleeping = "tests.probes.noted_allreduce_hook", "tests.probes.sleeping_allreduce_hook"
     hooks = (*HOOKS, noted, sleeping)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # a group of the caller's own

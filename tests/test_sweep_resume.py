@@ -35,7 +35,7 @@ def results(folder: Path) -> dict[str, int]:
     """A run's checkpoints, scalars and resolved config, by when each was written (Hydra rewrites `.hydra/` at every
     start of a job, and the job's log takes the resume's one line)."""
     return {p.relative_to(folder).as_posix(): p.stat().st_mtime_ns for p in folder.rglob("*")
-            if p.is_file() and ".hydra" not in p.parts and p.name != "train.log"}
+            if p.is_file() and ".hydra" not in p.parts and p.name not in ("train.log", ".lock")}
 
 
 @pytest.mark.slow

@@ -32,13 +32,11 @@ def get(base: str, path: str, **query: str):
 @pytest.fixture(scope="module")
 def logdir(tmp_path_factory, data_root) -> Path:
     folder = tmp_path_factory.mktemp("tb")
-    # The 2-process job first: its workers' forkserver is then forked from the command (tests/forked.py), before
-    # the 1-process job starts OpenMP's threads in it, which a fork cannot keep (3 s less here).
     result = train(
         "-m", "model=lenet", "strategy=ddp", "devices=2,1", f"data.root={DATA_ROOT}", "max_epochs=2",
         "data.batch_size=64", "trainer.limit_train_batches=3", "trainer.limit_val_batches=1",
         "trainer.limit_test_batches=1", "trainer.enable_progress_bar=false", "trainer.log_every_n_steps=1",
-        f"hydra.sweep.dir={folder}", "++hydra.callbacks.report._target_=src.report.SweepReport",
+        f"hydra.sweep.dir={folder}",
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return folder

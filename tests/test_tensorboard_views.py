@@ -18,7 +18,7 @@ from tensorboard import default, program
 from tensorboard.backend import application
 from werkzeug.test import Client
 
-from tests.helpers import QUICK, cpu_precision, free_port, in_process, scalars
+from tests.helpers import QUICK, cpu_precision, free_port, scalars, train
 
 PRECISION = cpu_precision()  # what precision=auto uses here
 LABEL = f"lenet_auto_1dev_{PRECISION}"
@@ -30,7 +30,7 @@ SHOWN = 5  # hparams and metric columns the HParams tab ticks by default
 def sweep(tmp_path_factory, data_root) -> Path:
     """Two runs that differ only in their seed, as one sweep with its report."""
     folder = tmp_path_factory.mktemp("sweep")
-    result = in_process("src.train", "-m", *QUICK, "seed=1,2", "tags=[smoke]", f"hydra.sweep.dir={folder}")
+    result = train("-m", *QUICK, "seed=1,2", "tags=[smoke]", f"hydra.sweep.dir={folder}")
     assert result.returncode == 0, result.stderr[-3000:]
     return folder
 
@@ -39,7 +39,7 @@ def sweep(tmp_path_factory, data_root) -> Path:
 def single(tmp_path_factory, data_root) -> Path:
     """A run with two settings typed, in a folder named as by default, under a log folder of its own."""
     logdir = tmp_path_factory.mktemp("single")
-    result = in_process("src.train", *QUICK, "optim.lr=0.05", "data.val_size=1000",
+    result = train(*QUICK, "optim.lr=0.05", "data.val_size=1000",
                         f"hydra.run.dir={logdir}/runs/${{run_stamp:}}_${{run_name}}")
     assert result.returncode == 0, result.stderr[-3000:]
     return logdir
@@ -203,7 +203,7 @@ def test_a_sweep_over_models_opens_on_the_swept_keys_not_on_what_follows_from_th
     do; the columns ticked by default are the swept keys and what the runs are."""
     tiny = ["trainer.limit_train_batches=1", "trainer.limit_val_batches=1", "trainer.limit_test_batches=1",
             "data.batch_size=16"]
-    result = in_process("src.train", "-m", *QUICK, *tiny, "model=lenet,resnet18", "seed=1,2", f"hydra.sweep.dir={tmp_path}")
+    result = train("-m", *QUICK, *tiny, "model=lenet,resnet18", "seed=1,2", f"hydra.sweep.dir={tmp_path}")
     assert result.returncode == 0, result.stderr[-3000:]
     experiment = Served(tmp_path).experiment()
     hparams, _ = default_columns(experiment)

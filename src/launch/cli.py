@@ -73,14 +73,18 @@ def save_records(cfg: DictConfig) -> None:
     OmegaConf.save(OmegaConf.to_container(cfg, resolve=True), folder / "config.yaml")
 
 
-def run_job(cfg: DictConfig, task: Callable[[DictConfig], Result]) -> Result:
-    """One Hydra job of this project: checked, its folder held, its resume checked or its records written, then
-    launched (`src.launch.workers`). A failure leaves no folder that could pass for a result."""
+def run_job(cfg: DictConfig, task: Callable[[DictConfig], Result],
+            prepare: Callable[[DictConfig], None] | None = None) -> Result:
+    """One Hydra job of this project: `prepare`d (src.eval takes the scored run's model), checked, its folder held, its
+    resume checked, its records written, then launched (`src.launch.workers`). A failure leaves no folder that could
+    pass for a result."""
     from src.launch import workers  # torch and Lightning: once the config is composed
 
     output_dir = Path(cfg.output_dir)
     fresh = holds_only_settings(output_dir)
     try:
+        if prepare is not None:
+            prepare(cfg)
         config.check(cfg)
         with lock.held(output_dir) if ranks.is_rank_zero() else nullcontext():
             finished = resume.check(cfg)
@@ -89,10 +93,12 @@ def run_job(cfg: DictConfig, task: Callable[[DictConfig], Result]) -> Result:
             if ranks.is_rank_zero():
                 save_records(cfg)
             return workers.launch(task, cfg)
-    except (UsageError, TrainingDiverged):
+    except (UsageError, TrainingDiverged) as error:
         if fresh:
             naming.unclaim_dir(output_dir)
-        raise
+        if HydraConfig.get().mode == RunMode.MULTIRUN:
+            raise  # the job fails alone: its launcher says so, and the sweep goes on
+        end_run(str(error), 2 if isinstance(error, UsageError) else 1)  # one line: Hydra would add one of its own
     except RunStopped as stop:
         end_run(f"run stopped by {signal_name(stop.signum)}{stop.where}; {kept(output_dir)}", 128 + stop.signum)
     except RankFailed as failure:

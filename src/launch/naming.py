@@ -8,7 +8,8 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from src import folders, records
+from src.folders import missing, remove_empty
+from src.records import load, overrides, select
 from src.launch.ranks import external_rank, run_stamp
 
 # Folders this process has claimed, by the name asked for (Hydra may resolve a name more than once), and the
@@ -20,16 +21,16 @@ _created: dict[str, list[Path]] = {}
 def swept_keys(args: list[str]) -> list[str]:
     """Keys given several values on the command line (`devices=1,2,4`), in the order typed."""
     try:
-        overrides = OverridesParser.create().parse_overrides([a for a in args if "=" in a and not a.startswith("-")])
+        parsed = OverridesParser.create().parse_overrides([a for a in args if "=" in a and not a.startswith("-")])
     except Exception:
         return []
-    return [o.key_or_group for o in overrides if o.is_sweep_override()]
+    return [o.key_or_group for o in parsed if o.is_sweep_override()]
 
 
 def sweep_args(sweep_dir: str) -> list[str]:
     """The sweep's overrides from the `multirun.yaml` Hydra writes before any job starts (a SLURM job's argv is its own)."""
     saved = Path(sweep_dir) / "multirun.yaml"
-    return records.overrides(records.select(records.load(saved), "hydra.overrides.task"), saved) if saved.is_file() else []
+    return overrides(select(load(saved), "hydra.overrides.task"), saved) if saved.is_file() else []
 
 
 def precision_used(precision: object, accelerator: str) -> str:
@@ -71,13 +72,13 @@ def job_dirname(config: DictConfig) -> str:
         HydraConfig.instance().cfg = saved
 
 
-def job_folder_name(sweep_dir: Path, overrides: list[str], job_num: int) -> str:
+def job_folder_name(sweep_dir: Path, job_overrides: list[str], job_num: int) -> str:
     """The folder a job of this sweep ran in, found by the overrides it recorded there; named by the swept keys alone
     for a job that never started."""
     for saved in sweep_dir.glob("*/.hydra/overrides.yaml"):
-        if records.load(saved) == list(overrides):
+        if load(saved) == list(job_overrides):
             return saved.parent.parent.name
-    return sweep_job_dirname(overrides, job_num, str(sweep_dir))
+    return sweep_job_dirname(job_overrides, job_num, str(sweep_dir))
 
 
 def claim_dir(path: str, kind: str = "run") -> str:
@@ -93,7 +94,7 @@ def claim_dir(path: str, kind: str = "run") -> str:
     candidate, number = Path(path), 1
     while True:
         try:
-            created = folders.missing(candidate)
+            created = missing(candidate)
             candidate.mkdir(parents=True)
             break
         except FileExistsError:
@@ -111,7 +112,7 @@ def claim_dir(path: str, kind: str = "run") -> str:
 def unclaim_dir(folder: Path) -> None:
     """Remove a folder and the parents its claim created, as far as they are empty (a failed run's or sweep's)."""
     shutil.rmtree(folder, ignore_errors=True)
-    folders.remove_empty(_created.get(str(Path(folder).absolute()), [Path(folder)]))
+    remove_empty(_created.get(str(Path(folder).absolute()), [Path(folder)]))
 
 
 def unclaim_unused() -> None:

@@ -41,7 +41,7 @@ from src.errors import UsageError
 from src.launch.console import counted
 from src.launch.naming import job_dirname
 from src.launch.progress import Progress, value
-from src.launch.stops import STOP_SIGNALS, RunStopped, die_with_launcher, handle_stop_signals, signal_name
+from src.launch.stops import STOP_SIGNALS, RankFailed, RunStopped, die_with_launcher, handle_stop_signals, signal_name
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,10 @@ class Placement:
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(self.gpus)
         if hasattr(os, "sched_setaffinity"):
             os.sched_setaffinity(0, self.cores)
-        os.environ.setdefault("OMP_NUM_THREADS", str(len(self.cores)))  # a user's setting wins, as under torchrun
+        if "OMP_NUM_THREADS" not in os.environ:  # a user's setting wins, as under torchrun
+            os.environ["OMP_NUM_THREADS"] = str(len(self.cores))
+            if "torch" in sys.modules:  # imported with the entry module: it read the variable already
+                sys.modules["torch"].set_num_threads(len(self.cores))
 
 
 class Places:
@@ -308,7 +311,7 @@ def returned(job: Running) -> JobReturn:
     """The job's own JobReturn, or for a job that ended without one (killed, say), a failure saying how it ended."""
     if job.returned is not None:
         return job.returned
-    failure = RuntimeError(f"{last_words(job)} (see {job.out})")
+    failure = RankFailed(f"{last_words(job)} (see {job.out})")
     return JobReturn(overrides=job.job.overrides, status=JobStatus.FAILED, _return_value=failure)
 
 

@@ -17,8 +17,9 @@ from pathlib import Path
 
 from hydra.core.utils import JobReturn, JobStatus
 
-from src.errors import UsageError
+from src.errors import TrainingDiverged, UsageError
 from src.launch.console import print_line
+from src.launch.stops import RankFailed
 
 
 @dataclass(frozen=True)
@@ -32,18 +33,20 @@ class Failure:
 
 
 def value(job: JobReturn) -> object:
-    """A job's return value, or its exception where it failed: `JobReturn.return_value` raises that exception, and
-    Hydra keeps it in the field its constructor names `_return_value`."""
+    """A job's return value, or for a failed job the exception it raised: `JobReturn.return_value` would raise that
+    exception after writing a line of its own to stderr, so the field behind it is read (Hydra names it in the
+    constructor; no public getter leaves stderr alone)."""
     return job._return_value
 
 
 def failure(job: JobReturn, name: str) -> Failure | None:
-    """How a job failed, from its JobReturn (an exception as its value); None for a job that ended well."""
+    """How a job failed, from its JobReturn; None for a job that ended well."""
     if job.status != JobStatus.FAILED:
         return None
     error = value(job)
-    line = str(error) if isinstance(error, UsageError) else f"{type(error).__name__}: {error}"
-    return Failure(name, " ".join(line.split()), 2 if isinstance(error, UsageError) else 1, error)
+    said = isinstance(error, (UsageError, TrainingDiverged, RankFailed))  # exceptions that are their own line
+    line = str(error) if said else f"{type(error).__name__}: {error}"
+    return Failure(name, " ".join(line.split()), 2 if isinstance(error, UsageError) else 1, error if isinstance(error, BaseException) else None)
 
 
 def clock_time(seconds: float) -> str:

@@ -5,17 +5,25 @@ runs, so that a bad value in a sweep is refused before any job has run."""
 from collections.abc import Sequence
 from pathlib import Path
 
-from hydra._internal.core_plugins.basic_launcher import BasicLauncher
 from hydra.core.utils import JobReturn, configure_log, run_job, setup_globals
-from omegaconf import open_dict
+from hydra.plugins.launcher import Launcher
+from hydra.types import HydraContext, TaskFunction
+from omegaconf import DictConfig, open_dict
 
 from src.launch.naming import job_dirname
 from src.launch.progress import Progress
 
 
-class SequentialLauncher(BasicLauncher):
-    """Hydra's basic launcher (a private module: Hydra ships it as a core plugin only); `launch` replaced, because
-    Hydra's says nothing between its jobs."""
+class SequentialLauncher(Launcher):
+    """Hydra's basic launcher, which says nothing between its jobs, with the progress lines."""
+
+    def __init__(self) -> None:
+        self.config: DictConfig | None = None
+        self.hydra_context: HydraContext | None = None
+        self.task_function: TaskFunction | None = None
+
+    def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
+        self.config, self.hydra_context, self.task_function = config, hydra_context, task_function
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         assert self.config is not None and self.hydra_context is not None and self.task_function is not None

@@ -29,7 +29,7 @@ from src.errors import UsageError
 from src.launch import stops
 from src.launch.naming import job_folder_name
 from src.launch.progress import Progress, failure
-from src.launch.stops import RunStopped
+from src.launch.stops import RankFailed, RunStopped
 
 log = logging.getLogger(__name__)
 
@@ -188,7 +188,7 @@ def result(job: submitit.Job, overrides: Sequence[str]) -> JobReturn:
             raise UncompletedJobError("no result")
         returned: JobReturn = job.results()[0]
     except (UncompletedJobError, submitit.core.utils.FailedJobError) as error:
-        failed = RuntimeError(f"{last_error(job, str(error))} (SLURM job {job.job_id})")
+        failed = RankFailed(f"{last_error(job, str(error))} (SLURM job {job.job_id})")
         returned = JobReturn(overrides=list(overrides), status=JobStatus.FAILED, _return_value=failed)
     return returned
 

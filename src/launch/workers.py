@@ -8,12 +8,14 @@ notices a dead worker and stops the others; what is here covers what it leaves o
 """
 
 import functools
+import importlib
 import logging
 import logging.config
 import os
 import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import uuid
@@ -34,6 +36,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, get_error_handler
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+from tqdm import tqdm
 
 from src.errors import TrainingDiverged, UsageError
 from src.launch import stops
@@ -141,6 +144,7 @@ def start(task: Callable[[DictConfig], Result], cfg: DictConfig, nprocs: int) ->
             max_restarts=0, start_method="spawn", logs_specs=DefaultLogsSpecs(log_dir=error_files),
         )
         resolved = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))  # workers have no Hydra to resolve with
+        task = importable(task)
         logging_config = OmegaConf.to_container(HydraConfig.get().job_logging, resolve=True) if HydraConfig.initialized() else None
         try:
             results = elastic_launch(config, _worker)(task, resolved, logging_config, str(position))
@@ -157,6 +161,16 @@ def start(task: Callable[[DictConfig], Result], cfg: DictConfig, nprocs: int) ->
     if isinstance(result, (UsageError, TrainingDiverged)):
         raise result
     return result
+
+
+def importable(function: Callable[..., Any]) -> Callable[..., Any]:
+    """`function` as its module's import name holds it: under `python -m src.train` the entry's functions live in
+    `__main__`, which a new process names `__mp_main__`, and a copy by value (a parallel sweep's job) is no object
+    pickle can find by name."""
+    spec = getattr(sys.modules.get(function.__module__), "__spec__", None)
+    if function.__module__ in ("__main__", "__mp_main__") and spec is not None:
+        return getattr(importlib.import_module(spec.name), function.__name__)
+    return function
 
 
 def _leave_position(position: Path, where: str, rank: int) -> None:
@@ -209,6 +223,9 @@ def _worker(task: Callable[[DictConfig], Result], cfg: DictConfig, logging_confi
     """One rank: what `task` returns, or a user's error for the launcher to report. A rank stopped by a signal ends
     its progress bar's line and leaves where training was in the file `position`."""
     die_with_launcher()
+    # tqdm's default lock holds a named semaphore, which this process's immediate exit (`_exit`) would leave to the
+    # resource tracker's "leaked semaphore" warning at the end of the run: the bars get a thread lock instead.
+    tqdm.set_lock(threading.RLock())
     rank = int(os.environ["RANK"])
     rank_zero_only.rank = rank  # Lightning read it at import, before the agent set RANK
     _log_to_file(logging_config, rank)

@@ -1,0 +1,43 @@
+"""Hydra's own test kit for launcher plugins (`hydra.test_utils.launcher_common_tests`), run against the project's
+launchers as Hydra's joblib and submitit plugins run it against theirs; Hydra's basic launcher is the control. Passing
+it, a launcher works in any Hydra app: the kit's apps have none of the project's keys, return their own values, and
+expect a failed job to fail the sweep."""
+
+import pytest
+from hydra.core.plugins import Plugins
+from hydra.plugins.launcher import Launcher
+from hydra.test_utils.launcher_common_tests import BatchedSweeperTestSuite, IntegrationTestSuite, LauncherTestSuite
+
+LAUNCHERS = ["basic", "sequential", "parallel"]
+
+
+@pytest.fixture(autouse=True)
+def hydras_default_version_base():
+    """The kit's apps run at Hydra's default version base (1.1: a job runs in its own folder), which the first
+    composition in a process settles for the process: the project's own tests before these set 1.3."""
+    from hydra.version import _UNSPECIFIED_, VersionBase
+
+    saved = VersionBase.instance().getbase()
+    VersionBase.instance().version_base = _UNSPECIFIED_
+    yield
+    VersionBase.instance().version_base = saved
+
+
+def test_hydra_discovers_the_launchers():
+    assert {"SequentialLauncher", "ParallelLauncher"} <= {plugin.__name__ for plugin in Plugins.instance().discover(Launcher)}
+
+
+@pytest.mark.parametrize(("launcher_name", "overrides"), [(name, []) for name in LAUNCHERS])
+class TestLauncher(LauncherTestSuite):
+    pass
+
+
+@pytest.mark.parametrize(("launcher_name", "overrides"), [(name, ["hydra.sweeper.max_batch_size=2"]) for name in LAUNCHERS])
+class TestBatchedSweeper(BatchedSweeperTestSuite):
+    pass
+
+
+@pytest.mark.parametrize(("task_launcher_cfg", "extra_flags"),
+                         [({"defaults": [{"override hydra/launcher": name}, "_self_"]}, ["-m"]) for name in LAUNCHERS])
+class TestIntegration(IntegrationTestSuite):
+    pass
