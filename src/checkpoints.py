@@ -10,6 +10,7 @@ A run tests, and `python -m src.eval` given a run folder scores, the best checkp
 `test_weights=last`; a run that saved none (validation off) tests its last weights instead.
 """
 
+import io
 import logging
 import os
 import pickle
@@ -20,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lightning import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from src.errors import UsageError
@@ -65,22 +68,49 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     def load_checkpoint(
         self, path: str | Path, map_location: Callable | None = keep_storage, weights_only: bool | None = None
     ) -> dict[str, Any]:
-        return super().load_checkpoint(path, map_location=map_location, weights_only=True)
+        return moved(super().load_checkpoint(path, map_location=map_location, weights_only=True), Path(path).parent)
 
     @held()  # a stop signal during a save lets it finish: last.ckpt then holds the epoch that just ended
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | Path, storage_options: Any | None = None) -> None:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+        saved = io.BytesIO()  # serialized first: a full disk is then the OSError it is, not torch's zip writer's
+        torch.save(checkpoint, saved)
         try:
             with open(partial, "wb") as file:
-                torch.save(checkpoint, file)
+                file.write(saved.getbuffer())
                 file.flush()
                 os.fsync(file.fileno())
             os.replace(partial, path)
-        except BaseException:  # a full disk, say: no half-written copy left in the run folder
+        except OSError as error:
+            raise OSError(error.errno, error.strerror, str(path)) from None
+        finally:  # no half-written copy left in the run folder
             partial.unlink(missing_ok=True)
-            raise
+
+
+def moved(checkpoint: dict[str, Any], folder: Path) -> dict[str, Any]:
+    """A checkpoint of a run folder moved or copied since: its checkpoint callbacks' paths (their folder, the best
+    checkpoint's file) in the folder it is read from now, so that the resumed run keeps its best checkpoint as it was."""
+    for state in checkpoint.get("callbacks", {}).values():
+        old = state.get("dirpath") if isinstance(state, dict) else None
+        if not isinstance(old, str) or old == str(folder):
+            continue
+        def here(value: Any) -> Any:
+            return str(folder) + value[len(old):] if isinstance(value, str) and value.startswith(old) else value
+        state.update({key: {here(k): v for k, v in value.items()} if isinstance(value, dict) else here(value)
+                      for key, value in state.items()})
+    return checkpoint
+
+
+class StepCheckpoint(ModelCheckpoint):
+    """`checkpoints/step.ckpt` every `checkpoint.every_n_train_steps` steps, except at an epoch's last batch: the epoch's
+    validation and last.ckpt come right after it, and a resume from a step saved before them would skip that validation
+    (its best checkpoint, its val/* scalars): one saved earlier in the epoch replays the last steps instead."""
+
+    def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
+        if not trainer.is_last_batch:
+            super().on_train_batch_end(trainer, *args)
 
 
 @dataclass(frozen=True)
@@ -114,6 +144,13 @@ def newest(run_dir: Path) -> Saved | None:
     """The resumable checkpoint of `run_dir` saved at the latest step; `last.ckpt` on a tie."""
     found = [open_checkpoint(path) for name in RESUMABLE if (path := run_dir / "checkpoints" / name).is_file()]
     return max(found, key=lambda saved: saved.step, default=None)  # max keeps the first of equal steps
+
+
+def clean_partial(run_dir: Path) -> None:
+    """Remove what an attempt killed while writing left half-written (`AtomicCheckpointIO`'s `.partial` files): the
+    run that holds the folder now is its only writer."""
+    for partial in [*(run_dir / "checkpoints").glob(".*.partial"), *run_dir.glob(".*.partial")]:
+        partial.unlink(missing_ok=True)
 
 
 def has_checkpoints(run_dir: Path) -> bool:

@@ -162,6 +162,8 @@ ALIASES = {"precision": {"fp16": "16-mixed", "float16": "16-mixed", "half": "16-
                          "fp64": "64", "float64": "64", "double": "64"}}
 HOOKS = ("none", "fp16", "bf16", "powersgd", "powersgd_fp16")
 METRICS = ("val/acc", "val/acc_best", "val/loss", "train/acc", "train/loss")  # what a checkpoint callback can watch
+# Loggers whose library is an extra of this project (pyproject.toml): their class, and the package that is the extra.
+LOGGER_EXTRAS = {"MLFlowLogger": "mlflow", "MLflowRunLogger": "mlflow", "WandbLogger": "wandb", "WandbRunLogger": "wandb"}
 
 RULES: dict[str, Rule] = {
     # conf/train.yaml
@@ -358,6 +360,10 @@ def check_across_keys(cfg: DictConfig, flat: dict[str, Any]) -> None:
             raise UsageError(f"callbacks.{name} has no _target_; a new callback needs +callbacks.{name}._target_=<module.Class>")
         if not is_import_path(target):
             raise not_allowed(f"callbacks.{name}._target_", target, "it must name a class of an importable module")
+    for name, logger in cfg.logger.items():
+        package = LOGGER_EXTRAS.get(str(logger.get("_target_", "")).rpartition(".")[2])
+        if package and importlib.util.find_spec(package) is None:
+            raise UsageError(f"logger={name} needs the {package} package: pip install -e '.[{package}]'")
     checkpoints = [name for name, c in cfg.callbacks.items() if str(c.get("_target_", "")).endswith("ModelCheckpoint")]
     if flat.get("trainer.enable_checkpointing") is False and checkpoints:
         raise not_allowed("trainer.enable_checkpointing", False, "it must be null or true while checkpoint callbacks are "
@@ -402,6 +408,8 @@ def check_args(args: list[str]) -> None:
         key = override.key_or_group
         if key in DERIVED:
             raise UsageError(f"{key} is derived from the other settings; set {DERIVED[key]} instead")
+        if key in ("hydra.run.dir", "hydra.sweep.dir") and not str(override.value() or "").strip():
+            raise UsageError(f"{key}= is not allowed; it must name a folder (the run's files would land in this one)")
         if override.is_delete() and key in GROUPS and key != "experiment":
             raise UsageError(f"~{key} is not allowed; choose {key}=<option> instead")
         new_callback = override.is_add() and re.fullmatch(r"callbacks\.\w+\._target_", key)

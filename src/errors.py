@@ -1,9 +1,33 @@
-"""The one exception type for mistakes a user can fix from the command line."""
+"""The errors a run ends with in one `error: ...` line: the user's input, or what stopped a valid run."""
+
+import errno
 
 
 class UsageError(Exception):
     """Bad option or missing input: shown as a single `error: ...` line, exit status 2."""
 
 
-class TrainingDiverged(Exception):
-    """The input was valid but the loss left the finite numbers: one `error: ...` line, exit status 1."""
+class RunFailed(Exception):
+    """The input was valid but the run could not go on (the disk filled up, the system refused a file or memory): one
+    `error: ...` line, exit status 1."""
+
+
+class TrainingDiverged(RunFailed):
+    """The input was valid but the loss left the finite numbers."""
+
+
+def said(error: BaseException) -> UsageError | RunFailed | None:
+    """The machine's refusal (a full disk, a folder that cannot be made, too many open files, no memory) as the line a
+    user reads: a failure of the run, or of the input (a path); None for any other error."""
+    if isinstance(error, (UsageError, RunFailed)):
+        return error
+    if isinstance(error, MemoryError):
+        return RunFailed("out of memory: the system refused this process more (see `ulimit -v`, or a smaller data.batch_size)")
+    if not isinstance(error, OSError) or error.errno is None:
+        return None
+    where = f"{error.filename}: " if error.filename else ""
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return RunFailed(f"{where}the disk is full; free space, then resume the run (its checkpoints are whole)")
+    if error.errno in (errno.EMFILE, errno.ENFILE, errno.ENOMEM):
+        return RunFailed(f"{where}{error.strerror}: a limit of the system's (see `ulimit -n`, `ulimit -v`)")
+    return UsageError(f"{where}{error.strerror}") if error.filename else None

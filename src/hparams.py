@@ -278,6 +278,8 @@ def log_hparams(loggers: list[Logger], params: dict[str, Any], run_dir: Path, st
         if not isinstance(logger, TensorBoardLogger):
             logger.log_hyperparams(params)
             continue
+        if has_hparams(run_dir):  # a resumed run keeps the record it began with
+            continue
         sweep_job = str(records.select(hydra_record(run_dir), "mode")) == "MULTIRUN"
         writer = logger.experiment._get_file_writer()  # SummaryWriter has no public call for a Summary of one's own
         if not sweep_job:

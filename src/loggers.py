@@ -1,9 +1,13 @@
-"""The TensorBoard logger of every run, and where a resumed run's logging takes up."""
+"""The TensorBoard logger of every run, the other loggers beside it, and where a resumed run's logging takes up."""
 
+import csv
+import os
+import warnings
 from pathlib import Path
 from typing import Any
 
-from lightning.pytorch.loggers import Logger, TensorBoardLogger
+from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger, TensorBoardLogger, WandbLogger
+from lightning.pytorch.loggers.logger import rank_zero_experiment
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig
 from tensorboard.compat.proto.summary_pb2 import DataClass, Summary, SummaryMetadata
@@ -143,15 +147,60 @@ class RunLogger(TensorBoardLogger):
             self._experiment.flush()
 
 
-def is_tensorboard(config: DictConfig) -> bool:
-    """Whether a `logger=` option is TensorBoard's, which takes the purge step of a resumed run."""
-    return str(config.get("_target_", "")).endswith("RunLogger")
+class CSVRunLogger(CSVLogger):
+    """Lightning's CSV logger, whose run resumed in its own folder keeps the rows its earlier part logged before
+    `purge_step` (as TensorBoard's): Lightning's writer deletes the metrics.csv it finds."""
+
+    def __init__(self, *args: Any, purge_step: int | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        saved, self._kept = Path(self.log_dir, "metrics.csv"), []
+        if purge_step is not None and saved.is_file():
+            with saved.open(newline="") as file:
+                rows = [{k: v for k, v in row.items() if v} for row in csv.DictReader(file)]
+            self._kept = [row for row in rows if int(row["step"]) < purge_step]
+
+    @property
+    @rank_zero_experiment
+    def experiment(self) -> Any:
+        if self._experiment is None:
+            with warnings.catch_warnings():  # that it deletes metrics.csv: the rows kept are written again
+                warnings.filterwarnings("ignore", "Experiment logs directory")
+                super().experiment.metrics[:0] = self._kept
+        return self._experiment
+
+
+class MLflowRunLogger(MLFlowLogger):
+    """Lightning's MLflow logger, with MLflow's usage reports to its makers' servers off (unless MLFLOW_DISABLE_TELEMETRY
+    says otherwise): a run logged to a local store stays on this machine."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # read as mlflow is first imported, by the logger
+        super().__init__(*args, **kwargs)
+
+
+class WandbRunLogger(WandbLogger):
+    """Lightning's W&B logger, without the `anonymous=None` it hands W&B (which warns that it has no effect), whose W&B
+    run ends at `close`, after the run's last record: Lightning's `finalize` leaves it open."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._wandb_init.pop("anonymous", None)
+
+    @rank_zero_only
+    def close(self) -> None:
+        self.finalize("success")
+        self.experiment.finish()
+
+
+def takes_purge_step(config: DictConfig) -> bool:
+    """Whether a `logger=` option takes the purge step of a resumed run: TensorBoard's, and the CSV logger."""
+    return str(config.get("_target_", "")).rpartition(".")[2] in (RunLogger.__name__, CSVRunLogger.__name__)
 
 
 def close_loggers(loggers: list[Logger]) -> None:
     """Every logger's files closed, after the run's last record."""
     for logger in loggers:
-        if isinstance(logger, RunLogger):
+        if isinstance(logger, (RunLogger, WandbRunLogger)):
             logger.close()
         else:
             logger.finalize("success")

@@ -11,8 +11,9 @@ steps; the Classifier steps the scheduler after every optimizer step.
 """
 
 import functools
+import inspect
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from hydra.errors import InstantiationException
@@ -53,6 +54,18 @@ def check_optimizer(factory: functools.partial, params: Iterable[nn.Parameter]) 
         target = getattr(factory.func, "__qualname__", str(factory.func))
         raise UsageError(f"optim: {target} refuses its arguments ({str(error).splitlines()[0]}); "
                          "see conf/optim/ and the optimizer's documentation") from None
+
+
+def fused_under_a_scaler(factory: Callable[..., Optimizer], trainer: Any) -> Callable[..., Optimizer]:
+    """`factory` asking for the fused kernel where 16-mixed scales the loss on CUDA and the optimizer has one (SGD,
+    Adam, AdamW): that kernel takes the scaler's scale and found-inf flag on the GPU, where GradScaler.step would read
+    found_inf on the host (`.item()`), a wait for the GPU every optimizer step. Not under gradient clipping, which needs
+    the gradients unscaled before the step, nor where the config chose `fused` or `foreach` itself."""
+    chosen = getattr(factory, "keywords", {}).keys() & {"fused", "foreach"}
+    if (getattr(trainer.precision_plugin, "scaler", None) is None or trainer.strategy.root_device.type != "cuda"
+            or trainer.gradient_clip_val or chosen or "fused" not in inspect.signature(factory).parameters):
+        return factory
+    return functools.partial(factory, fused=True)
 
 
 class Schedule:

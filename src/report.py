@@ -3,11 +3,12 @@
     python -m src.report outputs/multirun/2026-01-01_12-00-00     # writes report.* into the sweep folder
     python -m src.report outputs --out /tmp/report                 # every run ever made
 
-A run folder is one holding `.hydra/config.yaml` and TensorBoard event files. Writes `report.md`,
-`report.csv` and `val_acc.png`, and only where they apply: `epoch_time.png` (against devices) when
-the runs differ in devices, the predicted scaling of `src.scaling` (`scaling.*`, also shown in
-report.md) when a run used DDP, and per setting run with several seeds, the mean, standard
-deviation and 95 % confidence interval of test accuracy and epoch time (`seeds.csv`, in report.md).
+A run folder is one holding `.hydra/config.yaml` and TensorBoard event files (or logger=csv's
+metrics.csv). Writes `report.md`, `report.csv` and `val_acc.png`, and only where they apply:
+`epoch_time.png` (against devices) when the runs differ in devices, the predicted scaling of
+`src.scaling` (`scaling.*`, also shown in report.md) when a run used DDP, and per setting run with
+several seeds, the mean, standard deviation and 95 % confidence interval of test accuracy and epoch
+time (`seeds.csv`, in report.md).
 `SweepReport` does the same when a sweep ends, and declares the sweep's HParams columns to TensorBoard.
 """
 

@@ -80,9 +80,9 @@ def check_sweep(recorded: list[Override], typed: dict[str, Override], folder: Pa
     before = {o.key_or_group: o for o in recorded}
     for name, override in typed.items():
         old = before.get(name)
-        values = list(override.sweep_string_iterator()) if override.is_sweep_override() else None
+        values = swept(override) if override.is_sweep_override() else None
         if old is not None and old.is_sweep_override() or values is not None:
-            if old is None or not old.is_sweep_override() or values != list(old.sweep_string_iterator()):
+            if old is None or not old.is_sweep_override() or values != swept(old):
                 ran = f"it swept {old.input_line}" if old is not None and old.is_sweep_override() else f"it did not sweep {name}"
                 raise UsageError(f"{override.input_line} is not allowed in a resume of the sweep {folder}: {ran}; a "
                                  "resume runs the same jobs, so give the sweep as it was, or start a new one elsewhere")
@@ -90,6 +90,11 @@ def check_sweep(recorded: list[Override], typed: dict[str, Override], folder: Pa
                 and not name.startswith("hydra"):
             raise UsageError(f"{override.input_line} is not allowed in a resume of the sweep {folder}: its jobs used "
                              f"{old.input_line}, and a resume continues them as they were; start a new sweep to change it")
+
+
+def swept(override: Override) -> Any:
+    """What a sweep override sweeps: its values, or the space of an `interval()` (a search: hydra/sweeper=optuna)."""
+    return override.value() if override.is_interval_sweep() else list(override.sweep_string_iterator())
 
 
 def gradient_math(flat: dict[str, Any]) -> tuple[Any, ...]:

@@ -4,7 +4,8 @@ A run folder (`outputs/runs/<run>`, or one job's folder in a sweep) holds:
 
 - `config.yaml`: the config resolved, as the run used it (`src.train` writes it);
 - `.hydra/hydra.yaml`: Hydra's own settings, with the option chosen in each config group;
-- `events.out.tfevents.*`: TensorBoard's scalars and the run's HParams summary;
+- `events.out.tfevents.*`: TensorBoard's scalars and the run's HParams summary; or, logged with `logger=csv`
+  alone, `csv/metrics.csv` and `csv/hparams.yaml` (MLflow and W&B keep theirs in their own stores, not read here);
 - `checkpoints/`: its checkpoints (`src.checkpoints`).
 
 Every record is read as data (`src.records`): nothing in a folder is resolved or built unchecked.
@@ -12,6 +13,7 @@ Also here: the command-line shell that `python -m src.report` and `python -m src
 """
 
 import argparse
+import csv
 import logging
 import statistics
 import sys
@@ -30,6 +32,7 @@ from src.launch.console import print_error
 HYDRA_CONFIG = Path(".hydra", "hydra.yaml")
 RESOLVED_CONFIG = "config.yaml"
 EVENT_FILES = "events.out.tfevents.*"
+CSV_METRICS, CSV_HPARAMS = Path("csv", "metrics.csv"), Path("csv", "hparams.yaml")  # conf/logger/csv.yaml
 
 T = TypeVar("T")
 
@@ -80,20 +83,35 @@ class RunFolder:
         events.Reload()
         return events
 
+    @cached_property
+    def _series(self) -> dict[str, list[tuple[int, float]]]:
+        """Every scalar's (step, value) points: from the event files, else from the CSV logger's metrics.csv."""
+        if any(self.path.glob(EVENT_FILES)):
+            return {tag: [(int(e.step), e.value) for e in self._events.Scalars(tag)] for tag in self._events.Tags()["scalars"]}
+        if not (self.path / CSV_METRICS).is_file():
+            raise UsageError(f"its scalars are read from TensorBoard event files or {CSV_METRICS.as_posix()}, and it has neither: "
+                             "a run logged only to MLflow or W&B is read in their own tools (logger=[mlflow,csv] logs to both)")
+        series: dict[str, list[tuple[int, float]]] = {}
+        with (self.path / CSV_METRICS).open(newline="") as file:
+            for row in csv.DictReader(file):
+                for tag, value in row.items():
+                    if tag != "step" and value:
+                        series.setdefault(tag, []).append((int(row["step"]), float(value)))
+        return series
+
     def scalars(self, *tags: str) -> list[tuple[int, float]]:
         """(step, value) of the first of `tags` that the run logged; empty when it logged none of them.
         Runs made before the transfer scalars moved to `xfer/` logged them as `comm/`: read as the same."""
-        logged = set(self._events.Tags()["scalars"])
-        for tag in (name for tag in tags for name in (tag, *legacy_names(tag))):
-            if tag in logged:
-                return [(int(e.step), e.value) for e in self._events.Scalars(tag)]
-        return []
+        return next((self._series[name] for tag in tags for name in (tag, *legacy_names(tag)) if name in self._series), [])
 
     def values(self, *tags: str) -> list[float]:
         return [value for _, value in self.scalars(*tags)]
 
     def hparams(self) -> dict[str, Any]:
-        """The run's HParams summary (`precision_used`, `world_size`, ...), empty when it has none."""
+        """The run's HParams summary (`precision_used`, `world_size`, ...), or the CSV logger's record of the same
+        settings where the run has no event files; empty when it has neither."""
+        if not any(self.path.glob(EVENT_FILES)):
+            return dict(records.load(self.path / CSV_HPARAMS) or {}) if (self.path / CSV_HPARAMS).is_file() else {}
         try:
             content = self._events.PluginTagToContent("hparams")["_hparams_/session_start_info"]
         except KeyError:
@@ -105,9 +123,11 @@ class RunFolder:
 
 
 def find_run_dirs(root: Path) -> list[Path]:
-    """Folders below `root` (itself included) that hold both a run's config and event files."""
+    """Folders below `root` (itself included) that hold a run's config and its scalars (event files or metrics.csv),
+    or the result of a run that logged its scalars elsewhere (said when read)."""
     configs = sorted(root.glob(f"**/{RESOLVED_CONFIG}"))
-    return [c.parent for c in configs if any(c.parent.glob(EVENT_FILES))]
+    return [c.parent for c in configs
+            if any(c.parent.glob(EVENT_FILES)) or any((c.parent / name).is_file() for name in (CSV_METRICS, records.RESULT))]
 
 
 def require_folder(root: Path) -> None:
@@ -124,7 +144,7 @@ def read_runs(root: Path, read: Callable[[RunFolder], T | None]) -> list[T]:
     require_folder(root)
     run_dirs = find_run_dirs(root)
     if not run_dirs:
-        raise UsageError(f"{root}: no run folders below it (a run folder holds config.yaml and event files)")
+        raise UsageError(f"{root}: no run folders below it (a run folder holds config.yaml and event files or metrics.csv)")
     logging.getLogger("tensorboard").setLevel(logging.WARNING)  # it logs every event file it opens at INFO
     found, unreadable = [], []
     for run_dir in run_dirs:
@@ -136,7 +156,7 @@ def read_runs(root: Path, read: Callable[[RunFolder], T | None]) -> list[T]:
             continue
         if item is not None:
             found.append(item)
-    for line in unreadable:
+    for line in unreadable[0 if found else 1:]:  # where none can be read, the first is the command's error line
         print(f"warning: {line}", file=sys.stderr, flush=True)
     if unreadable and not found:
         raise UsageError(unreadable[0])

@@ -35,12 +35,12 @@ from src.checkpoints import AtomicCheckpointIO, Saved, check_checkpoint, resolve
 from src.errors import UsageError
 from src.fast_path import (LIGHTNING_SPELLING, apply_fast_steps, cudnn_benchmark, keep_freed_memory,
                            one_channel_nchw_pays, resolve_accelerator, speed_up)
-from src.hparams import has_hparams, log_hparams, run_hparams
+from src.hparams import log_hparams, run_hparams
 from src.launch import cli
 from src.launch.console import processes
 from src.launch.ranks import is_rank_zero
 from src.launch.workers import StopOnSignal, processes_per_node
-from src.loggers import close_loggers, is_tensorboard, purge_step
+from src.loggers import close_loggers, purge_step, takes_purge_step
 from src.optim import build_optimizer, build_schedule, check_optimizer
 from src.records import Result
 from src.strategies.sync_batchnorm import SyncBatchNormPlugin
@@ -143,7 +143,7 @@ def build_run(cfg: DictConfig, checkpoint: Saved | None, fit: bool) -> dict[str,
         trainer_args["enable_progress_bar"] = bar is not None
         callbacks += [bar] if bar is not None else []
     purge = purge_step(checkpoint, output_dir) if fit else None  # scoring a checkpoint hides nothing
-    loggers = [build(f"logger.{name}", node, **({"purge_step": purge} if is_tensorboard(node) else {}))
+    loggers = [build(f"logger.{name}", node, **({"purge_step": purge} if takes_purge_step(node) else {}))
                for name, node in cfg.logger.items()]
     plugins: list[Any] = [AtomicCheckpointIO()] + ([SyncBatchNormPlugin(cuda=accelerator == "gpu")] if cfg.sync_batchnorm else [])
     trainer = Trainer(accelerator=accelerator, devices=cfg.devices, num_nodes=cfg.num_nodes, strategy=strategy,
@@ -181,7 +181,8 @@ def train(cfg: DictConfig) -> tuple[Result, dict[str, Any]]:
     with trainer_input_errors():
         trainer.fit(model, datamodule=datamodule, ckpt_path=None if checkpoint is None else str(checkpoint.path),
                     weights_only=True)
-        metrics = scalar_metrics(trainer)
+        logged = checkpoint.contents.get("logged", {}) if checkpoint is not None else {}
+        metrics = {**logged, **scalar_metrics(trainer)}  # a fit resumed after its last epoch logs nothing itself
         tested = weights_to_test(cfg.test_weights, objects["callbacks"].get("best_checkpoint"))
         # A file named here is read for its weights only (SLURM: Lightning may load hpc_ckpt_* itself).
         trainer.test(model, datamodule=datamodule, ckpt_path=str(tested) if tested else None, verbose=False,
@@ -207,11 +208,10 @@ def record(cfg: DictConfig, objects: dict[str, Any], result: Result, tested: Pat
     trainer = objects["trainer"]
     if not trainer.is_global_zero:
         return
-    if not has_hparams(Path(cfg.output_dir)):  # a resumed run keeps the record it began with
-        params = run_hparams(cfg, trainer, objects["optimizer"].keywords["lr"])
-        params.update(cuda_graphs=objects["fast_steps"].cuda_graphs,
-                      steps_per_execution=objects["fast_steps"].steps_per_execution, tested_weights=tested_weights(tested))
-        log_hparams(objects["loggers"], params, Path(cfg.output_dir), trainer.global_step)
+    params = run_hparams(cfg, trainer, objects["optimizer"].keywords["lr"])
+    params.update(cuda_graphs=objects["fast_steps"].cuda_graphs,
+                  steps_per_execution=objects["fast_steps"].steps_per_execution, tested_weights=tested_weights(tested))
+    log_hparams(objects["loggers"], params, Path(cfg.output_dir), trainer.global_step)
     close_loggers(objects["loggers"])
     result.save(Path(cfg.output_dir))
     log.info(result.line)

@@ -10,6 +10,7 @@ import os
 from datetime import timedelta
 from functools import cache
 from pathlib import Path
+from types import SimpleNamespace
 
 import lightning
 import pytest
@@ -17,12 +18,14 @@ import torch
 import torch.distributed as dist
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 # torch's own all_reduce, bound at import: a wrapper put in place of dist.all_reduce later would never see calls
 # made through this name.
 from torch.distributed import all_reduce as all_reduce_imported_by_name
 
 from src import config
+from src.callbacks.comm import CommLogger
 from src.errors import UsageError
 from src.models.lenet import LeNet
 from src.strategies.comm import CommMeter
@@ -299,15 +302,16 @@ class ExtraCollectivesStrategy(CommHookDDPStrategy):
 
 
 class TinyModel(lightning.LightningModule):
-    def __init__(self) -> None:
+    def __init__(self, batches: int = 4) -> None:
         super().__init__()
         self.layer = nn.Linear(8, 4)
+        self.batches = batches
 
     def training_step(self, batch, batch_idx):
         return self.layer(batch).square().mean()
 
     def train_dataloader(self):
-        return torch.utils.data.DataLoader(torch.randn(16, 8), batch_size=4)
+        return torch.utils.data.DataLoader(torch.randn(4 * self.batches, 8), batch_size=4)
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
@@ -382,3 +386,92 @@ def test_a_group_that_cannot_count_leaves_the_run_uncounted_with_one_line(tmp_pa
             "collective not dispatched to a Python group; the run goes on with a plain gloo group"]
     finally:
         dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------- what the hook's time and DDP's timings cost
+
+SAMPLED_STEPS = 13  # DDP records the timings of iterations 1-10 and every 100th; a step files the one before it
+
+
+class SampleRateSetCalls(lightning.Callback):
+    """DDP's runtime-logging sample rate setter, counted: setting it to 1 made every CUDA step wait for its timers."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        original = DistributedDataParallel._set_ddp_runtime_logging_sample_rate
+
+        def counted(ddp, rate):
+            self.calls += 1
+            return original(ddp, rate)
+
+        DistributedDataParallel._set_ddp_runtime_logging_sample_rate = counted
+
+
+def _sampling_worker(rank: int, port: int, results: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(WORLD))
+    setter, comm = SampleRateSetCalls(), CommLogger()
+    trainer = lightning.Trainer(
+        accelerator="cpu", devices=WORLD, strategy=CommHookDDPStrategy(hook="none", timeout_s=60), max_steps=SAMPLED_STEPS,
+        callbacks=[setter, comm], logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(TinyModel(batches=SAMPLED_STEPS * WORLD))  # one epoch of SAMPLED_STEPS steps on each rank
+    torch.save({"setter_calls": setter.calls, "timings": comm._epoch_values.get("xfer/backward_compute_ms", []),
+                "hook_ms": comm._epoch_values["xfer/hook_ms"]}, f"{results}.{rank}")
+
+
+def test_ddp_keeps_its_own_sample_of_timed_steps_and_they_are_logged(tmp_path: Path) -> None:
+    start_ranks(_sampling_worker, free_port(), str(tmp_path / "result"), nprocs=WORLD)
+    result = torch.load(tmp_path / "result.0", weights_only=False)
+    assert result["setter_calls"] == 0
+    assert len(result["timings"]) == 10 and all(ms > 0 for ms in result["timings"])  # iterations 1-10, not 11 or 12
+    assert len(result["hook_ms"]) == SAMPLED_STEPS  # the hook's own figures, every step
+
+
+class StandInStream:
+    """What a CUDA stream does with an NCCL collective: the host goes on at once, the device ends it later."""
+
+    def __init__(self) -> None:
+        self.queued_ms = 0.0  # device time at which the work queued so far ends
+        self.now_ms = 0.0  # device time reached
+
+
+class StandInEvent:
+    """`torch.cuda.Event` on the stand-in stream: it passes when the device reaches the work queued before it."""
+
+    stream = StandInStream()
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        self.at: float | None = None
+
+    def record(self) -> None:
+        self.at = self.stream.queued_ms
+
+    def query(self) -> bool:
+        return self.at is not None and self.stream.now_ms >= self.at
+
+    def elapsed_time(self, end: "StandInEvent") -> float:
+        assert self.query() and end.query(), "CUDA refuses to time events that have not passed"
+        return end.at - self.at
+
+
+def test_on_nccl_the_hook_is_timed_to_the_end_of_its_collective_not_its_enqueueing(monkeypatch) -> None:
+    stream = StandInEvent.stream = StandInStream()
+    monkeypatch.setattr(torch.cuda, "Event", StandInEvent)
+
+    def enqueued_all_reduce(state, bucket):  # NCCL's future: complete as soon as the collective is queued
+        stream.queued_ms += 5.0
+        future = torch.futures.Future()
+        future.set_result(bucket.buffer())
+        return future
+
+    meter = CommMeter(device_timed=True)
+    bucket = SimpleNamespace(buffer=lambda: torch.zeros(10))
+    meter.wrap(enqueued_all_reduce)(None, bucket).wait()
+    step = meter.take()
+    assert (step.buckets, step.hook_s) == (1, 0.0)  # the device has not finished it: nothing waits, nothing counted yet
+    stream.now_ms = 5.0
+    assert meter.take().hook_s == pytest.approx(0.005)  # counted once passed
+    assert meter.take().hook_s == 0.0

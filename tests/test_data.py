@@ -273,3 +273,27 @@ def test_augment_shifts_within_the_padding_and_mirrors_whole_images():
         windows = {(dy, dx) for dy in range(-2, 3) for dx in range(-2, 3)
                    if shifted[i, 0, 2:26, 2:26].equal(images[i, 0, 2 + dy:26 + dy, 2 + dx:26 + dx])}
         assert windows
+
+
+@pytest.mark.parametrize(("damage", "said"), [
+    ("labels of 200", "train-labels-idx1-ubyte holds labels from 0 to 200, not 0 to 9 (data.num_classes=10)"),
+    ("32x32 images", "train-images-idx3-ubyte holds images of 32x32 pixels, not Fashion-MNIST's 28x28"),
+    ("fewer labels than images", "train-labels-idx1-ubyte holds 30 labels for the 64 images of train-images-idx3-ubyte"),
+])
+def test_files_that_parse_but_do_not_fit_are_one_line_naming_the_file(tmp_path, damage, said):
+    """Valid IDX files can still be wrong for a run: labels beyond the classes, images of another size, two files of
+    different lengths. Each is said before any step, in one line naming the file."""
+    raw = write_tiny_fashion_mnist(tmp_path) / "FashionMNIST" / "raw"
+    labels = torch.randint(0, 10, (64,)).numpy()
+    if damage == "labels of 200":
+        labels[3] = 200
+        write_idx(raw / "train-labels-idx1-ubyte", labels)
+    elif damage == "32x32 images":
+        write_idx(raw / "train-images-idx3-ubyte", torch.zeros(64, 32, 32, dtype=torch.uint8).numpy())
+    else:
+        write_idx(raw / "train-labels-idx1-ubyte", labels[:30])
+    dm = FashionMNISTDataModule(root=str(tmp_path), batch_size=16, val_size=8, download=False)
+    with pytest.raises(UsageError) as caught:
+        dm.setup()
+    assert str(caught.value) == f"data.root={tmp_path}: {raw / said.split(' holds ')[0]} holds {said.split(' holds ', 1)[1]}" \
+        f"; point data.root at a good copy"

@@ -211,3 +211,44 @@ def test_a_compiled_network_is_captured_without_compiling_again(data_root, monke
     fit(classifier, data_root, precision="bf16-mixed")
     assert isinstance(classifier.graphed, ReplayedOnCpu) and classifier.trainer.global_step == 16
     torch._dynamo.reset()
+
+
+class RefusesHostWaits(ReplayedOnCpu):
+    """A capture that fails, as CUDA's does, when the step waits for the device (`.item()`) while being captured."""
+
+    def _capture(self, step):
+        def refused(tensor):
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(torch.Tensor, "item", refused)
+            return super()._capture(step)
+
+
+class CheckedLeNet(LeNet):
+    """A user's LeNet that checks its input on the host in every forward pass: a wait for the device on a GPU."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.isfinite(x.abs().max()).item():
+            raise ValueError("non-finite input")
+        return super().forward(x)
+
+
+def test_a_network_that_waits_for_the_device_falls_back_to_eager_steps_with_one_line(data_root, monkeypatch, caplog):
+    monkeypatch.setattr(module, "GraphedStep", RefusesHostWaits)
+    torch.manual_seed(0)
+    modules = {name: module.Classifier(net(), lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9))
+               for name, net in (("eager", CheckedLeNet), ("graphs", CheckedLeNet), ("plain", LeNet))}
+    modules["graphs"].load_state_dict(modules["eager"].state_dict())
+    for name, classifier in modules.items():
+        classifier.use_fast_steps(FastSteps(8, cuda_graphs=name != "eager"), step_batch_size=32)
+    with caplog.at_level("WARNING", logger="src.models.module"):
+        for classifier in modules.values():
+            fit(classifier, data_root)
+    assert isinstance(modules["plain"].graphed, RefusesHostWaits)  # the stand-in captures a step that does not wait
+    assert modules["graphs"].graphed is None and not modules["graphs"].fast_steps.cuda_graphs
+    assert modules["graphs"].trainer.global_step == 16
+    assert [r.getMessage() for r in caplog.records if r.name == "src.models.module"] == [
+        "cuda_graphs: the training step cannot be captured as a CUDA graph (CUDA error: operation not permitted when "
+        "stream is capturing); it runs eagerly"]
+    assert_same_weights(modules["graphs"], modules["eager"])

@@ -7,6 +7,7 @@ import copy
 import functools
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from src.fast_path import FastSteps
 from src.models.lenet import LeNet
 from src.models.module import WARM_STEPS, Classifier
 from src.models.resnet import resnet18
+from src.optim import Schedule
 from tests.helpers import QUICK, REPO, hparams, scalars, train, user_env
 from tests.test_sync_free import project_callbacks
 
@@ -107,27 +109,116 @@ def test_no_host_sync_in_training_steps(tmp_path, data_root, model, fast):
     assert syncs.checked == 12 - WARM_STEPS - 1 and trainer.global_step == 12 * fast.steps_per_execution
 
 
+GRAPH_STEP, GRAPH_STEPS = 64, 8  # an epoch of 7 full batches and one of 40 images: the uneven last batch
+
+
+def images_for(steps: int, data_root) -> int:
+    """data.val_size that leaves `steps` - 1 full training batches and one of 40 images (whatever the copy holds)."""
+    whole = FashionMNISTDataModule(root=str(data_root), val_size=0, download=False)
+    whole.setup()
+    return len(whole.splits["train"]) - ((steps - 1) * GRAPH_STEP + 40)
+
+
 @pytest.mark.parametrize(("model", "compiled"), [("lenet", False), ("resnet18", False), ("lenet", True)])
 def test_cuda_graph_steps_train_what_eager_steps_train(data_root, model, compiled, exact_cuda_math):
-    """The same 24 optimizer steps, eager one per batch and as graph replays eight per batch: the same weights.
-    Three epochs of 8 steps, each validated: Lightning sets the gradients to None before validating. Compiled:
-    the graph holds the compiled kernels (`cuda_graphs=true compile=true`), against them run eagerly."""
+    """The same 24 optimizer steps, eager one per batch and as graph replays eight per batch: the same weights. Three
+    epochs of 7 replayed steps and an uneven last batch (eager in both), each validated (Lightning sets the gradients
+    to None before validating), under 16-mixed (the loss scaler's tensor inside the graph, the fused optimizer's step
+    outside it) and a cosine schedule with warm-up. Compiled: the graph holds the compiled kernels (`cuda_graphs=true
+    compile=true`), against them run eagerly."""
     torch.manual_seed(0)
-    reference = Classifier(NETS[model](), functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9))
+    reference = Classifier(NETS[model](), functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9),
+                           schedule=Schedule("cosine", warmup=0.25))
     modules = {"eager": reference, "graphs": copy.deepcopy(reference)}
     for module in modules.values() if compiled else ():
         module.net.compile()
-    modules["graphs"].use_fast_steps(FastSteps(8, cuda_graphs=True, compiled=compiled), step_batch_size=64)
+    modules["graphs"].use_fast_steps(FastSteps(GRAPH_STEPS, cuda_graphs=True, compiled=compiled), step_batch_size=GRAPH_STEP)
+    val_size = images_for(GRAPH_STEPS, data_root)
     for name, module in modules.items():
-        data = FashionMNISTDataModule(root=str(data_root), batch_size=64, download=False)
+        data = FashionMNISTDataModule(root=str(data_root), batch_size=GRAPH_STEP, val_size=val_size, download=False)
         data.steps_per_execution = module.fast_steps.steps_per_execution
-        Trainer(accelerator="gpu", devices=1, max_epochs=3, limit_train_batches=8 // module.fast_steps.steps_per_execution,
-                limit_val_batches=1, num_sanity_val_steps=0, logger=False,
-                enable_checkpointing=False, enable_progress_bar=False, use_distributed_sampler=False,
+        Trainer(accelerator="gpu", devices=1, max_epochs=3, limit_val_batches=1, num_sanity_val_steps=0, logger=False,
+                precision="16-mixed", enable_checkpointing=False, enable_progress_bar=False, use_distributed_sampler=False,
                 deterministic=True).fit(module, datamodule=data)
+        assert module.trainer.global_step == 3 * GRAPH_STEPS and module.optimizers().optimizer.defaults["fused"]
     assert modules["graphs"].graphed is not None
     for (key, a), b in zip(modules["eager"].state_dict().items(), modules["graphs"].state_dict().values()):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6, msg=key)
+
+
+class HostCheckedLeNet(LeNet):
+    """A user's network that checks its input on the host in every forward pass, which a CUDA graph cannot hold."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.isfinite(x.abs().max()).item():
+            raise ValueError("non-finite input")
+        return super().forward(x)
+
+
+def test_a_network_that_waits_in_its_forward_pass_trains_eagerly_instead_of_in_a_graph(data_root, caplog):
+    module = Classifier(HostCheckedLeNet(), functools.partial(torch.optim.SGD, lr=0.1))
+    module.use_fast_steps(FastSteps(8, cuda_graphs=True), step_batch_size=64)
+    data = FashionMNISTDataModule(root=str(data_root), batch_size=64, download=False)
+    data.steps_per_execution = 8
+    with caplog.at_level("WARNING", logger="src.models.module"):
+        Trainer(accelerator="gpu", devices=1, max_epochs=1, limit_train_batches=2, limit_val_batches=0, logger=False,
+                enable_checkpointing=False, enable_progress_bar=False, use_distributed_sampler=False).fit(module, datamodule=data)
+    assert module.graphed is None and module.trainer.global_step == 16
+    said = [r.getMessage() for r in caplog.records if r.name == "src.models.module"]
+    assert len(said) == 1 and said[0].startswith("cuda_graphs: the training step cannot be captured"), said
+    print(said[0])
+
+
+class CountedSyncs(Callback):
+    """The host's waits for the GPU from batch `after` to the end of the epoch, as CUDA's sync detector warns of them."""
+
+    def __init__(self, after: int) -> None:
+        self.after = after
+        self.syncs = 0
+        self._caught: warnings.catch_warnings | None = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if batch_idx == self.after:
+            self._caught = warnings.catch_warnings(record=True)
+            self._warned = self._caught.__enter__()
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        torch.cuda.set_sync_debug_mode("default")
+        if self._caught is not None:
+            self._caught.__exit__(None, None, None)
+            self.syncs = sum("synchroniz" in str(warning.message) for warning in self._warned)
+
+
+@pytest.mark.parametrize("fast", [FastSteps(8, cuda_graphs=True), FastSteps(1, cuda_graphs=False)], ids=["graphs", "eager"])
+@pytest.mark.parametrize("foreach", [False, True], ids=["default", "foreach"])
+def test_16_mixed_steps_wait_for_the_gpu_only_where_the_optimizer_is_not_fused(tmp_path, data_root, fast, foreach):
+    """GradScaler.step reads found_inf on the host (`.item()`) unless the optimizer takes it on the GPU (fused, which
+    the Classifier chooses under 16-mixed): an optimizer configured with `foreach` keeps the wait, as a control."""
+    optimizer = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9, **({"foreach": True} if foreach else {}))
+    module = Classifier(LeNet(), optimizer)
+    data = FashionMNISTDataModule(root=str(data_root), batch_size=256, download=False)
+    if fast.manual:
+        module.use_fast_steps(fast, step_batch_size=256)
+        data.steps_per_execution = fast.steps_per_execution
+    counted = CountedSyncs(after=WARM_STEPS + 1)
+    Trainer(accelerator="gpu", devices=1, max_epochs=1, limit_train_batches=12, limit_val_batches=0, num_sanity_val_steps=0,
+            precision="16-mixed", logger=False, enable_checkpointing=False, use_distributed_sampler=False,
+            callbacks=[counted, *project_callbacks(tmp_path)], benchmark=True).fit(module, datamodule=data)
+    steps = (12 - WARM_STEPS - 1) * fast.steps_per_execution
+    print(f"16-mixed, {'foreach' if foreach else 'default'} optimizer, {fast}: {counted.syncs} host waits in {steps} steps")
+    assert counted.syncs >= steps if foreach else counted.syncs == 0
+
+
+def test_a_parallel_sweep_packs_its_jobs_on_the_one_gpu(tmp_path, data_root):
+    sweep = tmp_path / "sweep"
+    result = train("-m", *QUICK, "hydra/launcher=parallel", "hydra.launcher.jobs_per_gpu=2", "seed=1,2",
+                   f"hydra.sweep.dir={sweep}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "2 jobs, 2 at a time" in result.stdout + result.stderr
+    runs = [run for run in sweep.iterdir() if (run / "result.json").is_file()]
+    assert len(runs) == 2 and all(hparams(run)["accelerator"] == "cuda" for run in runs)
 
 
 def test_a_diverging_loss_stops_a_graphed_run_with_one_line(tmp_path, data_root):

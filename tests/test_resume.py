@@ -1,6 +1,7 @@
 """Checkpoints and resuming: `last.ckpt` is always the last finished epoch, a run killed with
 SIGKILL resumes to exactly the weights of an unbroken run, with no TensorBoard step twice."""
 
+import json
 import shutil
 import subprocess
 import sys
@@ -8,9 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from lightning import Callback
 from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 
+from src.data.fashion_mnist import augment
 from tests.helpers import QUICK, REPO, Run, free_port, scalar_steps, steps_going_back, train, user_env
 
 # Ten batches an epoch, three epochs; the fault callback kills a process after a given step.
@@ -74,11 +77,26 @@ def test_last_checkpoint_is_the_last_finished_epoch_even_without_improvement(tmp
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["best-epoch0.ckpt", "last.ckpt"]
 
 
+class AugmentationDraws(Callback):
+    """What this rank's generators draw next for the crops and flips of one fixed image, once training has ended (and
+    drawn what it drew): `draws.<rank>.pt` in the run folder."""
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        images = torch.arange(28 * 28, dtype=torch.float32).view(1, 1, 28, 28).expand(16, 1, 28, 28)
+        torch.save(augment(images, pad=2, hflip=True), Path(trainer.default_root_dir) / f"draws.{trainer.global_rank}.pt")
+
+
+DDP2 = ["strategy=ddp", "devices=2", "trainer.log_every_n_steps=1"]
+# Random crops and flips, each rank its own; what each rank draws after training is left in the run folder.
+AUGMENTED = [*DDP2, "data.random_crop=2", "data.hflip=true", "+callbacks.draws._target_=tests.test_resume.AugmentationDraws"]
 RESUMES = {
     # name: (process arguments, every_n_train_steps, step killed after)
     "one process, mid-epoch checkpoint": ([], 4, 17),
-    "ddp on 2 processes, mid-epoch checkpoint": (["strategy=ddp", "devices=2", "trainer.log_every_n_steps=1"], 4, 17),
-    "ddp on 2 processes, epoch-end checkpoint": (["strategy=ddp", "devices=2", "trainer.log_every_n_steps=1"], 0, 17),
+    "ddp on 2 processes, mid-epoch checkpoint": (DDP2, 4, 17),
+    "ddp on 2 processes, epoch-end checkpoint": (DDP2, 0, 17),
+    "ddp on 2 processes with augmentation, mid-epoch checkpoint": (AUGMENTED, 4, 17),
+    # PowerSGD compresses from step 10 (start_powersgd_iter): the checkpoint at 16 holds its error feedback and Q
+    "ddp_powersgd on 2 processes, mid-epoch checkpoint": (["strategy=ddp_powersgd", *DDP2[1:]], 4, 17),
 }
 
 
@@ -100,6 +118,16 @@ def test_a_run_killed_mid_epoch_resumes_to_the_unbroken_weights(tmp_path, unbrok
                     timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert_matches_unbroken(run_dir, unbroken(*args))
+    for draws in unbroken(*args).glob("draws.*.pt"):  # the generators, too, are where the unbroken run left them
+        assert torch.equal(torch.load(run_dir / draws.name), torch.load(draws)), draws.name
+
+
+@pytest.mark.slow
+def test_each_rank_draws_augmentations_of_its_own(unbroken):
+    """Every rank is seeded alike; without a stream of its own each would crop and flip its images as the others do."""
+    run_dir = unbroken(*AUGMENTED)
+    first, second = (torch.load(run_dir / f"draws.{rank}.pt") for rank in (0, 1))
+    assert not torch.equal(first, second)
 
 
 @pytest.mark.slow
@@ -244,3 +272,39 @@ def test_a_resume_of_a_folder_that_does_not_exist_says_so(tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1] == (
         f"error: ckpt_path=last: hydra.run.dir={tmp_path / 'nowhere'} does not exist; name the folder of the run to resume")
+
+
+def test_a_record_that_is_empty_or_disagrees_with_config_yaml_is_refused_and_nothing_is_rewritten(tmp_path, quick_run: Run):
+    """The run's config.yaml is the truth a resume is held to: an emptied `.hydra/overrides.yaml` (the defaults: a full
+    epoch instead of the run's few batches) or an edited one is refused in one line, and no file of the run changes."""
+    for damage, said in [
+        ("", "holds no list of overrides"),
+        ("[]\n", "is not allowed in a resume of {run}: the run used "),  # debug=quick's keys, which the record lost
+        (None, "{run}/config.yaml is missing"),
+    ]:
+        run_dir = quick_run.copy(tmp_path / str(len(list(tmp_path.iterdir()))))
+        if damage is None:
+            (run_dir / "config.yaml").unlink()
+        else:
+            (run_dir / ".hydra" / "overrides.yaml").write_text(damage)
+        (run_dir / ".hydra" / "hydra.yaml").write_text("")  # Hydra's own record is never read by a resume
+        before = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*") if p.is_file() and p.name != ".lock"}
+        result = train(QUICK[0], "max_epochs=2", "ckpt_path=last", f"hydra.run.dir={run_dir}")  # the rest from the record
+        assert result.returncode == 2, result.stderr[-3000:]
+        [line] = result.stderr.strip().splitlines()
+        assert said.format(run=run_dir) in line and "Traceback" not in result.stderr, line
+        assert {p: p.stat().st_mtime_ns for p in run_dir.rglob("*") if p.is_file() and p.name != ".lock"} == before
+
+
+def test_a_finished_run_resumed_says_so_and_a_longer_one_trains_on(tmp_path, quick_run: Run):
+    run_dir = quick_run.copy(tmp_path)
+    recorded = json.loads((run_dir / "result.json").read_text())["line"]
+    events = sorted(run_dir.glob("events.out.tfevents.*"))
+    again = train(*QUICK, "ckpt_path=last", f"hydra.run.dir={run_dir}")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"finished before, not run again: {recorded}" in again.stdout and "nan" not in again.stdout
+    assert sorted(run_dir.glob("events.out.tfevents.*")) == events, "nothing logged again"
+    longer = train(*QUICK, "max_epochs=2", "ckpt_path=last", f"hydra.run.dir={run_dir}")
+    assert longer.returncode == 0, longer.stderr[-3000:]
+    assert load(run_dir / "checkpoints" / "last.ckpt")["epoch"] == 1
+    assert json.loads((run_dir / "result.json").read_text())["line"] != recorded

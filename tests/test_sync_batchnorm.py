@@ -1,5 +1,6 @@
 """AllReduceBatchNorm against BatchNorm on the whole batch, in a real 2-process gloo group on CPU; on a GPU, torch's
-SyncBatchNorm the same way over NCCL, in both memory layouts.
+SyncBatchNorm the same way over NCCL, in both memory layouts; and the command line's `sync_batchnorm=true` on two gloo
+ranks against one process, in float64.
 """
 
 import copy
@@ -12,7 +13,10 @@ import torch.distributed as dist
 from torch import nn
 
 from src.strategies.sync_batchnorm import AllReduceBatchNorm, AllReduceBatchNorm1d, AllReduceBatchNorm2d, SyncBatchNormPlugin
+from tests.equivalence import checkpoint, deviation
 from tests.helpers import start_ranks
+from tests.helpers import train as run_train
+from tests.test_equivalence import LENET, RESNET
 
 WORLD = 2
 STEPS = 3
@@ -208,3 +212,29 @@ def test_torch_syncbatchnorm_over_nccl_equals_batchnorm_on_the_whole_batch(two_g
     for key, value in one["state"].items():
         torch.testing.assert_close(two_gpu_ranks[0][layout]["state"][key], value, **TOL, msg=key)
     torch.testing.assert_close(torch.cat([r[layout]["eval"] for r in two_gpu_ranks]), one["eval"], **TOL)
+
+
+# The oracle of tests/test_equivalence.py (d) in float64, where only rounding can part two ranks from one process:
+# BatchNorm divides by the batch's standard deviation, which magnifies the float32 rounding of summing in another order
+# (LeNet with batch norm ended 2.5e-2 of a step apart in fp32, over the 2e-2 that ReLU flips allow; 4e-13 in float64).
+FLOAT64_ORACLE = {
+    "lenet_bn": (*LENET, "model.net.batch_norm=true"),
+    "resnet18": RESNET,
+}
+SAME_IN_FLOAT64 = 1e-9  # lengths of one SGD step (tests/equivalence.py)
+
+
+def in_float64(args: tuple[str, ...]) -> list[str]:
+    return [arg for arg in args if not arg.startswith("precision=")] + ["precision=64"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(FLOAT64_ORACLE))
+def test_sync_batchnorm_on_two_gloo_ranks_ends_where_one_process_does_in_float64(tmp_path, data_root, case):
+    common = [f"data.root={data_root}", *in_float64(FLOAT64_ORACLE[case])]
+    one = run_train(*common, f"hydra.run.dir={tmp_path / 'one'}")
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = run_train(*common, "strategy=ddp", "devices=2", "sync_batchnorm=true", f"hydra.run.dir={tmp_path / 'two'}")
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert "precision 64-true, 2 processes" in two.stdout
+    assert deviation(checkpoint(tmp_path / "two"), checkpoint(tmp_path / "one")) < SAME_IN_FLOAT64

@@ -6,21 +6,24 @@ gradients send nothing and fold into the next step):
 - `xfer/bytes_per_step`: bytes of every all-reduce the hook issued (its payload, not the wire
   traffic of the all-reduce algorithm); not logged by a run of one process, which sends nothing.
 - `xfer/compression_ratio`: the same buckets' gradients as fp32 bytes, divided by bytes_per_step.
-- `xfer/hook_ms`: the sum over the step's buckets of the wall time from the hook's call to the
-  completion of the future it returned (compression, all-reduces and decompression, including
-  any wait for the other ranks); buckets may overlap each other and the backward pass.
+- `xfer/hook_ms`: the sum over the step's buckets of the time from the hook's call to the end of
+  its collectives (compression, all-reduces and decompression, including any wait for the other
+  ranks): the wall time until its future completes on gloo, CUDA events on NCCL, whose future
+  completes once enqueued (counted in the first step that finds them passed: `CommMeter`);
+  buckets may overlap each other and the backward pass.
 - `xfer/buckets_per_step`: hook calls, one per DDP bucket reduced.
 
-What DDP itself measured of the step's backward pass (its runtime logging data, recorded for
-every step here rather than DDP's default sample of the first ten and every hundredth):
+What DDP itself measured of the step's backward pass (its runtime logging data, which DDP records
+for a sample of steps, the first ten and every hundredth: on CUDA, reading a step's timers waits
+for the GPU, so every step would):
 
 - `xfer/backward_compute_ms`: from the start of the backward pass to the last gradient ready;
 - `xfer/backward_comm_ms`: from the first bucket's all-reduce launched to the last one done;
 - `xfer/overlap_ms`: the part of backward_comm_ms spent while gradients were still computed;
 - `xfer/overlap_frac`: overlap_ms / backward_comm_ms, the share of communication hidden.
 
-DDP files a step's timings during the next step's forward pass, so they are read there and
-logged at the step they belong to; the run's very last step has none.
+DDP files a sampled step's timings during the next step's forward pass, so they are read there
+and logged at the step they belong to; the run's very last step has none.
 
 Every `xfer/` scalar is also logged once per epoch as its mean over the epoch's steps,
 `xfer/<name>_epoch`, so a run shorter than `trainer.log_every_n_steps` steps still shows it.
@@ -52,12 +55,9 @@ class CommLogger(Callback):
         self._ddp = trainer.strategy.model if isinstance(trainer.strategy.model, DistributedDataParallel) else None
         self._ddp_iteration = -1
         # DDP's runtime logging is private to it: no public API gives its backward timings. A torch without
-        # these methods logs no timings rather than failing the run.
-        sample_every = getattr(self._ddp, "_set_ddp_runtime_logging_sample_rate", None)
-        if sample_every is None or not hasattr(self._ddp, "_get_ddp_logging_data"):
+        # it logs no timings rather than failing the run.
+        if not hasattr(self._ddp, "_get_ddp_logging_data"):
             self._ddp = None
-        else:
-            sample_every(1)  # record every step's timings, not a sample
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self._meter is None or trainer.global_step == self._last_step:
@@ -85,8 +85,9 @@ class CommLogger(Callback):
         """
         for name, value in values.items():
             self._epoch_values.setdefault(name, []).append(value)
-        if trainer.is_global_zero and trainer.logger is not None and trainer.global_step % trainer.log_every_n_steps == 0:
-            trainer.logger.log_metrics(values, step=trainer.global_step - 1)
+        if trainer.is_global_zero and trainer.global_step % trainer.log_every_n_steps == 0:
+            for logger in trainer.loggers:
+                logger.log_metrics(values, step=trainer.global_step - 1)
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._epoch_values = {}

@@ -155,13 +155,15 @@ class HardwareUse(Callback):
                 figures["usage/mfu"] = self.mfu[-1]
         self.peak_memory = peak_memory_mib(pl_module.device)
         figures["usage/peak_memory_mib"] = self.peak_memory
-        if trainer.is_global_zero and trainer.logger is not None:
-            trainer.logger.log_metrics(figures, step=trainer.global_step - 1)  # the step of the epoch's other scalars
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics(figures, step=trainer.global_step - 1)  # the step of the epoch's other scalars
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         medians = {f"{name}_median": value for name, value in self.summary().items() if name != "usage/peak_memory_mib"}
-        if medians and trainer.is_global_zero and trainer.logger is not None:
-            trainer.logger.log_metrics(medians, step=max(trainer.global_step - 1, 0))
+        if medians and trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics(medians, step=max(trainer.global_step - 1, 0))
 
     def summary(self) -> dict[str, float]:
         """The run's figures: medians over its epochs of TFLOP/s and MFU, and its peak memory; what it did not measure is absent."""

@@ -27,6 +27,13 @@ class LossFalls(Callback):
         self.last = losses[-1]
         self.steps += losses.numel()
 
+    def state_dict(self) -> dict[str, Any]:
+        """The first loss and the steps counted, in checkpoints: a resumed run's verdict spans all its steps."""
+        return {"first": None if self.first is None else self.first.cpu(), "steps": self.steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.first, self.steps = state["first"], state["steps"]
+
     def verdict(self) -> str:
         """`train/loss fell from 2.30 to 2.05 in 4 steps`, or that it did not and what that leaves open."""
         if self.first is None or self.last is None:

@@ -6,6 +6,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from lightning import Callback, LightningModule, Trainer
 
 from src.launch.console import processes
@@ -13,27 +14,51 @@ from src.launch.console import processes
 log = logging.getLogger(__name__)
 
 
-class RunState(Callback):
-    """Saves the random number generators and the number of processes with every checkpoint.
+def all_ranks(value: Any) -> list[Any]:
+    """`value` of every process, in rank order: a collective, which every process calls; [value] in one process."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [value]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
 
-    Lightning restores weights, optimizer, loops and (through the data module's resumable
-    loader) the position in the epoch, but not the generators: restoring them makes anything
-    random after a resume (dropout, augmentation) draw what the unbroken run drew. Every process
-    is seeded alike, so rank 0's generators stand for all of them.
+
+def generators() -> dict[str, Any]:
+    """This process's random generators, as tensors and plain values, so that `torch.load(weights_only=True)` reads them."""
+    kind, keys, position, has_gauss, gauss = np.random.get_state()
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate(),
+                             "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), position, has_gauss, gauss]}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+class RunState(Callback):
+    """Gives every process a random stream of its own, and saves each process's generators and the number of processes
+    with every checkpoint.
+
+    Lightning seeds every process alike, so all ranks would draw the same crops and flips for their own images: rank
+    r > 0 reseeds with seed + r (rank 0 keeps a one-process run's stream). Lightning restores weights, optimizer, loops
+    and (through the data module's resumable loader) the position in the epoch, but not the generators: restoring each
+    rank's makes anything random after a resume (dropout, augmentation) draw what the unbroken run drew.
     """
 
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if trainer.global_rank:  # after Lightning's own seeding of the stage, before a checkpoint is restored
+            seed = torch.initial_seed() + trainer.global_rank
+            torch.manual_seed(seed)
+            np.random.seed(seed % 2**32)
+            random.seed(seed)
+
     def state_dict(self) -> dict[str, Any]:
-        kind, keys, position, has_gauss, gauss = np.random.get_state()
-        state: dict[str, Any] = {  # tensors and plain values only, so that `torch.load(weights_only=True)` reads it
-            "torch": torch.get_rng_state(),
-            "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), position, has_gauss, gauss],
-            "python": random.getstate(),
-        }
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            state["cuda"] = torch.cuda.get_rng_state_all()
-        return state
+        return {"ranks": all_ranks(generators())}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        ranks = state.get("ranks", [state])  # a checkpoint from before streams per rank holds one
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        if rank >= len(ranks):  # resumed on more processes: this one keeps its own new stream
+            return
+        state = ranks[rank]
         torch.set_rng_state(state["torch"])
         kind, keys, position, has_gauss, gauss = state["numpy"]
         np.random.set_state((kind, keys.numpy().astype(np.uint32), position, has_gauss, gauss))

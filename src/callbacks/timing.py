@@ -72,10 +72,11 @@ class EpochTimer(Callback):
         self.epoch_times.append(seconds)
         samples_per_s = self._samples / seconds if seconds > 0 else 0.0
         self.samples_per_s.append(samples_per_s)
-        if trainer.is_global_zero and trainer.logger is not None:
+        if trainer.is_global_zero:
             # The step Lightning gives the epoch's other scalars (train/loss, val/acc): that of its last batch.
             step = trainer.global_step - 1
-            trainer.logger.log_metrics({"time/epoch_s": seconds, "time/samples_per_s": samples_per_s}, step=step)
+            for logger in trainer.loggers:
+                logger.log_metrics({"time/epoch_s": seconds, "time/samples_per_s": samples_per_s}, step=step)
         # Every process reads the metrics: reading them reduces the epoch's train/loss across processes.
         shown = {k: float(v) for k, v in trainer.callback_metrics.items() if k in ("train/loss", "train/acc", "val/acc")}
         if trainer.is_global_zero:  # the line to grep in train.log, written as each epoch ends
@@ -84,7 +85,8 @@ class EpochTimer(Callback):
                      f"{seconds:.2f} s {samples_per_s:.0f} samples/s")
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self.epoch_times and trainer.is_global_zero and trainer.logger is not None:
-            trainer.logger.log_metrics({"time/epoch_s_median": statistics.median(self.epoch_times),
-                                        "time/samples_per_s_median": statistics.median(self.samples_per_s)},
-                                       step=max(trainer.global_step - 1, 0))
+        if self.epoch_times and trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics({"time/epoch_s_median": statistics.median(self.epoch_times),
+                                    "time/samples_per_s_median": statistics.median(self.samples_per_s)},
+                                   step=max(trainer.global_step - 1, 0))

@@ -245,6 +245,8 @@ class FashionMNISTDataModule(LightningDataModule):
             raise UsageError(f"{key}={value} is not allowed; Fashion-MNIST has 10 classes of grayscale images (10 and 1)")
         train = self._load(train=True)
         test = self._load(train=False)
+        for prefix, split in (("train", train), ("t10k", test)):
+            self._check(prefix, split.data, split.targets)
         if not 0 <= self.val_size < len(train.targets):
             raise UsageError(
                 f"data.val_size={self.val_size} is not allowed; data.val_size must be a whole number from 0 to "
@@ -257,6 +259,20 @@ class FashionMNISTDataModule(LightningDataModule):
             "val": TensorImages(train.data.index_select(0, val_idx), train.targets.index_select(0, val_idx)),
             "test": TensorImages(test.data, test.targets),
         }
+
+    def _check(self, prefix: str, images: torch.Tensor, labels: torch.Tensor) -> None:
+        """Files that torchvision parses can still disagree with each other or with the model: as many labels as
+        images, images of the size the model takes, labels of the classes it scores."""
+        where = f"data.root={self.root}: {self.raw_folder / prefix}"
+        if len(labels) != len(images):
+            raise UsageError(f"{where}-labels-idx1-ubyte holds {len(labels)} labels for the {len(images)} images of "
+                             f"{prefix}-images-idx3-ubyte; point data.root at a good copy")
+        if tuple(images.shape[1:]) != (IMAGE_SIZE, IMAGE_SIZE):
+            raise UsageError(f"{where}-images-idx3-ubyte holds images of {'x'.join(map(str, images.shape[1:]))} pixels, "
+                             f"not Fashion-MNIST's {IMAGE_SIZE}x{IMAGE_SIZE}; point data.root at a good copy")
+        if len(labels) and not 0 <= int(labels.min()) <= int(labels.max()) < self.num_classes:
+            raise UsageError(f"{where}-labels-idx1-ubyte holds labels from {int(labels.min())} to {int(labels.max())}, "
+                             f"not 0 to {self.num_classes - 1} (data.num_classes={self.num_classes}); point data.root at a good copy")
 
     def _loader(self, split: str) -> DeviceLoader:
         """Training shards are padded to equal length (DDP needs the same number of steps on every

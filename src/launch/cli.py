@@ -5,7 +5,6 @@ a result; a stop signal or a failed rank ends the run with one line naming what 
 writes its report, and exits non-zero if any of its jobs failed.
 """
 
-import errno
 import logging
 import os
 import sys
@@ -20,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from src import config, resume
 from src.records import Result
-from src.errors import TrainingDiverged, UsageError
+from src.errors import RunFailed, UsageError, said
 from src.launch import lock, naming, progress, ranks, stops
 from src.launch.console import counted, print_error, print_line
 from src.launch.stops import RankFailed, RunStopped, signal_name
@@ -78,7 +77,8 @@ def run_job(cfg: DictConfig, task: Callable[[DictConfig], Result],
     """One Hydra job of this project: `prepare`d (src.eval takes the scored run's model), checked, its folder held, its
     resume checked, its records written, then launched (`src.launch.workers`). A failure leaves no folder that could
     pass for a result."""
-    from src.launch import workers  # torch and Lightning: once the config is composed
+    from src.checkpoints import clean_partial  # torch and Lightning: once the config is composed
+    from src.launch import workers
 
     output_dir = Path(cfg.output_dir)
     fresh = holds_only_settings(output_dir)
@@ -87,24 +87,27 @@ def run_job(cfg: DictConfig, task: Callable[[DictConfig], Result],
             prepare(cfg)
         config.check(cfg)
         with lock.held(output_dir) if ranks.is_rank_zero() else nullcontext():
+            if ranks.is_rank_zero():
+                clean_partial(output_dir)
             finished = resume.check(cfg)
             if finished is not None:
                 return finished
             if ranks.is_rank_zero():
                 save_records(cfg)
             return workers.launch(task, cfg)
-    except (UsageError, TrainingDiverged) as error:
-        if fresh:
-            naming.unclaim_dir(output_dir)
-        if HydraConfig.get().mode == RunMode.MULTIRUN:
-            raise  # the job fails alone: its launcher says so, and the sweep goes on
-        end_run(str(error), 2 if isinstance(error, UsageError) else 1)  # one line: Hydra would add one of its own
     except RunStopped as stop:
         end_run(f"run stopped by {signal_name(stop.signum)}{stop.where}; {kept(output_dir)}", 128 + stop.signum)
     except RankFailed as failure:
         end_run(f"{failure.line}; {kept(output_dir)}", 1)
-    except Exception as error:  # under torchrun or SLURM: a collective that lost its peer or timed out
-        failure = stops.rank_failure(error, cfg)
+    except Exception as error:
+        line = said(error)  # the user's input, or the machine's refusal (a full disk)
+        if line is not None:
+            if fresh:
+                naming.unclaim_dir(output_dir)
+            if HydraConfig.get().mode == RunMode.MULTIRUN:
+                raise line from None  # the job fails alone: its launcher says so, and the sweep goes on
+            end_run(str(line), 2 if isinstance(line, UsageError) else 1)  # one line: Hydra would add one of its own
+        failure = stops.rank_failure(error, cfg)  # under torchrun or SLURM: a collective that lost its peer or timed out
         if failure is None:
             raise
         end_run(f"{failure.line}; {kept(output_dir)}", 1)
@@ -116,9 +119,13 @@ def main(hydra_main: Callable[[], object], report: bool = False) -> None:
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises its refusals here, where they become one line
     stops.handle_stop_signals()
     args = sys.argv[1:]
-    status = 0
+    status, sweep_dir = 0, None
     try:
         config.check_args(args)
+        sweep_dir = typed_sweep_dir(args)
+        if sweep_dir is not None:  # one writer a sweep folder, for the command's life (a new folder is its own)
+            fresh = not sweep_dir.exists()
+            lock.acquire(sweep_dir, "sweep")
         if report:
             args = resume.with_record(args)
         sweep = [arg for arg in args if arg in ("-m", "--multirun")]  # Hydra takes it before its overrides only
@@ -128,15 +135,26 @@ def main(hydra_main: Callable[[], object], report: bool = False) -> None:
         end_run(f"run stopped by {signal_name(stop.signum)}{stop.where}", 128 + stop.signum)
     except Exception as error:
         status = failed(error, args)
+        if sweep_dir is not None and fresh and progress.tally is None:
+            naming.unclaim_dir(sweep_dir)
     sweep = progress.tally
     if sweep is not None:
-        written = write_report(sweep.sweep_dir, sweep.failures) if report and sweep.sweep_dir else None
+        written = write_report(sweep.sweep_dir, sweep.failures, sweep.appendix) if report and sweep.sweep_dir else None
         print_line(sweep.summary(written))
         if sweep.failures:
             jobs = " | ".join(f"{f.name}: {f.line}" for f in sweep.failures)
             print_error(f"{counted(len(sweep.failures), 'sweep job')} failed: {jobs}")
             status = max([status, *(f.status for f in sweep.failures)])
     sys.exit(status)
+
+
+def typed_sweep_dir(args: list[str]) -> Path | None:
+    """The sweep folder a sweep command names (`-m hydra.sweep.dir=<folder>`); None for a run, or a sweep in a new
+    folder of its own (`claim_dir`)."""
+    if "-m" not in args and "--multirun" not in args:
+        return None
+    typed = [o for o in config.parse(args) if o.key_or_group == "hydra.sweep.dir" and not o.is_sweep_override()]
+    return Path(str(typed[-1].value())) if typed else None
 
 
 def failed(error: Exception, args: list[str]) -> int:
@@ -147,25 +165,24 @@ def failed(error: Exception, args: list[str]) -> int:
     causes = [error]
     while causes[-1].__cause__ is not None and len(causes) < 10:  # a launcher's refusal, wrapped by Hydra's instantiate
         causes.append(causes[-1].__cause__)
-    error = next((e for e in causes if isinstance(e, (UsageError, TrainingDiverged, OSError))), error)
-    if isinstance(error, OSError) and error.filename:  # a folder that cannot be made or written, a full disk
-        reason = "the disk is full" if error.errno == errno.ENOSPC else error.strerror
-        line = f"cannot write {error.filename}: {reason}"
-    else:
-        line = str(error) if isinstance(error, (UsageError, TrainingDiverged)) else config.explain(error, args)
+    error = next((e for e in causes if said(e) is not None), error)
+    line = str(said(error) or "") or config.explain(error, args)
     if line is None:
         raise error
     if ranks.is_rank_zero():
         print_error(line)
     if progress.tally is None:  # refused before any job ran: no folder is left that this command made for it
         naming.unclaim_unused()
-        if lock.SweepLock.fresh and lock.SweepLock.folder is not None:
-            naming.unclaim_dir(lock.SweepLock.folder)
-    return 1 if isinstance(error, TrainingDiverged) or getattr(error, "errno", None) == errno.ENOSPC else 2
+    return 1 if isinstance(said(error), RunFailed) else 2
 
 
-def write_report(sweep_dir: Path, failures: list[progress.Failure]) -> Path | None:
-    """The sweep's report in its folder, its failed jobs listed; None where no run could be reported."""
+def write_report(sweep_dir: Path, failures: list[progress.Failure], appendix: str = "") -> Path | None:
+    """The sweep's report in its folder, its failed jobs listed, and what its sweeper adds (a search's trials); None
+    where no run could be reported."""
     from src.report import write_sweep_report  # matplotlib and TensorBoard: only once a sweep has ended
 
-    return write_sweep_report(sweep_dir, {f.name: f.line for f in failures})
+    written = write_sweep_report(sweep_dir, {f.name: f.line for f in failures})
+    if written is not None and appendix:
+        with open(written, "a") as report:
+            report.write(appendix)
+    return written

@@ -9,10 +9,6 @@ import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
-
-from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
 
 from src.errors import UsageError
 
@@ -57,21 +53,3 @@ def held(folder: Path, what: str = "run") -> Iterator[None]:
         yield
     finally:
         release(fd)
-
-
-class SweepLock(Callback):
-    """Hydra callback: the sweep folder is locked from the sweep's start to its end (or to this process's end).
-    Remembers whether the sweep made the folder, so that a sweep Hydra refuses before any job ran leaves none."""
-
-    folder: Path | None = None
-    fresh = False
-    _fd: int | None = None
-
-    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        folder = Path(str(config.hydra.sweep.dir))
-        SweepLock.folder, SweepLock.fresh = folder, not folder.exists() or not any(folder.iterdir())
-        SweepLock._fd = acquire(folder, "sweep")
-
-    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        release(SweepLock._fd)
-        SweepLock._fd = None

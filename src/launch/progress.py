@@ -6,8 +6,10 @@
 
 Every launcher (sequential, parallel, SLURM) feeds the same `Progress` from the process that waits for the jobs. It
 reads only Hydra's `JobReturn`, so it serves any Hydra app: a task's value that has a `line` (the project's `Result`)
-is shown, and its `resumed` and `skipped` are counted. The time left is the mean length of the jobs ended so far,
-spread over the most jobs seen running at once.
+is shown, and its `resumed`, `skipped` and `pruned` are counted. The time left is the mean length of the jobs ended so
+far, spread over the most jobs seen running at once. A sweeper that launches its jobs batch by batch (Optuna's) sets
+up the `Tally` itself: what it calls a job, how many it will run and how many ended before this command, and a note
+for each line (the best value so far).
 """
 
 import time
@@ -17,7 +19,7 @@ from pathlib import Path
 
 from hydra.core.utils import JobReturn, JobStatus
 
-from src.errors import TrainingDiverged, UsageError
+from src.errors import RunFailed, UsageError
 from src.launch.console import print_line
 from src.launch.stops import RankFailed
 
@@ -44,8 +46,8 @@ def failure(job: JobReturn, name: str) -> Failure | None:
     if job.status != JobStatus.FAILED:
         return None
     error = value(job)
-    said = isinstance(error, (UsageError, TrainingDiverged, RankFailed))  # exceptions that are their own line
-    line = str(error) if said else f"{type(error).__name__}: {error}"
+    own = isinstance(error, (UsageError, RunFailed, RankFailed))  # exceptions that are their own line
+    line = str(error) if own else f"{type(error).__name__}: {error}"
     return Failure(name, " ".join(line.split()), 2 if isinstance(error, UsageError) else 1, error if isinstance(error, BaseException) else None)
 
 
@@ -64,8 +66,16 @@ class Tally:
     done: int = 0
     resumed: int = 0
     skipped: int = 0
+    pruned: int = 0
     failures: list[Failure] = field(default_factory=list)
     sweep_dir: Path | None = None
+    noun: str = "job"
+    before: int = 0  # jobs of the sweep that ended before this command (a resumed search)
+    note: Callable[[], str] | None = None  # said after the times of each line
+    appendix: str = ""  # added to the end of the sweep's report
+    lengths: list[float] = field(default_factory=list)  # how long each job ended so far ran, across launcher calls
+    widest: int = 0  # the most jobs seen running at once
+    began: float | None = None  # when the first launcher call began
 
     def add(self, job: JobReturn, name: str) -> Failure | None:
         failed = failure(job, name)
@@ -73,6 +83,8 @@ class Tally:
             self.failures.append(failed)
         elif getattr(job.return_value, "skipped", False):
             self.skipped += 1
+        elif getattr(job.return_value, "pruned", False):
+            self.pruned += 1
         elif getattr(job.return_value, "resumed", False):
             self.resumed += 1
         else:
@@ -81,11 +93,15 @@ class Tally:
 
     def summary(self, report: Path | None) -> str:
         """`sweep of 4 jobs: 3 done, 0 resumed, 0 skipped, 1 failed; report: <path>`; jobs not ended were not run."""
-        counts = f"{self.done} done, {self.resumed} resumed, {self.skipped} skipped, {len(self.failures)} failed"
-        ended = self.done + self.resumed + self.skipped + len(self.failures)
-        if ended < self.total:
-            counts += f", {self.total - ended} not run"
-        return f"sweep of {self.total} {'job' if self.total == 1 else 'jobs'}: {counts}; report: {report or 'none written'}"
+        pruned = f"{self.pruned} pruned, " if self.pruned else ""
+        counts = f"{self.done} done, {self.resumed} resumed, {self.skipped} skipped, {pruned}{len(self.failures)} failed"
+        ended = self.done + self.resumed + self.skipped + self.pruned + len(self.failures)
+        if ended < self.total - self.before:
+            counts += f", {self.total - self.before - ended} not run"
+        if self.before:
+            counts += f", {self.before} ended before"
+        noun = self.noun if self.total == 1 else f"{self.noun}s"
+        return f"sweep of {self.total} {noun}: {counts}; report: {report or 'none written'}"
 
 
 # This command's sweep, once a launcher has started it.
@@ -101,56 +117,56 @@ class Progress:
     sweep_dir: Path | None = None
     clock: Callable[[], float] = time.monotonic
     say: Callable[[str], None] = print_line
-    began: float = field(init=False)
     running: dict[int, float] = field(default_factory=dict, init=False)  # job number -> when it started
-    lengths: list[float] = field(default_factory=list, init=False)  # how long each ended job ran
-    widest: int = field(default=0, init=False)  # the most jobs seen running at once
+    tally: Tally = field(init=False)  # the command's, shared with the launcher's other calls
 
     def __post_init__(self) -> None:
         global tally
-        self.began = self.clock()
         if tally is None:
-            tally = Tally(sweep_dir=self.sweep_dir)
+            tally = Tally(sweep_dir=self.sweep_dir, before=self.first)
+        tally.began = self.clock() if tally.began is None else tally.began
         tally.total = max(tally.total, self.first + self.count)
+        self.tally = tally
 
     @property
     def total(self) -> int:
-        return self.first + self.count
+        return self.tally.total
 
     def started(self, number: int, name: str) -> None:
         self.running[number] = self.clock()
-        self.widest = max(self.widest, len(self.running))
-        self.say(f"job {number + 1}/{self.total} started: {name} ({self.times()})")
+        self.tally.widest = max(self.tally.widest, len(self.running))
+        self.say(f"{self.tally.noun} {number + 1}/{self.total} started: {name} ({self.times()})")
 
     def ended(self, number: int, name: str, job: JobReturn) -> None:
         """The job's end: its result line, or its error."""
         now = self.clock()
-        self.lengths.append(now - self.running.pop(number, now))
-        assert tally is not None
-        failed = tally.add(job, name)
+        self.tally.lengths.append(now - self.running.pop(number, now))
+        failed = self.tally.add(job, name)
         if failed is not None:
             said = f"failed: {name}: {failed.line}"
         else:
-            line = getattr(job.return_value, "line", "")
-            said = f"{'skipped' if getattr(job.return_value, 'skipped', False) else 'done'}: {name}" + (f": {line}" if line else "")
-        self.say(f"job {number + 1}/{self.total} {said} ({self.times()})")
+            line, value = getattr(job.return_value, "line", ""), job.return_value
+            word = "skipped" if getattr(value, "skipped", False) else "pruned" if getattr(value, "pruned", False) else "done"
+            said = f"{word}: {name}" + (f": {line}" if line else "")
+        self.say(f"{self.tally.noun} {number + 1}/{self.total} {said} ({self.times()})")
 
     def stopped(self, number: int, name: str, line: str) -> None:
         """A job ended by the sweep's stop signal: its stop line. It counts as not run."""
         self.running.pop(number, None)
-        self.say(f"job {number + 1}/{self.total} stopped: {name}: {line} ({self.times()})")
+        self.say(f"{self.tally.noun} {number + 1}/{self.total} stopped: {name}: {line} ({self.times()})")
 
     def left(self) -> float | None:
         """Seconds until the last job ends, from the jobs ended so far; None before any has ended."""
-        if not self.lengths:
+        lengths = self.tally.lengths
+        if not lengths:
             return None
-        mean = sum(self.lengths) / len(self.lengths)
+        mean = sum(lengths) / len(lengths)
         now = self.clock()
         running = sum(max(mean - (now - start), 0.0) for start in self.running.values())
-        waiting = self.count - len(self.lengths) - len(self.running)
-        return (running + waiting * mean) / max(self.widest, 1)
+        waiting = self.total - self.tally.before - len(lengths) - len(self.running)
+        return (running + waiting * mean) / max(self.tally.widest, 1)
 
     def times(self) -> str:
-        left = self.left()
-        return f"elapsed {clock_time(self.clock() - self.began)}, " + (
-            "time left not known yet" if left is None else f"about {clock_time(left)} left")
+        left, note = self.left(), self.tally.note() if self.tally.note else ""
+        return f"elapsed {clock_time(self.clock() - (self.tally.began or 0.0))}, " + (
+            "time left not known yet" if left is None else f"about {clock_time(left)} left") + (f"; {note}" if note else "")

@@ -107,13 +107,18 @@ def rank_failure(error: BaseException, cfg: DictConfig) -> "RankFailed | None":
         seen.add(id(current))
         text = str(current)
         if isinstance(current, RuntimeError) and any(mark in text for mark in COLLECTIVE_MARKS):
-            if any(mark in text for mark in ("Timed out", "timed out")):
-                waited = f"strategy.timeout_s={cfg.strategy.get('timeout_s')}"
-                return RankFailed(f"a collective waited {waited} s without an answer from another rank; run stopped", timed_out=True)
+            if any(mark in text for mark in ("Timed out", "timed out", "timing out")):  # NCCL: "before timing out"
+                return timed_out(cfg)
             first = next((line.strip() for line in text.splitlines() if line.strip()), type(current).__name__)
             return RankFailed(f"a collective failed ({first[:160]}); run stopped")
         current = current.__cause__ or current.__context__
     return None
+
+
+def timed_out(cfg: DictConfig) -> RankFailed:
+    """The line of a collective that waited `strategy.timeout_s` for another rank."""
+    waited = f"strategy.timeout_s={cfg.strategy.get('timeout_s')}"
+    return RankFailed(f"a collective waited {waited} s without an answer from another rank; run stopped", timed_out=True)
 
 
 def die_with_launcher() -> None:

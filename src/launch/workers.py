@@ -38,17 +38,23 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, g
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from tqdm import tqdm
 
-from src.errors import TrainingDiverged, UsageError
+from src.errors import RunFailed, UsageError, said
+from src.fast_path import resolve_accelerator
 from src.launch import stops
 from src.launch.console import close_progress_bars, counted
 from src.launch.ranks import external_rank
 from src.launch.stops import (STOP_SIGNALS, RankFailed, RunStopped, die_with_launcher, handle_stop_signals,
-                              ignore_stop_signals, rank_failure, signal_name)
+                              ignore_stop_signals, rank_failure, signal_name, timed_out)
 from src.records import Result
 
 # How long a worker that lost its peer waits for the agent, which knows how the peer ended, to end it instead: the
 # agent reports the first worker it finds ended, and this one is 25 ms behind.
 PEER_GONE_GRACE_S = 10.0
+# NCCL's watchdog ends a rank whose collective failed or waited `strategy.timeout_s` by SIGABRT, from its own thread,
+# where no Python sees it (`_rank_failure` tells the death). Mode 3, torch's default outside its elastic agent, ends it
+# at once; the agent would hand its workers 1, which first aborts the communicators, a call that can hang. Kept where
+# the environment chose a mode.
+NCCL_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}
 
 
 def processes_per_node(cfg: DictConfig) -> int:
@@ -129,7 +135,7 @@ def _handle_anew() -> None:
 
 def start(task: Callable[[DictConfig], Result], cfg: DictConfig, nprocs: int) -> Result:
     """`task(cfg)` in `nprocs` workers; rank 0's result. Raises `RunStopped` when this process got a stop signal,
-    `RankFailed` when a worker ended the run, and the worker's own `UsageError` or `TrainingDiverged`."""
+    `RankFailed` when a worker ended the run, and the worker's own `UsageError` or `RunFailed`."""
     handlers = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
     quiet = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.distributed.launcher")]
     for logger in quiet:  # the agent's own lines would say again, in many lines, what the one `error:` line says
@@ -145,20 +151,22 @@ def start(task: Callable[[DictConfig], Result], cfg: DictConfig, nprocs: int) ->
         )
         resolved = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))  # workers have no Hydra to resolve with
         task = importable(task)
+        for name, value in NCCL_ENV.items():  # the agent hands the workers this process's value
+            os.environ.setdefault(name, value)
         logging_config = OmegaConf.to_container(HydraConfig.get().job_logging, resolve=True) if HydraConfig.initialized() else None
         try:
             results = elastic_launch(config, _worker)(task, resolved, logging_config, str(position))
         except SignalException as stop:  # the agent has stopped the workers with the same signal
             raise RunStopped(int(stop.sigval), _read(position)) from None
         except ChildFailedError as error:
-            raise _rank_failure(error, _read(position)) from None
+            raise _rank_failure(error, _read(position), resolved) from None
         finally:
             for signum, handler in handlers.items():  # the agent leaves its own handlers in place
                 signal.signal(signum, handler)
             for logger in quiet:
                 logger.propagate = True
     result = results[0]
-    if isinstance(result, (UsageError, TrainingDiverged)):
+    if isinstance(result, (UsageError, RunFailed)):
         raise result
     return result
 
@@ -196,14 +204,18 @@ def _read(position: Path) -> str:
         return ""
 
 
-def _rank_failure(error: ChildFailedError, where: str = "") -> BaseException:
-    """The worker whose end stopped the run, in one line: a death by a signal first, then a stop, then the rest."""
+def _rank_failure(error: ChildFailedError, where: str, cfg: DictConfig) -> BaseException:
+    """The worker whose end stopped the run, in one line: a death by a signal first, then a stop, then the rest. Over
+    NCCL, a death by SIGABRT is NCCL's watchdog ending a collective that timed out (a peer that died or stopped is
+    found first: it ended earlier, and by its own signal)."""
     def order(item: tuple[int, Any]) -> tuple[int, int]:
         code = item[1].exitcode
         return (0 if code < 0 else 1 if code - 128 in STOP_SIGNALS else 2, item[1].timestamp)
 
     rank, failure = min(error.failures.items(), key=order)
     who = f"rank {rank} (pid {failure.pid})"
+    if failure.exitcode == -signal.SIGABRT and _over_nccl(cfg):
+        return RankFailed(f"{who}: {timed_out(cfg).line}")
     if failure.exitcode < 0:
         return RankFailed(f"{who} died: killed by {signal_name(-failure.exitcode)}; run stopped")
     if failure.exitcode - 128 in STOP_SIGNALS:
@@ -213,6 +225,12 @@ def _rank_failure(error: ChildFailedError, where: str = "") -> BaseException:
     if message.startswith(f"{RankFailed.__name__}: "):  # the worker's own line
         return RankFailed(f"{who}: {message.removeprefix(f'{RankFailed.__name__}: ')}")
     return RankFailed(f"{who} failed ({message.splitlines()[0] if message else f'exit status {failure.exitcode}'}); run stopped")
+
+
+def _over_nccl(cfg: DictConfig) -> bool:
+    """Whether the run's processes talk over NCCL: the backend set, else the one a CUDA device gets."""
+    backend = OmegaConf.select(cfg, "strategy.process_group_backend")
+    return (backend or ("nccl" if resolve_accelerator(str(cfg.accelerator)) == "gpu" else "gloo")) == "nccl"
 
 
 # ---------------------------------------------------------------- a worker
@@ -242,9 +260,9 @@ def _worker(task: Callable[[DictConfig], Result], cfg: DictConfig, logging_confi
         if stop.where:
             _leave_position(Path(position), stop.where, rank)
         _exit(128 + stop.signum)
-    except (UsageError, TrainingDiverged) as error:
-        return error
     except Exception as error:
+        if (line := said(error)) is not None:  # the user's input, or the machine's refusal: for the launcher to say
+            return line
         ignore_stop_signals()
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the agent ends the other workers with it: at once
         failure = rank_failure(error, cfg)

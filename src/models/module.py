@@ -4,6 +4,7 @@ import copy
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ from torchmetrics.classification import MulticlassAccuracy
 from src import records
 from src.checkpoints import read_checkpoint
 from src.fast_path import FastSteps, GraphedStep
-from src.optim import Schedule
+from src.optim import Schedule, fused_under_a_scaler
 
 log = logging.getLogger(__name__)
 
@@ -148,12 +149,7 @@ class Classifier(LightningModule):
         optimizer = self.optimizers()
         if self.graphed is None and self.fast_steps.cuda_graphs and len(y) == self.step_batch_size:
             if self.warm_steps >= WARM_STEPS:
-                optimizer.zero_grad(set_to_none=True)  # the captured backward pass owns the gradients from now on
-                self.graphed = GraphedStep(self.forward_backward, x, y, list(self.parameters()))
-                self._captured_with = self._capture_key()
-                self.warmup_s += self.graphed.capture_s
-                log.info(f"CUDA graph of the training step captured in {self.graphed.capture_s:.2f} s "
-                         f"(after {WARM_STEPS} eager steps; left out of time/epoch_s)")
+                self._capture(optimizer, x, y)
             self.warm_steps += 1
         if self.graphed is not None and len(y) == self.step_batch_size:
             loss, logits = self.graphed(x, y)
@@ -167,6 +163,26 @@ class Classifier(LightningModule):
         self._end_warmup()
         self.update_metrics("train", loss, logits, y)
         return loss.detach().clone()  # a replay overwrites the graph's own loss tensor
+
+    def _capture(self, optimizer: Any, x: torch.Tensor, y: torch.Tensor) -> None:
+        """The training step as a CUDA graph; eager steps from now on where it cannot be one (a network whose forward
+        pass waits for the GPU, `.item()` or a data-dependent shape, which a capture refuses)."""
+        optimizer.zero_grad(set_to_none=True)  # the captured backward pass owns the gradients from now on
+        try:
+            self.graphed = GraphedStep(self.forward_backward, x, y, list(self.parameters()))
+        except RuntimeError as error:
+            cause: BaseException = error
+            while cause.__context__ is not None:  # the capture's end fails too: the first error says why
+                cause = cause.__context__
+            optimizer.zero_grad(set_to_none=True)  # what the failed capture left in them
+            self.fast_steps = replace(self.fast_steps, cuda_graphs=False)
+            log.warning(f"cuda_graphs: the training step cannot be captured as a CUDA graph "
+                        f"({(str(cause).strip() or type(cause).__name__).splitlines()[0]}); it runs eagerly")
+            return
+        self._captured_with = self._capture_key()
+        self.warmup_s += self.graphed.capture_s
+        log.info(f"CUDA graph of the training step captured in {self.graphed.capture_s:.2f} s "
+                 f"(after {WARM_STEPS} eager steps; left out of time/epoch_s)")
 
     def on_train_start(self) -> None:
         """A CUDA graph captured by an earlier fit serves this one while what it holds is the same."""
@@ -234,9 +250,24 @@ class Classifier(LightningModule):
             self.val_acc_best(self.val_acc.compute())
             self.log("val/acc_best", self.val_acc_best.compute(), sync_dist=True)
 
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Every checkpoint keeps the figures logged so far, and one saved within an epoch (`step.ckpt`) what the epoch's
+        training metrics have taken in, so that a resumed run's figures are those of the unbroken run."""
+        if self._trainer is None:
+            return
+        # The figures logged so far: a run resumed after its last epoch (stopped in its test) ends with them.
+        checkpoint["logged"] = {name: float(value) for name, value in self.trainer.callback_metrics.items() if value.numel() == 1}
+        if self.trainer.training and not self.trainer.is_last_batch:
+            checkpoint["epoch_metrics"] = {name: {key: value.detach().cpu() for key, value in metric.metric_state.items()}
+                                           for name, metric in (("train_acc", self.train_acc), ("train_loss", self.train_loss))}
+
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """A checkpoint saved with the optimizer stepped by Lightning resumes with it stepped here, and the
-        other way round (a CPU run resumed on a GPU): the optimizer steps taken move to the counter in use."""
+        """The epoch's training metrics of a checkpoint saved within it (see `on_save_checkpoint`). A checkpoint saved
+        with the optimizer stepped by Lightning resumes with it stepped here, and the other way round (a CPU run
+        resumed on a GPU): the optimizer steps taken move to the counter in use."""
+        for name, states in checkpoint.get("epoch_metrics", {}).items():
+            for key, value in states.items():
+                setattr(getattr(self, name), key, value.to(self.device))
         # Lightning documents no format for its loops' state, and no public API moves a count between them:
         # a checkpoint whose loop state reads otherwise is left as it is.
         loop = checkpoint.get("loops", {}).get("fit_loop", {})
@@ -250,7 +281,7 @@ class Classifier(LightningModule):
             target.update(copy.deepcopy(source))
 
     def configure_optimizers(self) -> Any:
-        optimizer = self.optimizer(self.parameters())
+        optimizer = fused_under_a_scaler(self.optimizer, self.trainer)(self.parameters())
         if self.schedule.name == "none":
             return optimizer
         # Lightning counts training batches; with steps_per_execution=K each batch is K optimizer steps.

@@ -21,7 +21,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
 
@@ -41,7 +41,7 @@ class StepComm:
 
     bytes_sent: int = 0  # payload of every collective on the hook's group
     fp32_bytes: int = 0  # the same buckets' gradients as fp32
-    hook_s: float = 0.0  # sum over buckets of the time from the hook's call to its future completing
+    hook_s: float = 0.0  # sum over buckets of the time from the hook's call to the end of its collectives
     buckets: int = 0  # hook calls, one per DDP bucket that was reduced
     collectives: int = 0  # collective calls on the hook's group
 
@@ -51,12 +51,20 @@ class StepComm:
 
 
 class CommMeter:
-    """Counts the bytes and time of one DDP hook that owns its process group."""
+    """Counts the bytes and time of one DDP hook that owns its process group.
 
-    def __init__(self) -> None:
+    With `device_timed` (NCCL), the future a hook returns completes once its collectives are enqueued on the GPU, so
+    a bucket is timed with CUDA events instead: one recorded as the hook is called, one where the future's callback
+    runs on the stream, after the collectives. Reading them would wait for the GPU, so a bucket's time is counted by
+    the first `take` that finds its end event passed (typically the next step's), without waiting.
+    """
+
+    def __init__(self, device_timed: bool = False) -> None:
         self._lock = threading.Lock()
         self._step = StepComm()
         self.counting = False  # whether the group's bytes are counted (see new_group)
+        self.device_timed = device_timed
+        self._events: list[tuple[Any, Any]] = []  # (start, end) CUDA events of buckets not counted yet
 
     def new_group(self, backend: str, timeout: timedelta) -> dist.ProcessGroup:
         """A process group of all ranks over `backend` (gloo, nccl, mpi) whose collectives this meter counts.
@@ -81,14 +89,14 @@ class CommMeter:
         return group
 
     def wrap(self, hook: Hook) -> Hook:
-        """The hook, timed from its call until its future completes."""
+        """The hook, timed from its call until its future completes (on the GPU's stream when `device_timed`)."""
 
         def measured(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
             fp32_bytes = bucket.buffer().numel() * FP32_BYTES
-            start = time.perf_counter()
+            started = self._start()
 
             def done(future: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
-                self._add(fp32_bytes=fp32_bytes, hook_s=time.perf_counter() - start, buckets=1)
+                self._add(fp32_bytes=fp32_bytes, hook_s=self._stop(started), buckets=1)
                 return future.value()
 
             # DDP waits for the future returned here, so `done` has run before backward returns.
@@ -96,15 +104,38 @@ class CommMeter:
 
         return measured
 
+    def _start(self) -> Any:
+        """A wall clock reading, or a CUDA event recorded on the current stream."""
+        if not self.device_timed:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def _stop(self, started: Any) -> float:
+        """Seconds since `started`; with CUDA events 0, and their time once `take` finds the end passed. A future's
+        callback runs on the stream its value is ready on, so the end event follows the hook's collectives."""
+        if not self.device_timed:
+            return time.perf_counter() - started
+        with self._lock:
+            self._events.append((started, self._start()))
+        return 0.0
+
     def count_collective(self, bytes_sent: int) -> None:
         """One collective on the group, passing `bytes_sent` bytes in; called on any thread."""
         self._add(bytes_sent=bytes_sent, collectives=1)
 
     def take(self) -> StepComm:
-        """What was counted since the last call."""
+        """What was counted since the last call (with `device_timed`, the time of the buckets whose end has passed)."""
         with self._lock:
             step, self._step = self._step, StepComm()
-        return step
+            pending, self._events, device_ms = self._events, [], 0.0
+            for start, end in pending:
+                if end.query():
+                    device_ms += start.elapsed_time(end)
+                else:
+                    self._events.append((start, end))
+        return replace(step, hook_s=step.hook_s + device_ms / 1000)
 
     def _add(self, bytes_sent: int = 0, fp32_bytes: int = 0, hook_s: float = 0.0, buckets: int = 0, collectives: int = 0) -> None:
         with self._lock:

@@ -18,12 +18,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
+from src.callbacks.run_state import all_ranks
 from src.errors import UsageError
 from src.strategies.comm import CommMeter, Hook
 
@@ -35,6 +37,8 @@ ALL_REDUCE_HOOKS: dict[str, Hook] = {
 }
 HOOKS = (*ALL_REDUCE_HOOKS, "powersgd", "powersgd_fp16")
 MIB = 2**20
+# What PowerSGD carries from step to step (its generator only draws the first Q, which the saved Q then replaces).
+POWERSGD_STATE = ("iter", "error_dict", "p_memory_dict", "q_memory_dict")
 
 
 def import_hook(path: str) -> Hook | None:
@@ -98,6 +102,8 @@ class CommHookDDPStrategy(DDPStrategy):
         self.static_graph = static_graph
         self.find_unused_parameters = find_unused_parameters
         self.comm_meter: CommMeter | None = None
+        self.powersgd: powerSGD_hook.PowerSGDState | None = None
+        self._resumed_powersgd: list[dict[str, Any]] | None = None  # every rank's, from the checkpoint resumed
 
     def set_world_ranks(self) -> None:
         """The Trainer calls this once it has given the strategy its devices, before any process group: the one check
@@ -127,8 +133,9 @@ class CommHookDDPStrategy(DDPStrategy):
             rank, world_size = env.global_rank(), env.world_size()
             timeout = timedelta(seconds=self.timeout_s)  # valid: set_world_ranks checked it
             store = attempt_store(env.main_address, env.main_port, rank, world_size, timeout)
-            dist.init_process_group(self.backend(), store=dist.PrefixStore(f"attempt_{attempt}", store),
-                                    rank=rank, world_size=world_size, timeout=timeout)
+            dist.init_process_group(self.backend(), store=dist.PrefixStore(f"attempt_{attempt}", store), rank=rank,
+                                    world_size=world_size, timeout=timeout,
+                                    device_id=self.root_device if self.root_device.type == "cuda" else None)
         super().setup_distributed()
 
     def configure_ddp(self) -> None:
@@ -143,6 +150,12 @@ class CommHookDDPStrategy(DDPStrategy):
                 gradient_as_bucket_view=self.gradient_as_bucket_view, static_graph=self.static_graph,
                 find_unused_parameters=self.find_unused_parameters,
             )
+        if self.hook.startswith("powersgd"):
+            # PowerSGD keeps its state by bucket, and DDP would lay its buckets out anew after the first step (by the
+            # order gradients came in): in a resumed run that step would find the saved state in another layout. Laid
+            # out now, by the parameters' order, they stay so in every run (their all-reduces then wait for the last).
+            self.model.reducer._push_all_rebuilt_params()
+            self.model.reducer._rebuild_buckets()
         self.register_hook()
 
     def ddp_bucket_cap_mb(self, model: nn.Module) -> float | None:
@@ -181,8 +194,26 @@ class CommHookDDPStrategy(DDPStrategy):
     def register_hook(self) -> None:
         """Register the hook on the DDP model, on a process group of its own that the meter counts."""
         assert isinstance(self.model, DistributedDataParallel)
-        self.comm_meter = CommMeter()
+        self.comm_meter = CommMeter(device_timed=self.backend() == "nccl")
         # The hook's own group, over the run's backend; new_group's own default timeout is 30 min.
         group = self.comm_meter.new_group(self.backend(), timeout=timedelta(seconds=self.timeout_s))
         state, hook = self.build_hook(group)
+        if isinstance(state, powerSGD_hook.PowerSGDState):
+            self.powersgd = state
+            if self._resumed_powersgd is not None and len(self._resumed_powersgd) == self.world_size:
+                for key, value in move_data_to_device(self._resumed_powersgd[self.global_rank], self.root_device).items():
+                    setattr(state, key, value)
         self.model.register_comm_hook(state, self.comm_meter.wrap(hook))
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """With PowerSGD, every rank's state goes into the checkpoint too: its step count, its own error feedback, its P
+        and Q (tensors and numbers: checkpoints are read weights-only). Every rank calls this; rank 0 writes."""
+        if self.powersgd is not None:
+            checkpoint["powersgd"] = all_ranks({key: move_data_to_device(getattr(self.powersgd, key), "cpu")
+                                                for key in POWERSGD_STATE})
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        """A resumed run's PowerSGD state waits here for the hook, which DDP's setup registers after this."""
+        self._resumed_powersgd = checkpoint.get("powersgd")
+        super().load_model_state_dict(checkpoint, strict=strict)

@@ -1,0 +1,31 @@
+"""Where Hydra finds the Optuna sweeper (`hydra/sweeper=optuna`) and its settings, in any Hydra app. Optuna itself is
+imported only when the sweeper is asked for (the `optuna` extra: pip install -e '.[optuna]').
+
+    python -m src.train -m hydra/sweeper=optuna 'optim.lr=tag(log, interval(0.001, 1))' hydra.sweeper.n_trials=12
+"""
+
+from dataclasses import dataclass
+
+from hydra.core.config_store import ConfigStore
+
+from src.launch.optuna_sweeper import OptunaSweeper as _OptunaSweeper
+
+
+class OptunaSweeper(_OptunaSweeper):
+    """`src.launch.optuna_sweeper.OptunaSweeper`, under the name Hydra accepts."""
+
+
+@dataclass
+class OptunaSweeperConf:
+    """A search for the best val/acc_best over the space typed on the command line; the study in <sweep>/optuna.db."""
+
+    _target_: str = "hydra_plugins.project_sweepers.optuna_sweeper.OptunaSweeper"
+    n_trials: int = 20  # trials in all, counting those of the command a resume continues
+    n_jobs: int | None = None  # trials asked for at once; null: 1, or as many as hydra/launcher=parallel runs at once
+    sampler: str = "tpe"  # tpe | random
+    seed: int = 0  # the sampler's
+    direction: str = "maximize"  # maximize | minimize val/acc_best
+    pruner: str = "median"  # median: stop a trial whose val/acc falls below the median of earlier trials' | none
+
+
+ConfigStore.instance().store(group="hydra/sweeper", name="optuna", node=OptunaSweeperConf, provider="project")

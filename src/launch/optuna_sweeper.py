@@ -1,0 +1,230 @@
+"""`hydra/sweeper=optuna`: a search of the space typed on the command line for the best `val/acc_best`, with Optuna.
+
+    python -m src.train -m hydra/sweeper=optuna 'optim.lr=tag(log, interval(0.001, 1))' hydra.sweeper.n_trials=12
+
+Each trial is a sweep job of the sweep's launcher (side by side under `hydra/launcher=parallel`). The study is an
+SQLite file, `<sweep>/optuna.db`, which outlives the command, so that a resume (`hydra.sweep.dir=<sweep>
+ckpt_path=auto`) goes on to `n_trials`, a trial left running training on under its number. A job, in whatever process,
+reaches its trial through that file (`src.callbacks.optuna_trial`): its callback reports each epoch and stops a pruned
+trial, and its task, wrapped, tells the study how the job ended.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.plugins import Plugins
+from hydra.core.utils import JobReturn
+from hydra.plugins.sweeper import Sweeper
+from hydra.types import HydraContext, TaskFunction
+from omegaconf import DictConfig, OmegaConf
+
+from src.config import NULL, must_be, not_allowed, one_of, rule_for, shown, whole
+from src.errors import UsageError
+from src.launch import progress
+from src.launch.console import print_line
+
+OBJECTIVE = "val/acc_best"
+DB = "optuna.db"
+CALLBACK = "optuna_trial"  # the job's callbacks.optuna_trial
+PRUNED_AFTER = "pruned after epoch"  # a trial's user attribute, set by its job's callback
+SETTINGS = {"n_trials": whole(1), "n_jobs": NULL | whole(1), "seed": whole(0), "sampler": one_of("tpe", "random"),
+            "direction": one_of("maximize", "minimize"), "pruner": one_of("median", "none")}
+
+
+def optuna_package() -> Any:
+    """Optuna, quiet but for its warnings; its absence is one line naming the extra that installs it."""
+    try:
+        import optuna
+    except ImportError:
+        raise UsageError("hydra/sweeper=optuna needs the optuna package, which is not installed; install it with: "
+                         "pip install -e '.[optuna]'") from None
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    return optuna
+
+
+def storage(db: Path | str) -> Any:
+    """The study's file as Optuna's RDB storage (what optuna-dashboard reads), waiting its turn while a job writes."""
+    return optuna_package().storages.RDBStorage(f"sqlite:///{db}", engine_kwargs={"connect_args": {"timeout": 60}})
+
+
+def make_pruner(name: str) -> Any:
+    pruners = optuna_package().pruners
+    return pruners.MedianPruner() if name == "median" else pruners.NopPruner()
+
+
+@dataclass
+class Space:
+    """The search space typed on the command line: a distribution per swept key, each categorical key's choices as
+    the command line types them, and the overrides every trial takes as typed."""
+
+    distributions: dict[str, Any] = field(default_factory=dict)
+    typed: dict[str, list[str]] = field(default_factory=dict)
+    fixed: list[str] = field(default_factory=list)
+
+    def overrides(self, params: dict[str, Any]) -> list[str]:
+        """A trial's overrides: the fixed ones, then its point of the space."""
+        return [*self.fixed, *(f"{key}={self.typed[key][int(dist.to_internal_repr(params[key]))]}" if key in self.typed
+                               else f"{key}={params[key]}" for key, dist in self.distributions.items())]
+
+    def corners(self) -> list[dict[str, Any]]:
+        """The space's lowest point, then each other end or choice of one key at a time."""
+        ends = {key: list(getattr(dist, "choices", None) or (dist.low, dist.high)) for key, dist in self.distributions.items()}
+        low = {key: values[0] for key, values in ends.items()}
+        return [low, *({**low, key: value} for key, values in ends.items() for value in values[1:])]
+
+
+def search_space(arguments: Sequence[str]) -> Space:
+    """Hydra's sweep overrides as Optuna's distributions: `interval(a, b)` a float (`tag(int, ...)` an int, `tag(log,
+    ...)` on a log scale), `choice(...)`, `a,b,c` and `range(...)` a categorical; anything else is one line."""
+    distributions, space = optuna_package().distributions, Space()
+    for override in OverridesParser.create().parse_overrides(list(arguments)):
+        key, value, line = override.get_key_element(), override.value(), f"{override.input_line} is not allowed; "
+        if not override.is_sweep_override():
+            space.fixed.append(str(override.input_line))
+            continue
+        if not (override.is_interval_sweep() or override.is_choice_sweep() or override.is_range_sweep()):
+            raise UsageError(line + "hydra/sweeper=optuna searches interval(), choice(), range() and a,b,c")
+        tags = set(value.tags)
+        if tags - {"log", "int"} or tags and not override.is_interval_sweep():
+            raise UsageError(line + "the tags it knows are log and int, on an interval(): tag(log, interval(0.001, 1))")
+        try:
+            if override.is_interval_sweep():
+                kind, cast = (distributions.IntDistribution, int) if "int" in tags else (distributions.FloatDistribution, float)
+                space.distributions[key] = kind(cast(value.start), cast(value.end), log="log" in tags)
+            else:
+                space.distributions[key] = distributions.CategoricalDistribution(list(override.sweep_iterator()))
+                space.typed[key] = list(override.sweep_string_iterator())
+        except ValueError as error:
+            raise UsageError(line + " ".join(str(error).split())) from None
+    if not space.distributions:
+        raise UsageError("hydra/sweeper=optuna needs a space to search: a key typed with interval(), choice() or "
+                         "range(), e.g. 'optim.lr=tag(log, interval(0.001, 1))'")
+    return space
+
+
+class OptunaSweeper(Sweeper):
+    """Hydra's sweeper plugin interface: `setup` once, then `sweep` with the command line's overrides."""
+
+    def __init__(self, **settings: Any) -> None:
+        optuna_package()
+        for name, rule in SETTINGS.items():
+            if not rule.test(settings[name]):
+                raise UsageError(f"hydra.sweeper.{name}={shown(settings[name])} is not allowed; it must be {rule.allowed}")
+        self.settings, self.config, self.hydra_context, self.launcher = settings, None, None, None
+
+    def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
+        from src.callbacks.optuna_trial import TrialTask  # Lightning: once the sweeper is asked for
+
+        self.config, self.hydra_context = config, hydra_context
+        self.launcher = Plugins.instance().instantiate_launcher(hydra_context=hydra_context, config=config,
+                                                                task_function=TrialTask(task_function))
+
+    def sweep(self, arguments: list[str]) -> list[JobReturn]:
+        from optuna.trial import TrialState
+
+        assert self.config is not None and self.launcher is not None
+        space = search_space(arguments)
+        self.check(space)
+        sweep_dir = Path(str(self.config.hydra.sweep.dir))
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
+        study, n_trials, at_once, returns = self.open_study(sweep_dir), self.settings["n_trials"], self.trials_at_once(), []
+        left = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))  # an earlier command's, stopped
+        ended = len(study.trials) - len(left)
+        progress.tally = progress.Tally(total=max(n_trials, len(study.trials)), before=ended, sweep_dir=sweep_dir,
+                                        noun="trial", note=lambda: best(study, sweep_dir, note=True))
+        while left or ended < n_trials:
+            batch = left[:1]  # a launch numbers its jobs one after another: trials left by number, new ones as asked
+            while len(batch) < min(at_once, len(left)) and left[len(batch)].number == batch[-1].number + 1:
+                batch.append(left[len(batch)])
+            left = left[len(batch):]
+            batch = batch or [study.ask(space.distributions) for _ in range(min(at_once, n_trials - ended))]
+            db, node = quoted(str(sweep_dir.absolute() / DB)), f"+callbacks.{CALLBACK}"
+            jobs = [[*space.overrides(trial.params), f"{node}._target_=src.callbacks.optuna_trial.ReportToTrial",
+                     f"{node}.db={db}", f"{node}.study={quoted(study.study_name)}", f"{node}.trial={trial.number}"]
+                    for trial in batch]
+            returns += self.launcher.launch(jobs, initial_job_idx=batch[0].number)
+            for trial in batch:  # a job that ended without telling (killed, say) failed
+                if study.get_trials(deepcopy=False)[trial.number].state == TrialState.RUNNING:
+                    study.tell(trial.number, state=TrialState.FAIL)
+            ended += len(batch)
+        progress.tally.appendix = trials_table(study, sweep_dir)
+        print_line(best(study, sweep_dir))
+        return returns
+
+    def check(self, space: Space) -> None:
+        """The ends and choices of the space composed as a job's config is, and held to their keys' rules: a bad key or
+        value is one line before the study or any trial exists (the rules across keys are the job's to check)."""
+        assert self.hydra_context is not None and self.config is not None
+        for point in space.corners():
+            self.hydra_context.config_loader.load_sweep_config(self.config, space.overrides(point))
+            for key, value in point.items():
+                rule = rule_for(key.lstrip("+"))
+                if rule is not None and not rule.test(value):
+                    raise not_allowed(key, value, must_be(key, value, rule))
+
+    def open_study(self, sweep_dir: Path) -> Any:
+        """The sweep folder's study, made, or continued by a resume; its sampler seeded anew for the trials to come, so
+        that a resume does not ask again what the first command asked."""
+        optuna, db, direction = optuna_package(), sweep_dir / DB, self.settings["direction"]
+        if db.exists() and OmegaConf.select(self.config, "ckpt_path") != "auto":
+            raise UsageError(f"hydra.sweep.dir={sweep_dir} holds the study of an earlier search ({db}); continue it with "
+                             "ckpt_path=auto, or give another folder")
+        name = optuna.get_all_study_names(storage(db))[0] if db.exists() else sweep_dir.name
+        study = optuna.create_study(storage=storage(db), study_name=name, direction=direction, load_if_exists=True)
+        if study.direction.name.lower() != direction:
+            raise UsageError(f"hydra.sweeper.direction={direction} is not allowed in a resume of {sweep_dir}: its study's "
+                             f"direction is {study.direction.name.lower()}")
+        sampler = optuna.samplers.TPESampler if self.settings["sampler"] == "tpe" else optuna.samplers.RandomSampler
+        study.sampler = sampler(seed=self.settings["seed"] + len(study.trials))
+        for name, value in {**self.settings, "objective": OBJECTIVE}.items():
+            study.set_user_attr(name, value)
+        return study
+
+    def trials_at_once(self) -> int:
+        """`n_jobs`, else one under the sequential launcher, and as many as run at once under the parallel launcher."""
+        from src.launch import parallel_launcher as parallel
+
+        if self.settings["n_jobs"] is not None or not isinstance(self.launcher, parallel.ParallelLauncher):
+            return self.settings["n_jobs"] or 1
+        gpu, devices = parallel.wants_gpu(self.config), self.config.get("devices", 1)
+        job = parallel.Job(0, [], self.config, "", devices if isinstance(devices, int) else 1, gpu)
+        return parallel.slots_that_fit(self.launcher.jobs, len(parallel.usable_cores()), len(parallel.machine_gpus() or ())
+                                       if gpu else 0, self.launcher.jobs_per_gpu, [job] * self.settings["n_trials"])
+
+
+def quoted(text: str) -> str:
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def settings(trial: Any) -> str:
+    return " ".join(f"{key}={value:.4g}" if isinstance(value, float) else f"{key}={value}" for key, value in trial.params.items())
+
+
+def best(study: Any, sweep_dir: Path, note: bool = False) -> str:
+    """The search's answer: the best trial's settings, objective and test accuracy, its folder, and the study's file;
+    as a note on a progress line, the objective and the trial alone (nothing before a trial completes)."""
+    top = next(iter(study.best_trials), None)
+    if note:
+        return "" if top is None else f"best {OBJECTIVE}={top.value:.4f} (trial {top.number + 1})"
+    dashboard = f"the study: optuna-dashboard sqlite:///{sweep_dir.absolute() / DB}"
+    if top is None:
+        return f"no trial of {len(study.trials)} completed; {dashboard}"
+    test, folder = top.user_attrs.get("test/acc"), top.user_attrs.get("folder")
+    return (f"best of {len(study.trials)} trials: trial {top.number + 1}, {settings(top)}: {OBJECTIVE}={top.value:.4f}"
+            + (f" test/acc={test:.4f}" if test is not None else "") + (f" -> {sweep_dir / folder}" if folder else "")
+            + f"; {dashboard}")
+
+
+def trials_table(study: Any, sweep_dir: Path) -> str:
+    """The trials for the sweep's report: each one's state, objective, test accuracy, settings and folder."""
+    states = {"COMPLETE": "complete", "PRUNED": "pruned", "FAIL": "failed", "RUNNING": "stopped", "WAITING": "waiting"}
+    rows = [f"| {t.number + 1} | {states[t.state.name]}" + (f" after epoch {t.user_attrs[PRUNED_AFTER]}" if PRUNED_AFTER
+            in t.user_attrs else "") + "".join(f" | {t.user_attrs[name]:.4f}" if name in t.user_attrs else " | " for name
+            in (OBJECTIVE, "test/acc")) + f" | {settings(t)} | {t.user_attrs.get('folder', '')} |" for t in study.trials]
+    return "\n".join(["", f"## Trials (hydra/sweeper=optuna, {OBJECTIVE} {study.direction.name.lower()}d)", "",
+                      best(study, sweep_dir), "", f"| trial | state | {OBJECTIVE} | test/acc | settings | folder |",
+                      "| --- | --- | --- | --- | --- | --- |", *rows, ""])

@@ -1,0 +1,119 @@
+"""What a CPU can check of the GPU path: the choices made for CUDA, NCCL's environment, how its deaths are told.
+
+The runs themselves are in tests/test_gpu.py and tests/test_gpu_ddp.py, for a machine with a GPU.
+"""
+
+import subprocess
+import sys
+import warnings
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.environments import LightningEnvironment
+from lightning.pytorch.plugins.precision import MixedPrecision
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+from src.launch import stops, workers
+from src.models.lenet import LeNet
+from src.models.module import Classifier
+from src.optim import build_optimizer
+from src.strategies import ddp
+from tests.helpers import REPO, composed, user_env
+
+CUDA, CPU = torch.device("cuda", 0), torch.device("cpu")
+
+
+def configured_optimizer(precision: str, device: torch.device, *overrides: str, clip: float | None = None) -> torch.optim.Optimizer:
+    """The optimizer the Classifier builds from `conf/optim` for a Trainer of `precision` on `device` (a stand-in)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a CUDA loss scaler on a machine without CUDA: made, and switched off
+        plugin = MixedPrecision(precision, device.type)
+    module = Classifier(LeNet(), build_optimizer(composed(*overrides).optim, 256))
+    module._trainer = SimpleNamespace(precision_plugin=plugin, strategy=SimpleNamespace(root_device=device),
+                                      gradient_clip_val=clip)
+    return module.configure_optimizers()
+
+
+@pytest.mark.parametrize(("optim", "precision", "device", "clip", "fused"), [
+    ("sgd", "16-mixed", CUDA, None, True),
+    ("adam", "16-mixed", CUDA, None, True),
+    ("sgd", "bf16-mixed", CUDA, None, False),  # no loss scaler, nothing read on the host
+    ("sgd", "16-mixed", CPU, None, False),
+    ("sgd", "16-mixed", CUDA, 1.0, False),  # clipping needs the gradients unscaled before the step
+])
+def test_16_mixed_on_cuda_takes_the_fused_optimizer(optim, precision, device, clip, fused):
+    """GradScaler.step reads found_inf on the host for other optimizers: a wait for the GPU every step."""
+    optimizer = configured_optimizer(precision, device, f"optim={optim}", clip=clip)
+    assert bool(optimizer.defaults.get("fused")) is fused
+    assert optimizer.defaults["lr"] == composed(f"optim={optim}").optim.lr
+
+
+def test_a_configured_foreach_is_kept():
+    optimizer = configured_optimizer("16-mixed", CUDA, "+optim.foreach=true")
+    assert optimizer.defaults["foreach"] is True and not optimizer.defaults.get("fused")
+
+
+def nccl_environment(cfg) -> str | None:
+    """In a worker: NCCL's error handling, as the process group will read it."""
+    import os
+
+    return os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
+
+
+SPAWNED_WORKER = """
+from omegaconf import OmegaConf
+from src.launch import workers
+from tests.test_gpu_path import nccl_environment
+print(workers.start(nccl_environment, OmegaConf.create({"devices": 1}), 1))
+"""
+
+
+def test_workers_get_nccls_watchdog_that_ends_a_timed_out_rank():
+    env = {name: value for name, value in user_env().items() if name != "TORCH_NCCL_ASYNC_ERROR_HANDLING"}
+    result = subprocess.run([sys.executable, "-c", SPAWNED_WORKER], cwd=REPO, env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "3"
+
+
+def died(exitcode: int, pid: int = 4242) -> ChildFailedError:
+    """The agent's report of rank 0 ending with `exitcode` (negative: the signal that killed it)."""
+    return ChildFailedError("train", {0: ProcessFailure(local_rank=0, pid=pid, exitcode=exitcode, error_file="")})
+
+
+@pytest.mark.parametrize(("overrides", "line"), [
+    (("accelerator=gpu",), "rank 0 (pid 4242): a collective waited strategy.timeout_s=60 s without an answer from "
+                           "another rank; run stopped"),
+    (("accelerator=cpu",), "rank 0 (pid 4242) died: killed by SIGABRT; run stopped"),
+    (("accelerator=gpu", "strategy.process_group_backend=gloo"), "rank 0 (pid 4242) died: killed by SIGABRT; run stopped"),
+])
+def test_a_rank_that_nccls_watchdog_ended_is_told_as_a_timeout(overrides, line):
+    cfg = composed("strategy=ddp", "strategy.timeout_s=60", *overrides)
+    failure = workers._rank_failure(died(-6), "", cfg)
+    assert isinstance(failure, stops.RankFailed) and failure.line == line
+
+
+def test_nccls_own_timeout_words_are_a_timeout():
+    error = RuntimeError("[PG ID 0 PG GUID 0(default_pg) Rank 1] Watchdog caught collective operation timeout: "
+                         "WorkNCCL(SeqNum=12, OpType=ALLREDUCE, Timeout(ms)=60000) ran for 60042 milliseconds before timing out.")
+    failure = stops.rank_failure(error, composed("strategy=ddp", "strategy.timeout_s=60"))
+    assert failure is not None and failure.timed_out
+    assert failure.line == "a collective waited strategy.timeout_s=60 s without an answer from another rank; run stopped"
+
+
+@pytest.mark.parametrize(("device", "device_id"), [(CUDA, CUDA), (CPU, None)])
+def test_a_torchrun_restart_joins_its_group_on_its_device(monkeypatch, device, device_id):
+    """As Lightning 2.6 passes it: NCCL then binds the group to the device at once (one communicator, no guess)."""
+    calls = []
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    for name, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999", "LOCAL_RANK": "0", "NODE_RANK": "0",
+                        "WORLD_SIZE": "1"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(dist, "init_process_group", lambda *args, **kwargs: calls.append(kwargs))
+    monkeypatch.setattr(ddp, "attempt_store", lambda *args: dist.HashStore())
+    strategy = ddp.CommHookDDPStrategy(process_group_backend="gloo")
+    strategy.parallel_devices, strategy.cluster_environment = [device], LightningEnvironment()
+    strategy.setup_distributed()
+    assert "store" in calls[0] and calls[0]["device_id"] == device_id

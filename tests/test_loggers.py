@@ -1,0 +1,223 @@
+"""The loggers beside TensorBoard (conf/logger/): CSV, MLflow and W&B, each read back by its own library's reader,
+alone or several at once; the report of a run logged without TensorBoard; a logger whose package is missing."""
+
+import csv
+import json
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from omegaconf import OmegaConf
+
+from src.config import CONF_DIR
+from src.loggers import CSVRunLogger, WandbRunLogger, close_loggers, takes_purge_step
+from src.records import result as recorded
+from src.report import main as report_main
+from tests.helpers import QUICK, REPO, call_main, cpu_precision, hparams, run_cli, scalar_steps, scalars, train, user_env
+
+# What W&B adds to each history row: its own counters, and Lightning's step as the x-axis.
+WANDB_COUNTERS = {"_step", "_runtime", "_timestamp", "trainer/global_step"}
+# Scalars the callbacks log straight to the loggers (epoch timing, hardware use), not through Lightning.
+FROM_CALLBACKS = {"time/epoch_s", "time/samples_per_s", "time/epoch_s_median", "usage/peak_memory_mib"}
+
+
+def tensorboard_points(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """TensorBoard's scalars, `trainer/epoch` under Lightning's own name, as the other loggers have it."""
+    steps, values = scalar_steps(run_dir), scalars(run_dir)
+    return {"epoch" if tag == "trainer/epoch" else tag: list(zip(steps[tag], values[tag])) for tag in values}
+
+
+def csv_points(path: Path) -> dict[str, list[tuple[int, float]]]:
+    points: dict[str, list[tuple[int, float]]] = {}
+    with path.open(newline="") as file:
+        for row in csv.DictReader(file):
+            for tag, value in row.items():
+                if tag != "step" and value:
+                    points.setdefault(tag, []).append((int(row["step"]), float(value)))
+    return points
+
+
+def mlflow_run(tracking_uri: str, run_dir: Path):
+    """The MLflow run (and its client) that the run folder logged to, found by its tag."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    experiment = client.get_experiment_by_name("dptrain")
+    [run] = client.search_runs([experiment.experiment_id], filter_string=f"tags.run_dir = '{run_dir}'")
+    return client, run
+
+
+def mlflow_points(client, run) -> dict[str, list[tuple[int, float]]]:
+    return {tag: [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, tag)] for tag in run.data.metrics}
+
+
+def wandb_records(run_dir: Path) -> list:
+    """The records of the run's W&B transaction log (`wandb/offline-run-*/run-<id>.wandb`), each parsed as W&B's own
+    Record message. The file is W&B's 7-byte header, then LevelDB's log format: 32 KiB blocks of chunks, each a 7-byte
+    header (checksum, length, type: 1 whole, 2 first, 3 middle, 4 last) and its bytes; a block's tail shorter than
+    a header is padding."""
+    from wandb.proto.wandb_internal_pb2 import Record
+
+    [path] = run_dir.glob("wandb/offline-run-*/run-*.wandb")
+    data, records, chunks, at = path.read_bytes(), [], b"", 7
+    assert data[:4] == b":W&B"
+    while at + 7 <= len(data):
+        if 32768 - at % 32768 < 7:
+            at += 32768 - at % 32768
+            continue
+        length, kind = struct.unpack("<HB", data[at + 4:at + 7])
+        chunks, at = chunks + data[at + 7:at + 7 + length], at + 7 + length
+        if kind in (1, 4):
+            records.append(Record.FromString(chunks))
+            chunks = b""
+    return records
+
+
+def wandb_points(records: list) -> dict[str, list[tuple[int, float]]]:
+    points: dict[str, list[tuple[int, float]]] = {}
+    for record in (r for r in records if r.HasField("history")):
+        row = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+        for tag in row.keys() - WANDB_COUNTERS:
+            points.setdefault(tag, []).append((row["trainer/global_step"], row[tag]))
+    return points
+
+
+def wandb_config(records: list) -> dict[str, object]:
+    config = {}
+    for record in (r for r in records if r.HasField("config")):
+        config.update({item.key: json.loads(item.value_json) for item in record.config.update})
+    return {name: value for name, value in config.items() if not name.startswith("_")}
+
+
+def assert_same_points(points: dict[str, list[tuple[int, float]]], expected: dict[str, list[tuple[int, float]]]) -> None:
+    """The same scalars at the same steps with the same values (TensorBoard keeps them as float32)."""
+    assert sorted(points) == sorted(expected)
+    for tag, series in expected.items():
+        assert [step for step, _ in sorted(points[tag])] == [step for step, _ in sorted(series)], tag
+        assert [value for _, value in sorted(points[tag])] == pytest.approx([value for _, value in sorted(series)], rel=1e-6), tag
+
+
+@pytest.fixture(scope="module")
+def every_logger(tmp_path_factory, data_root) -> tuple[Path, str]:
+    """A run logged to TensorBoard, CSV, MLflow (a store of its own) and W&B at once: its folder and MLflow store."""
+    folder = tmp_path_factory.mktemp("loggers")
+    run_dir, tracking_uri = folder / "run", f"sqlite:///{folder / 'mlflow.db'}"
+    result = train(*QUICK, "logger=[tensorboard,csv,mlflow,wandb]", f"logger.mlflow.tracking_uri={tracking_uri}",
+                   f"hydra.run.dir={run_dir}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "test/acc=" in result.stdout.strip().splitlines()[-1]  # the result line stays the run's last
+    return run_dir, tracking_uri
+
+
+@pytest.mark.slow
+def test_every_logger_gets_the_same_scalars(every_logger):
+    run_dir, tracking_uri = every_logger
+    expected = tensorboard_points(run_dir)
+    assert FROM_CALLBACKS | {"train/loss", "val/acc", "test/acc", "epoch"} <= expected.keys()
+    assert_same_points(csv_points(run_dir / "csv" / "metrics.csv"), expected)
+    assert_same_points(mlflow_points(*mlflow_run(tracking_uri, run_dir)), expected)
+    assert_same_points(wandb_points(wandb_records(run_dir)), expected)
+
+
+@pytest.mark.slow
+def test_every_logger_gets_the_run_settings(every_logger):
+    run_dir, tracking_uri = every_logger
+    settings = hparams(run_dir)  # TensorBoard's HParams record
+    assert {"model", "precision_used", "optimizer", "lr_used", "seed", "params/total"} <= settings.keys()
+    in_csv = yaml.safe_load((run_dir / "csv" / "hparams.yaml").read_text())
+    assert in_csv == settings  # TensorBoard keeps numbers as floats: 42.0 == 42
+    assert mlflow_run(tracking_uri, run_dir)[1].data.params == {name: str(value) for name, value in in_csv.items()}
+    assert wandb_config(wandb_records(run_dir)) == in_csv
+
+
+@pytest.mark.slow
+def test_every_logger_is_closed_at_the_end(every_logger):
+    run_dir, tracking_uri = every_logger
+    _, run = mlflow_run(tracking_uri, run_dir)
+    assert run.info.status == "FINISHED" and run.info.run_name == OmegaConf.load(run_dir / "config.yaml").run_name
+    assert any(record.HasField("exit") for record in wandb_records(run_dir))  # written by the W&B run's finish
+    assert "test/acc" in csv_points(run_dir / "csv" / "metrics.csv")  # the rows of the test, written when closed
+
+
+@pytest.mark.slow
+def test_a_run_logged_only_to_csv_is_reported_from_its_metrics_csv(tmp_path, data_root):
+    run_dir = tmp_path / "run"
+    result = train(*QUICK, "logger=csv", f"hydra.run.dir={run_dir}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert not list(run_dir.glob("events.out.tfevents.*"))
+    report = call_main(report_main, str(run_dir), "--out", str(tmp_path / "report"))
+    assert report.returncode == 0, report.stderr
+    with (tmp_path / "report" / "report.csv").open(newline="") as file:
+        [row] = list(csv.DictReader(file))
+    assert float(row["test_acc"]) == pytest.approx(recorded(run_dir).metrics["test/acc"])
+    assert row["precision"] == cpu_precision()  # the precision used, from the CSV logger's hparams.yaml
+    assert float(row["epoch_s"]) > 0 and float(row["samples_per_s"]) > 0
+
+
+@pytest.mark.slow
+def test_a_run_logged_only_to_mlflow_uses_the_default_store_and_the_report_says_what_it_cannot_read(tmp_path, data_root):
+    env = {name: value for name, value in user_env().items() if name != "MLFLOW_TRACKING_URI"}
+    env["PYTHONPATH"] = str(REPO)
+    result = run_cli("src.train", *QUICK, "logger=mlflow", cwd=tmp_path, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    [run_dir] = (tmp_path / "outputs" / "runs").iterdir()
+    assert (tmp_path / "outputs" / "mlflow.db").is_file()  # the default store: outputs/ of the folder the command ran in
+    _, run = mlflow_run(f"sqlite:///{tmp_path / 'outputs' / 'mlflow.db'}", run_dir)
+    assert run.info.status == "FINISHED"
+    assert run.data.metrics["test/acc"] == pytest.approx(recorded(run_dir).metrics["test/acc"])
+    assert run.data.params["model"] == "lenet" and FROM_CALLBACKS <= run.data.metrics.keys()
+    assert not list(run_dir.glob("events.out.tfevents.*")) and not (run_dir / "csv").exists()
+
+    report = call_main(report_main, str(run_dir), "--out", str(tmp_path / "report"))
+    assert report.returncode == 2
+    [line] = report.stderr.strip().splitlines()
+    assert line.startswith(f"error: {run_dir}: left out (") and "MLflow or W&B" in line, line
+
+
+@pytest.mark.parametrize("package", ["mlflow", "wandb"])
+def test_a_logger_whose_package_is_missing_is_one_line_naming_the_extra(tmp_path, package):
+    """The command as it runs where the package is not installed: here it is hidden from the interpreter's imports."""
+    hide = (f"import runpy, sys; sys.modules[{package!r}] = None; sys.argv = ['src.train'] + sys.argv[1:]; "
+            "runpy.run_module('src.train', run_name='__main__')")
+    run_dir = tmp_path / "run"
+    result = subprocess.run([sys.executable, "-c", hide, *QUICK, f"logger=[tensorboard,{package}]", f"hydra.run.dir={run_dir}"],
+                            cwd=REPO, env=user_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines() == [
+        f"error: logger={package} needs the {package} package: pip install -e '.[{package}]'"]
+    assert not run_dir.exists()
+
+
+def test_a_resumed_csv_logger_keeps_the_rows_before_its_checkpoint(tmp_path, recwarn):
+    first = CSVRunLogger(tmp_path, name="csv", version="")
+    for step in range(6):
+        first.log_metrics({"train/loss": float(step)}, step=step)
+    first.save()
+    resumed = CSVRunLogger(tmp_path, name="csv", version="", purge_step=4)  # a checkpoint at optimizer step 4
+    resumed.log_metrics({"train/loss": 40.0, "val/acc": 0.5}, step=4)
+    resumed.save()
+    assert csv_points(tmp_path / "csv" / "metrics.csv") == {
+        "train/loss": [(0, 0.0), (1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0)], "val/acc": [(4, 0.5)]}
+    assert not [w for w in recwarn if "Experiment logs directory" in str(w.message)]
+
+
+def test_a_wandb_run_ends_when_its_logger_is_closed(tmp_path, monkeypatch):
+    import wandb
+
+    monkeypatch.setenv("WANDB_MODE", "offline")  # put back after the test: the offline logger sets it
+    logger = WandbRunLogger(offline=True, save_dir=tmp_path, project="dptrain", settings={"silent": True, "console": "off"})
+    logger.log_metrics({"train/loss": 1.0}, step=0)
+    assert wandb.run is not None
+    close_loggers([logger])
+    assert wandb.run is None
+    records = wandb_records(tmp_path)
+    assert any(record.HasField("exit") for record in records) and wandb_points(records) == {"train/loss": [(0, 1.0)]}
+
+
+def test_the_loggers_that_take_a_resumed_runs_purge_step():
+    configs = {path.stem: OmegaConf.load(path)[path.stem] for path in (CONF_DIR / "logger").glob("*.yaml")}
+    assert {name for name, config in configs.items() if takes_purge_step(config)} == {"tensorboard", "csv"}
+    assert {"tensorboard", "csv", "mlflow", "wandb"} <= configs.keys()

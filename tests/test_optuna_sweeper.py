@@ -1,0 +1,290 @@
+"""`hydra/sweeper=optuna`: the search space from the command line, the seeded sampler, what a job tells its trial,
+the progress lines of a search, and searches on the real command line: one trial after another and side by side, a
+killed search continued, a trial pruned, and the line for a machine without Optuna."""
+
+import json
+import re
+import signal
+import subprocess
+from pathlib import Path
+from wsgiref.util import setup_testing_defaults
+
+import optuna
+import pytest
+from hydra.core.utils import JobReturn, JobStatus
+from omegaconf import OmegaConf
+from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+from optuna.trial import TrialState, create_trial
+
+from src.callbacks.optuna_trial import TrialRecord, TrialResult, TrialTask
+from src.errors import UsageError
+from src.launch import progress
+from src.launch.optuna_sweeper import DB, OptunaSweeper, search_space, storage
+from src.launch.progress import Progress, Tally
+from src.records import Result
+from tests.helpers import QUICK, run_cli, scalars, train, user_env
+
+LR = "optim.lr=tag(log, interval(0.001, 1))"
+OPTUNA = "hydra/sweeper=optuna"
+SETTINGS = dict(n_trials=2, n_jobs=None, sampler="tpe", seed=0, direction="maximize", pruner="median")
+
+
+@pytest.fixture(autouse=True)
+def fresh_sweep():
+    progress.tally = None
+    yield
+    progress.tally = None
+
+
+def search(folder: Path, *args: str) -> subprocess.CompletedProcess:
+    return train("-m", OPTUNA, LR, *QUICK, "max_epochs=2", f"hydra.sweep.dir={folder}", *args, timeout=900)
+
+
+def study_of(folder: Path) -> optuna.Study:
+    return optuna.load_study(study_name=None, storage=storage(folder / DB))
+
+
+# ---------------------------------------------------------------- the search space, the sampler, a job's trial
+
+
+def test_the_space_typed_on_the_command_line_becomes_optunas_distributions():
+    space = search_space([LR, "model=choice(lenet, resnet18)", "data.batch_size=choice(64,128,256)", "seed=range(1,4)",
+                          "trainer.limit_train_batches=tag(int, interval(2, 8))", "max_epochs=3", "tags=[a,b]"])
+    assert space.distributions == {
+        "optim.lr": FloatDistribution(0.001, 1.0, log=True), "model": CategoricalDistribution(["lenet", "resnet18"]),
+        "data.batch_size": CategoricalDistribution([64, 128, 256]), "seed": CategoricalDistribution([1, 2, 3]),
+        "trainer.limit_train_batches": IntDistribution(2, 8)}
+    assert space.fixed == ["max_epochs=3", "tags=[a,b]"]
+    params = {"optim.lr": 0.0123, "model": "resnet18", "data.batch_size": 128, "seed": 2, "trainer.limit_train_batches": 5}
+    assert space.overrides(params) == ["max_epochs=3", "tags=[a,b]", "optim.lr=0.0123", "model=resnet18",
+                                       "data.batch_size=128", "seed=2", "trainer.limit_train_batches=5"]
+    corners = space.corners()  # the lowest point, then each other end or choice alone
+    assert corners[0] == {"optim.lr": 0.001, "model": "lenet", "data.batch_size": 64, "seed": 1, "trainer.limit_train_batches": 2}
+    assert len(corners) == 1 + 1 + 1 + 2 + 2 + 1 and {**corners[0], "optim.lr": 1.0} in corners
+
+
+@pytest.mark.parametrize("typed, said", [
+    ("optim.lr=tag(exp, interval(0.001, 1))", "the tags it knows are log and int"),
+    ("model=tag(log, choice(lenet, resnet18))", "the tags it knows are log and int, on an interval()"),
+    ("optim.lr=tag(log, interval(0, 1))", "`low > 0` must hold for `log=True`"),
+    ("model=glob(*)", "hydra/sweeper=optuna searches interval(), choice(), range() and a,b,c"),
+    ("max_epochs=3", "hydra/sweeper=optuna needs a space to search"),
+])
+def test_a_space_optuna_cannot_search_is_refused_in_one_line(typed, said):
+    with pytest.raises(UsageError) as refused:
+        search_space([typed])
+    assert said in str(refused.value) and "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize("name, value", [("pruner", "hyperband"), ("sampler", "grid"), ("n_trials", 0),
+                                         ("direction", "up"), ("n_jobs", 0)])
+def test_a_sweeper_setting_out_of_range_is_one_line(name, value):
+    with pytest.raises(UsageError, match=rf"^hydra\.sweeper\.{name}={value} is not allowed; it must be "):
+        OptunaSweeper(**{**SETTINGS, name: value})
+
+
+def asked(seed: int) -> list[dict]:
+    """The points a seeded TPE search asks for over 12 trials (10 at random, then 2 modelled on the results), each
+    told a value that follows from its point, as the sweeper seeds its study's sampler."""
+    space = search_space([LR, "data.batch_size=choice(64,128,256)"])
+    study = optuna.create_study(direction="maximize", sampler=optuna.samplers.TPESampler(seed=seed))
+    for _ in range(12):
+        trial = study.ask(space.distributions)
+        study.tell(trial, 1 - abs(trial.params["optim.lr"] - 0.1) - trial.params["data.batch_size"] / 1000)
+    return [trial.params for trial in study.trials]
+
+
+def test_a_seeded_search_asks_for_the_same_points_again_and_another_seed_for_others():
+    first = asked(0)
+    assert asked(0) == first
+    assert asked(1)[0] != first[0]
+
+
+def trial_of_job(tmp_path: Path) -> tuple[optuna.Study, object]:
+    """A study with one trial asked for, and the config its job gets (`callbacks.optuna_trial` names the trial)."""
+    study = optuna.create_study(storage=storage(tmp_path / DB), study_name="s", direction="maximize")
+    number = study.ask({"optim.lr": FloatDistribution(0.001, 1.0, log=True)}).number
+    cfg = OmegaConf.create({"output_dir": str(tmp_path / "run"), "callbacks": {
+        "optuna_trial": {"db": str(tmp_path / DB), "study": "s", "trial": number}}})
+    return study, cfg
+
+
+def test_a_job_tells_its_trial_its_best_validation_accuracy_never_a_test_figure(tmp_path):
+    study, cfg = trial_of_job(tmp_path)
+    metrics = {"val/acc_best": 0.81, "val/acc": 0.79, "test/acc": 0.9, "train/acc": 0.95}
+    returned = TrialTask(lambda cfg: Result(metrics, "test/acc=0.9000 ..."))(cfg)
+    [trial] = study.trials
+    assert (trial.state, trial.value) == (TrialState.COMPLETE, 0.81)
+    assert trial.user_attrs == {"folder": "run", "val/acc_best": 0.81, "test/acc": 0.9}
+    assert isinstance(returned, TrialResult) and returned.metrics == metrics and not returned.pruned
+
+
+def test_a_job_that_fails_fails_its_trial_and_one_without_validation_too(tmp_path):
+    study, cfg = trial_of_job(tmp_path)
+    with pytest.raises(ValueError, match="boom"):
+        TrialTask(lambda cfg: (_ for _ in ()).throw(ValueError("boom")))(cfg)
+    assert study.trials[0].state == TrialState.FAIL
+    study, cfg = trial_of_job(tmp_path / "again")
+    with pytest.raises(UsageError, match=r"trial 1 has no val/acc_best to be judged by: run ran no validation"):
+        TrialTask(lambda cfg: Result({"test/acc": 0.9}, "..."))(cfg)
+    assert study.trials[0].state == TrialState.FAIL
+
+
+def test_a_trial_the_pruner_gives_up_is_recorded_and_told_as_pruned(tmp_path):
+    study, cfg = trial_of_job(tmp_path)
+    study.set_user_attr("pruner", "median")
+    for value in (0.9, 0.88, 0.91, 0.9, 0.92):  # five earlier trials, far better after their first epoch
+        study.add_trial(create_trial(params={"optim.lr": 0.01}, distributions={"optim.lr": FloatDistribution(0.001, 1.0)},
+                                     value=value, intermediate_values={0: value}))
+    record = TrialRecord(str(tmp_path / DB), "s", 0)
+    assert record.report(0, 0.3) is True
+    returned = record.told(Result({"val/acc_best": 0.3, "test/acc": 0.29}, "line"), "run")
+    assert study.trials[0].state == TrialState.PRUNED and study.trials[0].user_attrs["pruned after epoch"] == 1
+    assert returned.pruned and returned.line == "line"
+
+
+# ---------------------------------------------------------------- the progress lines of a search
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_search_numbers_its_trials_across_batches_and_says_a_pruned_one_and_the_best_so_far():
+    """Trial 1 ended in an earlier command; this one launches trials 2 and 3 one batch each, out of 4."""
+    clock, said = Clock(), []
+    progress.tally = Tally(total=4, before=1, noun="trial", note=lambda: "best val/acc_best=0.8100 (trial 1)")
+    first = Progress(1, 1, clock=clock, say=said.append)
+    first.started(1, "t2")
+    clock.now += 30
+    first.ended(1, "t2", JobReturn(status=JobStatus.COMPLETED, _return_value=TrialResult({}, "test/acc=0.5", pruned=True)))
+    Progress(1, 2, clock=clock, say=said.append).started(2, "t3")
+    best = "; best val/acc_best=0.8100 (trial 1))"
+    assert said == ["trial 2/4 started: t2 (elapsed 0:00, time left not known yet" + best,
+                    "trial 2/4 pruned: t2: test/acc=0.5 (elapsed 0:30, about 1:00 left" + best,  # two trials of 30 s
+                    "trial 3/4 started: t3 (elapsed 0:30, about 1:00 left" + best]
+    assert progress.tally.summary(None) == ("sweep of 4 trials: 0 done, 0 resumed, 0 skipped, 1 pruned, 0 failed, "
+                                            "2 not run, 1 ended before; report: none written")
+    assert progress.tally.failures == []
+
+
+# ---------------------------------------------------------------- searches on the command line
+
+
+@pytest.fixture(scope="module")
+def two_searches(tmp_path_factory, data_root) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
+    """The same search of two trials, one after another and side by side."""
+    searches = {}
+    for launcher in ("sequential", "parallel"):
+        folder = tmp_path_factory.mktemp(launcher) / "search"
+        searches[launcher] = search(folder, f"hydra/launcher={launcher}", "hydra.sweeper.n_trials=2"), folder
+    return searches
+
+
+def dashboard_studies(db: Path) -> list[str]:
+    """The study names optuna-dashboard's server lists for the file (`optuna-dashboard sqlite:///<file>`)."""
+    from optuna_dashboard import wsgi
+
+    environ, answer = {"PATH_INFO": "/api/studies", "REQUEST_METHOD": "GET"}, []
+    setup_testing_defaults(environ)
+    body = b"".join(wsgi(f"sqlite:///{db}")(environ, lambda status, headers: answer.append(status)))
+    assert answer == ["200 OK"], body[:300]
+    return [study["study_name"] for study in json.loads(body)["studies"]]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["sequential", "parallel"])
+def test_a_search_judges_each_trial_by_its_best_validation_accuracy_and_names_the_best(two_searches, launcher):
+    result, folder = two_searches[launcher]
+    assert result.returncode == 0, result.stderr[-3000:]
+    study = study_of(folder)
+    assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 2 and dashboard_studies(folder / DB) == ["search"]
+    for trial in study.trials:
+        run = folder / trial.user_attrs["folder"]
+        recorded = json.loads((run / "result.json").read_text())["metrics"]
+        assert trial.value == recorded["val/acc_best"] and trial.user_attrs["test/acc"] == recorded["test/acc"]
+        assert list(trial.intermediate_values.values()) == scalars(run)["val/acc"]  # each epoch's, told as it ended
+        assert 0.001 <= trial.params["optim.lr"] <= 1 and f"optim.lr={trial.params['optim.lr']}" in run.name
+    lines = [line for line in result.stdout.splitlines() if line.startswith(("trial ", "best of", "sweep of"))]
+    said = [line.split(":")[0] for line in lines if line.startswith("trial ")]
+    if launcher == "sequential":
+        assert said == ["trial 1/2 started", "trial 1/2 done", "trial 2/2 started", "trial 2/2 done"]
+    else:  # side by side: both began before either ended
+        assert said[:2] == ["trial 1/2 started", "trial 2/2 started"] and sorted(said[2:]) == ["trial 1/2 done", "trial 2/2 done"]
+    assert re.search(r"\(elapsed \d+:\d\d, about \d+:\d\d left; best val/acc_best=\d\.\d{4} \(trial [12]\)\)$", lines[-3])
+    top = study.best_trial
+    assert lines[-2] == (f"best of 2 trials: trial {top.number + 1}, optim.lr={top.params['optim.lr']:.4g}: val/acc_best="
+                         f"{top.value:.4f} test/acc={top.user_attrs['test/acc']:.4f} -> {folder / top.user_attrs['folder']}; "
+                         f"the study: optuna-dashboard sqlite:///{folder / DB}")
+    assert lines[-1] == f"sweep of 2 trials: 2 done, 0 resumed, 0 skipped, 0 failed; report: {folder / 'report.md'}"
+    report = (folder / "report.md").read_text()
+    assert "## Trials (hydra/sweeper=optuna, val/acc_best maximized)" in report
+    assert all(f"| {n} | complete | {t.value:.4f} |" in report for n, t in enumerate(study.trials, 1))
+
+
+@pytest.mark.slow
+def test_the_same_seed_asks_for_the_same_trials_one_after_another_and_side_by_side(two_searches):
+    assert [[t.params for t in study_of(folder).trials] for _, folder in two_searches.values()] == [
+        [t.params for t in study_of(two_searches["sequential"][1]).trials]] * 2
+
+
+@pytest.mark.slow
+def test_a_killed_search_continues_to_n_trials_keeping_its_trials_and_training_on_the_one_it_left(tmp_path, data_root):
+    folder, mark = tmp_path / "search", tmp_path / "killed"
+    # Trial 1 ends; trial 2 is killed with the whole search (SIGKILL) as its second epoch begins, after its first epoch's
+    # checkpoint; the same command then continues the search to 3 trials.
+    assert search(folder, "hydra.sweeper.n_trials=1").returncode == 0
+    finished = study_of(folder).trials[0]
+    kill = ["+callbacks.fault._target_=tests.faults.KillIn", "+callbacks.fault.hook=on_train_epoch_start",
+            "+callbacks.fault.epoch=1", f"+callbacks.fault.mark={mark}", "hydra.sweeper.n_trials=3", "ckpt_path=auto"]
+    killed = search(folder, *kill)
+    assert killed.returncode == -signal.SIGKILL and mark.exists(), killed.stderr[-3000:]
+    left = study_of(folder).trials[1]
+    assert left.state == TrialState.RUNNING and list(left.intermediate_values) == [0]
+    result = search(folder, *kill)
+    assert result.returncode == 0, result.stderr[-3000:]
+    trials = study_of(folder).trials
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 3
+    assert (trials[0].value, trials[0].datetime_complete) == (finished.value, finished.datetime_complete)
+    assert trials[1].params == left.params and list(trials[1].intermediate_values) == [0, 1]
+    assert result.stdout.splitlines()[-1].startswith("sweep of 3 trials: 1 done, 1 resumed, 0 skipped, 0 failed, 1 ended before")
+    assert len(scalars(folder / trials[1].user_attrs["folder"])["val/acc"]) == 2  # one epoch before the kill, one after
+
+
+@pytest.mark.slow
+def test_a_hopeless_trial_is_pruned_in_one_line_and_the_search_ends_well(tmp_path, data_root):
+    folder = tmp_path / "search"
+    folder.mkdir()
+    earlier = optuna.create_study(storage=storage(folder / DB), study_name="earlier", direction="maximize")
+    for lr in (0.01, 0.02, 0.03, 0.04, 0.05):  # five trials that were far better after their first epoch
+        earlier.add_trial(create_trial(params={"optim.lr": lr}, distributions={"optim.lr": FloatDistribution(0.001, 1, log=True)},
+                                       value=0.95, intermediate_values={0: 0.95, 1: 0.95}))
+    result = search(folder, "hydra.sweeper.n_trials=6", "ckpt_path=auto")
+    assert result.returncode == 0 and "Traceback" not in result.stdout + result.stderr, result.stderr[-3000:]
+    pruned = [line for line in result.stdout.splitlines() if "pruned after epoch" in line]
+    assert len(pruned) == 1 and re.search(r"trial 6 pruned after epoch 1: val/acc=\d\.\d{4} is below the median", pruned[0])
+    assert re.search(r"^trial 6/6 pruned: \S+: test/acc=", result.stdout, re.M)
+    assert result.stdout.splitlines()[-1].startswith("sweep of 6 trials: 0 done, 0 resumed, 0 skipped, 1 pruned, 0 failed, 5 ended before")
+    trial = study_of(folder).trials[5]
+    assert trial.state == TrialState.PRUNED and list(trial.intermediate_values) == [0]
+    run = folder / trial.user_attrs["folder"]
+    assert len(scalars(run)["val/acc"]) == 1 and (run / "result.json").is_file()  # stopped after epoch 1 of 2, tested
+    assert "| 6 | pruned after epoch 1 |" in (folder / "report.md").read_text()
+
+
+@pytest.mark.slow
+def test_without_optuna_the_search_is_one_line_naming_the_extra_to_install(tmp_path, data_root):
+    missing = tmp_path / "site" / "optuna"
+    missing.mkdir(parents=True)
+    (missing / "__init__.py").write_text("raise ImportError('No module named optuna')\n")
+    folder = tmp_path / "search"
+    result = run_cli("src.train", "-m", OPTUNA, LR, *QUICK, f"hydra.sweep.dir={folder}",
+                     env={**user_env(), "PYTHONPATH": str(missing.parent)})
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == ["error: hydra/sweeper=optuna needs the optuna package, which is not "
+                                                  "installed; install it with: pip install -e '.[optuna]'"]
+    assert not folder.exists()

@@ -1,0 +1,112 @@
+"""One writer per folder, and what the machine refuses (a full disk, too few file descriptors, a path too long) said
+in one line with the exit status of a failure (1) or of bad input (2), leaving nothing that looks like a result."""
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import QUICK, REPO, Run, start_cli, train, user_env
+
+HOLD = ["+callbacks.hold._target_=tests.faults.HoldAfterEpoch", "max_epochs=2"]  # waits after epoch 1 for a file
+
+
+def wait_for(condition, what: str, seconds: float = 300) -> None:
+    deadline = time.monotonic() + seconds  # a bound on a hang only: each wait is for an event
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+
+
+def last_line(result) -> str:
+    return result.stderr.strip().splitlines()[-1]
+
+
+def test_a_second_writer_of_a_run_folder_is_refused_naming_the_first(tmp_path, data_root):
+    run_dir, released = tmp_path / "run", tmp_path / "released"
+    first = start_cli("src.train", *QUICK, *HOLD, "+callbacks.hold.epoch=0", f"+callbacks.hold.until={released}",
+                      f"hydra.run.dir={run_dir}")
+    try:
+        wait_for(lambda: (run_dir / "checkpoints" / "last.ckpt").is_file(), "the first run's first epoch")
+        assert (run_dir / ".lock").read_text() == f"pid {first.pid} on {socket.gethostname()}\n"
+        # typed as the first was (a resume takes no `_target_` from the records): the lock is what refuses it
+        second = train(*QUICK, *HOLD, "+callbacks.hold.epoch=0", f"+callbacks.hold.until={released}", "ckpt_path=last",
+                       f"hydra.run.dir={run_dir}")
+        assert second.returncode == 2
+        assert last_line(second) == (f"error: {run_dir} is in use: pid {first.pid} on {socket.gethostname()} is writing "
+                                     "this run; wait for it to end, or stop it first (one writer per folder)")
+    finally:
+        released.touch()
+        out, err = first.communicate(timeout=300)
+    assert first.returncode == 0, err[-3000:]
+    assert (run_dir / ".lock").read_text() == "", "released at the end"
+
+
+def test_a_second_resume_of_a_sweep_is_refused_while_the_first_runs(tmp_path, data_root):
+    sweep, released = tmp_path / "sweep", tmp_path / "released"
+    args = [*QUICK, "-m", "seed=1,2", *HOLD, "+callbacks.hold.epoch=0", f"+callbacks.hold.until={released}",
+            f"hydra.sweep.dir={sweep}"]
+    first = start_cli("src.train", *args)
+    try:
+        wait_for(lambda: any(sweep.glob("*/checkpoints/last.ckpt")), "the first sweep's first job trains")
+        second = train(*args, "ckpt_path=auto")
+        assert second.returncode == 2
+        assert last_line(second).startswith(f"error: {sweep} is in use: pid {first.pid} on ") and "this sweep" in last_line(second)
+    finally:
+        released.touch()
+        first.communicate(timeout=600)
+    assert first.returncode == 0
+
+
+def can_mount() -> bool:
+    return shutil.which("unshare") is not None and subprocess.run(
+        ["unshare", "--mount", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /mnt"], capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(not can_mount(), reason="needs a mount namespace of its own (root and unshare)")
+@pytest.mark.parametrize("size", ["12k", "800k"], ids=["at the start", "during the run"])
+def test_a_full_disk_is_named_and_leaves_nothing_that_looks_like_a_result(tmp_path, data_root, size):
+    """A run folder on a filesystem of `size`: too small for the run's records, or for its second checkpoint (one
+    LeNet checkpoint is about 540 kB)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    command = (f"mount -t tmpfs -o size={size} tmpfs {disk} && exec {sys.executable} -m src.train "
+               + " ".join([*QUICK, f"hydra.run.dir={disk}/run"]) + f"; ls -a {disk}/run {disk}/run/checkpoints")
+    result = subprocess.run(["unshare", "--mount", "sh", "-c", command], cwd=REPO, env=user_env(), capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert last_line(result).startswith("error: ") and "the disk is full" in last_line(result), result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and "result.json" not in result.stdout and ".partial" not in result.stdout
+
+
+def test_too_few_file_descriptors_under_ddp_are_one_line(tmp_path, data_root):
+    run_dir = tmp_path / "run"
+    result = subprocess.run(["bash", "-c", f"ulimit -n 32; exec {sys.executable} -m src.train "
+                             + " ".join([*QUICK, "strategy=ddp", "devices=2", f"hydra.run.dir={run_dir}"])],
+                            cwd=REPO, env=user_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1
+    assert last_line(result).endswith("Too many open files: a limit of the system's (see `ulimit -n`, `ulimit -v`)")
+    assert "Traceback" not in result.stderr and not (run_dir / "config.yaml").exists()
+
+
+@pytest.mark.parametrize("args", [["hydra.run.dir="], [f"hydra.run.dir=/tmp/{'x' * 300}/run"],
+                                  [f"data.root=/tmp/{'d' * 5000}"]], ids=["empty", "a long folder", "a long data root"])
+def test_a_path_that_cannot_be_a_folder_is_one_line(tmp_path, args):
+    result = train(*QUICK[1:], *args, f"hydra.sweep.dir={tmp_path}/sweep")
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert last_line(result).startswith("error: ") and "Traceback" not in result.stderr
+    assert not (REPO / ".hydra").exists() and not list(REPO.glob("events.out.*"))
+
+
+def test_what_a_killed_write_left_half_written_goes_at_the_next_start(tmp_path, quick_run: Run):
+    run_dir = quick_run.copy(tmp_path)
+    partial = run_dir / "checkpoints" / f".last.ckpt.{os.getpid()}.partial"
+    partial.write_bytes(b"cut short")
+    result = train(*QUICK, "max_epochs=2", "ckpt_path=last", f"hydra.run.dir={run_dir}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert not partial.exists() and not list(Path(run_dir).rglob("*.partial"))

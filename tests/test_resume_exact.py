@@ -1,0 +1,67 @@
+"""A resume ends as the unbroken run would, wherever the stop came: its result line, checkpoints (the best one too)
+and TensorBoard scalars are the unbroken run's. Each run below is SIGKILLed at one point of its life by a fault
+callback (tests/faults.py: the stop waits on the run reaching that point, never on the clock), then resumed."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import QUICK, scalars, train
+
+# Three epochs of ten steps; a step checkpoint every 5 steps, so one falls on each epoch's last step.
+RUN = [*QUICK, "max_epochs=3", "trainer.limit_train_batches=10", "trainer.limit_val_batches=4", "data.batch_size=64",
+       "optim.momentum=0.9", "checkpoint.every_n_train_steps=5"]
+STOPS = {
+    "during training steps": ["+callbacks.fault._target_=tests.faults.KillAtStep", "+callbacks.fault.step=13"],
+    "between a step checkpoint and the epoch's validation": ["on_validation_start", 1],
+    "during validation": ["on_validation_batch_end", 1],
+    "while the epoch's checkpoints are written": ["on_train_epoch_end", 1],
+    "during the test": ["on_test_batch_end", 3],
+}
+TIMED = ("time/", "usage/")  # measured, not computed: they differ between any two runs
+
+
+def fault(stop: str, mark: Path) -> list[str]:
+    if isinstance(STOPS[stop][1], int):
+        hook, epoch = STOPS[stop]
+        return ["+callbacks.fault._target_=tests.faults.KillIn", f"+callbacks.fault.hook={hook}",
+                f"+callbacks.fault.epoch={epoch}", f"+callbacks.fault.mark={mark}"]
+    return STOPS[stop]
+
+
+@pytest.fixture(scope="module")
+def unbroken(tmp_path_factory, data_root) -> Path:
+    run_dir = tmp_path_factory.mktemp("unbroken") / "run"
+    result = train(*RUN, f"hydra.run.dir={run_dir}", timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return run_dir
+
+
+def record(run_dir: Path) -> tuple[dict, dict, dict]:
+    """What a run ends with: its result's metrics (not the timed ones), its checkpoints' names and weights, and its
+    TensorBoard scalars (not the timed ones)."""
+    result = json.loads((run_dir / "result.json").read_text())
+    metrics = {k: v for k, v in result["metrics"].items() if not k.startswith(TIMED)}
+    weights = {p.name: torch.load(p, map_location="cpu", weights_only=True)["state_dict"]
+               for p in sorted((run_dir / "checkpoints").glob("*.ckpt"))}
+    series = {tag: values for tag, values in scalars(run_dir).items() if not tag.startswith(TIMED)}
+    return metrics, weights, series
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stop", STOPS)
+def test_a_run_stopped_anywhere_resumes_to_the_unbroken_runs_end(tmp_path, unbroken, stop):
+    run_dir = tmp_path / "run"
+    killed = train(*RUN, *fault(stop, tmp_path / "killed"), f"hydra.run.dir={run_dir}", timeout=600)
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    # The fault is the test's own callback: a resume takes no `_target_` from a run's records, so it is typed again.
+    resumed = train(*RUN, *fault(stop, tmp_path / "killed"), "ckpt_path=last", f"hydra.run.dir={run_dir}", timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    ours, theirs = record(run_dir), record(unbroken)
+    assert ours[0] == theirs[0], "the result line's figures"
+    assert ours[1].keys() == theirs[1].keys(), "the checkpoints, the best one by name"
+    for name, weights in ours[1].items():
+        assert all(torch.equal(weights[k], theirs[1][name][k]) for k in weights), name
+    assert ours[2] == theirs[2], "the TensorBoard scalars"
