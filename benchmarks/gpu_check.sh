@@ -1,18 +1,28 @@
 #!/usr/bin/env bash
 # The GPU checks and measurements of docs/results.md (§ GPU) on a machine with a CUDA GPU, and one record of them.
 #   benchmarks/gpu_check.sh <part> <data root> <log folder>
-# parts: tests           pytest -m gpu, the two-rank module left out
+# parts: quick           what matters, within 5 minutes on an H100: side by side, each under its own time bound, the
+#                        book's two recipes (experiment=d2l_lenet and d2l_resnet18, seed 1, packed on the GPU by
+#                        hydra/launcher=parallel: test acc >= 0.83 and >= 0.90, val/acc above the first epoch's by the
+#                        last), the float64 SyncBatchNorm oracle, CUDA graphs against eager steps (uneven last batch,
+#                        validation, cosine warm-up, 16-mixed), the host waits of 16-mixed steps, two NCCL ranks (one
+#                        hook; SIGTERM and resume); then alone, ResNet-18's speed rows with DDP's step with and without
+#                        the callback that logs xfer/*
+#        tests           pytest -m gpu, the two-rank module left out
 #        ddp2            tests/test_gpu_ddp.py: two NCCL ranks on one GPU, each a torchrun node of its own
 #        speed-lenet     benchmarks/speed.py: the rows of docs/results.md (GPU), side by side
 #        speed-resnet18
 #        accuracy        experiment=d2l_lenet and d2l_resnet18, seeds 1-3, at the GPU defaults
-#        all             every part above: tests and ddp2 side by side (they check, they time nothing that
+#        all             every part above but quick: tests and ddp2 side by side (they check, they time nothing that
 #                        docs/results.md reports), then speed and accuracy alone; about 10 minutes on an H100
-# Each part writes <log folder>/<part>.log (tests also <part>.xml); every call ends by writing
-# <log folder>/summary.md from whatever the folder holds (benchmarks/gpu_summary.py). Exit status 1
-# if a part failed, 2 for a wrong command line.
+# WHEELS=<folder> unpacks the wheels in it (pure Python ones: hydra-core, omegaconf, antlr4-python3-runtime, submitit,
+# cloudpickle, made here with `pip wheel --no-deps -w <folder> <name>==<version>`) onto PYTHONPATH first, for a machine
+# whose Python has torch and Lightning but not these. Each part writes <log folder>/<part>.log and <part>.status (its
+# exit status, 124 when it ran out of time, and its seconds; tests also <part>.xml); every call ends by writing
+# <log folder>/summary.md from whatever the folder holds (benchmarks/gpu_summary.py). Exit status 1 if a part failed
+# or quick's recipes missed a bar, 2 for a wrong command line.
 set -uo pipefail
-parts=(tests ddp2 speed-lenet speed-resnet18 accuracy)
+parts=(quick tests ddp2 speed-lenet speed-resnet18 accuracy)
 usage="usage: benchmarks/gpu_check.sh <${parts[*]// /|}|all> <data root> <log folder>"
 if (($# != 3)); then echo "error: $usage" >&2; exit 2; fi
 part=$1 data=$2 logs=$3
@@ -22,6 +32,9 @@ fi
 if [[ ! -d $data/FashionMNIST/raw ]]; then
     echo "error: data root=$data: no FashionMNIST/raw in it" >&2; exit 2
 fi
+if [[ -n ${WHEELS:-} && -z $(compgen -G "$WHEELS/*.whl") ]]; then
+    echo "error: WHEELS=$WHEELS: no .whl files in it" >&2; exit 2
+fi
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # benchmarks/ import src where the project is not installed
 data=$(cd "$OLDPWD" && cd "$data" && pwd)
@@ -30,16 +43,27 @@ export PYTHONUNBUFFERED=1 FASHION_MNIST_ROOT="$data"
 py=${PYTHON:-python3}
 status=0
 
-run() {  # name, command...: the command's output to <log folder>/<name>.log, and its status remembered
+if [[ -n ${WHEELS:-} ]]; then  # a wheel is a zip of the package as it is installed
+    site=$(mktemp -d)
+    for wheel in "$WHEELS"/*.whl; do "$py" -m zipfile -e "$wheel" "$site" || status=1; done
+    export PYTHONPATH="$PYTHONPATH:$site"
+fi
+
+run() {  # [-t seconds] name command...: the command's output to <log folder>/<name>.log, its status remembered
+    local limit=()
+    # SIGINT, as Ctrl-C: pytest then ends its tests' own process groups (two-rank runs), and runs say where they stopped
+    if [[ $1 == -t ]]; then limit=(timeout -s INT -k 20 "$2"); shift 2; fi
     local name=$1; shift
     echo "== $name: $*"
-    local start=$SECONDS
-    "$@" >"$logs/$name.log" 2>&1 || { echo "   failed with status $?"; status=1; }
+    local start=$SECONDS code=0
+    "${limit[@]}" "$@" >"$logs/$name.log" 2>&1 || code=$?
+    echo "$code $((SECONDS - start))" >"$logs/$name.status"
+    if ((code)); then echo "   failed with status $code$( ((code == 124)) && echo ' (out of time)')"; status=1; fi
     echo "   $((SECONDS - start)) s"
     tail -n 3 "$logs/$name.log"
 }
 
-wanted() { [[ $part == all || $part == "$1" ]]; }
+wanted() { [[ $part == "$1" || ($part == all && $1 != quick) ]]; }
 
 {
     if command -v nvidia-smi >/dev/null; then
@@ -47,16 +71,41 @@ wanted() { [[ $part == all || $part == "$1" ]]; }
     else
         echo "no nvidia-smi on this machine"
     fi
-    "$py" -c 'import platform, torch, lightning, torchmetrics, torchvision
+    "$py" -c 'import platform, torch, lightning, torchmetrics, torchvision, hydra
 nccl = ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else "none"
 print(f"python {platform.python_version()}, torch {torch.__version__} (CUDA {torch.version.cuda}, NCCL {nccl}), "
-      f"lightning {lightning.__version__}, torchmetrics {torchmetrics.__version__}, torchvision {torchvision.__version__}")'
+      f"lightning {lightning.__version__}, torchmetrics {torchmetrics.__version__}, torchvision {torchvision.__version__}, "
+      f"hydra {hydra.__version__}")'
     echo "$(nproc) CPU cores: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | xargs)"
-} >"$logs/environment.log" 2>&1
+} >"$logs/environment.log" 2>&1 || status=1
 cat "$logs/environment.log"
 
 pytest=("$py" -m pytest -v --tb=short --durations=20 -p no:cacheprovider -o junit_logging=system-out)
+# ResNet-18's speed rows of quick; the last two time DDP's step (one process) with and without the xfer/ callback.
+quick_speed="framework default,framework compile=true cuda_graphs=true,plain reduce-overhead,framework ddp,framework ddp without comm callback"
 checks=()
+if wanted quick; then  # each part a few percent of the GPU; they share it, and the 16 cores
+    q=180  # seconds each part of the first stage may take; the speed rows then take at most 100, alone
+    (run -t $q recipes "$py" -m src.train -m experiment=d2l_lenet,d2l_resnet18 seed=1 "data.root=$data" \
+        hydra/launcher=parallel hydra.launcher.jobs_per_gpu=2 "hydra.sweep.dir=$logs/recipes"; exit $status) &
+    checks+=($!)
+    (run -t $q syncbn "${pytest[@]}" -m gpu --junitxml="$logs/syncbn.xml" tests/test_sync_batchnorm.py tests/test_gpu_ddp.py \
+        -k "torch_syncbatchnorm or (two_ranks_end and lenet_bn_sync)"; exit $status) &
+    checks+=($!)
+    (run -t $q syncbn-resnet18 "${pytest[@]}" --junitxml="$logs/syncbn-resnet18.xml" tests/test_gpu_ddp.py \
+        -k "two_ranks_end and resnet18"; exit $status) &
+    checks+=($!)
+    (run -t $q graphs "${pytest[@]}" --junitxml="$logs/graphs.xml" tests/test_gpu.py \
+        -k "(cuda_graph_steps_train and not lenet-True) or waits_in_its_forward or 16_mixed_steps_wait"; exit $status) &
+    checks+=($!)
+    (run -t $q nccl "${pytest[@]}" --junitxml="$logs/nccl.xml" tests/test_gpu_ddp.py \
+        -k "(every_hook and lenet and not fp16 and not bf16 and not powersgd) or (sigterm and lenet)"; exit $status) &
+    checks+=($!)
+    # Compiles what the speed rows compile, so that torch.compile's caches serve them there; its times count for nothing.
+    (run -t $q speed-warm-up "$py" benchmarks/speed.py --data-root "$data" --model resnet18 --steps 8 --rounds 2 \
+        --only "framework compile=true cuda_graphs=true,plain reduce-overhead"; exit $status) &
+    checks+=($!)
+fi
 workers=0  # pytest-xdist's: three where there is a GPU; elsewhere every gpu test is skipped, and one process collects
 if command -v nvidia-smi >/dev/null; then workers=3; fi
 if wanted tests; then
@@ -68,6 +117,10 @@ if wanted ddp2; then  # four pairs of ranks at a time: each pair is two processe
     checks+=($!)
 fi
 for check in "${checks[@]}"; do wait "$check" || status=1; done
+if wanted quick; then
+    run -t 100 speed-resnet18 "$py" benchmarks/speed.py --data-root "$data" --model resnet18 --steps 64 --rounds 4 \
+        --only "$quick_speed"
+fi
 # The rows docs/results.md reports; speed.py --ablation without --only times every setting and precision.
 common="book (torchvision + 4 workers),plain reduce-overhead,framework fp32 (old default),framework default,framework one step a batch,framework compile=true cuda_graphs=true"
 rows_lenet="$common,plain fp32,framework 32,framework 32 channels_last,framework bf16-mixed"
@@ -85,5 +138,7 @@ if wanted accuracy; then
             "hydra.sweep.dir=$logs/accuracy/$experiment"
     done
 fi
-"$py" benchmarks/gpu_summary.py "$logs" || status=1
+summary=("$py" benchmarks/gpu_summary.py "$logs")
+if [[ $part == quick ]]; then summary+=(--quick); fi
+"${summary[@]}" || status=1
 exit $status

@@ -19,6 +19,9 @@ same Fashion-MNIST images for the same number of optimizer steps at the same bat
 - ... cuda_graphs=true: the compiled network's kernels captured in the framework's CUDA graph (on CPU: no graphs)
 - ... Lightning only:  the default without the project's callbacks, to tell what Lightning costs per
                        step from what the project adds (`--model tiny` makes that cost most of the step)
+- framework ddp:       `strategy=ddp devices=1`: one DDP process (NCCL on a GPU), the fast path's precision and
+                       layout, one step a batch (DDP takes no CUDA graphs); `... without comm callback` leaves
+                       out the callback that logs `xfer/*`, to tell what it costs a step
 
 Each round runs one epoch of each, in turn, so that all see the same machine load; the first round
 warms up (compilation, CUDA graph capture) and is not counted. The framework's epochs are timed by
@@ -66,12 +69,14 @@ from torch.utils.flop_counter import FlopCounterMode
 from torchvision.datasets import FashionMNIST
 from torchvision.transforms import ToTensor
 
+from src.callbacks.comm import CommLogger
 from src.callbacks.timing import EpochTimer
 from src.data.fashion_mnist import MEAN, STD, FashionMNISTDataModule
 from src.fast_path import FastSteps, auto_precision, keep_freed_memory, one_channel_nchw_pays, resolve_fast_steps, speed_up
 from src.models.lenet import LeNet
 from src.models.module import Classifier
 from src.models.resnet import resnet18
+from src.strategies.ddp import CommHookDDPStrategy
 
 CONF = str(Path(__file__).resolve().parent.parent / "conf")
 
@@ -92,6 +97,8 @@ class Settings:
     compile_mode: str | None = None  # the plain loop's torch.compile mode ("reduce-overhead": CUDA graphs)
     cuda_graphs: bool | str = False  # the framework's `cuda_graphs` and `steps_per_execution`
     steps_per_execution: int | str = 1
+    ddp: bool = False  # the framework under `strategy=ddp` (one process)
+    comm_logged: bool = True  # with the callback that logs xfer/* (src.callbacks.comm.CommLogger)
 
     @property
     def autocast_dtype(self) -> torch.dtype | None:
@@ -198,10 +205,11 @@ def framework(datamodule: FashionMNISTDataModule, model: str, settings: Settings
     `lightning_only`, without the project's other callbacks. The module lives on from round to round,
     as the plain loop's network does, so that both train the same weights as far (and its CUDA graph,
     captured in the first round, serves the others)."""
-    net = speed_up(NETS[model](), settings.channels_last, settings.compile, one_channel_nchw_pays(accelerator, "auto"))
+    strategy = CommHookDDPStrategy() if settings.ddp else "auto"
+    net = speed_up(NETS[model](), settings.channels_last, settings.compile, one_channel_nchw_pays(accelerator, strategy))
     module = Classifier(net, functools.partial(torch.optim.SGD, lr=lr))
     fast = resolve_fast_steps(settings.cuda_graphs, settings.steps_per_execution, accelerator=accelerator, world_size=1,
-                              strategy="auto", compile=settings.compile, trainer_args={}, supported=True)
+                              strategy=strategy, compile=settings.compile, trainer_args={}, supported=True)
     if steps % fast.steps_per_execution:
         raise SystemExit(f"--steps {steps} must be a multiple of {fast.steps_per_execution} (steps_per_execution)")
     if fast.manual:
@@ -215,8 +223,10 @@ def framework_epoch(datamodule: FashionMNISTDataModule, module: Classifier, sett
     with tempfile.TemporaryDirectory() as tmp:
         usage = EpochUsage()
         callbacks = [EpochTimer(), usage] if lightning_only else [*project_callbacks(tmp), usage]
+        callbacks = [c for c in callbacks if settings.comm_logged or not isinstance(c, CommLogger)]
         trainer = Trainer(
             accelerator=accelerator, devices=1, max_epochs=1, precision=settings.precision,
+            strategy=CommHookDDPStrategy() if settings.ddp else "auto",  # a fit's own: a strategy serves one Trainer
             limit_train_batches=steps // fast.steps_per_execution, limit_val_batches=0, num_sanity_val_steps=0, benchmark=True,
             logger=TensorBoardLogger(tmp, name="", version=""), callbacks=callbacks, enable_checkpointing=False,
             enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
@@ -318,6 +328,8 @@ def main() -> None:
     book_optimizer = torch.optim.SGD(book_net.parameters(), lr=args.lr)
     reduce_overhead = Settings(fast.precision, fast.channels_last, compile=True, compile_mode="reduce-overhead")
     compiled = Settings(fast.precision, fast.channels_last, compile=True, cuda_graphs="auto", steps_per_execution="auto")
+    ddp = Settings(fast.precision, fast.channels_last, ddp=True)
+    ddp_unlogged = Settings(fast.precision, fast.channels_last, ddp=True, comm_logged=False)
     compiled_graphs = Settings(fast.precision, fast.channels_last, compile=True, cuda_graphs=device.type == "cuda",
                                steps_per_execution="auto")
     makers: dict[str, tuple[Settings, Callable[[], Callable[[], Usage]]]] = {
@@ -331,6 +343,8 @@ def main() -> None:
         "framework compile=true": (compiled, lambda: run_framework(compiled)),
         "framework compile=true cuda_graphs=true": (compiled_graphs, lambda: run_framework(compiled_graphs)),
         "framework default (Lightning only)": (default, lambda: run_framework(default, lightning_only=True)),
+        "framework ddp": (ddp, lambda: run_framework(ddp)),
+        "framework ddp without comm callback": (ddp_unlogged, lambda: run_framework(ddp_unlogged)),
     }
     if args.ablation:
         for name, settings in {

@@ -80,7 +80,7 @@ def evaluate(cfg: DictConfig) -> tuple[Result, dict[str, Any]]:
     line = (f"test/acc={metrics.get('test/acc', float('nan')):.4f} test/loss={metrics.get('test/loss', float('nan')):.4f} "
             f"(precision {cfg.precision_used}, {processes(trainer.world_size)}) of {checkpoint.path} -> {cfg.output_dir}")
     result = Result(metrics, line, trainer.global_step)
-    record(cfg, objects, result, checkpoint.path)
+    record(cfg, objects, result, checkpoint.path, training=False)
     return result, objects
 
 

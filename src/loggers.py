@@ -1,8 +1,10 @@
 """The TensorBoard logger of every run, the other loggers beside it, and where a resumed run's logging takes up."""
 
 import csv
+import fcntl
 import os
 import warnings
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -170,12 +172,21 @@ class CSVRunLogger(CSVLogger):
 
 
 class MLflowRunLogger(MLFlowLogger):
-    """Lightning's MLflow logger, with MLflow's usage reports to its makers' servers off (unless MLFLOW_DISABLE_TELEMETRY
-    says otherwise): a run logged to a local store stays on this machine."""
+    """Lightning's MLflow logger, whose MLflow run is made as it is built, by one process at a time where the store is
+    a SQLite file: a run's processes, or a sweep's parallel jobs, would each create a new store's tables and experiment,
+    and all but one fail. MLflow's usage reports to its makers' servers are off (unless MLFLOW_DISABLE_TELEMETRY says
+    otherwise): a run logged to a local store stays on this machine."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # read as mlflow is first imported, by the logger
-        super().__init__(*args, **kwargs)
+    def __init__(self, *args: Any, tracking_uri: str, **kwargs: Any) -> None:
+        os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # read as mlflow is first imported, just below
+        lock = Path(tracking_uri.removeprefix("sqlite:///") + ".lock") if tracking_uri.startswith("sqlite:///") else None
+        if lock is not None:
+            lock.parent.mkdir(parents=True, exist_ok=True)
+        with lock.open("a") if lock else nullcontext() as held:
+            if held:
+                fcntl.flock(held, fcntl.LOCK_EX)
+            super().__init__(*args, tracking_uri=tracking_uri, **kwargs)
+            _ = self.experiment  # on rank 0: the store, its experiment and this run (the other ranks log nothing)
 
 
 class WandbRunLogger(WandbLogger):

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 
+from src import records
 from src.errors import UsageError
 from src.launch.console import counted, saying
 from src.runs import ArgumentParser, RunFolder, median, output_folder, read_runs, usage_errors_exit
@@ -34,13 +35,14 @@ log = logging.getLogger(__name__)
 # CSV header, in order; the Markdown table shows the same columns under the titles beside them.
 COLUMNS = {
     "run": "run", "model": "model", "strategy": "strategy", "devices": "devices", "num_nodes": "nodes",
-    "precision": "precision", "seed": "seed", "test_acc": "test acc", "epoch_s": "epoch s (median)",
+    "precision": "precision", "seed": "seed", "finished": "finished", "test_acc": "test acc", "epoch_s": "epoch s (median)",
     "samples_per_s": "samples/s (median)", "tflops_per_s": "TFLOP/s a device (median)", "mfu": "MFU (median)",
     "peak_memory_mib": "peak memory MiB", "comm_bytes_per_step": "comm bytes/step (median)", "speedup": "speed-up",
 }
 FILES = ("report.md", "report.csv", "val_acc.png", "epoch_time.png")  # the last only where devices differ; seeds.csv where seeds do
 # Settings that do not make two runs different settings: repeats with other seeds are one setting.
 NOT_A_SETTING = ("seed", "tags", "ckpt_path")
+PER_DEVICES = ("devices", "num_nodes", "world_size")  # what a speed-up compares
 
 
 @dataclass
@@ -54,6 +56,7 @@ class Run:
     num_nodes: int
     precision: str
     seed: int | None
+    finished: str  # "yes", or "no" for a run that stopped before its result (resume it with ckpt_path=last)
     test_acc: float | None
     epoch_s: float | None
     samples_per_s: float | None
@@ -66,12 +69,19 @@ class Run:
     ddp: bool = False
     params: dict[str, Any] = field(default_factory=dict)  # its HParams record
     evaluation: bool = False  # a folder of `python -m src.eval`: a checkpoint scored, nothing trained
+    checkpoint: str = ""  # the checkpoint it started from, or scored
 
     @property
     def setting(self) -> tuple:
         """What the run ran, but for its seed: runs with the same setting are repeats."""
         rest = tuple(sorted((k, str(v)) for k, v in self.params.items() if k not in NOT_A_SETTING))
         return (self.model, self.strategy, self.devices, self.num_nodes, self.precision, rest)
+
+    @property
+    def but_devices(self) -> tuple:
+        """The setting but for how many devices ran it: runs alike in this compare in speed-up and epoch time."""
+        model, strategy, _, _, precision, rest = self.setting
+        return (model, strategy, precision, tuple(item for item in rest if item[0] not in PER_DEVICES))
 
     @property
     def label(self) -> str:
@@ -99,8 +109,9 @@ def read_run(run: RunFolder) -> Run:
         strategy=str(run.value("strategy_name", "strategy")),
         devices=int(run.value("devices")),
         num_nodes=int(run.value("num_nodes")),
-        precision=str(params.get("precision_used", run.value("precision"))),
+        precision=str(run.value("precision_used") or params.get("precision_used") or run.value("precision")),
         seed=None if seed is None else int(seed),
+        finished="yes" if run.evaluation or records.result(run.path) is not None else "no",
         test_acc=test_acc[-1] if test_acc else None,
         epoch_s=median(run.values("time/epoch_s")),
         samples_per_s=median(run.values("time/samples_per_s")),
@@ -113,20 +124,22 @@ def read_run(run: RunFolder) -> Run:
         ddp="hook" in (run.value("strategy") or {}),
         params=params,
         evaluation=run.evaluation,
+        checkpoint=str(run.value("ckpt_path") or ""),
     )
 
 
 def add_speedups(runs: list[Run]) -> None:
-    """speed-up = median epoch time of the one-device runs of the same model/strategy/precision / this run's;
-    only where the runs differ in devices: between repeats of one setting it would be seed noise."""
+    """speed-up = median epoch time of the one-device runs of the same setting but for devices / this run's; only where
+    the runs differ in devices: between repeats of one setting it would be seed noise, and between runs that differ in
+    anything else (their batches, their epochs) it would not be a speed-up."""
     if not varies(runs, "total_devices"):
         return
-    single: dict[tuple[str, str, str], list[float]] = defaultdict(list)
+    single: dict[tuple, list[float]] = defaultdict(list)
     for run in runs:
         if run.total_devices == 1 and run.epoch_s:
-            single[run.model, run.strategy, run.precision].append(run.epoch_s)
+            single[run.but_devices].append(run.epoch_s)
     for run in runs:
-        baseline = single.get((run.model, run.strategy, run.precision))
+        baseline = single.get(run.but_devices)
         if run.total_devices == 1 and baseline is not None and len(baseline) > 1:
             continue  # one of several one-device runs: against their median it would show seed noise
         run.speedup = statistics.median(baseline) / run.epoch_s if baseline and run.epoch_s else None
@@ -154,7 +167,7 @@ def collect_runs(root: Path) -> list[Run]:
 
 
 def evaluations_table(evaluations: list[Run]) -> str:
-    rows = [f"| {run.run} | {run.params.get('ckpt_path', '')} | {_cell(run.test_acc, 4)} |" for run in evaluations]
+    rows = [f"| {run.run} | {run.checkpoint} | {_cell(run.test_acc, 4)} |" for run in evaluations]
     return "\n".join(["| evaluation | checkpoint | test acc |", "|---|---|---:|", *rows])
 
 
@@ -168,6 +181,8 @@ def shown_columns(runs: list[Run]) -> list[str]:
     """The table's columns: seed only where seeds differ, speed-up only where devices do, a measured figure
     only where some run measured it (MFU: on a GPU that Lightning's peak table lists)."""
     hidden = {"seed"} if not varies(runs, "seed") else set()
+    if all(run.finished == "yes" for run in runs):
+        hidden.add("finished")
     if not varies(runs, "total_devices"):
         hidden.add("speedup")
     hidden |= {key for key in ("tflops_per_s", "mfu", "peak_memory_mib", "comm_bytes_per_step")
@@ -288,7 +303,7 @@ def _save(figure: "Figure", path: Path) -> None:
     for axes in figure.axes:
         axes.grid(alpha=0.3)
         if axes.lines:
-            axes.legend(fontsize="small")
+            axes.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0)  # off the data
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
     FigureCanvasAgg(figure)
@@ -305,29 +320,43 @@ def _labels(runs: list[Run], with_seed: bool = True) -> list[str]:
         same = [i for i, other in enumerate(labels) if other == label]
         if len(same) < 2:
             continue
-        keys = sorted({k for i in same for k in runs[i].params} - set(NOT_A_SETTING) - ({"seed"} if seeds else set()))
+        keys = sorted({k for i in same for k in runs[i].params} - {*NOT_A_SETTING, *PER_DEVICES})
         differing = [k for k in keys if len({str(runs[i].params.get(k)) for i in same}) > 1]
         for i in same:
-            labels[i] += f" {differing[0]}={runs[i].params.get(differing[0])}" if differing else f" (row {i + 1})"
+            labels[i] += f" {differing[0]}={_word(runs[i].params.get(differing[0]))}" if differing else f" (row {i + 1})"
     return labels
+
+
+def _word(value: Any) -> str:
+    """A setting as a user types it: 1 for the 1.0 that HParams keeps, `none` for an unset one."""
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return "none" if value in ("", None) else str(value)
+
+
+def colour(index: int) -> Any:
+    """The `index`th of 20 distinct colours (matplotlib's tab20, its dark shades first)."""
+    from matplotlib import colormaps
+
+    return colormaps["tab20"]((2 * index) % 20 + (index // 10) % 2)
 
 
 def plot_val_acc(runs: list[Run], path: Path) -> None:
     """One line per run; repeats of a setting share a colour and differ in line style and marker."""
     from matplotlib.figure import Figure
 
-    figure = Figure(figsize=(8, 5))
+    figure = Figure(figsize=(11, 5))
     axes = figure.add_subplot()
-    colours: dict[tuple, str] = {}
+    colours: dict[tuple, Any] = {}
     repeats: dict[tuple, int] = defaultdict(int)
     styles = [("-", "o"), ("--", "s"), (":", "^"), ("-.", "D")]
     for run, label in zip(runs, _labels(runs)):
         if run.val_acc:
             epochs, accs = zip(*run.val_acc)
-            colour = colours.setdefault(run.setting, f"C{len(colours) % 10}")
+            shade = colours.setdefault(run.setting, colour(len(colours)))
             line, marker = styles[repeats[run.setting] % len(styles)]
             repeats[run.setting] += 1
-            axes.plot(epochs, accs, color=colour, linestyle=line, marker=marker, label=label)
+            axes.plot(epochs, accs, color=shade, linestyle=line, marker=marker, label=label)
     axes.set(xlabel="epoch", ylabel="val/acc", title="Validation accuracy per epoch")
     from matplotlib.ticker import MaxNLocator
 
@@ -336,20 +365,24 @@ def plot_val_acc(runs: list[Run], path: Path) -> None:
 
 
 def plot_epoch_time(runs: list[Run], path: Path) -> None:
-    """One line per strategy; model and precision join the label when the runs differ in them."""
-    points: dict[tuple[str, str, str], dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
+    """One line per setting but for devices, labelled as the runs of its first point are."""
+    points: dict[tuple, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
+    first: dict[tuple, Run] = {}
     for run in runs:
         if run.epoch_s is not None:
-            points[run.strategy, run.model, run.precision][run.total_devices].append(run.epoch_s)
-    detailed = len({(model, precision) for _, model, precision in points}) > 1
+            points[run.but_devices][run.total_devices].append(run.epoch_s)
+            first.setdefault(run.but_devices, run)
     from matplotlib.figure import Figure
 
-    figure = Figure(figsize=(8, 5))
+    figure = Figure(figsize=(11, 5))
     axes = figure.add_subplot()
-    for (strategy, model, precision), by_devices in sorted(points.items()):
-        devices = sorted(by_devices)
-        axes.plot(devices, [statistics.median(by_devices[d]) for d in devices], marker="o",
-                  label=f"{strategy} ({model}, {precision})" if detailed else strategy)
+    settings = sorted(points)
+    labels = [label.replace(f" {first[key].total_devices} dev", "") for key, label in
+              zip(settings, _labels([first[key] for key in settings], with_seed=False))]
+    for index, (key, label) in enumerate(zip(settings, labels)):
+        devices = sorted(points[key])
+        axes.plot(devices, [statistics.median(points[key][d]) for d in devices], marker="o", label=label,
+                  color=colour(index))
     axes.set(xlabel="devices (all nodes)", ylabel="median epoch time (s)", title="Epoch time against devices")
     axes.set_xticks(sorted({d for by_devices in points.values() for d in by_devices}))
     axes.set_ylim(bottom=0)
@@ -372,7 +405,7 @@ def markdown_report(runs: list[Run], root: Path, scaling: str = "", failed: dict
     groups = seed_groups(runs)
     by_devices = varies(runs, "total_devices")
     speedup = ("Speed-up is the median epoch time of the runs on one device (devices x num_nodes = 1) with the same "
-               "model, strategy and precision, divided by this run's; empty where there is no such run, and for those "
+               "settings but for devices (model, strategy, precision, batches, epochs, ...), divided by this run's; empty where there is no such run, and for those "
                "runs themselves where there are several. ") if by_devices else ""
     return "\n".join([
         f"# Report: {root}", "",

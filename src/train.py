@@ -202,19 +202,20 @@ def train(cfg: DictConfig) -> tuple[Result, dict[str, Any]]:
     return result, objects
 
 
-def record(cfg: DictConfig, objects: dict[str, Any], result: Result, tested: Path | None) -> None:
-    """Rank 0 ends the run's record: its settings in every logger (TensorBoard's HParams row), `result.json`, and the
-    result line, on the terminal and in train.log."""
+def record(cfg: DictConfig, objects: dict[str, Any], result: Result, tested: Path | None, training: bool = True) -> None:
+    """Rank 0 ends the run's record: its settings in every logger (TensorBoard's HParams row; a training run's only,
+    so that HParams compares trainings), `result.json`, and the result line, on the terminal and in the command's log."""
     trainer = objects["trainer"]
     if not trainer.is_global_zero:
         return
-    params = run_hparams(cfg, trainer, objects["optimizer"].keywords["lr"])
-    params.update(cuda_graphs=objects["fast_steps"].cuda_graphs,
-                  steps_per_execution=objects["fast_steps"].steps_per_execution, tested_weights=tested_weights(tested))
-    log_hparams(objects["loggers"], params, Path(cfg.output_dir), trainer.global_step)
+    if training:
+        params = run_hparams(cfg, trainer, objects["optimizer"].keywords["lr"])
+        params.update(cuda_graphs=objects["fast_steps"].cuda_graphs,
+                      steps_per_execution=objects["fast_steps"].steps_per_execution, tested_weights=tested_weights(tested))
+        log_hparams(objects["loggers"], params, Path(cfg.output_dir), trainer.global_step)
     close_loggers(objects["loggers"])
     result.save(Path(cfg.output_dir))
-    log.info(result.line)
+    logging.getLogger("src.train" if training else "src.eval").info(result.line)
 
 
 def shown(metrics: dict[str, float], name: str) -> str:

@@ -45,7 +45,7 @@ def cpu_precision() -> str:
     return {"bf16-mixed": "bf16-mixed", "32": "32-true"}[auto_precision("cpu")]
 # The global batch and learning rate of the session's shared DDP run (conftest.py's `ddp_run`): linear
 # scaling from a base batch of 32, so that one run also shows the rate that scaling gives.
-LINEAR_LR = ["data.batch_size=128", "optim.lr=0.2", "optim.lr_scaling=linear", "optim.base_batch_size=32"]
+LINEAR_LR = ["data.batch_size=128", "optim.lr=0.05", "optim.lr_scaling=linear", "optim.base_batch_size=32"]
 EVENTS = "events.out.tfevents.*"
 INTERFACE_SCALARS = {"train/loss", "train/acc", "val/acc", "test/acc", "time/epoch_s", "time/samples_per_s"}
 
@@ -135,6 +135,15 @@ def call_main(main: Callable[[list[str]], object], *args: str) -> subprocess.Com
         except SystemExit as exit_:
             status = exit_.code if isinstance(exit_.code, int) else 1
     return subprocess.CompletedProcess(list(args), status, stdout.getvalue(), stderr.getvalue())
+
+
+def on_a_trainer(module):
+    """`module` attached to a CPU Trainer, as Lightning attaches it before it asks for the optimizers."""
+    from lightning.pytorch import Trainer
+
+    module.trainer = Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                             enable_model_summary=False)
+    return module
 
 
 def composed(*overrides: str, run_dir: Path | str = "/tmp/run", config_name: str = "train") -> DictConfig:

@@ -311,7 +311,7 @@ BAD_INPUTS = {
     "unknown model": (["model=vgg"], "model=vgg is not an option; choose one of: lenet, resnet18"),
     "unknown strategy in a sweep": (["-m", "strategy=ddp,bogus"], "strategy=bogus is not an option"),
     "misspelled key": (["optim.learning_rate=0.1"], "optim.learning_rate is not a known key; did you mean optim.lr?"),
-    "run folder below /proc": (["hydra.run.dir=/proc/nope/run"], "cannot write /proc/nope: No such file or directory"),
+    "run folder below /proc": (["hydra.run.dir=/proc/nope/run"], "error: /proc/nope: No such file or directory"),
     "negative learning rate": (["optim.lr=-0.1"], "optim.lr=-0.1 is not allowed; optim.lr must be a number above 0"),
     "batch not divisible": (["strategy=ddp", "devices=2", "data.batch_size=255"], "data.batch_size=255"),
     "strategy knob": (["strategy=ddp", "devices=2", "strategy.hook=zip"], "strategy.hook=zip is not allowed"),

@@ -201,3 +201,23 @@ def test_a_checkpoint_to_resume_is_read_once_before_the_run(tmp_path, monkeypatc
     check_checkpoint(saved, "last", lenet, "lenet")
     assert purge_step(saved, run_dir) == 4
     assert reads == [last]
+
+
+def test_lightnings_load_from_checkpoint_builds_the_runs_model_from_the_file_alone(quick_run):
+    """`Classifier.load_from_checkpoint(path)`, the first thing a Lightning user types, needs no config."""
+    path = quick_run.dir / "checkpoints" / "last.ckpt"
+    module = Classifier.load_from_checkpoint(path, map_location="cpu")
+    saved = torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
+    assert module.state_dict().keys() == saved.keys()
+    assert all(torch.equal(module.state_dict()[name], tensor) for name, tensor in saved.items())
+    assert module.eval()(torch.zeros(2, 1, 28, 28)).shape == (2, 10)
+
+
+def test_load_from_checkpoint_builds_no_class_that_conf_does_not_name(tmp_path, quick_run):
+    marker = tmp_path / "made_by_the_checkpoint"
+    checkpoint = torch.load(quick_run.dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    checkpoint["hyper_parameters"]["net"] = {"_target_": "os.makedirs", "name": str(marker)}
+    torch.save(checkpoint, tmp_path / "crafted.ckpt")
+    with pytest.raises(UsageError, match="net._target_"):
+        Classifier.load_from_checkpoint(tmp_path / "crafted.ckpt", map_location="cpu")
+    assert not marker.exists()

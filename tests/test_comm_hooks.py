@@ -40,6 +40,7 @@ SMALL_BUCKET_MB = 0.1
 # all-reduce (which repeats bit for bit), after BATCHES SGD steps of LeNet, whose largest weights are about
 # 4e-2. Measured: 5e-5 with fp16, 8e-5 with bf16.
 TOLERANCE = {"fp16": 2e-4, "bf16": 5e-4}
+MEASURED_RECIPE = ("model.net.init=normal", "optim.lr=0.1", "optim.momentum=0")  # the recipe the bounds were measured with
 
 PARAM_SHAPES = [p.shape for p in LeNet().parameters()]
 PARAMS = sum(shape.numel() for shape in PARAM_SHAPES)
@@ -74,6 +75,7 @@ def train(tmp_path_factory: pytest.TempPathFactory, data_root: Path):
             f"trainer.accumulate_grad_batches={accumulate}",
             "trainer.limit_val_batches=1", "trainer.limit_test_batches=1", "trainer.num_sanity_val_steps=0",
             "trainer.log_every_n_steps=1", "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false",
+            *MEASURED_RECIPE,
         )
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
         return run_dir

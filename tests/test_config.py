@@ -10,7 +10,7 @@ from src.config import CONF_DIR
 from src.models.module import Classifier
 from src.optim import build_optimizer
 from src.train import build
-from tests.helpers import composed
+from tests.helpers import composed, on_a_trainer
 from tests.test_bad_input import group_options
 
 
@@ -39,7 +39,7 @@ def test_model_options_take_classes_and_channels_from_the_data_config(model):
 def test_optim_options_build_the_optimizer_they_name(optim):
     cfg = composed("model=lenet", f"optim={optim}", "optim.lr_scaling=linear", "data.batch_size=512")
     module = build("model", cfg.model, optimizer=build_optimizer(cfg.optim, cfg.data.batch_size))
-    optimizer = module.configure_optimizers()
+    optimizer = on_a_trainer(module).configure_optimizers()
     assert type(optimizer).__name__ == cfg.optim._target_.rpartition(".")[2]
     assert optimizer.param_groups[0]["lr"] == pytest.approx(cfg.optim.lr * 2), "scaled: 512 / base 256"
     assert {"sgd", "adam"} <= set(group_options("optim"))

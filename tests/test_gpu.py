@@ -140,7 +140,7 @@ def test_cuda_graph_steps_train_what_eager_steps_train(data_root, model, compile
         Trainer(accelerator="gpu", devices=1, max_epochs=3, limit_val_batches=1, num_sanity_val_steps=0, logger=False,
                 precision="16-mixed", enable_checkpointing=False, enable_progress_bar=False, use_distributed_sampler=False,
                 deterministic=True).fit(module, datamodule=data)
-        assert module.trainer.global_step == 3 * GRAPH_STEPS and module.optimizers().optimizer.defaults["fused"]
+        assert module.trainer.global_step == 3 * GRAPH_STEPS and module.trainer.optimizers[0].defaults["fused"]
     assert modules["graphs"].graphed is not None
     for (key, a), b in zip(modules["eager"].state_dict().items(), modules["graphs"].state_dict().values()):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6, msg=key)

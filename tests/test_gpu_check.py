@@ -12,7 +12,7 @@ SCRIPT = REPO / "benchmarks" / "gpu_check.sh"
 
 
 @pytest.mark.parametrize(("part", "data", "error"), [
-    ("speed", None, "error: part=speed: choose one of tests ddp2 speed-lenet speed-resnet18 accuracy or all"),
+    ("speed", None, "error: part=speed: choose one of quick tests ddp2 speed-lenet speed-resnet18 accuracy or all"),
     ("tests", "missing", "error: data root=missing: no FashionMNIST/raw in it"),
 ])
 def test_a_wrong_part_or_data_root_is_one_line_and_exit_2(tmp_path, data_root, part, data, error):
@@ -67,3 +67,36 @@ def test_the_summary_holds_each_tests_result_the_speed_table_and_the_seed_statis
     assert cells[1].startswith("1: 0.") and ", 2: 0." in cells[1] and " ± " in cells[2] and float(cells[3]) > 0
     assert float(cells[5]) > 0 and cells[6] == ""  # TFLOP/s a device; MFU only on a GPU that Lightning's table lists
     assert "| d2l_resnet18 | missing |" in text
+
+
+@pytest.mark.slow
+def test_the_quick_record_holds_each_parts_end_and_the_recipes_against_the_books_bars(tmp_path, data_root):
+    """Logs as `gpu_check.sh quick` leaves them (one part out of time, one recipe missing, one below its bar): the
+    record says each, and its exit status says a recipe missed its bar."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "environment.log").write_text("NVIDIA H100 80GB HBM3, 570.86.15, 81559 MiB\n")
+    (logs / "recipes.status").write_text("0 95\n")
+    (logs / "graphs.status").write_text("124 180\n")
+    (tmp_path / "test_sample.py").write_text(SAMPLE_TESTS)
+    subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-o", "junit_logging=system-out",
+                    f"--junitxml={logs / 'graphs.xml'}", str(tmp_path / "test_sample.py")], cwd=tmp_path, capture_output=True)
+    speed = run_cli("benchmarks.speed", "--data-root", str(data_root), "--model", "tiny", "--steps", "8", "--rounds", "2",
+                    "--only", "framework ddp,framework ddp without comm callback", timeout=300)
+    assert speed.returncode == 0, speed.stderr[-3000:]
+    (logs / "speed-resnet18.log").write_text(speed.stdout)
+    sweep = train("-m", *QUICK, "seed=1", f"hydra.sweep.dir={logs / 'recipes'}")  # LeNet, one short epoch: below the bar
+    assert sweep.returncode == 0, sweep.stderr[-3000:]
+
+    result = run_cli("benchmarks.gpu_summary", str(logs), "--quick", timeout=300)
+    assert result.returncode == 1, result.stderr[-3000:]
+    text = (logs / "summary.md").read_text()
+    assert text == result.stdout and text.startswith("# GPU check (quick)")
+    assert "| recipes | passed | 95 |" in text and "| graphs | out of time | 180 |" in text
+    lenet_row = next(line for line in text.splitlines() if line.startswith("| d2l_lenet |"))
+    cells = [cell.strip() for cell in lenet_row.strip("|").split("|")]
+    assert 0 <= float(cells[1]) < 0.83 and cells[2] == "0.83" and cells[6] == "NO"
+    assert len(cells[3].split(", ")) == 1  # one epoch's val/acc: nothing to rise above
+    assert "| d2l_resnet18 | missing | 0.9 |" in text
+    assert "`graphs`: 1 passed, 1 failed" in text and "`nccl`: missing" in text
+    assert "framework ddp without comm callback" in text.split("### resnet18", 1)[1]

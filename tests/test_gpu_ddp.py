@@ -17,22 +17,17 @@ import pytest
 from src.models.lenet import LeNet
 from src.models.resnet import resnet18
 from tests.equivalence import checkpoint, deviation
-from tests.helpers import QUICK, TorchrunNodes, hparams, run_cli, scalars, train, user_env
+from tests.helpers import QUICK, TorchrunNodes, hparams, run_cli, scalars, train
 from tests.test_comm_hooks import BATCHES, WARMUP, powersgd_payload
 from tests.test_equivalence import DIFFERENT_RESULT, LENET, RESNET
 from tests.test_stopping import WAIT_S, checkpointed_epoch, wait_for
+from tests.test_sync_batchnorm import SAME_IN_FLOAT64, in_float64
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
 TWO_RANKS = ("accelerator=gpu", "devices=1", "num_nodes=2")
 HOOKS = {"ddp": "none", "ddp_fp16": "fp16", "ddp_bf16": "bf16", "ddp_powersgd": "powersgd", "ddp_powersgd_fp16": "powersgd_fp16"}
 NETS = {"lenet": LeNet, "resnet18": resnet18}
-# Two ranks against one process, fp32 on CUDA, in lengths of one SGD step (tests/equivalence.py), the CPU
-# tests' bound. TF32 is off in both (cuDNN convolves fp32 in TF32 by default, 10 mantissa bits, and on an
-# H100 that took SyncBatchNorm's cases to 0.87 and 0.09: docs/results.md, GPU); NVIDIA_TF32_OVERRIDE=0 is
-# read by cuBLAS and cuDNN themselves, so it holds in every process the launchers start.
-SAME_RESULT_ON_CUDA = 2e-2
-EXACT_FP32 = {"NVIDIA_TF32_OVERRIDE": "0"}
 
 
 def nccl_node(node: int) -> dict[str, str]:
@@ -40,12 +35,9 @@ def nccl_node(node: int) -> dict[str, str]:
     return {"NCCL_HOSTID": f"gpu-check-node{node}", "NCCL_SOCKET_IFNAME": "lo", "NCCL_IB_DISABLE": "1"}
 
 
-def two_ranks(run_dir: Path, *args: str, env: dict[str, str] | None = None) -> list[str]:
-    """A run of two NCCL ranks that must succeed, `env` added to both launchers'; their output."""
-    def node_env(node: int) -> dict[str, str]:
-        return {**nccl_node(node), **(env or {})}
-
-    with TorchrunNodes(2, *TWO_RANKS, *args, f"hydra.run.dir={run_dir}", node_env=node_env) as nodes:
+def two_ranks(run_dir: Path, *args: str) -> list[str]:
+    """A run of two NCCL ranks that must succeed; their output."""
+    with TorchrunNodes(2, *TWO_RANKS, *args, f"hydra.run.dir={run_dir}", node_env=nccl_node) as nodes:
         statuses = nodes.wait()
     assert statuses == [0, 0], "\n".join(log[-3000:] for log in nodes.logs)
     return nodes.logs
@@ -82,16 +74,17 @@ CASES = {  # the same first steps on one process and on two ranks; whether they 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_two_ranks_end_with_the_weights_of_one_process(tmp_path, data_root, case):
-    """The CPU tests' equivalence oracle (tests/test_equivalence.py) on CUDA, in fp32 without TF32: SyncBatchNorm
-    over NCCL restores one process's result, and per-rank BatchNorm statistics move it away (the oracle can fail)."""
+    """The CPU tests' equivalence oracle (tests/test_equivalence.py, tests/test_sync_batchnorm.py) on CUDA, in float64
+    (no TF32 then, and BatchNorm has only float64 rounding to magnify): SyncBatchNorm over NCCL restores one process's
+    result, and per-rank BatchNorm statistics move it away (the oracle can fail)."""
     args, same = CASES[case]
-    common = (f"data.root={data_root}", "accelerator=gpu", "trainer.benchmark=false", "cuda_graphs=false", *args)
-    one = run_cli("src.train", *common, f"hydra.run.dir={tmp_path / 'one'}", env={**user_env(), **EXACT_FP32}, interpreter=True)
+    common = (f"data.root={data_root}", "accelerator=gpu", "trainer.benchmark=false", "cuda_graphs=false", *in_float64(args))
+    one = run_cli("src.train", *common, f"hydra.run.dir={tmp_path / 'one'}")
     assert one.returncode == 0, one.stderr[-3000:]
-    two_ranks(tmp_path / "two", *common, "strategy=ddp", env=EXACT_FP32)
+    two_ranks(tmp_path / "two", *common, "strategy=ddp")
     apart = deviation(checkpoint(tmp_path / "two"), checkpoint(tmp_path / "one"))
     print(f"{case}: two ranks end {apart:.2e} of a step from one process")
-    assert apart < SAME_RESULT_ON_CUDA if same else apart > DIFFERENT_RESULT
+    assert apart < SAME_IN_FLOAT64 if same else apart > DIFFERENT_RESULT
 
 
 # Long enough to be signalled mid-epoch: 50 epochs of 100 steps, each checkpointed in `checkpoints/last.ckpt`.

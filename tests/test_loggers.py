@@ -213,8 +213,20 @@ def test_a_wandb_run_ends_when_its_logger_is_closed(tmp_path, monkeypatch):
     assert wandb.run is not None
     close_loggers([logger])
     assert wandb.run is None
+    wandb.teardown()  # as the process's exit does: W&B's service writes the last records of the run's file after it ended
     records = wandb_records(tmp_path)
     assert any(record.HasField("exit") for record in records) and wandb_points(records) == {"train/loss": [(0, 1.0)]}
+
+
+def test_the_mlflow_logger_turns_off_mlflows_usage_reports(tmp_path):
+    """MLflow sends reports of its use to its makers' servers, unless told not to or where it sees CI or pytest: so the
+    logger is built in an interpreter whose environment has none of their variables."""
+    code = ("import sys; from src.loggers import MLflowRunLogger; MLflowRunLogger(tracking_uri=sys.argv[1]); "
+            "from mlflow.telemetry import client, utils; print(utils._IS_IN_CI_ENV_OR_TESTING, client.get_telemetry_client())")
+    result = subprocess.run([sys.executable, "-c", code, f"sqlite:///{tmp_path / 'mlflow.db'}"], cwd=REPO,
+                            env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["False", "None"]
 
 
 def test_the_loggers_that_take_a_resumed_runs_purge_step():

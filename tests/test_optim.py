@@ -6,6 +6,7 @@ from src.errors import UsageError
 from src.models.lenet import LeNet
 from src.models.module import Classifier
 from src.optim import Schedule, build_optimizer, check_optimizer, scaled_lr
+from tests.helpers import on_a_trainer
 
 
 @pytest.mark.parametrize("global_batch", [32, 256, 1024])
@@ -40,7 +41,7 @@ def test_the_optimizer_takes_no_scaling_or_schedule_key_of_the_config():
 
 def test_the_classifier_optimizer_uses_the_scaled_lr():
     optim = {**SGD, "lr": 0.05, "momentum": 0.9, "weight_decay": 0.0, "lr_scaling": "linear"}
-    optimizer = Classifier(LeNet(), optimizer=build_optimizer(optim, global_batch=1024)).configure_optimizers()
+    optimizer = on_a_trainer(Classifier(LeNet(), optimizer=build_optimizer(optim, global_batch=1024))).configure_optimizers()
     assert isinstance(optimizer, torch.optim.SGD)
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.05 * 1024 / 256)
     assert optimizer.param_groups[0]["momentum"] == 0.9
@@ -49,7 +50,7 @@ def test_the_classifier_optimizer_uses_the_scaled_lr():
 def test_any_optimizer_class_is_a_config_away():
     """Neither the Classifier nor src/optim.py names an optimizer: the config's _target_ does."""
     optim = {"_target_": "torch.optim.RMSprop", "_partial_": True, "lr": 0.01, "alpha": 0.9, "lr_scaling": "linear", "base_batch_size": 64}
-    optimizer = Classifier(LeNet(), optimizer=build_optimizer(optim, global_batch=128)).configure_optimizers()
+    optimizer = on_a_trainer(Classifier(LeNet(), optimizer=build_optimizer(optim, global_batch=128))).configure_optimizers()
     assert isinstance(optimizer, torch.optim.RMSprop)
     assert optimizer.param_groups[0]["alpha"] == 0.9 and optimizer.param_groups[0]["lr"] == pytest.approx(0.02)
 

@@ -124,6 +124,7 @@ def test_a_job_that_fails_fails_its_trial_and_one_without_validation_too(tmp_pat
     with pytest.raises(ValueError, match="boom"):
         TrialTask(lambda cfg: (_ for _ in ()).throw(ValueError("boom")))(cfg)
     assert study.trials[0].state == TrialState.FAIL
+    (tmp_path / "again").mkdir()
     study, cfg = trial_of_job(tmp_path / "again")
     with pytest.raises(UsageError, match=r"trial 1 has no val/acc_best to be judged by: run ran no validation"):
         TrialTask(lambda cfg: Result({"test/acc": 0.9}, "..."))(cfg)
@@ -134,7 +135,7 @@ def test_a_trial_the_pruner_gives_up_is_recorded_and_told_as_pruned(tmp_path):
     study, cfg = trial_of_job(tmp_path)
     study.set_user_attr("pruner", "median")
     for value in (0.9, 0.88, 0.91, 0.9, 0.92):  # five earlier trials, far better after their first epoch
-        study.add_trial(create_trial(params={"optim.lr": 0.01}, distributions={"optim.lr": FloatDistribution(0.001, 1.0)},
+        study.add_trial(create_trial(params={"optim.lr": 0.01}, distributions={"optim.lr": FloatDistribution(0.001, 1.0, log=True)},
                                      value=value, intermediate_values={0: value}))
     record = TrialRecord(str(tmp_path / DB), "s", 0)
     assert record.report(0, 0.3) is True
@@ -191,9 +192,9 @@ def dashboard_studies(db: Path) -> list[str]:
 
     environ, answer = {"PATH_INFO": "/api/studies", "REQUEST_METHOD": "GET"}, []
     setup_testing_defaults(environ)
-    body = b"".join(wsgi(f"sqlite:///{db}")(environ, lambda status, headers: answer.append(status)))
-    assert answer == ["200 OK"], body[:300]
-    return [study["study_name"] for study in json.loads(body)["studies"]]
+    body = b"".join(wsgi(f"sqlite:///{db}")(environ, lambda status, *headers: answer.append(status)))
+    assert answer == ["200 OK"], environ["wsgi.errors"].getvalue()[-3000:]
+    return [study["study_name"] for study in json.loads(body)["study_summaries"]]
 
 
 @pytest.mark.slow
@@ -288,3 +289,14 @@ def test_without_optuna_the_search_is_one_line_naming_the_extra_to_install(tmp_p
     assert result.stderr.strip().splitlines() == ["error: hydra/sweeper=optuna needs the optuna package, which is not "
                                                   "installed; install it with: pip install -e '.[optuna]'"]
     assert not folder.exists()
+
+
+def test_a_resume_of_a_search_takes_the_same_space_and_refuses_another_in_one_line(tmp_path):
+    from src.resume import with_record
+
+    (tmp_path / "multirun.yaml").write_text(f"hydra:\n  overrides:\n    task:\n    - '{LR}'\n    - max_epochs=2\n")
+    resume = ["-m", OPTUNA, f"hydra.sweep.dir={tmp_path}", "ckpt_path=auto"]
+    assert with_record([*resume, LR]) == ["max_epochs=2", *resume, LR]
+    other = "optim.lr=tag(log, interval(0.01, 1))"
+    with pytest.raises(UsageError, match=re.escape(f"{other} is not allowed in a resume of the sweep {tmp_path}: it swept {LR}")):
+        with_record([*resume, other])

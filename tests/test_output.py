@@ -168,7 +168,7 @@ def test_a_quick_run_reads_cleanly(tmp_path, data_root):
     result = train(*QUICK, "trainer.enable_model_summary=true", f"hydra.run.dir={run_dir}")
     assert result.returncode == 0, result.stderr[-3000:]
     [line] = [line for line in result.stdout.splitlines() if "test/acc=" in line]
-    assert re.search(r"\(precision \S+, 1 process, tested (best-epoch\d+\.ckpt|the last weights)(; train/loss [^)]*\([^)]*\)[^)]*)?\) -> ", line), line
+    assert re.search(r"\(precision \S+, 1 process, tested (best-epoch\d+\.ckpt|the last weights)(; train/loss [^()]*(\([^)]*\)[^)]*)?)?\) -> ", line), line
     assert "Total params" in result.stdout and "Total Flops" not in result.stdout and "FLOPs" not in result.stdout
     assert "smaller than the logging interval" not in result.stderr
     assert "Trainer already configured with model summary" not in result.stdout

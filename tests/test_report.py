@@ -14,6 +14,7 @@ from torch.utils.tensorboard.summary import hparams as hparams_summary
 
 from src.report import COLUMNS, FILES, collect_runs, markdown_table, read_run
 from src.report import main as report_main
+from src.records import Result
 from src.runs import RunFolder
 from tests.helpers import DATA_ROOT, call_main, hparams, run_cli, scalars, train
 
@@ -104,8 +105,12 @@ def test_cli_report_matches_the_runs_event_files(sweep, tmp_path):
 
 # ---- synthetic runs: the numbers are ours, so the arithmetic can be checked exactly ----
 
-def write_run(folder: Path, config: dict, series: dict[str, list[float]], params: dict | None = None) -> Path:
+def write_run(folder: Path, config: dict, series: dict[str, list[float]], params: dict | None = None,
+              finished: bool = True) -> Path:
+    """A run folder of known numbers; `finished`: with its result, as a run that ended writes it."""
     folder.mkdir(parents=True)
+    if finished:
+        Result({}, "done", step=len(series.get("time/epoch_s", []))).save(folder)
     OmegaConf.save(OmegaConf.create(config), folder / "config.yaml")
     with SummaryWriter(log_dir=str(folder)) as writer:
         for tag, values in series.items():
@@ -160,6 +165,38 @@ def test_synthetic_runs_give_known_medians_and_speedups(synthetic, tmp_path):
     # No one-device run of the same strategy and precision: no speed-up, and empty cells stay empty.
     assert rows["fp32"]["speedup"] == rows["dp"]["speedup"] == ""
     assert one["comm_bytes_per_step"] == one["samples_per_s"] == ""
+
+
+def test_a_speed_up_compares_runs_that_differ_in_devices_alone(tmp_path):
+    """A one-device run of 4 batches an epoch is no baseline for a two-device run of 60 (measured before: 41.45)."""
+    def run(name: str, devices: int, batches: int, epoch_s: float) -> None:
+        write_run(tmp_path / name, config("ddp", devices), {"time/epoch_s": [epoch_s]},
+                  {"devices": devices, "world_size": devices, "trainer.limit_train_batches": batches})
+
+    run("short", 1, 4, 1.0)
+    run("long", 1, 60, 12.0)
+    run("long_on_two", 2, 60, 8.0)
+    run("odd_on_two", 2, 30, 4.0)
+    result = report(str(tmp_path), "--out", str(tmp_path / "out"))
+    assert result.returncode == 0, result.stderr
+    rows = {row["run"]: row for row in read_csv(tmp_path / "out" / "report.csv")}
+    assert float(rows["long_on_two"]["speedup"]) == pytest.approx(12.0 / 8.0)
+    assert rows["odd_on_two"]["speedup"] == "", "no one-device run of 30 batches"
+    assert float(rows["short"]["speedup"]) == float(rows["long"]["speedup"]) == 1.0
+
+
+def test_a_run_that_stopped_before_its_result_is_marked_with_the_precision_it_recorded(tmp_path):
+    """A killed run has no result.json and no HParams summary (both are written as a run ends)."""
+    write_run(tmp_path / "done", config("ddp", 1, precision="auto"), {"time/epoch_s": [1.0]}, {"precision_used": "32-true"})
+    write_run(tmp_path / "killed", {**config("ddp", 1, precision="auto"), "precision_used": "bf16-mixed"},
+              {"time/epoch_s": [1.0]}, finished=False)
+    result = report(str(tmp_path), "--out", str(tmp_path / "out"))
+    assert result.returncode == 0, result.stderr
+    rows = {row["run"]: row for row in read_csv(tmp_path / "out" / "report.csv")}
+    assert (rows["killed"]["finished"], rows["killed"]["precision"]) == ("no", "bf16-mixed")
+    assert (rows["done"]["finished"], rows["done"]["precision"]) == ("yes", "32-true")
+    table = (tmp_path / "out" / "report.md").read_text()
+    assert "| finished |" in table and "| killed | resnet18 | ddp | 1 | 1 | bf16-mixed | no |" in table
 
 
 @pytest.mark.parametrize("epoch_tag", ["trainer/epoch", "epoch"])  # runs written before the rename too

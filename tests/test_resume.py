@@ -3,6 +3,7 @@ SIGKILL resumes to exactly the weights of an unbroken run, with no TensorBoard s
 
 import json
 import shutil
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +15,7 @@ from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 
 from src.data.fashion_mnist import augment
-from tests.helpers import QUICK, REPO, Run, free_port, scalar_steps, steps_going_back, train, user_env
+from tests.helpers import QUICK, REPO, Run, free_port, scalar_steps, scalars, steps_going_back, train, user_env
 
 # Ten batches an epoch, three epochs; the fault callback kills a process after a given step.
 LONGER = [*QUICK, "max_epochs=3", "trainer.limit_train_batches=10", "data.batch_size=128", "optim.momentum=0.9"]
@@ -35,11 +36,17 @@ def assert_same_weights(run: Path, reference: Path) -> None:
     assert not different, f"tensors that differ from the unbroken run: {different}"
 
 
+# DDP times a sample of its steps (the first ten, every hundredth), counted from its own start, which a resumed run's
+# DDP makes anew: those figures sit at the steps each run's DDP timed (docs/communication.md).
+DDP_SAMPLED = ("xfer/backward_compute_ms", "xfer/backward_comm_ms", "xfer/overlap_ms", "xfer/overlap_frac")
+
+
 def assert_same_tensorboard_steps(run: Path, reference: Path) -> None:
     ours, theirs = scalar_steps(run), scalar_steps(reference)
     for tag, series in ours.items():  # Lightning's own epoch counter is logged with train and val alike
         assert tag == "trainer/epoch" or len(series) == len(set(series)), f"{tag} has a step twice: {series}"
-    assert ours == theirs
+    assert {tag: steps for tag, steps in ours.items() if not tag.startswith(DDP_SAMPLED)} == \
+        {tag: steps for tag, steps in theirs.items() if not tag.startswith(DDP_SAMPLED)}
 
 
 def assert_matches_unbroken(run: Path, reference: Path) -> None:
@@ -307,4 +314,8 @@ def test_a_finished_run_resumed_says_so_and_a_longer_one_trains_on(tmp_path, qui
     longer = train(*QUICK, "max_epochs=2", "ckpt_path=last", f"hydra.run.dir={run_dir}")
     assert longer.returncode == 0, longer.stderr[-3000:]
     assert load(run_dir / "checkpoints" / "last.ckpt")["epoch"] == 1
-    assert json.loads((run_dir / "result.json").read_text())["line"] != recorded
+    result = json.loads((run_dir / "result.json").read_text())
+    assert result["line"] != recorded
+    # Its median epoch time is over both epochs, the one before the resume included, as TensorBoard shows them.
+    epoch_s = scalars(run_dir)["time/epoch_s"]
+    assert len(epoch_s) == 2 and result["metrics"]["time/epoch_s"] == pytest.approx(statistics.median(epoch_s))

@@ -208,8 +208,9 @@ def test_stuck_rank_stops_the_run_after_the_collective_timeout(tmp_path, data_ro
         _, rank1 = run.wait_training(workers=2)
         os.kill(rank1, signal.SIGSTOP)
         run.wait_exit()
-    # Rank 0's own words, or those of rank 1 once it runs again and finds its peer gone: they exit nearly together.
-    assert_stopped(run, 1, rf"^error: rank \d \(pid \d+\): a collective (waited strategy.timeout_s={STUCK_TIMEOUT_S} s|failed)")
+    # Rank 0's words, naming the rank it waited for: it continues rank 1 only after it has said them.
+    assert_stopped(run, 1, rf"^error: rank 0 \(pid \d+\): a collective waited strategy.timeout_s={STUCK_TIMEOUT_S} s "
+                           rf"without an answer from rank 1 \(pid {rank1}\), which is stopped \(SIGSTOP or a debugger\)")
 
 
 @pytest.mark.slow

@@ -14,6 +14,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from lightning import Callback, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from src.callbacks.hardware import HardwareUse
@@ -59,7 +60,8 @@ def project_callbacks(tmp_path) -> list[Callback]:
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         # A check of the loss every 1000 batches: on a GPU it reads every trainer.log_every_n_steps, not every step.
         cfg = compose("train", overrides=[f"output_dir={tmp_path}", "+callbacks.finite_loss.every_n_steps=1000"])
-    return [instantiate(c) for c in cfg.callbacks.values() if not c._target_.endswith("ModelCheckpoint")]
+    callbacks = [instantiate(c) for c in cfg.callbacks.values()]
+    return [c for c in callbacks if not isinstance(c, ModelCheckpoint)]
 
 
 @pytest.mark.parametrize("steps_per_execution", [1, 2])

@@ -1,6 +1,7 @@
 """`test_weights`: a run tests its best validated checkpoint unless told to test its last weights, and
 `python -m src.eval` given a run folder scores the same checkpoint."""
 
+import json
 import pytest
 
 from tests.helpers import QUICK, hparams, run_cli, scalars, train
@@ -63,9 +64,9 @@ def test_test_weights_last_tests_the_weights_training_ended_with(runs, scores):
 def test_eval_of_a_run_folder_scores_its_best_checkpoint_unless_told_last(runs, scores, tmp_path):
     run_dir = runs["best"][0]
     assert evaluate(tmp_path / "best", f"ckpt_path={run_dir}") == scores["best"]
-    assert hparams(tmp_path / "best")["tested_weights"] == "best"
+    assert "/best-epoch0.ckpt -> " in json.loads((tmp_path / "best" / "result.json").read_text())["line"]
     assert evaluate(tmp_path / "last", f"ckpt_path={run_dir}", "test_weights=last") == scores["last"]
-    assert hparams(tmp_path / "last")["tested_weights"] == "last"
+    assert "/last.ckpt -> " in json.loads((tmp_path / "last" / "result.json").read_text())["line"]
 
 
 def test_a_run_without_validation_tests_its_last_weights_and_says_so(runs):

@@ -165,6 +165,13 @@ class HardwareUse(Callback):
             for logger in trainer.loggers:
                 logger.log_metrics(medians, step=max(trainer.global_step - 1, 0))
 
+    def state_dict(self) -> dict[str, Any]:
+        """The epochs' figures so far, in each checkpoint: a resumed run's medians cover all its epochs."""
+        return {"tflops_per_s": list(self.tflops_per_s), "mfu": list(self.mfu), "peak_memory": self.peak_memory}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.tflops_per_s, self.mfu, self.peak_memory = list(state["tflops_per_s"]), list(state["mfu"]), state["peak_memory"]
+
     def summary(self) -> dict[str, float]:
         """The run's figures: medians over its epochs of TFLOP/s and MFU, and its peak memory; what it did not measure is absent."""
         figures = {"usage/tflops_per_s": self.tflops_per_s, "usage/mfu": self.mfu}

@@ -84,6 +84,13 @@ class EpochTimer(Callback):
             log.info(f"epoch {trainer.current_epoch + 1}/{trainer.max_epochs} step {trainer.global_step}: {metrics} "
                      f"{seconds:.2f} s {samples_per_s:.0f} samples/s")
 
+    def state_dict(self) -> dict[str, list[float]]:
+        """The epochs' figures so far, in each checkpoint: a resumed run's medians cover all its epochs."""
+        return {"epoch_times": list(self.epoch_times), "samples_per_s": list(self.samples_per_s)}
+
+    def load_state_dict(self, state: dict[str, list[float]]) -> None:
+        self.epoch_times, self.samples_per_s = list(state["epoch_times"]), list(state["samples_per_s"])
+
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.epoch_times and trainer.is_global_zero:
             for logger in trainer.loggers:

@@ -119,13 +119,13 @@ def main(hydra_main: Callable[[], object], report: bool = False) -> None:
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises its refusals here, where they become one line
     stops.handle_stop_signals()
     args = sys.argv[1:]
-    status, sweep_dir = 0, None
+    status, sweep_dir, held = 0, None, None
     try:
         config.check_args(args)
         sweep_dir = typed_sweep_dir(args)
         if sweep_dir is not None:  # one writer a sweep folder, for the command's life (a new folder is its own)
             fresh = not sweep_dir.exists()
-            lock.acquire(sweep_dir, "sweep")
+            held = lock.acquire(sweep_dir, "sweep")
         if report:
             args = resume.with_record(args)
         sweep = [arg for arg in args if arg in ("-m", "--multirun")]  # Hydra takes it before its overrides only
@@ -137,6 +137,8 @@ def main(hydra_main: Callable[[], object], report: bool = False) -> None:
         status = failed(error, args)
         if sweep_dir is not None and fresh and progress.tally is None:
             naming.unclaim_dir(sweep_dir)
+    if held is not None:
+        lock.release(held, sweep_dir)
     sweep = progress.tally
     if sweep is not None:
         written = write_report(sweep.sweep_dir, sweep.failures, sweep.appendix) if report and sweep.sweep_dir else None

@@ -19,30 +19,43 @@ NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 
 
 def acquire(folder: Path, what: str) -> int | None:
-    """Lock `folder` for this process: its lock file's descriptor, held until it is closed (or the process ends).
+    """Lock `folder` for this process: its lock file's descriptor, held until `release` (or the process's end).
     A folder another process holds is refused in one line naming that process."""
     folder.mkdir(parents=True, exist_ok=True)
-    fd = os.open(folder / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as error:
-        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+    while True:
+        fd = os.open(folder / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as error:
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            if error.errno in (errno.EWOULDBLOCK, errno.EACCES):
+                raise UsageError(f"{folder} is in use: {holder} is writing this {what}; wait for it to end, or stop "
+                                 "it first (one writer per folder)") from None
+            if error.errno in NO_LOCKS:
+                log.warning(f"{folder}: this filesystem takes no locks ({error.strerror}); nothing keeps a second writer out")
+                return None
+            raise
+        if _same_file(fd, folder / LOCK):  # else its holder removed it as we opened it: lock the new one
+            break
         os.close(fd)
-        if error.errno in (errno.EWOULDBLOCK, errno.EACCES):
-            raise UsageError(f"{folder} is in use: {holder} is writing this {what}; wait for it to end, or stop it "
-                             "first (one writer per folder)") from None
-        if error.errno in NO_LOCKS:
-            log.warning(f"{folder}: this filesystem takes no locks ({error.strerror}); nothing keeps a second writer out")
-            return None
-        raise
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
     return fd
 
 
-def release(fd: int | None) -> None:
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        return os.path.samestat(os.fstat(fd), os.stat(path))
+    except FileNotFoundError:
+        return False
+
+
+def release(fd: int | None, folder: Path) -> None:
+    """Unlock `folder` and remove its lock file, which a writer that ended without this call leaves behind (unlocked)."""
     if fd is not None:
-        os.ftruncate(fd, 0)
+        if _same_file(fd, folder / LOCK):
+            (folder / LOCK).unlink()
         os.close(fd)
 
 
@@ -52,4 +65,4 @@ def held(folder: Path, what: str = "run") -> Iterator[None]:
     try:
         yield
     finally:
-        release(fd)
+        release(fd, folder)

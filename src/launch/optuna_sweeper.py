@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import ChoiceSweep, IntervalSweep, RangeSweep
 from hydra.core.plugins import Plugins
 from hydra.core.utils import JobReturn
 from hydra.plugins.sweeper import Sweeper
@@ -85,7 +86,7 @@ def search_space(arguments: Sequence[str]) -> Space:
         if not override.is_sweep_override():
             space.fixed.append(str(override.input_line))
             continue
-        if not (override.is_interval_sweep() or override.is_choice_sweep() or override.is_range_sweep()):
+        if not isinstance(value, (IntervalSweep, ChoiceSweep, RangeSweep)):  # glob() names config files, not a space
             raise UsageError(line + "hydra/sweeper=optuna searches interval(), choice(), range() and a,b,c")
         tags = set(value.tags)
         if tags - {"log", "int"} or tags and not override.is_interval_sweep():
@@ -130,8 +131,8 @@ class OptunaSweeper(Sweeper):
         self.check(space)
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         sweep_dir.mkdir(parents=True, exist_ok=True)
-        OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
         study, n_trials, at_once, returns = self.open_study(sweep_dir), self.settings["n_trials"], self.trials_at_once(), []
+        OmegaConf.save(self.config, sweep_dir / "multirun.yaml")  # what job folders are named by, and a resume takes
         left = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))  # an earlier command's, stopped
         ended = len(study.trials) - len(left)
         progress.tally = progress.Tally(total=max(n_trials, len(study.trials)), before=ended, sweep_dir=sweep_dir,

@@ -115,10 +115,12 @@ def rank_failure(error: BaseException, cfg: DictConfig) -> "RankFailed | None":
     return None
 
 
-def timed_out(cfg: DictConfig) -> RankFailed:
-    """The line of a collective that waited `strategy.timeout_s` for another rank."""
+def timed_out(cfg: DictConfig, stopped: str = "") -> RankFailed:
+    """The line of a collective that waited `strategy.timeout_s` for another rank (`stopped`: that rank, where it is
+    known to be stopped, by SIGSTOP or a debugger)."""
     waited = f"strategy.timeout_s={cfg.strategy.get('timeout_s')}"
-    return RankFailed(f"a collective waited {waited} s without an answer from another rank; run stopped", timed_out=True)
+    peer = f"{stopped}, which is stopped (SIGSTOP or a debugger)" if stopped else "another rank"
+    return RankFailed(f"a collective waited {waited} s without an answer from {peer}; run stopped", timed_out=True)
 
 
 def die_with_launcher() -> None:

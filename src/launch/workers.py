@@ -50,11 +50,6 @@ from src.records import Result
 # How long a worker that lost its peer waits for the agent, which knows how the peer ended, to end it instead: the
 # agent reports the first worker it finds ended, and this one is 25 ms behind.
 PEER_GONE_GRACE_S = 10.0
-# NCCL's watchdog ends a rank whose collective failed or waited `strategy.timeout_s` by SIGABRT, from its own thread,
-# where no Python sees it (`_rank_failure` tells the death). Mode 3, torch's default outside its elastic agent, ends it
-# at once; the agent would hand its workers 1, which first aborts the communicators, a call that can hang. Kept where
-# the environment chose a mode.
-NCCL_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}
 
 
 def processes_per_node(cfg: DictConfig) -> int:
@@ -151,8 +146,10 @@ def start(task: Callable[[DictConfig], Result], cfg: DictConfig, nprocs: int) ->
         )
         resolved = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))  # workers have no Hydra to resolve with
         task = importable(task)
-        for name, value in NCCL_ENV.items():  # the agent hands the workers this process's value
-            os.environ.setdefault(name, value)
+        # NCCL's watchdog ends a rank whose collective failed or waited strategy.timeout_s by SIGABRT, from its own
+        # thread (`_rank_failure` tells the death). Mode 3, torch's default outside its elastic agent, ends it at once;
+        # the agent hands its workers this process's mode, else 1, which first aborts the communicators: that can hang.
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
         logging_config = OmegaConf.to_container(HydraConfig.get().job_logging, resolve=True) if HydraConfig.initialized() else None
         try:
             results = elastic_launch(config, _worker)(task, resolved, logging_config, str(position))
@@ -246,6 +243,7 @@ def _worker(task: Callable[[DictConfig], Result], cfg: DictConfig, logging_confi
     tqdm.set_lock(threading.RLock())
     rank = int(os.environ["RANK"])
     rank_zero_only.rank = rank  # Lightning read it at import, before the agent set RANK
+    Path(position).with_name(f"pid{os.getpid()}").write_text(str(rank))  # for the peers' `stopped_peers`
     _log_to_file(logging_config, rank)
     _share_cores(int(os.environ["LOCAL_WORLD_SIZE"]))
     handle_stop_signals()
@@ -270,6 +268,10 @@ def _worker(task: Callable[[DictConfig], Result], cfg: DictConfig, logging_confi
             traceback.print_exc()
             raise
         if failure.timed_out:
+            stopped = stopped_peers(Path(position).parent)
+            if not stopped:  # perhaps the stopped rank itself, continued: the rank that waited for it says it first
+                time.sleep(PEER_GONE_GRACE_S)
+            failure = timed_out(cfg, stopped)
             # The agent stops the other workers with SIGTERM, which a worker stopped by SIGSTOP only receives once
             # continued (else it is SIGKILLed 30 s later): say why first, then continue them, then exit at once.
             get_error_handler().record_exception(failure)
@@ -279,6 +281,23 @@ def _worker(task: Callable[[DictConfig], Result], cfg: DictConfig, logging_confi
         # it does; only if it does not is this worker's line the run's.
         time.sleep(PEER_GONE_GRACE_S)
         raise failure from None
+
+
+def stopped_peers(ranks: Path) -> str:
+    """The other workers of this run (this process group) that are stopped, as `rank N (pid P)` (each worker notes its
+    pid's rank in the folder `ranks`); empty where none is, or where the system does not tell (no /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()  # after the command's name, which may hold spaces
+            pid = int(stat.parent.name)
+            if fields[0] != "T" or int(fields[2]) != os.getpgrp() or pid == os.getpid():
+                continue
+            rank = (ranks / f"pid{pid}").read_text()
+        except (OSError, ValueError, IndexError):
+            continue
+        found.append(f"rank {rank} (pid {pid})")
+    return ", ".join(sorted(found))
 
 
 def _share_cores(workers: int) -> None:
