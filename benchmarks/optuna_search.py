@@ -6,7 +6,7 @@
 Both searches ask the same seeded sampler, one trial after another, so that their first trials are the same
 points; prints, for each, the wall time from the command's start to its exit, the best `val/acc_best` and that
 trial's learning rate and `test/acc`, the trials by state, and the epochs trained in all (what pruning saves).
-Exits 1 when a search fails.
+Exits 1 when a search fails before its study exists.
 """
 
 import argparse
@@ -31,14 +31,14 @@ def cpu_model() -> str:
 
 def search(pruner: str, args: argparse.Namespace, folder: Path) -> None:
     command = [sys.executable, "-m", "src.train", "-m", "hydra/sweeper=optuna", "model=lenet",
-               "optim.lr=tag(log, interval(0.001, 1))", f"hydra.sweeper.n_trials={args.trials}",
+               "optim.lr=tag(log, interval(0.001, 0.1))", f"hydra.sweeper.n_trials={args.trials}",
                f"hydra.sweeper.pruner={pruner}", f"max_epochs={args.epochs}", f"data.root={args.data_root}",
                f"trainer.limit_train_batches={args.batches}", "trainer.enable_progress_bar=false",
                f"hydra.sweep.dir={folder}"]
     started = time.perf_counter()
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
     wall = time.perf_counter() - started
-    if result.returncode != 0:
+    if not (folder / "optuna.db").is_file():  # a trial that diverged fails alone (exit 1); the study is there
         sys.exit(f"the search with pruner={pruner} failed:\n{result.stderr[-3000:]}")
     study = optuna.load_study(study_name=None, storage=f"sqlite:///{folder / 'optuna.db'}")
     states: dict[str, int] = {}

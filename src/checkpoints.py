@@ -243,7 +243,10 @@ def check_readable(saved: Saved | None, given: object) -> None:
         raise UsageError(f"ckpt_path={given} is not allowed; {saved.path} is not a safe checkpoint: it holds objects that "
                          f"cannot be loaded safely ({refused}); a checkpoint is read as tensors and plain values only, so "
                          "that loading it cannot run code")
-    raise UsageError(f"ckpt_path={given} is not allowed; {saved.path} is not a checkpoint file ({unreadable(saved.error)})")
+    others = sorted(p.name for p in saved.path.parent.glob("*.ckpt") if p != saved.path)
+    beside = f"; beside it: {', '.join(others)}, which ckpt_path=<file> takes" if others else ""
+    raise UsageError(f"ckpt_path={given} is not allowed; {saved.path} is not a checkpoint file "
+                     f"({unreadable(saved.error)}){beside}")
 
 
 def check_checkpoint(saved: Saved | None, given: object, module: torch.nn.Module, model_name: str) -> None:

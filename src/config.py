@@ -24,7 +24,7 @@ from hydra.errors import HydraException, MissingConfigException, OverrideParseEx
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from src.errors import UsageError
+from src.errors import UsageError, missing_package
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
@@ -363,7 +363,7 @@ def check_across_keys(cfg: DictConfig, flat: dict[str, Any]) -> None:
     for name, logger in cfg.logger.items():
         package = LOGGER_EXTRAS.get(str(logger.get("_target_", "")).rpartition(".")[2])
         if package and importlib.util.find_spec(package) is None:
-            raise UsageError(f"logger={name} needs the {package} package: pip install -e '.[{package}]'")
+            raise missing_package(f"logger={name}", package)
     checkpoints = [name for name, c in cfg.callbacks.items() if str(c.get("_target_", "")).endswith("ModelCheckpoint")]
     if flat.get("trainer.enable_checkpointing") is False and checkpoints:
         raise not_allowed("trainer.enable_checkpointing", False, "it must be null or true while checkpoint callbacks are "

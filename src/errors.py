@@ -1,6 +1,8 @@
 """The errors a run ends with in one `error: ...` line: the user's input, or what stopped a valid run."""
 
 import errno
+import sys
+from pathlib import Path
 
 
 class UsageError(Exception):
@@ -14,6 +16,18 @@ class RunFailed(Exception):
 
 class TrainingDiverged(RunFailed):
     """The input was valid but the loss left the finite numbers."""
+
+
+def interpreter() -> str:
+    """How this Python was started, as a command to type in a fresh shell from the checkout (`.venv/bin/python`)."""
+    path = Path(sys.executable)
+    return str(path.relative_to(Path.cwd())) if path.is_relative_to(Path.cwd()) else str(path)
+
+
+def missing_package(what: str, package: str) -> UsageError:
+    """`what` asked for an optional package that is not installed: the line names the command that installs it."""
+    return UsageError(f"{what} needs the {package} package, which is not installed; install it with: "
+                      f"{interpreter()} -m pip install -e '.[{package}]'")
 
 
 def said(error: BaseException) -> UsageError | RunFailed | None:

@@ -145,6 +145,7 @@ def collect() -> dict[str, Any]:
         "nccl": dist.is_available() and dist.is_nccl_available(),
         "gloo": dist.is_available() and dist.is_gloo_available(),
         "cpu_cores": _cpu_cores(),
+        "threads": torch.get_num_threads(),
         "cpu_bf16": cpu_bf16,
         "versions": {
             "torch": torch.__version__,
@@ -185,6 +186,8 @@ def format_report(info: dict[str, Any]) -> str:
     lines += [f"  {pair}: {describe_link(code)}" for pair, code in interconnect["links"].items()]
     lines.append(line("Backends", f"NCCL {_yes(info['nccl'])} (needs CUDA GPUs), gloo {_yes(info['gloo'])}"))
     lines.append(line("CPU cores", f"{info['cpu_cores']} usable by this process; native bf16: {_yes(info['cpu_bf16'])}"))
+    lines.append(line("CPU threads", f"{info['threads']} for torch's operators in this process (a DDP worker's: its "
+                                     "share of the cores); OMP_NUM_THREADS=<n> sets them"))
     v = info["versions"]
     lines.append(line("Versions", f"torch {v['torch']}, lightning {v['lightning']}, "
                                   f"CUDA {v['cuda'] or 'none (CPU build)'}, cuDNN {cudnn_version(v['cudnn'])}"))

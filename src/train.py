@@ -62,6 +62,10 @@ def quiet_known_warnings() -> None:
     for name in ("lightning", "lightning.pytorch", "lightning.fabric", "torchmetrics"):
         logging.getLogger(name).handlers.clear()  # Lightning's own console handlers: its lines go to train.log too
         logging.getLogger(name).propagate = True
+    # Lightning's advertisement for a hosted logger; and its notice that `limit_train_batches=1` is one batch, which
+    # debug=quick's steps_per_execution turns into several optimizer steps.
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(
+        lambda record: not str(record.msg).startswith(("💡 Tip", "`Trainer(limit_train_batches=1)`")))
 
 
 quiet_known_warnings()

@@ -34,7 +34,7 @@ DATA_ROOT = Path(os.environ.get("FASHION_MNIST_ROOT", REPO.parent / "shared" / "
 # Keeps command-line tests small (conf/debug/quick.yaml: one short epoch, few batches, no progress
 # bar) on the offline data, which is machine-specific and so not part of that file.
 QUICK = [f"data.root={DATA_ROOT}", "debug=quick"]
-# The interpreter as a command started in the checkout names it, to be run from there (src.launch.cli.interpreter).
+# The interpreter as a command started in the checkout names it, to be run from there (src.errors.interpreter).
 INTERPRETER = str(Path(sys.executable).relative_to(REPO)) if Path(sys.executable).is_relative_to(REPO) else sys.executable
 
 

@@ -103,6 +103,11 @@ def test_debug_quick_says_whether_the_loss_fell_in_its_steps(tmp_path, quick_run
     flat = re.search(r"; train/loss (did not fall|rose) in its 4 steps \((\d\.\d{4}) to (\d\.\d{4})\): these are too few",
                      book.stdout)
     assert flat, book.stdout[-2000:]
+    # Two batches a step: the 4 batches are 2 optimizer steps.
+    accumulated = train(*QUICK, "trainer.accumulate_grad_batches=2", f"hydra.run.dir={tmp_path / 'accumulated'}")
+    assert accumulated.returncode == 0, accumulated.stderr[-3000:]
+    assert re.search(r"; train/loss (fell from \S+ to \S+ in 2 steps|\S+( \S+)? in its 2 steps )", accumulated.stdout), \
+        accumulated.stdout[-2000:]
 
 
 @pytest.mark.slow

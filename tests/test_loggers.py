@@ -16,7 +16,7 @@ from src.config import CONF_DIR
 from src.loggers import CSVRunLogger, WandbRunLogger, close_loggers, takes_purge_step
 from src.records import result as recorded
 from src.report import main as report_main
-from tests.helpers import QUICK, REPO, call_main, cpu_precision, hparams, run_cli, scalar_steps, scalars, train, user_env
+from tests.helpers import INTERPRETER, QUICK, REPO, call_main, cpu_precision, hparams, run_cli, scalar_steps, scalars, train, user_env
 
 # What W&B adds to each history row: its own counters, and Lightning's step as the x-axis.
 WANDB_COUNTERS = {"_step", "_runtime", "_timestamp", "trainer/global_step"}
@@ -187,7 +187,8 @@ def test_a_logger_whose_package_is_missing_is_one_line_naming_the_extra(tmp_path
                             cwd=REPO, env=user_env(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 2, result.stderr[-3000:]
     assert result.stderr.strip().splitlines() == [
-        f"error: logger={package} needs the {package} package: pip install -e '.[{package}]'"]
+        f"error: logger={package} needs the {package} package, which is not installed; install it with: "
+        f"{INTERPRETER} -m pip install -e '.[{package}]'"]
     assert not run_dir.exists()
 
 

@@ -22,7 +22,7 @@ from src.launch import progress
 from src.launch.optuna_sweeper import DB, OptunaSweeper, search_space, storage
 from src.launch.progress import Progress, Tally
 from src.records import Result
-from tests.helpers import QUICK, run_cli, scalars, train, user_env
+from tests.helpers import INTERPRETER, QUICK, run_cli, scalars, train, user_env
 
 LR = "optim.lr=tag(log, interval(0.001, 1))"
 OPTUNA = "hydra/sweeper=optuna"
@@ -287,7 +287,7 @@ def test_without_optuna_the_search_is_one_line_naming_the_extra_to_install(tmp_p
                      env={**user_env(), "PYTHONPATH": str(missing.parent)})
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == ["error: hydra/sweeper=optuna needs the optuna package, which is not "
-                                                  "installed; install it with: pip install -e '.[optuna]'"]
+                                                  f"installed; install it with: {INTERPRETER} -m pip install -e '.[optuna]'"]
     assert not folder.exists()
 
 

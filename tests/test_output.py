@@ -5,6 +5,7 @@ import io
 import logging
 import re
 import string
+import subprocess
 import sys
 import threading
 
@@ -21,7 +22,7 @@ from src.callbacks.model_summary import SummaryWithoutZeroFlops, without_zero_fl
 from src.config import CONF_DIR
 from src.checkpoints import unreadable as unreadable_checkpoint
 from src.launch.console import ConsoleHandler, counted, open_progress_bars, print_error, processes
-from tests.helpers import QUICK, run_cli, train
+from tests.helpers import INTERPRETER, QUICK, REPO, run_cli, train, user_env
 
 
 def screen(text: str) -> list[str]:
@@ -172,6 +173,8 @@ def test_a_quick_run_reads_cleanly(tmp_path, data_root):
     assert "Total params" in result.stdout and "Total Flops" not in result.stdout and "FLOPs" not in result.stdout
     assert "smaller than the logging interval" not in result.stderr
     assert "Trainer already configured with model summary" not in result.stdout
+    # Neither Lightning's advertisement nor its notice of one batch an epoch, where the user asked for 4 steps.
+    assert "Tip" not in result.stdout and "was configured so" not in result.stdout
 
 
 def test_a_ddp_run_reads_cleanly(ddp_run):
@@ -191,17 +194,20 @@ def help_text(name: str) -> str:
 @pytest.mark.parametrize("name", ["train", "eval"])
 def test_help_says_what_the_command_does_and_how_to_call_it(name):
     text = help_text(name)
-    assert text.startswith(f"python -m src.{name}: ") and f"Usage: python -m src.{name} " in text
+    assert text.startswith(f"{INTERPRETER} -m src.{name}: ") and f"Usage: {INTERPRETER} -m src.{name} " in text
     assert "ckpt_path" in text and "data.root" in text and "model: lenet, resnet18" in text
-    assert f"python -m src.{name} --cfg job" in text
+    assert f"{INTERPRETER} -m src.{name} --cfg job" in text
     assert "powered by Hydra" not in text and "_target_" not in text
 
 
 def test_train_help_on_the_command_line():
     result = run_cli("src.train", "--help", timeout=120)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("python -m src.train: train a model") and "strategy: auto, ddp," in result.stdout
+    assert result.stdout.startswith(f"{INTERPRETER} -m src.train: train a model") and "strategy: auto, ddp," in result.stdout
     assert "_target_" not in result.stdout
+    # The commands it prints run as printed, from the checkout in a fresh shell: the interpreter is the running one.
+    command = result.stdout.split(":", 1)[0].split()
+    assert subprocess.run([*command, "--help"], cwd=REPO, env=user_env(), capture_output=True, timeout=120).returncode == 0
 
 
 def test_sysinfo_names_no_python_calls_and_writes_cudnn_as_released():

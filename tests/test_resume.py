@@ -319,3 +319,14 @@ def test_a_finished_run_resumed_says_so_and_a_longer_one_trains_on(tmp_path, qui
     # Its median epoch time is over both epochs, the one before the resume included, as TensorBoard shows them.
     epoch_s = scalars(run_dir)["time/epoch_s"]
     assert len(epoch_s) == 2 and result["metrics"]["time/epoch_s"] == pytest.approx(statistics.median(epoch_s))
+
+
+def test_a_damaged_last_checkpoint_is_one_line_naming_the_checkpoints_beside_it(tmp_path, quick_run: Run):
+    run_dir = quick_run.copy(tmp_path)
+    last = run_dir / "checkpoints" / "last.ckpt"
+    last.write_bytes(last.read_bytes()[:1000])
+    result = train(*QUICK, "ckpt_path=last", f"hydra.run.dir={run_dir}")
+    assert result.returncode == 2, result.stderr[-3000:]
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"error: ckpt_path=last is not allowed; {last} is not a checkpoint file (")
+    assert line.endswith("; beside it: best-epoch0.ckpt, which ckpt_path=<file> takes")

@@ -140,6 +140,7 @@ def test_cli_on_this_machine():
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert re.search(rf"CPU cores:\s+{len(os.sched_getaffinity(0))}\b", out)
+    assert re.search(rf"CPU threads:\s+{torch.get_num_threads()} for torch's operators", out)
     assert f"torch {torch.__version__}" in out and f"lightning {lightning.__version__}" in out
     assert re.search(rf"gloo {'yes' if torch.distributed.is_gloo_available() else 'no'}", out)
     if not torch.cuda.is_available():

@@ -1,7 +1,7 @@
 """Where Hydra finds the Optuna sweeper (`hydra/sweeper=optuna`) and its settings, in any Hydra app. Optuna itself is
-imported only when the sweeper is asked for (the `optuna` extra: pip install -e '.[optuna]').
+imported only when the sweeper is asked for (the `optuna` extra: .venv/bin/pip install -e '.[optuna]').
 
-    python -m src.train -m hydra/sweeper=optuna 'optim.lr=tag(log, interval(0.001, 1))' hydra.sweeper.n_trials=12
+    python -m src.train -m hydra/sweeper=optuna 'optim.lr=tag(log, interval(0.001, 0.1))' hydra.sweeper.n_trials=12
 """
 
 from dataclasses import dataclass

@@ -14,7 +14,11 @@ class LossFalls(Callback):
     def __init__(self) -> None:
         self.first: torch.Tensor | None = None
         self.last: torch.Tensor | None = None
-        self.steps = 0
+        self.steps = 0  # optimizer steps: a batch may hold several (fast steps) or a part of one (accumulation)
+        self._counted, self._start = 0, 0
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._counted, self._start = self.steps, trainer.global_step  # a resumed run's, restored by now
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -25,7 +29,7 @@ class LossFalls(Callback):
         if self.first is None:
             self.first = losses[0]
         self.last = losses[-1]
-        self.steps += losses.numel()
+        self.steps = self._counted + trainer.global_step - self._start
 
     def state_dict(self) -> dict[str, Any]:
         """The first loss and the steps counted, in checkpoints: a resumed run's verdict spans all its steps."""

@@ -19,19 +19,13 @@ from omegaconf import DictConfig, OmegaConf
 
 from src import config, resume
 from src.records import Result
-from src.errors import RunFailed, UsageError, said
+from src.errors import RunFailed, UsageError, interpreter, said
 from src.launch import lock, naming, progress, ranks, stops
 from src.launch.console import counted, print_error, print_line
 from src.launch.stops import RankFailed, RunStopped, signal_name
 
 log = logging.getLogger(__name__)
 SETTINGS = (".hydra", "config.yaml", lock.LOCK)  # what a folder holds before a run has written anything of its own
-
-
-def interpreter() -> str:
-    """How this Python was started, as a command to type in a fresh shell from the checkout."""
-    path = Path(sys.executable)
-    return str(path.relative_to(Path.cwd())) if path.is_relative_to(Path.cwd()) else str(path)
 
 
 def holds_only_settings(folder: Path) -> bool:

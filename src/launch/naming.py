@@ -8,6 +8,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from src.errors import interpreter
 from src.folders import missing, remove_empty
 from src.records import load, overrides, select
 from src.launch.ranks import external_rank, run_stamp
@@ -124,7 +125,7 @@ def unclaim_unused() -> None:
 
 def register_resolvers() -> None:
     for name, function in (("run_stamp", run_stamp), ("claim_dir", claim_dir), ("run_label", run_label),
-                           ("precision_used", precision_used)):
+                           ("precision_used", precision_used), ("python", interpreter)):  # python: --help's commands
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, function, use_cache=True)
     if not OmegaConf.has_resolver("sweep_job_dirname"):

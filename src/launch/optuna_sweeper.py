@@ -1,6 +1,6 @@
 """`hydra/sweeper=optuna`: a search of the space typed on the command line for the best `val/acc_best`, with Optuna.
 
-    python -m src.train -m hydra/sweeper=optuna 'optim.lr=tag(log, interval(0.001, 1))' hydra.sweeper.n_trials=12
+    python -m src.train -m hydra/sweeper=optuna 'optim.lr=tag(log, interval(0.001, 0.1))' hydra.sweeper.n_trials=12
 
 Each trial is a sweep job of the sweep's launcher (side by side under `hydra/launcher=parallel`). The study is an
 SQLite file, `<sweep>/optuna.db`, which outlives the command, so that a resume (`hydra.sweep.dir=<sweep>
@@ -23,7 +23,7 @@ from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf
 
 from src.config import NULL, must_be, not_allowed, one_of, rule_for, shown, whole
-from src.errors import UsageError
+from src.errors import UsageError, missing_package
 from src.launch import progress
 from src.launch.console import print_line
 
@@ -40,8 +40,7 @@ def optuna_package() -> Any:
     try:
         import optuna
     except ImportError:
-        raise UsageError("hydra/sweeper=optuna needs the optuna package, which is not installed; install it with: "
-                         "pip install -e '.[optuna]'") from None
+        raise missing_package("hydra/sweeper=optuna", "optuna") from None
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     return optuna
 
@@ -90,7 +89,7 @@ def search_space(arguments: Sequence[str]) -> Space:
             raise UsageError(line + "hydra/sweeper=optuna searches interval(), choice(), range() and a,b,c")
         tags = set(value.tags)
         if tags - {"log", "int"} or tags and not override.is_interval_sweep():
-            raise UsageError(line + "the tags it knows are log and int, on an interval(): tag(log, interval(0.001, 1))")
+            raise UsageError(line + "the tags it knows are log and int, on an interval(): tag(log, interval(0.001, 0.1))")
         try:
             if override.is_interval_sweep():
                 kind, cast = (distributions.IntDistribution, int) if "int" in tags else (distributions.FloatDistribution, float)
@@ -102,7 +101,7 @@ def search_space(arguments: Sequence[str]) -> Space:
             raise UsageError(line + " ".join(str(error).split())) from None
     if not space.distributions:
         raise UsageError("hydra/sweeper=optuna needs a space to search: a key typed with interval(), choice() or "
-                         "range(), e.g. 'optim.lr=tag(log, interval(0.001, 1))'")
+                         "range(), e.g. 'optim.lr=tag(log, interval(0.001, 0.1))'")
     return space
 
 
