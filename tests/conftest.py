@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from hydra.core.hydra_config import HydraConfig
 
 # The launchers' configs, registered in Hydra's ConfigStore as Hydra scans its plugins; imported here, before any test
 # saves Hydra's singletons to put them back after it (`hydra_restore_singletons`, the launcher kit's fixture).
@@ -39,6 +40,14 @@ def checkout_outputs_untouched():
     yield
     added = _checkout_runs() - before
     assert not added, f"the test left folders in {OUTPUTS}: {sorted(added)}"
+
+
+@pytest.fixture(autouse=True)
+def no_hydra_config_left_behind():
+    """The config a test set as Hydra's current one (`tests.helpers.composed`, as a job has it) is cleared after it:
+    Hydra's next composition in this process would resolve that config's folders, and claim them."""
+    yield
+    HydraConfig.instance().cfg = None
 
 
 @pytest.fixture

@@ -78,8 +78,9 @@ def test_the_report_over_outputs_tells_the_truth(tmp_path):
         write_run(root / "runs" / f"seed{seed}", {**config("ddp", 2), "seed": seed},
                   {"time/epoch_s": [epoch_s], "test/acc": [0.8], "xfer/bytes_per_step_epoch": [1000.0]},
                   {"seed": seed, "lr": 0.1, "precision_used": "32-true"})
-    scored = write_run(root / "eval" / "scored", {**config("auto", 1), "seed": 42}, {"test/acc": [0.75]},
-                       {"ckpt_path": "outputs/runs/a", "precision_used": "32-true"})
+    # An evaluation records no HParams row: what it scored is its config's ckpt_path.
+    scored = write_run(root / "eval" / "scored", {**config("auto", 1), "seed": 42, "ckpt_path": "outputs/runs/a",
+                                                  "precision_used": "32-true"}, {"test/acc": [0.75]})
     (scored / ".hydra").mkdir()
     OmegaConf.save(OmegaConf.create({"hydra": {"job": {"name": "eval"}}}), scored / ".hydra" / "hydra.yaml")
 
