@@ -337,7 +337,7 @@ def test_a_launcher_job_cancelled_by_hand_fails_the_sweep(checkout):
     assert status == 1, err[-3000:]
     last = err.strip().splitlines()[-1]
     assert re.fullmatch(rf"error: 1 sweep job failed: {LABEL}: run stopped by SIGTERM during epoch \d+ \(step \d+\); "
-                        rf".*last\.ckpt holds the last finished epoch; resume with: python -m src\.train -m "
+                        rf".*last\.ckpt holds the last finished epoch; resume with: {re.escape(sys.executable)} -m src\.train -m "
                         rf"hydra\.sweep\.dir=sweep ckpt_path=auto \(SLURM job {array_id}(_0)?\)", last), last
     assert "Traceback" not in err
 
@@ -353,7 +353,7 @@ def test_a_cancelled_launcher_sweep_resumes_with_the_command_its_line_names(chec
     released.touch()
     assert status == 1, err[-3000:]
     sweep = checkout / "sweep"
-    command = "python -m src.train -m hydra.sweep.dir=sweep ckpt_path=auto"
+    command = f"{sys.executable} -m src.train -m hydra.sweep.dir=sweep ckpt_path=auto"  # the interpreter that ran
     assert f"; resume with: {command} (SLURM job {array_id}" in err, err[-3000:]
     # A job that had checkpointed was held there: its first epoch logged and checkpointed, nothing after it.
     interrupted = [p.parent.parent for p in sweep.glob("*/checkpoints/last.ckpt")]

@@ -25,10 +25,10 @@ from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLaunche
 from omegaconf import OmegaConf, open_dict
 from submitit.core.utils import UncompletedJobError, cloudpickle_dump, temporary_save_path
 
-from src.errors import UsageError
+from src.errors import RunFailed, UsageError
 from src.launch import stops
 from src.launch.naming import job_folder_name
-from src.launch.progress import Progress, failure
+from src.launch.progress import Progress, failure, value
 from src.launch.stops import RankFailed, RunStopped
 
 log = logging.getLogger(__name__)
@@ -190,6 +190,9 @@ def result(job: submitit.Job, overrides: Sequence[str]) -> JobReturn:
     except (UncompletedJobError, submitit.core.utils.FailedJobError) as error:
         failed = RankFailed(f"{last_error(job, str(error))} (SLURM job {job.job_id})")
         returned = JobReturn(overrides=list(overrides), status=JobStatus.FAILED, _return_value=failed)
+    said = value(returned)
+    if returned.status == JobStatus.FAILED and type(said) in (UsageError, RunFailed):  # the job's own line, with its id
+        returned.return_value = type(said)(f"{said} (SLURM job {job.job_id})")
     return returned
 
 
