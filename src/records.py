@@ -84,6 +84,16 @@ def overrides(lines: Any, path: Path) -> list[str]:
     return list(lines)
 
 
+# A sweep's launcher and sweeper as its command chose them: plain option names and values, no resolver or interpolation.
+LAUNCH = re.compile(r"hydra(/(launcher|sweeper)=[\w-]+|\.(launcher|sweeper)\.[\w.]+=[^$]*)")
+
+
+def launch_overrides(lines: Any, path: Path) -> list[str]:
+    """The Hydra overrides a sweep's resume takes from its record (`hydra/launcher=slurm`,
+    `hydra.launcher.partition=gpu`), so that it runs where the sweep ran; never a `_target_`, a callback or a folder."""
+    return [line for line in overrides(lines, path) if LAUNCH.fullmatch(line) and "_target_" not in line]
+
+
 def check_override(line: str, path: Path) -> None:
     """A recorded override that a command takes, checked as typed input and more strictly: no Hydra setting, no
     `_target_`, no resolver call."""

@@ -52,7 +52,9 @@ def with_record(args: list[str]) -> list[str]:
         path = Path(str(typed["hydra.sweep.dir"].value())) / SWEEP_RECORD
         if not path.is_file():
             return args
-        recorded = records.overrides(records.select(records.load(path), "hydra.overrides.task"), path)
+        data = records.load(path)
+        recorded = records.overrides(records.select(data, "hydra.overrides.task"), path)
+        launch = records.launch_overrides(records.select(data, "hydra.overrides.hydra") or [], path)
     elif not multirun and word in CKPT_WORDS and "hydra.run.dir" in typed:
         folder = Path(str(typed["hydra.run.dir"].value()))
         if word == "last" and not folder.is_dir():
@@ -63,7 +65,7 @@ def with_record(args: list[str]) -> list[str]:
         if not path.is_file():
             raise UsageError(f"{path} is missing: a resume takes the run's settings from it; resume a folder that a run "
                              "wrote, or start a new run elsewhere")
-        recorded = records.overrides(records.load(path), path)
+        recorded, launch = records.overrides(records.load(path), path), []
     else:
         return args
     for line in recorded:
@@ -71,7 +73,7 @@ def with_record(args: list[str]) -> list[str]:
             records.check_override(line, path)
     if multirun:
         check_sweep(config.parse(recorded), typed, path.parent)
-    return [*(line for line in recorded if key(line) not in typed), *args]
+    return [*(line for line in [*launch, *recorded] if key(line) not in typed), *args]
 
 
 def check_sweep(recorded: list[Override], typed: dict[str, Override], folder: Path) -> None:
