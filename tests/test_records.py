@@ -11,6 +11,7 @@ from pathlib import Path
 
 import yaml
 
+from src import records
 from src.report import main as report_main
 from src.scaling.predict import main as scaling_main
 from tests.helpers import DATA_ROOT, QUICK, Run, call_main, run_cli, train
@@ -133,3 +134,12 @@ def test_report_and_scaling_leave_a_crafted_run_out_and_never_build_or_resolve_i
     assert (f"warning: {crafted}: left out ({crafted / 'config.yaml'}: model.net._target_=builtins.open is not allowed "
             "in a run's records") in result.stderr
     assert not marker.exists() and not made.exists()
+
+
+def test_a_sweeps_resume_takes_only_its_launcher_and_sweeper_from_the_hydra_record(tmp_path):
+    """Where the sweep ran, as plain names and values; no folder, callback, `_target_` or resolver call."""
+    recorded = ["hydra/launcher=slurm", "hydra.launcher.partition=gpu", "hydra.sweep.dir=elsewhere",
+                "hydra.callbacks.evil._target_=os.system", "hydra.launcher._target_=os.system",
+                "hydra.launcher.comment=${claim_dir:/tmp/x}", "hydra/sweeper=optuna", "hydra/launcher=${x}"]
+    assert records.launch_overrides(recorded, tmp_path / "multirun.yaml") == [
+        "hydra/launcher=slurm", "hydra.launcher.partition=gpu", "hydra/sweeper=optuna"]
