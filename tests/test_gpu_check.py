@@ -31,6 +31,17 @@ def test_fails():
 """
 
 
+def write_part_logs(tmp_path, logs, report: str, speed_log: str, rows: str, data_root) -> None:
+    """What a tests part and a speed part leave: a JUnit report of SAMPLE_TESTS, and speed.py's table of `rows`."""
+    (tmp_path / "test_sample.py").write_text(SAMPLE_TESTS)
+    subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-o", "junit_logging=system-out",
+                    f"--junitxml={logs / report}", str(tmp_path / "test_sample.py")], cwd=tmp_path, capture_output=True)
+    speed = run_cli("benchmarks.speed", "--data-root", str(data_root), "--model", "tiny", "--steps", "8", "--rounds", "2",
+                    "--only", rows, timeout=300)
+    assert speed.returncode == 0, speed.stderr[-3000:]
+    (logs / speed_log).write_text(speed.stdout)
+
+
 @pytest.mark.slow
 def test_the_summary_holds_each_tests_result_the_speed_table_and_the_seed_statistics(tmp_path, data_root):
     logs = tmp_path / "logs"
@@ -41,13 +52,7 @@ def test_the_summary_holds_each_tests_result_the_speed_table_and_the_seed_statis
     assert checked.returncode == 0, checked.stdout[-3000:] + checked.stderr[-3000:]
     assert "torch " in (logs / "environment.log").read_text()
 
-    (tmp_path / "test_sample.py").write_text(SAMPLE_TESTS)
-    subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-o", "junit_logging=system-out",
-                    f"--junitxml={logs / 'ddp2.xml'}", str(tmp_path / "test_sample.py")], cwd=tmp_path, capture_output=True)
-    speed = run_cli("benchmarks.speed", "--data-root", str(data_root), "--model", "tiny", "--steps", "8", "--rounds", "2",
-                    "--only", "plain fp32", timeout=300)
-    assert speed.returncode == 0, speed.stderr[-3000:]
-    (logs / "speed-lenet.log").write_text(speed.stdout)
+    write_part_logs(tmp_path, logs, "ddp2.xml", "speed-lenet.log", "plain fp32", data_root)
     sweep = train("-m", *QUICK, "seed=1,2", f"hydra.sweep.dir={logs / 'accuracy' / 'd2l_lenet'}")
     assert sweep.returncode == 0, sweep.stderr[-3000:]
 
@@ -78,13 +83,8 @@ def test_the_quick_record_holds_each_parts_end_and_the_recipes_against_the_books
     (logs / "environment.log").write_text("NVIDIA H100 80GB HBM3, 570.86.15, 81559 MiB\n")
     (logs / "recipes.status").write_text("0 95\n")
     (logs / "graphs.status").write_text("124 180\n")
-    (tmp_path / "test_sample.py").write_text(SAMPLE_TESTS)
-    subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-o", "junit_logging=system-out",
-                    f"--junitxml={logs / 'graphs.xml'}", str(tmp_path / "test_sample.py")], cwd=tmp_path, capture_output=True)
-    speed = run_cli("benchmarks.speed", "--data-root", str(data_root), "--model", "tiny", "--steps", "8", "--rounds", "2",
-                    "--only", "framework ddp,framework ddp without comm callback", timeout=300)
-    assert speed.returncode == 0, speed.stderr[-3000:]
-    (logs / "speed-resnet18.log").write_text(speed.stdout)
+    write_part_logs(tmp_path, logs, "graphs.xml", "speed-resnet18.log", "framework ddp,framework ddp without comm callback",
+                    data_root)
     sweep = train("-m", *QUICK, "seed=1", f"hydra.sweep.dir={logs / 'recipes'}")  # LeNet, one short epoch: below the bar
     assert sweep.returncode == 0, sweep.stderr[-3000:]
 
