@@ -1,13 +1,6 @@
-"""Where a run's checkpoints live, how they are written, and which one `ckpt_path` resumes.
-
-A run folder's `checkpoints/` holds:
-
-- `last.ckpt`: the end of the last finished epoch, rewritten after every epoch;
-- `step.ckpt`: with `checkpoint.every_n_train_steps=N`, the newest mid-epoch state, every N steps;
-- `best-epoch<k>.ckpt`: the epoch with the best `val/acc`.
-
-A run tests, and `python -m src.eval` given a run folder scores, the best checkpoint unless
-`test_weights=last`; a run that saved none (validation off) tests its last weights instead.
+"""How a run's checkpoints are written and read, and which one `ckpt_path` resumes: `checkpoints/` holds `last.ckpt`
+(the last finished epoch), `step.ckpt` (mid-epoch, with `checkpoint.every_n_train_steps=N`) and `best-epoch<k>.ckpt`
+(the best `val/acc`, which a run tests unless `test_weights=last`).
 """
 
 import io
@@ -35,39 +28,18 @@ CKPT_WORDS = ("last", "auto")
 
 
 def read_checkpoint(path: str | Path, mmap: bool = False) -> Any:
-    """A checkpoint's contents, unpickled as tensors and plain values only, so that reading a file never runs
-    code it carries. A run's own checkpoints hold nothing else (`RunState` keeps its generators as tensors)."""
+    """Tensors and plain values only, so that reading a file never runs code it carries (`RunState` keeps its
+    generators as tensors)."""
     return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
 
 
-def unsafe_content(error: BaseException) -> str | None:
-    """What torch's weights-only unpickler refused in a file, e.g. `getattr`; None for any other failure
-    (a truncated or foreign file), which says nothing about what the file would run."""
-    message = str(error)
-    if not isinstance(error, pickle.UnpicklingError) or not message.startswith("Weights only load failed"):
-        return None
-    named = re.search(r"GLOBAL (\S+)", message)
-    return named.group(1) if named else "an object that is no tensor or plain value"
-
-
-def keep_storage(storage: Any, location: str) -> Any:
-    """Lightning's default `map_location`: every tensor stays where it was saved."""
-    return storage
-
-
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """Writes a checkpoint beside its final name, then renames it into place; reads one as tensors and
-    plain values only.
+    """Writes a checkpoint beside its final name, then renames it into place: Lightning's save moves a file from /tmp,
+    a copy where /tmp is another filesystem, which a kill cuts short. Reads with `weights_only=True`: Lightning leaves
+    it to torch, whose default turns unsafe under `TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1`."""
 
-    Lightning's own save goes through a temporary file in /tmp and a move, which is a copy when
-    /tmp is another filesystem: a run killed during that copy would leave a truncated `last.ckpt`.
-    Lightning's own load (`trainer.fit(ckpt_path=...)`, a SLURM requeue's `hpc_ckpt_*.ckpt`) leaves
-    `weights_only` to torch, whose default turns unsafe under `TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1`.
-    """
-
-    def load_checkpoint(
-        self, path: str | Path, map_location: Callable | None = keep_storage, weights_only: bool | None = None
-    ) -> dict[str, Any]:
+    def load_checkpoint(self, path: str | Path, map_location: Callable | None = lambda storage, location: storage,
+                        weights_only: bool | None = None) -> dict[str, Any]:
         return moved(super().load_checkpoint(path, map_location=map_location, weights_only=True), Path(path).parent)
 
     @held()  # a stop signal during a save lets it finish: last.ckpt then holds the epoch that just ended
@@ -90,8 +62,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
 
 def moved(checkpoint: dict[str, Any], folder: Path) -> dict[str, Any]:
-    """A checkpoint of a run folder moved or copied since: its checkpoint callbacks' paths (their folder, the best
-    checkpoint's file) in the folder it is read from now, so that the resumed run keeps its best checkpoint as it was."""
+    """The callbacks' paths in the folder it is read from now, so that a moved run folder keeps its best checkpoint."""
     for state in checkpoint.get("callbacks", {}).values():
         old = state.get("dirpath") if isinstance(state, dict) else None
         if not isinstance(old, str) or old == str(folder):
@@ -104,9 +75,8 @@ def moved(checkpoint: dict[str, Any], folder: Path) -> dict[str, Any]:
 
 
 class StepCheckpoint(ModelCheckpoint):
-    """`checkpoints/step.ckpt` every `checkpoint.every_n_train_steps` steps, except at an epoch's last batch: the epoch's
-    validation and last.ckpt come right after it, and a resume from a step saved before them would skip that validation
-    (its best checkpoint, its val/* scalars): one saved earlier in the epoch replays the last steps instead."""
+    """`step.ckpt` every N steps, except at an epoch's last batch: a resume from it would skip the epoch's validation
+    (its best checkpoint, its val/* scalars), which comes right after; one saved earlier replays the last steps."""
 
     def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
         if not trainer.is_last_batch:
@@ -115,11 +85,8 @@ class StepCheckpoint(ModelCheckpoint):
 
 @dataclass(frozen=True)
 class Saved:
-    """A checkpoint file and what one safe read of it gave: its contents, or the error that stopped the read.
-
-    Read once before a run starts, it serves every question asked of the file then (which is newest,
-    is it safe, does it fit the model, at which step was it saved); Lightning reads it again to resume.
-    """
+    """One safe read of a checkpoint file before a run starts, its contents or the error that stopped it: it answers
+    every question asked of the file then; Lightning reads it again to resume."""
 
     path: Path
     contents: Any = None
@@ -127,13 +94,13 @@ class Saved:
 
     @property
     def step(self) -> int:
-        """The optimizer step it was saved at; -1 for a file that is no Lightning checkpoint or not a safe one."""
+        """-1 for a file that is no Lightning checkpoint or not a safe one."""
         step = self.contents.get("global_step") if isinstance(self.contents, dict) else None
         return int(step) if isinstance(step, int) else -1
 
 
 def open_checkpoint(path: Path) -> Saved:
-    """One safe read of `path`, mapped: the tensors' bytes are read only where they are used."""
+    """Mapped: the tensors' bytes are read only where they are used."""
     try:
         return Saved(path, contents=read_checkpoint(path, mmap=True))
     except Exception as error:  # kept for the check that names what is wrong with the file
@@ -141,57 +108,42 @@ def open_checkpoint(path: Path) -> Saved:
 
 
 def newest(run_dir: Path) -> Saved | None:
-    """The resumable checkpoint of `run_dir` saved at the latest step; `last.ckpt` on a tie."""
+    """The resumable checkpoint saved at the latest step; `last.ckpt` on a tie."""
     found = [open_checkpoint(path) for name in RESUMABLE if (path := run_dir / "checkpoints" / name).is_file()]
     return max(found, key=lambda saved: saved.step, default=None)  # max keeps the first of equal steps
 
 
 def clean_partial(run_dir: Path) -> None:
-    """Remove what an attempt killed while writing left half-written (`AtomicCheckpointIO`'s `.partial` files): the
-    run that holds the folder now is its only writer."""
+    """Remove the `.partial` files of an attempt killed while writing: the run holding the folder is its only writer."""
     for partial in [*(run_dir / "checkpoints").glob(".*.partial"), *run_dir.glob(".*.partial")]:
         partial.unlink(missing_ok=True)
 
 
 def has_checkpoints(run_dir: Path) -> bool:
-    folder = run_dir / "checkpoints"
-    return folder.is_dir() and any(folder.glob("*.ckpt"))
+    return any((run_dir / "checkpoints").glob("*.ckpt"))
 
 
 def resolve_ckpt_path(ckpt_path: str | None, run_dir: Path) -> Saved | None:
-    """The checkpoint a run starts from, read once.
-
-    - null: none; a run folder that already holds checkpoints is not overwritten by a new run;
-    - `last`: the newest of the run folder's `last.ckpt` and `step.ckpt`, which must exist;
-    - `auto`: the same if there is one, else a fresh start (for launchers that restart a run);
-    - a file: that checkpoint.
-    """
+    """The checkpoint a run starts from: none (in a folder without checkpoints), the newest resumable one (`last`; with
+    `auto`, none where there is none, for launchers that restart a run), or a file."""
     if ckpt_path is None:
         if has_checkpoints(run_dir):
-            raise UsageError(
-                f"hydra.run.dir={run_dir} already holds a run's checkpoints; resume it with ckpt_path=last "
-                "(or ckpt_path=auto), or leave hydra.run.dir out to start a new run in a new folder"
-            )
+            raise UsageError(f"hydra.run.dir={run_dir} already holds a run's checkpoints; resume it with "
+                             "ckpt_path=last (or ckpt_path=auto), or leave hydra.run.dir out to start a new run in a "
+                             "new folder")
         return None
     value = str(ckpt_path)
     if value in CKPT_WORDS:
         found = newest(run_dir)
         if found is None and value == "last":
-            raise UsageError(
-                f"ckpt_path=last: no checkpoint in {run_dir / 'checkpoints'} (looked for {' and '.join(RESUMABLE)}); "
-                "name the run folder with hydra.run.dir=<run folder>"
-            )
+            raise UsageError(f"ckpt_path=last: no checkpoint in {run_dir / 'checkpoints'} "
+                             f"(looked for {' and '.join(RESUMABLE)}); "
+                             "name the run folder with hydra.run.dir=<run folder>")
         return found
     path = Path(value)
     if not path.is_file():
         raise UsageError(f"ckpt_path={value}: no checkpoint at {path}; give a .ckpt file, `last` or `auto`")
     return open_checkpoint(path)
-
-
-def best_checkpoint(run_dir: Path) -> Path | None:
-    """The run's `best-*.ckpt` written last: one is kept, and each new best `val/acc` replaces the one before."""
-    found = sorted((run_dir / "checkpoints").glob("best-*.ckpt"), key=lambda path: path.stat().st_mtime)
-    return found[-1] if found else None
 
 
 def tested_weights(path: Path | None) -> str:
@@ -202,20 +154,22 @@ def tested_weights(path: Path | None) -> str:
 
 
 def checkpoint_to_evaluate(ckpt_path: str | None, test_weights: str = "best") -> Saved:
-    """A checkpoint file, or a run folder standing for its best checkpoint (`test_weights=best`, when it
-    has one) or its newest resumable one, read once."""
+    """A checkpoint file, or a run folder's best checkpoint (`test_weights=best`, where it has one) or newest one."""
     if ckpt_path is None:
         raise UsageError("ckpt_path is required: give a .ckpt file or a run folder, e.g. ckpt_path=outputs/runs/<run>")
     path = Path(str(ckpt_path))
     if path.is_dir():
-        best = best_checkpoint(path) if test_weights == "best" else None
-        if best is not None:
-            return open_checkpoint(best)
+        # The best-*.ckpt written last: each new best val/acc replaces the one before.
+        best = sorted((path / "checkpoints").glob("best-*.ckpt"), key=lambda file: file.stat().st_mtime)
+        if best and test_weights == "best":
+            return open_checkpoint(best[-1])
         found = newest(path)
         if found is None:
-            raise UsageError(f"ckpt_path={ckpt_path}: no checkpoint in {path / 'checkpoints'} (looked for {' and '.join(RESUMABLE)})")
+            raise UsageError(f"ckpt_path={ckpt_path}: no checkpoint in {path / 'checkpoints'} "
+                             f"(looked for {' and '.join(RESUMABLE)})")
         if test_weights == "best":
-            log.info(f"test_weights=best: {path} holds no best-*.ckpt (it ran without validation); scoring its last weights, {found.path.name}")
+            log.info(f"test_weights=best: {path} holds no best-*.ckpt (it ran without validation); "
+                     f"scoring its last weights, {found.path.name}")
         return found
     if not path.is_file():
         raise UsageError(f"ckpt_path={ckpt_path}: no checkpoint at {path}; give a .ckpt file or a run folder")
@@ -235,14 +189,15 @@ def unreadable(error: Exception) -> str:
 
 
 def check_readable(saved: Saved | None, given: object) -> None:
-    """A checkpoint to resume or score holds only tensors and plain values (unpickling anything else could run code the
-    file carries), and is one torch can read."""
+    """Only tensors and plain values (unpickling anything else could run code the file carries), in a readable file."""
     if saved is None or saved.error is None:
         return
-    if (refused := unsafe_content(saved.error)) is not None:
-        raise UsageError(f"ckpt_path={given} is not allowed; {saved.path} is not a safe checkpoint: it holds objects that "
-                         f"cannot be loaded safely ({refused}); a checkpoint is read as tensors and plain values only, so "
-                         "that loading it cannot run code")
+    if isinstance(saved.error, pickle.UnpicklingError) and str(saved.error).startswith("Weights only load failed"):
+        named = re.search(r"GLOBAL (\S+)", str(saved.error))  # what torch's weights-only unpickler refused
+        refused = named.group(1) if named else "an object that is no tensor or plain value"
+        raise UsageError(f"ckpt_path={given} is not allowed; {saved.path} is not a safe checkpoint: it holds objects "
+                         f"that cannot be loaded safely ({refused}); a checkpoint is read as tensors and plain values "
+                         "only, so that loading it cannot run code")
     others = sorted(p.name for p in saved.path.parent.glob("*.ckpt") if p != saved.path)
     beside = f"; beside it: {', '.join(others)}, which ckpt_path=<file> takes" if others else ""
     raise UsageError(f"ckpt_path={given} is not allowed; {saved.path} is not a checkpoint file "
@@ -250,20 +205,23 @@ def check_readable(saved: Saved | None, given: object) -> None:
 
 
 def check_checkpoint(saved: Saved | None, given: object, module: torch.nn.Module, model_name: str) -> None:
-    """A checkpoint to resume or score must be a safe, readable Lightning checkpoint of this very model."""
+    """A safe, readable Lightning checkpoint of this very model."""
     check_readable(saved, given)
     if saved is None:
         return
     weights = saved.contents.get("state_dict") if isinstance(saved.contents, dict) else None
     if not isinstance(weights, dict):
-        raise UsageError(f"ckpt_path={given} is not allowed; {saved.path} is not a Lightning checkpoint (it holds no state_dict)")
+        raise UsageError(f"ckpt_path={given} is not allowed; {saved.path} is not a Lightning checkpoint "
+                         "(it holds no state_dict)")
     expected = {k: tuple(v.shape) for k, v in module.state_dict().items()}
     found = {k: tuple(v.shape) for k, v in weights.items() if isinstance(v, torch.Tensor)}
     if expected == found:
         return
-    differences = [f"{k} {found[k]} here {expected[k]}" for k in expected.keys() & found.keys() if expected[k] != found[k]]
+    differences = [f"{k} {found[k]} here {expected[k]}" for k in expected.keys() & found.keys()
+                   if expected[k] != found[k]]
     differences += [f"{k} missing" for k in expected.keys() - found.keys()]
     differences += [f"{k} not in model={model_name}" for k in found.keys() - expected.keys()]
     raise UsageError(f"ckpt_path={given} is not allowed; it holds another model than model={model_name} "
-                     f"({len(differences)} weights differ, e.g. {sorted(differences)[0]}); use the model it was trained with")
+                     f"({len(differences)} weights differ, e.g. {sorted(differences)[0]}); "
+                     "use the model it was trained with")
 

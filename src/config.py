@@ -1,11 +1,5 @@
-"""The config of a run: its schema, the rule of every key, and the checks, in one place.
-
-Hydra composes `conf/train.yaml` against `TrainConfig` (types: `seed=abc` never reaches a run); `check` holds the
-composed config to `RULES` (ranges and choices, with the words that say what is allowed) and to the rules across keys,
-once, before anything is built and without torch. `check_args` looks at what was typed: flags, and keys a command
-line may not set. `explain` turns Hydra's own refusal of an override into one line. A new top-level key needs a
-field in `TrainConfig` and a rule in `RULES`; a key no rule matches is refused.
-"""
+"""The config of a run: its schema (`TrainConfig`), the rule of every key (`RULES`), and the checks, once, before
+anything is built and without torch. A new top-level key needs a field and a rule; a key no rule matches is refused."""
 
 import difflib
 import fnmatch
@@ -27,6 +21,11 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 from src.errors import UsageError, missing_package
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+
+def options(group: str) -> str:
+    """A config group's options, as `--help` lists them: `lenet, resnet18`."""
+    return ", ".join(sorted(path.stem for path in (CONF_DIR / group).glob("*.yaml")))
 
 
 @dataclass
@@ -71,9 +70,6 @@ class TrainConfig:
 ConfigStore.instance().store(name="train_schema", node=TrainConfig)
 
 
-# ---------------------------------------------------------------- the rule of every key
-
-
 def shown(value: Any) -> str:
     """A value as the command line types it: `null`, `true`, `1e+30`."""
     if value is None:
@@ -84,7 +80,6 @@ def shown(value: Any) -> str:
 @dataclass(frozen=True)
 class Rule:
     """A test of one value, and the words that say what passes it."""
-
     test: Callable[[Any], bool]
     allowed: str
 
@@ -107,19 +102,14 @@ def whole(lo: int | None = None, hi: int | None = None) -> Rule:
 
 
 def number(lo: float | None = None, hi: float | None = None, lo_open: bool = False, hi_open: bool = False) -> Rule:
-    """A finite number between lo and hi; the open ends are excluded."""
     parts = ([f"above {lo}" if lo_open else f"at least {lo}"] if lo is not None else []) + \
             ([f"below {hi}" if hi_open else f"at most {hi}"] if hi is not None else [])
-
-    def test(v: Any) -> bool:
-        return is_number(v) and (lo is None or (v > lo if lo_open else v >= lo)) and (
-            hi is None or (v < hi if hi_open else v <= hi))
-
-    return Rule(test, "a number" + (" " + " and ".join(parts) if parts else ""))
+    return Rule(lambda v: is_number(v) and (lo is None or (v > lo if lo_open else v >= lo))
+                and (hi is None or (v < hi if hi_open else v <= hi)),
+                "a number" + (" " + " and ".join(parts) if parts else ""))
 
 
 def fraction(lo_open: bool) -> Rule:
-    """A float share of the batches: 1.0 is all, 0.25 a quarter."""
     return Rule(lambda v: isinstance(v, float) and (0 < v if lo_open else 0 <= v) and v <= 1,
                 "a fraction in (0, 1]" if lo_open else "a fraction in [0, 1]")
 
@@ -136,11 +126,9 @@ def is_duration(value: Any) -> bool:
 
 
 def is_import_path(value: Any) -> bool:
-    """`package.module.name` whose top-level package is installed (finding it imports nothing); a name missing below
-    it is said when it is built."""
-    if not isinstance(value, str) or not re.fullmatch(r"[A-Za-z_][\w.]*\.\w+", value):
-        return False
-    return importlib.util.find_spec(value.split(".")[0]) is not None
+    """`package.module.name` whose top-level package is installed (finding it imports nothing)."""
+    return isinstance(value, str) and bool(re.fullmatch(r"[A-Za-z_][\w.]*\.\w+", value)) and \
+        importlib.util.find_spec(value.split(".")[0]) is not None
 
 
 ANY = Rule(lambda v: True, "anything")
@@ -160,6 +148,8 @@ PRECISION = Rule(lambda v: not isinstance(v, bool) and str(v) in ("auto", *LIGHT
 ALIASES = {"precision": {"fp16": "16-mixed", "float16": "16-mixed", "half": "16-mixed", "amp": "16-mixed",
                          "bfloat16": "bf16-mixed", "fp32": "32", "float32": "32", "float": "32", "full": "32",
                          "fp64": "64", "float64": "64", "double": "64"}}
+# Checkpoint callbacks by class name (Lightning's and conf/callbacks' subclass), known without importing them.
+CHECKPOINT_CALLBACKS = ("ModelCheckpoint", "StepCheckpoint")
 HOOKS = ("none", "fp16", "bf16", "powersgd", "powersgd_fp16")
 METRICS = ("val/acc", "val/acc_best", "val/loss", "train/acc", "train/loss")  # what a checkpoint callback can watch
 # Loggers whose library is an extra of this project (pyproject.toml): their class, and the package that is the extra.
@@ -274,7 +264,7 @@ OWNED_BY_TOP_LEVEL = {"accelerator", "strategy", "devices", "num_nodes", "precis
                       "max_epochs", "sync_batchnorm", "default_root_dir", "use_distributed_sampler", "plugins"}
 # Keys that follow from other settings: typed, they would make a run's records disagree with it.
 DERIVED = {"model_name": "model=<option>", "strategy_name": "strategy=<option>", "output_dir": "hydra.run.dir=<folder>",
-           "precision_used": "precision and accelerator", "run_name": "model, strategy, devices, num_nodes and precision"}
+           "precision_used": "precision and accelerator", "run_name": "model, strategy, devices, num_nodes, precision and experiment"}
 GROUPS = ("model", "optim", "data", "strategy", "trainer", "callbacks", "logger", "experiment", "debug")
 
 
@@ -303,8 +293,8 @@ def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def values(cfg: DictConfig, derived: bool = False) -> dict[str, Any]:
-    """Every key of the run's config (not Hydra's), flat and resolved; with `derived`, the keys that follow from the
-    others too (their resolvers name the run: `precision_used` asks the hardware)."""
+    """Every key of the run's config (not Hydra's), flat and resolved; with `derived`, those of `DERIVED` too (their
+    resolvers ask the hardware)."""
     try:
         return flatten({key: OmegaConf.to_container(cfg[key], resolve=True) if OmegaConf.is_config(cfg[key]) else cfg[key]
                         for key in cfg if key != "hydra" and (derived or key not in DERIVED)})
@@ -313,7 +303,6 @@ def values(cfg: DictConfig, derived: bool = False) -> dict[str, Any]:
 
 
 def check(cfg: DictConfig) -> None:
-    """Every key known and every value in its range, then the rules across keys: the one check of a run's input."""
     flat = values(cfg)
     for key, value in flat.items():
         rule = rule_for(key)
@@ -325,7 +314,6 @@ def check(cfg: DictConfig) -> None:
 
 
 def check_across_keys(cfg: DictConfig, flat: dict[str, Any]) -> None:
-    """Rules that tie one key to another, or to how the processes were started."""
     from src.launch.ranks import external_rank
 
     if flat["num_nodes"] > 1 and external_rank() is None:
@@ -334,6 +322,9 @@ def check_across_keys(cfg: DictConfig, flat: dict[str, Any]) -> None:
     strategy = str(flat.get("strategy._target_", ""))
     if strategy == "builtins.str" and flat.get("strategy._args_") == ["auto"] and flat["devices"] > 1:
         raise UsageError(f"strategy=auto runs on one device, not devices={flat['devices']}; use strategy=ddp (or dp on GPUs)")
+    if flat["sync_batchnorm"] and strategy.endswith(".DataParallelStrategy") and flat["devices"] > 1:
+        raise not_allowed("sync_batchnorm", True, "with strategy=dp each GPU's replica normalises with its own shard; "
+                                                  "use strategy=ddp")
     if flat["compile"] and strategy.endswith(".DataParallelStrategy"):
         raise not_allowed("compile", True, "nn.DataParallel copies the network each step and would drop the compiled "
                                            "code; use compile=false with strategy=dp, or strategy=ddp")
@@ -346,9 +337,9 @@ def check_across_keys(cfg: DictConfig, flat: dict[str, Any]) -> None:
                           "(it is called with process_group=)")
     for key, value in flat.items():  # e.g. model.net.num_classes: the output layer must fit the labels
         name = key.rpartition(".")[2]
-        if key.startswith("model.") and name in ("num_classes", "in_channels") and f"data.{name}" in flat:
-            if value != flat[f"data.{name}"]:
-                raise not_allowed(key, value, f"it must equal data.{name}={shown(flat[f'data.{name}'])}, what the data holds")
+        data = flat.get(f"data.{name}", value)
+        if key.startswith("model.") and name in ("num_classes", "in_channels") and data != value:
+            raise not_allowed(key, value, f"it must equal data.{name}={shown(data)}, what the data holds")
     if "optim._target_" in flat and flat.get("optim._partial_") is not True:
         raise not_allowed("optim._partial_", flat.get("optim._partial_"), f"optim._partial_ must be {RULES['optim._partial_'].allowed}")
     min_epochs = flat.get("trainer.min_epochs")
@@ -364,13 +355,12 @@ def check_across_keys(cfg: DictConfig, flat: dict[str, Any]) -> None:
         package = LOGGER_EXTRAS.get(str(logger.get("_target_", "")).rpartition(".")[2])
         if package and importlib.util.find_spec(package) is None:
             raise missing_package(f"logger={name}", package)
-    checkpoints = [name for name, c in cfg.callbacks.items() if str(c.get("_target_", "")).endswith("ModelCheckpoint")]
+    checkpoints = [name for name, c in cfg.callbacks.items()
+                   if str(c.get("_target_", "")).rpartition(".")[2] in CHECKPOINT_CALLBACKS]
     if flat.get("trainer.enable_checkpointing") is False and checkpoints:
         raise not_allowed("trainer.enable_checkpointing", False, "it must be null or true while checkpoint callbacks are "
                           "set; remove them with " + " ".join(f"~callbacks.{name}" for name in checkpoints))
 
-
-# ---------------------------------------------------------------- what was typed, before Hydra composes it
 
 # Hydra's flags (`python -m src.train --help` lists them).
 HYDRA_FLAGS = {"--help", "-h", "--hydra-help", "--version", "--cfg", "-c", "--resolve", "--package", "-p", "--run", "-r",
@@ -379,7 +369,6 @@ HYDRA_FLAGS = {"--help", "-h", "--hydra-help", "--version", "--cfg", "-c", "--re
 
 
 def parse(args: list[str]) -> list[Override]:
-    """The overrides among `args`, each in Hydra's grammar; a line that is not is refused in one line."""
     overrides = []
     for arg in args:
         if arg.startswith("-") or not ("=" in arg or arg.startswith("~")):
@@ -397,8 +386,7 @@ def grammar(arg: str, error: Exception) -> UsageError:
 
 
 def check_args(args: list[str]) -> None:
-    """A flag Hydra does not know (a setting typed as `--name value`), and keys a command line may not set: those that
-    follow from other settings, what a config group builds, and a group removed."""
+    """Refuse a flag Hydra does not know (`--name value`), and keys a command line may not set."""
     for index, arg in enumerate(args):
         name = arg.split("=", 1)[0]
         if arg.startswith("-") and name not in HYDRA_FLAGS and not re.fullmatch(r"-\d.*", arg):
@@ -420,11 +408,7 @@ def check_args(args: list[str]) -> None:
                              f"{key.removeprefix('trainer.')}=... instead")
 
 
-# ---------------------------------------------------------------- Hydra's refusals, in one line
-
-
 def unknown_key(key: str, known: set[str], choice: str = "") -> str:
-    """Name the unknown key, the closest known one, and the keys beside it."""
     parent, _, name = key.rpartition(".")
     if parent == "trainer" and name not in known:
         owned = difflib.get_close_matches(name, sorted(OWNED_BY_TOP_LEVEL), n=1, cutoff=0.8)
@@ -442,7 +426,7 @@ def unknown_key(key: str, known: set[str], choice: str = "") -> str:
 
 
 def explain(error: Exception, args: list[str]) -> str | None:
-    """Hydra's refusal of a command line (a composition error) as one line; None for any other error."""
+    """Hydra's refusal of a command line as one line; None for any other error."""
     if isinstance(error, OverrideParseException):
         return str(grammar(next((a for a in args if "=" in a), ""), error))
     if isinstance(error, MissingConfigException) and getattr(error, "options", None) is not None:

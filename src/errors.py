@@ -10,12 +10,11 @@ class UsageError(Exception):
 
 
 class RunFailed(Exception):
-    """The input was valid but the run could not go on (the disk filled up, the system refused a file or memory): one
-    `error: ...` line, exit status 1."""
+    """The input was valid but the run could not go on (a full disk, no memory): one `error: ...` line, exit status 1."""
 
 
 class TrainingDiverged(RunFailed):
-    """The input was valid but the loss left the finite numbers."""
+    """The loss left the finite numbers."""
 
 
 def interpreter() -> str:
@@ -25,14 +24,13 @@ def interpreter() -> str:
 
 
 def missing_package(what: str, package: str) -> UsageError:
-    """`what` asked for an optional package that is not installed: the line names the command that installs it."""
     return UsageError(f"{what} needs the {package} package, which is not installed; install it with: "
                       f"{interpreter()} -m pip install -e '.[{package}]'")
 
 
 def said(error: BaseException) -> UsageError | RunFailed | None:
-    """The machine's refusal (a full disk, a folder that cannot be made, too many open files, no memory) as the line a
-    user reads: a failure of the run, or of the input (a path); None for any other error."""
+    """The machine's refusal (a full disk, too many open files, no memory, a path) as the line a user reads: a failure
+    of the run, or of the input; None for any other error."""
     if isinstance(error, (UsageError, RunFailed)):
         return error
     if isinstance(error, MemoryError):

@@ -1,14 +1,5 @@
-"""`python -m src.eval ckpt_path=<file or run folder>`: test accuracy and loss of a saved model, without training.
-
-    python -m src.eval ckpt_path=outputs/runs/<run>                       # its best checkpoint
-    python -m src.eval ckpt_path=outputs/runs/<run> test_weights=last     # its newest of last.ckpt and step.ckpt
-    python -m src.eval ckpt_path=outputs/runs/<run>/checkpoints/best-epoch7.ckpt strategy=ddp devices=2
-
-Any strategy and number of processes: every test image counts once. The model is the one the checkpoint's run built
-(its `config.yaml`, training overrides such as `model.net.*` included), with this command's own `model.*` overrides
-on top, unless `model=` names another. The result is one line and the `test/acc` and `test/loss` scalars in
-`outputs/eval/<date>_<time>_<model>_<strategy>_<N>dev_<precision>/`.
-"""
+"""`python -m src.eval ckpt_path=<file or run folder> [test_weights=last]`: test accuracy and loss of a saved model,
+under any strategy. The model is the one the checkpoint's run built (its `config.yaml`), this command's `model.*` on it."""
 
 import re
 import sys
@@ -25,11 +16,11 @@ from src.launch import cli
 from src.launch.console import processes
 from src.records import Result
 from src.runs import resolved_config, resolved_config_file
-from src.train import build_run, record, scalar_metrics, trainer_input_errors
+from src.train import build_run, record, scalar_metrics, shown, trainer_input_errors
 
 
 def targets(node: Any, prefix: str) -> dict[str, Any]:
-    """Every `_target_` of a config (plain values) by its dotted key: what building it calls."""
+    """Every `_target_` of a config (plain values) by its dotted key."""
     found: dict[str, Any] = {}
     if isinstance(node, dict):
         found |= {f"{prefix}._target_": node["_target_"]} if "_target_" in node else {}
@@ -42,12 +33,8 @@ def targets(node: Any, prefix: str) -> dict[str, Any]:
 
 
 def as_trained(cfg: DictConfig, overrides: list[str], group: str) -> DictConfig:
-    """A group's config to score with (`model`, `data`): the checkpoint's run's own, this command's `<group>.*`
-    overrides on top. Rebuilding the model from its name alone would drop the run's overrides (`model.net.hidden=32`,
-    `model.loss.label_smoothing=0.1`); the data from the defaults would look for it where the run did not (`data.root`).
-
-    The run's config may change a group's values, never what is called to build it: a copied or downloaded folder could
-    otherwise run any function through a `_target_`."""
+    """A group's config to score with (`model`, `data`): the checkpoint's run's own (its `model.net.*`, `data.root`),
+    this command's `<group>.*` on top. Its values, never its `_target_`s: a copied folder could run any function."""
     saved = None if OmegaConf.is_missing(cfg, "ckpt_path") else resolved_config(cfg.ckpt_path)
     choice = cfg.get(f"{group}_name")  # model_name; the data group has one option, and no name in the config
     if saved is None or saved.get(f"{group}_name") != choice or not isinstance(saved.get(group), DictConfig):
@@ -69,7 +56,6 @@ def as_trained(cfg: DictConfig, overrides: list[str], group: str) -> DictConfig:
 
 
 def evaluate(cfg: DictConfig) -> tuple[Result, dict[str, Any]]:
-    """Score one checkpoint in this process: its result, and the objects built."""
     checkpoint = checkpoint_to_evaluate(cfg.ckpt_path, cfg.test_weights)
     objects = build_run(cfg, checkpoint, fit=False)
     trainer, model = objects["trainer"], objects["model"]
@@ -77,15 +63,14 @@ def evaluate(cfg: DictConfig) -> tuple[Result, dict[str, Any]]:
     with trainer_input_errors():
         trainer.test(model, datamodule=objects["datamodule"], verbose=False, weights_only=True)
     metrics = scalar_metrics(trainer)
-    line = (f"test/acc={metrics.get('test/acc', float('nan')):.4f} test/loss={metrics.get('test/loss', float('nan')):.4f} "
-            f"(precision {cfg.precision_used}, {processes(trainer.world_size)}) of {checkpoint.path} -> {cfg.output_dir}")
+    line = (f"{shown(metrics, 'test/acc')} {shown(metrics, 'test/loss')} (precision {cfg.precision_used}, "
+            f"{processes(trainer.world_size)}) of {checkpoint.path} -> {cfg.output_dir}")
     result = Result(metrics, line, trainer.global_step)
     record(cfg, objects, result, checkpoint.path, training=False)
     return result, objects
 
 
 def score(cfg: DictConfig) -> Result:
-    """What each of the command's processes runs."""
     return evaluate(cfg)[0]
 
 
@@ -100,7 +85,7 @@ def main(cfg: DictConfig) -> Result:
 
 
 def with_checkpoint_model(args: list[str]) -> list[str]:
-    """`args` plus `model=<the model of the checkpoint's run>` when no model is given and the run's config is there."""
+    """`args` plus `model=<the checkpoint's run's model>` when no model is given and the run's config is there."""
     given = dict(arg.split("=", 1) for arg in args if "=" in arg and not arg.startswith(("-", "+", "~")))
     if "model" in given or "ckpt_path" not in given:
         return args

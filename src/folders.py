@@ -1,5 +1,4 @@
-"""Folders a command creates on its way to a result, and taking them back when it fails: a failed command
-leaves no empty folder behind that could pass for a run or a dataset."""
+"""Folders a command creates, taken back when it fails: no empty folder is left to pass for a run or a dataset."""
 
 from pathlib import Path
 
@@ -11,7 +10,6 @@ def missing(path: Path) -> list[Path]:
 
 
 def remove_empty(folders: list[Path]) -> None:
-    """Remove `folders` (deepest first) while each is empty; stop at the first that holds something."""
     for folder in folders:
         try:
             folder.rmdir()

@@ -1,29 +1,16 @@
-"""The record of a run in TensorBoard's HParams tab: its settings beside its final metrics.
-
-TensorBoard's HParams tab reads one experiment summary per log folder (the hparams and metric
-columns, in order) and one session summary per run (its values). It shows the first five hparams
-after sorting them "differs first, then by name", and the first five metrics in the order given.
-So that it opens on the settings that tell runs apart:
-
-- a single run writes its experiment summary with the settings typed on its command line
-  marked as differing (`changed_names`);
-- a sweep job writes only its session; when the sweep ends, `write_experiment` declares the
-  union of the jobs' settings in the sweep's `report/` run, marking five: the swept keys first,
-  what follows from the model (keys one model lacks, parameter counts) last (`sweep_columns`).
-
-Where fewer than five are marked, model, strategy, devices and precision used fill the default
-columns (`with_identity`) instead of the settings that come first by name (accelerator, ...).
-"""
+"""The record of a run in TensorBoard's HParams tab: its settings beside its final metrics. TensorBoard ticks the first
+five hparams marked "differing": a run marks the keys its command line typed, a sweep its swept keys, then IDENTITY."""
 
 import hashlib
 import re
 import time
 from collections.abc import Iterable, Mapping
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 from lightning import Trainer
-from lightning.pytorch.loggers import Logger, TensorBoardLogger
+from lightning.pytorch.loggers import Logger
 from omegaconf import DictConfig, OmegaConf
 from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 from tensorboard.compat.proto.summary_pb2 import Summary
@@ -31,10 +18,11 @@ from tensorboard.plugins.hparams import api_pb2, metadata, plugin_data_pb2
 from torch.utils.tensorboard.writer import FileWriter
 
 from src import records
+from src.config import TrainConfig
 from src.launch.stops import held
+from src.loggers import RunLogger
 
-# Metric columns, in the order TensorBoard shows them (the first five by default): the scalar tag,
-# its column title and what it is. TensorBoard shows a tag's last value: the medians are logged once.
+# Metric columns in TensorBoard's order: tag, title, what it is. It shows a tag's last value: medians are logged once.
 METRICS: tuple[tuple[str, str, str], ...] = (
     ("test/acc", "test acc", "accuracy on the test images, at the end"),
     ("val/acc_best", "best val acc", "best validation accuracy over the epochs"),
@@ -49,19 +37,18 @@ METRICS: tuple[tuple[str, str, str], ...] = (
 )
 HPARAM_METRICS = tuple(tag for tag, _, _ in METRICS)
 
-# What a run is: the columns a run with nothing typed on its command line opens on.
 IDENTITY = ("model", "strategy", "devices", "precision_used")
 SHOWN = 5  # hparams columns TensorBoard's HParams tab ticks by default
-# Settings whose value follows from others: marked as changed when any of these config keys is.
-DERIVED = {
+# Settings recorded under another name than their config key, or following from others: marked as changed when any
+# of these config keys is.
+SOURCES = {
     "world_size": ("devices", "num_nodes", "strategy"),
     "precision_used": ("precision", "accelerator"),
     "lr_used": ("optim.lr", "optim.lr_scaling", "optim.base_batch_size", "data.batch_size"),
+    "batch_size": ("data.batch_size",), "optimizer": ("optim",), "lr": ("optim.lr",),
+    "lr_scaling": ("optim.lr_scaling",),
 }
-# Settings recorded under a short name, with the config key they come from.
-SOURCES = {"batch_size": "data.batch_size", "optimizer": "optim", "lr": "optim.lr", "lr_scaling": "optim.lr_scaling"}
-# Config keys under these nodes are recorded as `<node>.<key>`, unless they name a class or are
-# copied from another key (num_classes, in_channels, data.seed).
+# Config keys under these nodes are recorded as `<node>.<key>`, unless they name a class or are copied from another.
 NESTED = ("model.net", "model.loss", "data", "strategy", "trainer", "checkpoint")
 NOT_SETTINGS = {"data.root", "data.download", "data.batch_size", "data.num_classes", "data.in_channels", "data.seed",
                 "model.net.num_classes", "model.net.in_channels"}
@@ -73,18 +60,13 @@ def _plain(value: Any) -> bool | int | float | str:
 
 def _nested(cfg: DictConfig, node: str) -> dict[str, Any]:
     """`node.key: value` of every plain setting under `node`; None (a library default) is left out."""
-    values = OmegaConf.select(cfg, node)
-    if values is None:
-        return {}
-    items = OmegaConf.to_container(values, resolve=True)
-    assert isinstance(items, dict)
+    items: dict = OmegaConf.to_container(OmegaConf.select(cfg, node) or OmegaConf.create(), resolve=True)
     return {f"{node}.{key}": _plain(value) for key, value in items.items()
             if not str(key).startswith("_") and value is not None and not isinstance(value, dict)
             and f"{node}.{key}" not in NOT_SETTINGS}
 
 
 def parameter_counts(trainer: Trainer) -> dict[str, int]:
-    """Total, trainable and non-trainable parameters of the model, as the Lightning + Hydra template logs them."""
     model = trainer.lightning_module
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -92,11 +74,7 @@ def parameter_counts(trainer: Trainer) -> dict[str, int]:
 
 
 def run_hparams(cfg: DictConfig, trainer: Trainer, lr_used: float) -> dict[str, Any]:
-    """The flat settings shown per run in TensorBoard's HParams tab: every key a command line can set.
-
-    Model, strategy, devices and precision come first; the optimizer's own arguments follow its
-    class name, whichever it is; keys of the config's nested nodes are named by their path.
-    """
+    """Every key a command line can set, flat: what the run is first, the optimizer's arguments after its class."""
     optim = {k: v for k, v in OmegaConf.to_container(cfg.optim, resolve=True).items() if not k.startswith("_")}
     choices = records.select(hydra_record(Path(cfg.output_dir)), "runtime.choices.experiment")
     return {
@@ -117,23 +95,19 @@ def run_hparams(cfg: DictConfig, trainer: Trainer, lr_used: float) -> dict[str, 
 
 
 # Top-level keys recorded under their own name; other plain names are the optimizer's arguments.
-_TOP_LEVEL = {"devices", "precision", "num_nodes", "accelerator", "max_epochs", "seed", "sync_batchnorm",
-              "channels_last", "compile", "ckpt_path", "tags", "cuda_graphs", "steps_per_execution"}
+_TOP_LEVEL = {field.name for field in fields(TrainConfig)} | {"experiment"}
 
 
 def _sources(name: str) -> tuple[str, ...]:
-    if name in DERIVED:
-        return DERIVED[name]
     if name in SOURCES:
-        return (SOURCES[name],)
-    if "." not in name and "/" not in name and name not in ("model", "strategy", "experiment") and name not in _TOP_LEVEL:
-        return (f"optim.{name}",)  # the optimizer's own arguments
+        return SOURCES[name]
+    if "." not in name and "/" not in name and name not in _TOP_LEVEL:
+        return (f"optim.{name}",)
     return (name,)
 
 
 def hydra_record(run_dir: Path) -> Any:
-    """Hydra's own settings of the run (`.hydra/hydra.yaml`: its mode, the config group options chosen) as plain data;
-    read from the folder, since DDP workers have no Hydra of their own."""
+    """Hydra's own settings of the run (`.hydra/hydra.yaml`), read from the folder: DDP workers have no Hydra."""
     saved = run_dir / ".hydra" / "hydra.yaml"
     return records.select(records.load(saved), "hydra") if saved.is_file() else None
 
@@ -141,10 +115,9 @@ def hydra_record(run_dir: Path) -> Any:
 STAMP = re.compile(r"^(\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d|torchrun-[^_]+|slurm-[^_]+)_")
 
 
-def typed_keys(run_dir: Path) -> list[str]:
-    """The keys and config groups set on the run's command line (Hydra's `.hydra/overrides.yaml`)."""
+def typed_overrides(run_dir: Path) -> list[str]:
     saved = run_dir / ".hydra" / "overrides.yaml"
-    return override_keys(records.load(saved) or []) if saved.is_file() else []
+    return [str(override) for override in records.load(saved) or []] if saved.is_file() else []
 
 
 def override_keys(overrides: Iterable[object]) -> list[str]:
@@ -153,30 +126,36 @@ def override_keys(overrides: Iterable[object]) -> list[str]:
 
 
 def changed_names(params: Iterable[str], typed: Iterable[str]) -> set[str]:
-    """The settings that the keys typed on the command line changed, or that follow from them."""
-    typed = set(typed)  # a config group chosen (`optim=adam`) marks its own column, not every key it brings
+    """The settings that the keys typed changed; a config group chosen (`optim=adam`) marks its own column only."""
+    typed = set(typed)
     return {name for name in params if typed & set(_sources(name))}
 
 
 def hparam_info(name: str, values: list[Any], differs: bool) -> api_pb2.HParamInfo:
-    """A column: its type from the values, their domain, and whether it differs between runs."""
     info = api_pb2.HParamInfo(name=name, differs=differs)
     if all(isinstance(v, bool) for v in values):
         info.type = api_pb2.DATA_TYPE_BOOL
         info.domain_discrete.extend(sorted(set(values)))
-    elif all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+    elif all(isinstance(v, float) for v in values):
         info.type = api_pb2.DATA_TYPE_FLOAT64
         info.domain_interval.min_value, info.domain_interval.max_value = min(values), max(values)
-    else:
+    else:  # whole numbers too (`session_start`), in their order: 2 before 16
         info.type = api_pb2.DATA_TYPE_STRING
-        info.domain_discrete.extend(sorted({str(v) for v in values}))
+        info.domain_discrete.extend(sorted({str(v) for v in values}, key=in_order))
     return info
 
 
+def in_order(text: str) -> tuple[bool, float, str]:
+    """Numbers by value (`2` before `16`, as recorded or read back as text), then words."""
+    try:
+        return False, float(text), text
+    except ValueError:
+        return True, 0.0, text
+
+
 def _summary(tag: str, data: plugin_data_pb2.HParamsPluginData) -> Summary:
-    """An HParams record as TensorBoard reads it: summary metadata only, no value. Written here because
-    torch's `hparams()` can neither mark a column as differing nor name a trial, and TensorBoard's
-    own `hparams.summary` needs TensorFlow."""
+    """An HParams record, metadata only: torch's `hparams()` can neither mark a column nor name a trial, and
+    TensorBoard's `hparams.summary` needs TensorFlow."""
     return Summary(value=[Summary.Value(tag=tag, metadata=metadata.create_summary_metadata(data))])
 
 
@@ -185,9 +164,9 @@ def session_start(params: Mapping[str, Any], group_name: str) -> Summary:
     for name, value in params.items():
         if isinstance(value, bool):
             info.hparams[name].bool_value = value
-        elif isinstance(value, (int, float)):
+        elif isinstance(value, float):
             info.hparams[name].number_value = value
-        else:
+        else:  # TensorBoard shows every number with four decimals: `devices` 4 would read 4.0000
             info.hparams[name].string_value = str(value)
     return _summary(metadata.SESSION_START_INFO_TAG, plugin_data_pb2.HParamsPluginData(session_start_info=info))
 
@@ -197,31 +176,22 @@ def session_end() -> Summary:
     return _summary(metadata.SESSION_END_INFO_TAG, plugin_data_pb2.HParamsPluginData(session_end_info=info))
 
 
-def metric_infos() -> list[api_pb2.MetricInfo]:
-    return [api_pb2.MetricInfo(name=api_pb2.MetricName(tag=tag), display_name=title, description=description)
-            for tag, title, description in METRICS]
-
-
 def experiment(runs: list[Mapping[str, Any]], differing: set[str] | None = None, typed: Iterable[str] = ()) -> Summary:
-    """The experiment summary of `runs`' settings: the union of their names, in the order first seen.
-
-    `differing`: the names to mark; by default those that `sweep_columns` picks, the keys `typed` for the sweep first.
-    """
+    """The experiment summary of `runs`' settings; `differing`: the names to mark, by default `sweep_columns`'s."""
     names: dict[str, None] = {}
     for params in runs:
         names.update(dict.fromkeys(params))
     differing = with_identity(differing, names) if differing is not None else sweep_columns(runs, list(names), typed)
     infos = [hparam_info(name, [params[name] for params in runs if name in params], name in differing) for name in names]
-    data = api_pb2.Experiment(hparam_infos=infos, metric_infos=metric_infos(), time_created_secs=time.time())
+    metrics = [api_pb2.MetricInfo(name=api_pb2.MetricName(tag=tag), display_name=title, description=description)
+               for tag, title, description in METRICS]
+    data = api_pb2.Experiment(hparam_infos=infos, metric_infos=metrics, time_created_secs=time.time())
     return _summary(metadata.EXPERIMENT_TAG, plugin_data_pb2.HParamsPluginData(experiment=data))
 
 
 def sweep_columns(runs: list[Mapping[str, Any]], names: list[str], typed: Iterable[str]) -> set[str]:
-    """The columns a sweep's HParams tab opens on. TensorBoard ticks the first five marked as differing, by name,
-    so no more than five are marked, in this order: the settings the sweep's command line typed whose values
-    differ, other settings chosen differently, what the runs are (model, strategy, devices, precision used),
-    and last what follows from the model: keys one model has and another lacks (LeNet's `model.net.pool`
-    beside ResNet-18), and the parameter counts."""
+    """At most five columns, in this order: typed settings that differ, other differing settings, `IDENTITY`, and
+    what follows from the model (keys one model lacks, the parameter counts)."""
     def values(name: str) -> set[str]:
         return {repr(params.get(name, ...)) for params in runs}
 
@@ -235,31 +205,31 @@ def sweep_columns(runs: list[Mapping[str, Any]], names: list[str], typed: Iterab
 
 
 def with_identity(marked: set[str], names: Iterable[str]) -> set[str]:
-    """`marked`, and while they are fewer than the five columns TensorBoard shows, what the runs are
-    (model, strategy, devices, precision used) rather than the settings that come first by name."""
-    marked = set(marked)
-    for name in IDENTITY:
-        if len(marked) >= SHOWN:
-            break
-        if name in names:
-            marked.add(name)
-    return marked
+    """`marked`, filled up to the five columns TensorBoard shows with `IDENTITY` (not the names that sort first)."""
+    extra = [name for name in IDENTITY if name in names and name not in marked]
+    return set(marked) | set(extra[:max(0, SHOWN - len(marked))])
 
 
-def trial_name(run_dir: Path) -> str:
-    """The run folder's name without its date, what a sweep varied first (`seed=1 lenet_auto_1dev_32-true`):
-    the HParams table cuts a trial id to its first characters."""
+# Typed keys a single run's trial id leaves out: its folder's name shows them, or they change no result.
+UNNAMED = {"model", "strategy", "devices", "num_nodes", "precision", "experiment", "data.root", "ckpt_path"}
+
+
+def trial_name(run_dir: Path, sweep_job: bool) -> str:
+    """The run folder's name without its date, what tells it apart first (the table cuts a trial id short): what a
+    sweep varied (`seed=1 lenet_auto_1dev_32-true`), or what a run's command line typed (`optim.lr=0.1 lenet_...`)."""
     name = STAMP.sub("", run_dir.name)
     saved = run_dir / "config.yaml"
     label = str(records.select(records.load(saved), "run_name") or "") if saved.is_file() else ""
     if label and name.startswith(label + "_"):
         return f"{name[len(label) + 1:]} {label}"
-    return name
+    overrides = [] if sweep_job else typed_overrides(run_dir)
+    keys = override_keys(overrides)
+    shown = [o for o, key in zip(overrides, keys) if key not in UNNAMED and not key.startswith("hydra.")]
+    return " ".join([*shown, name])
 
 
 def trial_id(name: str, params: Mapping[str, Any]) -> str:
-    """The run's name in HParams' trial column: short, with a digest of its settings, so that two
-    runs of the same name but other settings are not taken for one."""
+    """The name with a digest of the settings: two runs of one name but other settings are two trials."""
     settings = {k: v for k, v in params.items() if k not in ("tags", "ckpt_path")}
     digest = hashlib.sha1(repr(sorted(settings.items())).encode()).hexdigest()[:4]
     return f"{name} #{digest}"
@@ -267,40 +237,30 @@ def trial_id(name: str, params: Mapping[str, Any]) -> str:
 
 @held()  # see RunLogger
 def log_hparams(loggers: list[Logger], params: dict[str, Any], run_dir: Path, step: int = 0) -> None:
-    """The run's settings in each logger: TensorBoard's HParams summaries, pointing at scalars already logged (so no
-    metric is written twice), and another logger's own record of hyperparameters.
-
-    A sweep job writes only its session (the sweep declares the columns when it ends, `write_experiment`); a single
-    run also its experiment, with the settings typed on its command line marked as differing. The summaries go into
-    the logger's own event file, after the run's points, at the run's last step, so that no event goes back.
-    """
+    """The run's settings in each logger: TensorBoard's HParams summaries (pointing at scalars already logged), at the
+    last step so no event goes back; a sweep job writes only its session (the sweep adds the experiment at its end)."""
     for logger in loggers:
-        if not isinstance(logger, TensorBoardLogger):
+        if not isinstance(logger, RunLogger):
             logger.log_hyperparams(params)
             continue
         if has_hparams(run_dir):  # a resumed run keeps the record it began with
             continue
         sweep_job = str(records.select(hydra_record(run_dir), "mode")) == "MULTIRUN"
-        writer = logger.experiment._get_file_writer()  # SummaryWriter has no public call for a Summary of one's own
         if not sweep_job:
-            writer.add_summary(experiment([params], changed_names(params, typed_keys(run_dir))), step)
-        writer.add_summary(session_start(params, trial_id(trial_name(run_dir), params)), step)
-        writer.add_summary(session_end(), step)
-        writer.flush()
+            typed = override_keys(typed_overrides(run_dir))
+            logger.add_summary(experiment([params], changed_names(params, typed)), step)
+        logger.add_summary(session_start(params, trial_id(trial_name(run_dir, sweep_job), params)), step)
+        logger.add_summary(session_end(), step)
+        logger.experiment.flush()
 
 
 def write_experiment(runs: list[Mapping[str, Any]], log_dir: Path, typed: Iterable[str] = ()) -> None:
-    """The sweep's experiment summary, in its own run folder: the columns of every job's settings, those it
-    opens on marked (`sweep_columns`; `typed`: the config keys and groups the sweep's command line set)."""
     writer = FileWriter(str(log_dir))
     writer.add_summary(experiment(runs, typed=typed))
     writer.close()
 
 
 def has_hparams(run_dir: Path) -> bool:
-    """Whether an earlier part of this run (before a resume) already wrote its HParams record: a run keeps its first."""
-    for events in run_dir.glob("events.out.tfevents.*"):
-        for event in EventFileLoader(str(events)).Load():
-            if any(value.metadata.plugin_data.plugin_name == "hparams" for value in event.summary.value):
-                return True
-    return False
+    """Whether an earlier part of this run (before a resume) wrote its HParams record: a run keeps its first."""
+    return any(value.metadata.plugin_data.plugin_name == "hparams" for events in run_dir.glob("events.out.tfevents.*")
+               for event in EventFileLoader(str(events)).Load() for value in event.summary.value)

@@ -52,9 +52,8 @@ DESCRIPTIONS = {
 }
 
 
-# TensorBoard's Custom Scalars tab: the answer first (accuracy, loss, time), then hardware use, communication
-# last. Time Series orders its groups by name: test and time open first; hardware use (`usage/*`) comes after
-# them, and the transfer scalars are `xfer/*` so that they come after all the rest. Each chart's tags are regexes.
+# TensorBoard's Custom Scalars tab (tags are regexes): the answer first, communication last; Time Series orders
+# groups by name, hence `usage/*` after test and time, and `xfer/*` last.
 LAYOUT = {
     "accuracy": {"test and validation": ["Multiline", ["test/acc$", "val/acc$", "val/acc_best$"]],
                  "training": ["Multiline", ["train/acc$"]]},
@@ -84,35 +83,40 @@ def description(tag: str) -> str | None:
 
 
 class RunLogger(TensorBoardLogger):
-    """Lightning's TensorBoard logger, with Lightning's `epoch` counter filed as `trainer/epoch`, so
-    that it joins a group of its own instead of standing first among the run's scalars, each known
-    tag's description written with its first point (Lightning's logger passes none), and the
-    Custom Scalars layout (`LAYOUT`) with the run's first points. A stop signal waits for a write or flush to end
-    (`held`): raised inside the writer's queue, it would leave the flush on the way out waiting 120 s."""
+    """Lightning's TensorBoard logger, with `epoch` filed as `trainer/epoch` (not first among the scalars), each tag's
+    description and the Custom Scalars layout with its first point. A stop signal waits for a write to end (`held`):
+    raised inside the writer's queue, it would leave the flush on the way out waiting 120 s."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._described: set[str] = set()
         self._laid_out = False
+        self.writer: Any = None  # the SummaryWriter, once opened (on rank 0)
+
+    @property
+    @rank_zero_experiment
+    def experiment(self) -> Any:
+        self.writer = super().experiment
+        return self.writer
+
+    def add_summary(self, summary: Summary, step: int | None) -> None:
+        self.experiment.file_writer.add_summary(summary, step)
 
     @rank_zero_only  # as Lightning's: the other ranks' loggers write nothing
     @held()
     def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
         metrics = {EPOCH_TAG if name == "epoch" else name: value for name, value in metrics.items()}
-        if not self._laid_out:  # the run's first points: the Custom Scalars layout goes with them, at their step
-            self._laid_out = True  # (`add_custom_scalars` writes step 0, which goes back in a resumed run's file)
-            self.experiment._get_file_writer().add_summary(custom_scalars(LAYOUT), step)
+        if not self._laid_out:  # at the first points' step: `add_custom_scalars` writes step 0, back in a resumed run
+            self._laid_out = True
+            self.add_summary(custom_scalars(LAYOUT), step)
         for tag in [t for t in metrics if t not in self._described and description(t)]:
             self._described.add(tag)
             value = float(metrics.pop(tag))
-            # TensorBoard keeps a tag's first metadata: a plain scalar point that carries the description.
-            # TensorBoard's Rust loader takes it only with the scalar data class set as well.
+            # TensorBoard keeps a tag's first metadata; its Rust loader needs the scalar data class set too.
             about = SummaryMetadata(summary_description=description(tag), data_class=DataClass.DATA_CLASS_SCALAR,
                                     plugin_data=SummaryMetadata.PluginData(plugin_name="scalars"))
             point = Summary.Value(tag=tag, simple_value=value, metadata=about)
-            # SummaryWriter has no public call for a Summary of one's own; `_get_file_writer` (private) also
-            # reopens the writer Lightning closed when fitting ended, as add_scalar would.
-            self.experiment._get_file_writer().add_summary(Summary(value=[point]), step)
+            self.add_summary(Summary(value=[point]), step)
         super().log_metrics(metrics, step)
 
     @rank_zero_only
@@ -123,35 +127,30 @@ class RunLogger(TensorBoardLogger):
     @rank_zero_only
     @held()
     def finalize(self, status: str) -> None:
-        """Flush, and keep the file open until `close`: Lightning finalizes after fitting and again after testing,
-        and a writer opened again starts another event file. TensorBoard reads a run's files in the order of
-        their names, whose last field is a counter of the process, so a file `.10` would be read before `.9`,
-        points and all. A failed or stopped stage closes it: nothing more is written."""
-        if self._experiment is not None:
-            self._experiment.flush()
+        """Flush, and keep the file open until `close` unless the stage failed: Lightning finalizes after fitting and
+        after testing, and a writer opened again starts another file, which TensorBoard may read first (`.10`, `.9`)."""
+        if self.writer is not None:
+            self.writer.flush()
             if status != "success":
-                self._experiment.close()
+                self.writer.close()
 
     @rank_zero_only
     @held()
     def close(self) -> None:
-        """Close the run's event file, after its last summary (the HParams record)."""
-        if self._experiment is not None:
-            self._experiment.close()
+        if self.writer is not None:
+            self.writer.close()
 
     @rank_zero_only
     @held()
     def save(self) -> None:
-        """Flush what was written. Not Lightning's save, which writes an `hparams.yaml` holding `{}` (the run's
-        settings are in its config.yaml and HParams record) and opens a writer, so an empty event file, where
-        none is open (`_experiment`, the attribute Lightning's own `finalize` reads)."""
-        if self._experiment is not None:
-            self._experiment.flush()
+        """Flush. Not Lightning's save, which writes an `hparams.yaml` holding `{}` and opens a writer where none is."""
+        if self.writer is not None:
+            self.writer.flush()
 
 
 class CSVRunLogger(CSVLogger):
-    """Lightning's CSV logger, whose run resumed in its own folder keeps the rows its earlier part logged before
-    `purge_step` (as TensorBoard's): Lightning's writer deletes the metrics.csv it finds."""
+    """Lightning's CSV logger, keeping the rows a resumed run logged before `purge_step` (Lightning's writer deletes
+    the metrics.csv it finds)."""
 
     def __init__(self, *args: Any, purge_step: int | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -164,18 +163,18 @@ class CSVRunLogger(CSVLogger):
     @property
     @rank_zero_experiment
     def experiment(self) -> Any:
-        if self._experiment is None:
-            with warnings.catch_warnings():  # that it deletes metrics.csv: the rows kept are written again
-                warnings.filterwarnings("ignore", "Experiment logs directory")
-                super().experiment.metrics[:0] = self._kept
-        return self._experiment
+        if self._kept is None:
+            return super().experiment
+        with warnings.catch_warnings():  # that it deletes metrics.csv: the rows kept are written again
+            warnings.filterwarnings("ignore", "Experiment logs directory")
+            writer = super().experiment
+        writer.metrics[:0], self._kept = self._kept, None
+        return writer
 
 
 class MLflowRunLogger(MLFlowLogger):
-    """Lightning's MLflow logger, whose MLflow run is made as it is built, by one process at a time where the store is
-    a SQLite file: a run's processes, or a sweep's parallel jobs, would each create a new store's tables and experiment,
-    and all but one fail. MLflow's usage reports to its makers' servers are off (unless MLFLOW_DISABLE_TELEMETRY says
-    otherwise): a run logged to a local store stays on this machine."""
+    """Lightning's MLflow logger, whose run is made as it is built, one process at a time on a SQLite store (processes
+    each creating a new store's tables would all but one fail); MLflow's telemetry off unless the environment says."""
 
     def __init__(self, *args: Any, tracking_uri: str, **kwargs: Any) -> None:
         os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # read as mlflow is first imported, just below
@@ -190,8 +189,8 @@ class MLflowRunLogger(MLFlowLogger):
 
 
 class WandbRunLogger(WandbLogger):
-    """Lightning's W&B logger, without the `anonymous=None` it hands W&B (which warns that it has no effect), whose W&B
-    run ends at `close`, after the run's last record: Lightning's `finalize` leaves it open."""
+    """Lightning's W&B logger, without the `anonymous=None` W&B warns about, whose run ends at `close` (Lightning's
+    `finalize` leaves it open)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -204,12 +203,10 @@ class WandbRunLogger(WandbLogger):
 
 
 def takes_purge_step(config: DictConfig) -> bool:
-    """Whether a `logger=` option takes the purge step of a resumed run: TensorBoard's, and the CSV logger."""
     return str(config.get("_target_", "")).rpartition(".")[2] in (RunLogger.__name__, CSVRunLogger.__name__)
 
 
 def close_loggers(loggers: list[Logger]) -> None:
-    """Every logger's files closed, after the run's last record."""
     for logger in loggers:
         if isinstance(logger, (RunLogger, WandbRunLogger)):
             logger.close()
@@ -218,16 +215,8 @@ def close_loggers(loggers: list[Logger]) -> None:
 
 
 def purge_step(resumed: Saved | None, run_dir: Path) -> int | None:
-    """Resuming in its own folder, a run hides the TensorBoard points its earlier part logged after
-    the checkpoint (TensorBoard's purge step), so no step appears twice. Lightning logs optimizer
-    step n at TensorBoard step n - 1, so the first point after a checkpoint at step s is at s.
-    Starting over in a folder where an earlier attempt logged but left no checkpoint to take up
-    (a sweep job stopped in its first epoch), it hides all of that attempt's points: step 0."""
-    if resumes_in(resumed, run_dir):
+    """The first step a run resumed in its own folder logs again (Lightning logs optimizer step n at n - 1), so no step
+    shows twice; 0 where an earlier attempt logged but left no checkpoint (a sweep job stopped in its first epoch)."""
+    if resumed is not None and resumed.step >= 0 and resumed.path.parent.parent.resolve() == run_dir.resolve():
         return resumed.step
     return 0 if any(run_dir.glob("events.out.tfevents.*")) else None
-
-
-def resumes_in(resumed: Saved | None, run_dir: Path) -> bool:
-    """Whether a run takes up a checkpoint of its own folder, where its earlier part logged."""
-    return resumed is not None and resumed.step >= 0 and resumed.path.parent.parent.resolve() == run_dir.resolve()

@@ -1,13 +1,7 @@
-"""The optimizer of a run, from the `optim` config group, with its learning rate scaled to the global batch.
+"""The optimizer of a run (`conf/optim/`, a Hydra partial), its learning rate scaled to the global batch and scheduled.
 
-`conf/optim/<name>.yaml` names an optimizer class as a Hydra partial (`_target_`, `_partial_: true`)
-and its arguments; `optim.lr_scaling=none|linear` and `optim.base_batch_size` are read here and
-never reach the optimizer. With more processes the global batch grows and SGD takes fewer,
-larger-batch steps per epoch. The linear rule (Goyal et al., 2017) keeps the update per sample
-about the same by scaling the learning rate with the batch: lr_used = lr * global_batch / base_batch_size.
-
-`optim.schedule` and `optim.warmup` (also read here) move the learning rate over the run's optimizer
-steps; the Classifier steps the scheduler after every optimizer step.
+`optim.lr_scaling`, `base_batch_size`, `schedule` and `warmup` are read here and never reach the optimizer. The
+linear rule (Goyal et al., 2017) keeps the update per sample about the same: lr * global_batch / base_batch_size.
 """
 
 import functools
@@ -27,13 +21,11 @@ from src.errors import UsageError
 
 
 def scaled_lr(lr: float, global_batch: int, lr_scaling: str = "none", base_batch_size: int = 256) -> float:
-    """`lr` as given (`none`) or times global_batch / base_batch_size (`linear`)."""
     return lr * global_batch / base_batch_size if lr_scaling == "linear" else lr
 
 
 def build_optimizer(optim: Mapping[str, Any], global_batch: int) -> functools.partial:
-    """The optimizer as a partial that takes the parameters, as the Classifier calls it: the scaling and schedule keys
-    read here, `lr` the one used."""
+    """A partial that takes the parameters, with the scaled `lr`."""
     args = OmegaConf.to_container(optim, resolve=True) if OmegaConf.is_config(optim) else dict(optim)
     assert isinstance(args, dict)
     scaling = [args.pop(name, default) for name, default in (("lr_scaling", "none"), ("base_batch_size", 256))]
@@ -57,10 +49,9 @@ def check_optimizer(factory: functools.partial, params: Iterable[nn.Parameter]) 
 
 
 def fused_under_a_scaler(factory: Callable[..., Optimizer], trainer: Any) -> Callable[..., Optimizer]:
-    """`factory` asking for the fused kernel where 16-mixed scales the loss on CUDA and the optimizer has one (SGD,
-    Adam, AdamW): that kernel takes the scaler's scale and found-inf flag on the GPU, where GradScaler.step would read
-    found_inf on the host (`.item()`), a wait for the GPU every optimizer step. Not under gradient clipping, which needs
-    the gradients unscaled before the step, nor where the config chose `fused` or `foreach` itself."""
+    """The fused kernel where 16-mixed scales the loss on CUDA: it reads the scaler's found-inf flag on the GPU, where
+    GradScaler.step would wait for it every step. Not under gradient clipping (it needs the gradients unscaled first),
+    nor where the config chose `fused` or `foreach`."""
     chosen = getattr(factory, "keywords", {}).keys() & {"fused", "foreach"}
     if (getattr(trainer.precision_plugin, "scaler", None) is None or trainer.strategy.root_device.type != "cuda"
             or trainer.gradient_clip_val or chosen or "fused" not in inspect.signature(factory).parameters):
@@ -69,13 +60,9 @@ def fused_under_a_scaler(factory: Callable[..., Optimizer], trainer: Any) -> Cal
 
 
 class Schedule:
-    """The learning rate over a run's optimizer steps, as a factor of `lr`.
-
-    `none` keeps it. `cosine` rises linearly over the first `warmup` share of the steps, then falls
-    along a half cosine to zero by the last step: the shape of Smith's one-cycle policy, without its
-    momentum cycle. A large rate early, a small one late is what lets a short run settle.
-    A plain class: Hydra's `instantiate` would turn a dataclass handed to the Classifier into a config.
-    """
+    """The learning rate over a run's optimizer steps, as a factor of `lr`: `none`, or `cosine`, which rises over the
+    first `warmup` share of the steps, then falls along a half cosine to zero (Smith's one-cycle without momentum).
+    A plain class: Hydra's `instantiate` would turn a dataclass handed to the Classifier into a config."""
 
     def __init__(self, name: str = "none", warmup: float = 0.0) -> None:
         self.name, self.warmup = name, warmup
@@ -90,10 +77,9 @@ class Schedule:
         return 0.5 * (1.0 + math.cos(math.pi * progress))
 
     def scheduler(self, optimizer: Optimizer, total_steps: int) -> LambdaLR:
-        """Stepped once per optimizer step; a partial, not a lambda, so that its state is saved in checkpoints."""
+        """A partial, not a lambda, so that its state is saved in checkpoints."""
         return LambdaLR(optimizer, functools.partial(self.factor, total_steps=total_steps))
 
 
 def build_schedule(optim: Mapping[str, Any]) -> Schedule:
-    """The `optim.schedule` and `optim.warmup` of the config (`none` and 0 when absent)."""
     return Schedule(optim.get("schedule", "none"), float(optim.get("warmup", 0.0)))

@@ -1,9 +1,6 @@
-"""A run folder's records, read as data: what a resume, `src.eval`, `src.report` and `src.scaling` take from a folder.
-
-Outputs folders are shared (a cluster's storage, a team's disk, a colleague's copy), so a record may have been
-written by anyone who can write the folder. Records are parsed as plain YAML and never resolved by OmegaConf (a
-resolver could act), and what they name to build must be a class this project's conf/ names (or a
-`hydra.searchpath` typed now): a record never adds code to run in the account of whoever reads it.
+"""A run folder's records, read as data: a record may have been written by anyone who can write a shared folder, so
+it is parsed as plain YAML, never resolved (a resolver could act), and may build only classes this project's conf/
+names: a record never adds code to run in the account of whoever reads it.
 """
 
 import functools
@@ -23,7 +20,7 @@ RESOLVER = re.compile(r"\$\{(?![\w.]+\})")
 
 
 def load(path: Path) -> Any:
-    """The YAML file at `path` as plain data; a file that is not YAML is a UsageError naming it."""
+    """A file that is not YAML is a UsageError naming it."""
     try:
         return yaml.safe_load(Path(path).read_text())
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as error:
@@ -32,13 +29,10 @@ def load(path: Path) -> Any:
 
 
 @functools.cache
-def conf_targets(dirs: tuple[Path, ...] = (CONF_DIR,)) -> frozenset[str]:
-    """Every `_target_` the config files under `dirs` name: what a run folder's records may ask to build."""
-    found: set[str] = set()
-    for folder in dirs:
-        for path in folder.rglob("*.yaml"):
-            found |= set(re.findall(r"^\s*_target_:\s*(\S+)", path.read_text(), flags=re.MULTILINE))
-    return frozenset(found)
+def conf_targets() -> frozenset[str]:
+    """What a run folder's records may ask to build."""
+    return frozenset(target for path in CONF_DIR.rglob("*.yaml")
+                     for target in re.findall(r"^\s*_target_:\s*(\S+)", path.read_text(), flags=re.MULTILINE))
 
 
 def refused(path: Path, key: str, value: Any, why: str) -> UsageError:
@@ -62,14 +56,13 @@ def check_data(node: Any, path: Path, allowed: frozenset[str] | None = None, key
 
 
 def select(data: Any, dotted: str) -> Any:
-    """`data["a"]["b"]` for `a.b`; None where a level is missing or is no mapping."""
+    """None where a level is missing or is no mapping."""
     for key in dotted.split("."):
         data = data.get(key) if isinstance(data, dict) else None
     return data
 
 
 def config(path: Path) -> dict[str, Any]:
-    """A run's resolved `config.yaml` as plain data, holding no resolver call."""
     data = load(path)
     if not isinstance(data, dict):
         raise UsageError(f"{path}: holds no config (a mapping of keys)")
@@ -78,7 +71,6 @@ def config(path: Path) -> dict[str, Any]:
 
 
 def overrides(lines: Any, path: Path) -> list[str]:
-    """Recorded command-line overrides (`.hydra/overrides.yaml`, a sweep's `multirun.yaml`): a list of lines."""
     if not isinstance(lines, list) or not all(isinstance(line, str) for line in lines):
         raise UsageError(f"{path}: holds no list of overrides")
     return list(lines)
@@ -89,14 +81,12 @@ LAUNCH = re.compile(r"hydra(/(launcher|sweeper)=[\w-]+|\.(launcher|sweeper)\.[\w
 
 
 def launch_overrides(lines: Any, path: Path) -> list[str]:
-    """The Hydra overrides a sweep's resume takes from its record (`hydra/launcher=slurm`,
-    `hydra.launcher.partition=gpu`), so that it runs where the sweep ran; never a `_target_`, a callback or a folder."""
+    """The launcher and sweeper overrides a sweep's resume takes, so that it runs where the sweep ran."""
     return [line for line in overrides(lines, path) if LAUNCH.fullmatch(line) and "_target_" not in line]
 
 
 def check_override(line: str, path: Path) -> None:
-    """A recorded override that a command takes, checked as typed input and more strictly: no Hydra setting, no
-    `_target_`, no resolver call."""
+    """Stricter than typed input: no Hydra setting, no `_target_`, no resolver call."""
     key, _, value = line.partition("=")
     key = key.lstrip("+~")
     if re.split(r"[./@]", key)[0] == "hydra":
@@ -109,9 +99,8 @@ def check_override(line: str, path: Path) -> None:
 
 @dataclass(frozen=True)
 class Result:
-    """What a run returns and records in its folder's `result.json`: its final metrics, the line it ended with, the
-    optimizer step it ended at, whether it went on from a checkpoint of its folder (`resumed`), and whether it only
-    repeated the record of a run that had finished (`skipped`)."""
+    """A run's `result.json`. `resumed`: it went on from a checkpoint of its folder; `skipped`: it only repeated the
+    record of a run that had finished."""
 
     metrics: dict[str, float]
     line: str
@@ -129,7 +118,7 @@ RESULT = "result.json"
 
 
 def result(folder: Path) -> Result | None:
-    """The result a run recorded; None where it recorded none, or one that is not a result."""
+    """None where the run recorded none, or one that is not a result."""
     path = folder / RESULT
     if not path.is_file():
         return None

@@ -1,15 +1,6 @@
 """`python -m src.report <folder> [--out DIR]`: tables and plots comparing every run below a folder.
 
-    python -m src.report outputs/multirun/2026-01-01_12-00-00     # writes report.* into the sweep folder
-    python -m src.report outputs --out /tmp/report                 # every run ever made
-
-A run folder is one holding `.hydra/config.yaml` and TensorBoard event files (or logger=csv's
-metrics.csv). Writes `report.md`, `report.csv` and `val_acc.png`, and only where they apply:
-`epoch_time.png` (against devices) when the runs differ in devices, the predicted scaling of
-`src.scaling` (`scaling.*`, also shown in report.md) when a run used DDP, and per setting run with
-several seeds, the mean, standard deviation and 95 % confidence interval of test accuracy and epoch
-time (`seeds.csv`, in report.md).
-`SweepReport` does the same when a sweep ends, and declares the sweep's HParams columns to TensorBoard.
+Also written when a sweep ends. Where they apply: `epoch_time.png` (devices differ), `scaling.*` (DDP), `seeds.csv`.
 """
 
 import csv
@@ -17,10 +8,10 @@ import logging
 import math
 import statistics
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-
 
 from src import records
 from src.errors import UsageError
@@ -32,16 +23,16 @@ if TYPE_CHECKING:  # matplotlib, TensorBoard, Lightning and torch are imported w
 
 log = logging.getLogger(__name__)
 
-# CSV header, in order; the Markdown table shows the same columns under the titles beside them.
+# CSV header, in order, with the Markdown table's titles.
 COLUMNS = {
     "run": "run", "model": "model", "strategy": "strategy", "devices": "devices", "num_nodes": "nodes",
-    "precision": "precision", "seed": "seed", "finished": "finished", "test_acc": "test acc", "epoch_s": "epoch s (median)",
-    "samples_per_s": "samples/s (median)", "tflops_per_s": "TFLOP/s a device (median)", "mfu": "MFU (median)",
-    "peak_memory_mib": "peak memory MiB", "comm_bytes_per_step": "comm bytes/step (median)", "speedup": "speed-up",
+    "precision": "precision", "seed": "seed", "finished": "finished", "test_acc": "test acc",
+    "epoch_s": "epoch s (median)", "samples_per_s": "samples/s (median)", "tflops_per_s": "TFLOP/s a device (median)",
+    "mfu": "MFU (median)", "peak_memory_mib": "peak memory MiB", "comm_bytes_per_step": "comm bytes/step (median)",
+    "speedup": "speed-up",
 }
-FILES = ("report.md", "report.csv", "val_acc.png", "epoch_time.png")  # the last only where devices differ; seeds.csv where seeds do
-# Settings that do not make two runs different settings: repeats with other seeds are one setting.
-NOT_A_SETTING = ("seed", "tags", "ckpt_path")
+FILES = ("report.md", "report.csv", "val_acc.png", "epoch_time.png")  # the last only where devices differ
+NOT_A_SETTING = ("seed", "tags", "ckpt_path")  # repeats with other seeds are one setting
 PER_DEVICES = ("devices", "num_nodes", "world_size")  # what a speed-up compares
 
 
@@ -73,19 +64,15 @@ class Run:
 
     @property
     def setting(self) -> tuple:
-        """What the run ran, but for its seed: runs with the same setting are repeats."""
+        """Runs with the same setting are repeats."""
         rest = tuple(sorted((k, str(v)) for k, v in self.params.items() if k not in NOT_A_SETTING))
         return (self.model, self.strategy, self.devices, self.num_nodes, self.precision, rest)
 
     @property
     def but_devices(self) -> tuple:
-        """The setting but for how many devices ran it: runs alike in this compare in speed-up and epoch time."""
+        """Runs alike in this compare in speed-up and epoch time."""
         model, strategy, _, _, precision, rest = self.setting
         return (model, strategy, precision, tuple(item for item in rest if item[0] not in PER_DEVICES))
-
-    @property
-    def label(self) -> str:
-        return f"{self.model} {self.strategy} {self.total_devices} dev {self.precision}"
 
     @property
     def total_devices(self) -> int:
@@ -93,7 +80,6 @@ class Run:
 
 
 def read_run(run: RunFolder) -> Run:
-    """Everything the report needs from one run folder."""
     # Lightning logs its epoch counter at the step of every epoch-end metric, which turns val/acc
     # steps into epochs (`trainer/epoch`; `epoch` in runs written before it was renamed).
     from src.loggers import EPOCH_TAG
@@ -104,34 +90,24 @@ def read_run(run: RunFolder) -> Run:
     params = run.hparams()
     seed = params.get("seed", run.value("seed"))
     return Run(
-        run=run.name,
-        model=str(run.value("model_name", "model")),
-        strategy=str(run.value("strategy_name", "strategy")),
-        devices=int(run.value("devices")),
-        num_nodes=int(run.value("num_nodes")),
+        run=run.name, model=str(run.value("model_name", "model")), strategy=str(run.value("strategy_name", "strategy")),
+        devices=int(run.value("devices")), num_nodes=int(run.value("num_nodes")),
         precision=str(run.value("precision_used") or params.get("precision_used") or run.value("precision")),
-        seed=None if seed is None else int(seed),
+        seed=None if seed is None else int(seed), test_acc=test_acc[-1] if test_acc else None,
         finished="yes" if run.evaluation or records.result(run.path) is not None else "no",
-        test_acc=test_acc[-1] if test_acc else None,
-        epoch_s=median(run.values("time/epoch_s")),
-        samples_per_s=median(run.values("time/samples_per_s")),
+        epoch_s=median(run.values("time/epoch_s")), samples_per_s=median(run.values("time/samples_per_s")),
         # Per step where the run logged steps; a run shorter than the logging interval has the epoch means only.
         comm_bytes_per_step=median(run.values("xfer/bytes_per_step", "xfer/bytes_per_step_epoch")),
-        tflops_per_s=median(run.values("usage/tflops_per_s")),
-        mfu=median(run.values("usage/mfu")),
+        tflops_per_s=median(run.values("usage/tflops_per_s")), mfu=median(run.values("usage/mfu")),
         peak_memory_mib=max(run.values("usage/peak_memory_mib"), default=None),
-        val_acc=val_acc,
-        ddp="hook" in (run.value("strategy") or {}),
-        params=params,
-        evaluation=run.evaluation,
+        val_acc=val_acc, ddp="hook" in (run.value("strategy") or {}), params=params, evaluation=run.evaluation,
         checkpoint=str(run.value("ckpt_path") or ""),
     )
 
 
 def add_speedups(runs: list[Run]) -> None:
-    """speed-up = median epoch time of the one-device runs of the same setting but for devices / this run's; only where
-    the runs differ in devices: between repeats of one setting it would be seed noise, and between runs that differ in
-    anything else (their batches, their epochs) it would not be a speed-up."""
+    """Median epoch time of the one-device runs alike but for devices / this run's; only where devices differ
+    (between repeats it would be seed noise, between runs differing in anything else no speed-up)."""
     if not varies(runs, "total_devices"):
         return
     single: dict[tuple, list[float]] = defaultdict(list)
@@ -150,8 +126,7 @@ def varies(runs: list[Run], attribute: str) -> bool:
 
 
 def collect(root: Path) -> tuple[list[Run], list[Run]]:
-    """The training runs below `root`, sorted for reading, speed-ups filled in; and apart from them, the
-    evaluations (`python -m src.eval` folders), which trained nothing and have no epochs to compare."""
+    """The training runs below `root`, sorted, speed-ups filled in; and apart, the evaluations (nothing to compare)."""
     found = read_runs(root, read_run)
     runs = [run for run in found if not run.evaluation]
     if not runs:
@@ -162,24 +137,28 @@ def collect(root: Path) -> tuple[list[Run], list[Run]]:
 
 
 def collect_runs(root: Path) -> list[Run]:
-    """The training runs below `root` (`collect`)."""
     return collect(root)[0]
 
 
-def evaluations_table(evaluations: list[Run]) -> str:
-    rows = [f"| {run.run} | {run.checkpoint} | {_cell(run.test_acc, 4)} |" for run in evaluations]
-    return "\n".join(["| evaluation | checkpoint | test acc |", "|---|---|---:|", *rows])
-
-
 def _cell(value: Any, digits: int) -> str:
-    if value is None:
-        return ""
-    return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
+    return "" if value is None else f"{value:.{digits}f}" if isinstance(value, float) else str(value)
 
 
-def shown_columns(runs: list[Run]) -> list[str]:
-    """The table's columns: seed only where seeds differ, speed-up only where devices do, a measured figure
-    only where some run measured it (MFU: on a GPU that Lightning's peak table lists)."""
+def _table(header: list[str], rows: Iterable[list[str]], rule: str = "") -> str:
+    body = ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(["| " + " | ".join(header) + " |", rule or "|" + "---|" * len(header), *body])
+
+
+def _write_csv(path: Path, header: Iterable[str], rows: Iterable[Iterable[Any]]) -> None:
+    with path.open("w", newline="") as file:
+        writer = csv.writer(file)
+        writer.writerow(header)
+        writer.writerows(rows)
+
+
+def markdown_table(runs: list[Run]) -> str:
+    """Seed only where seeds differ, speed-up only where devices do, a measured figure only where some run measured
+    it (MFU: on a GPU that Lightning's peak table lists)."""
     hidden = {"seed"} if not varies(runs, "seed") else set()
     if all(run.finished == "yes" for run in runs):
         hidden.add("finished")
@@ -187,119 +166,58 @@ def shown_columns(runs: list[Run]) -> list[str]:
         hidden.add("speedup")
     hidden |= {key for key in ("tflops_per_s", "mfu", "peak_memory_mib", "comm_bytes_per_step")
                if all(getattr(run, key) is None for run in runs)}
-    return [key for key in COLUMNS if key not in hidden]
-
-
-def markdown_table(runs: list[Run]) -> str:
+    columns = [key for key in COLUMNS if key not in hidden]
     digits = {"test_acc": 4, "epoch_s": 3, "samples_per_s": 1, "tflops_per_s": 4, "mfu": 3, "peak_memory_mib": 0,
               "comm_bytes_per_step": 0, "speedup": 2}
-    columns = shown_columns(runs)
-    lines = ["| " + " | ".join(COLUMNS[key] for key in columns) + " |", "|" + "---|" * len(columns)]
-    for run in runs:
-        lines.append("| " + " | ".join(_cell(getattr(run, key), digits.get(key, 0)) for key in columns) + " |")
-    return "\n".join(lines)
+    return _table([COLUMNS[key] for key in columns],
+                  ([_cell(getattr(run, key), digits.get(key, 0)) for key in columns] for run in runs))
 
 
-def write_csv(runs: list[Run], path: Path) -> None:
-    with path.open("w", newline="") as file:
-        writer = csv.writer(file)
-        writer.writerow(COLUMNS)
-        for run in runs:
-            writer.writerow(["" if getattr(run, key) is None else getattr(run, key) for key in COLUMNS])
-
-
-# Student's t at 97.5 % for 1 to 30 degrees of freedom (two-sided 95 %).
 T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
          2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
 
 
 def t_975(df: int) -> float:
-    """Student's t quantile for a two-sided 95 % interval; beyond the table, its expansion in 1/df."""
+    """Student's t at 97.5 % (two-sided 95 %): the table to 30 degrees of freedom, beyond it the expansion in 1/df."""
     if df <= len(T_975):
         return T_975[df - 1]
     z = 1.959964
     return z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
 
 
-@dataclass
-class Spread:
-    """n values: their mean, sample standard deviation and the 95 % confidence interval of the mean (Student t)."""
-
-    n: int
-    mean: float
-    sd: float
-    low: float
-    high: float
-
-    @classmethod
-    def of(cls, values: list[float], low: float = -math.inf, high: float = math.inf) -> "Spread | None":
-        """The spread of `values`; the interval cut to what the quantity can take (`low`..`high`), where Student's
-        t over a few seeds would reach past it (negative seconds, an accuracy above 1)."""
-        if len(values) < 2:
-            return None
-        mean, sd = statistics.mean(values), statistics.stdev(values)
-        half = t_975(len(values) - 1) * sd / math.sqrt(len(values))
-        return cls(len(values), mean, sd, max(low, mean - half), min(high, mean + half))
+def spread_cells(values: list[float], digits: int, low: float, high: float) -> list[str]:
+    """Mean, sample standard deviation and 95 % confidence interval of the mean (Student t), the interval cut to
+    `low`..`high`, where t over a few seeds would reach past what the quantity can take."""
+    if len(values) < 2:
+        return ["", "", ""]
+    mean, sd = statistics.mean(values), statistics.stdev(values)
+    half = t_975(len(values) - 1) * sd / math.sqrt(len(values))
+    interval = f"[{max(low, mean - half):.{digits}f}, {min(high, mean + half):.{digits}f}]"
+    return [f"{mean:.{digits}f}", f"{sd:.{digits}f}", interval]
 
 
-RANGES = {"test_acc": (0.0, 1.0), "epoch_s": (0.0, math.inf)}  # what each quantity can take
-
-
-@dataclass
-class SeedGroup:
-    """Runs of one setting that differ only in their seed."""
-
-    label: str
-    runs: list[Run]
-
-    @property
-    def seeds(self) -> str:
-        return ",".join(str(run.seed) for run in self.runs)
-
-    def spread(self, attribute: str) -> Spread | None:
-        return Spread.of([v for v in (getattr(run, attribute) for run in self.runs) if v is not None], *RANGES[attribute])
-
-
-def seed_groups(runs: list[Run]) -> list[SeedGroup]:
-    """Settings run with more than one seed, each with one run per seed; settings are told apart by what differs
-    between them."""
+def seed_groups(runs: list[Run]) -> list[tuple[str, list[Run]]]:
+    """Settings run with more than one seed, by label, one run per seed (two runs of one seed are not two samples)."""
     by_setting: dict[tuple, dict[int | None, Run]] = defaultdict(dict)
-    for run in runs:  # one run per seed: two runs of one seed are not two samples of the seed's spread
+    for run in runs:
         by_setting[run.setting].setdefault(run.seed, run)
     repeated = [list(group.values()) for group in by_setting.values() if len(group) > 1 and None not in group]
     labels = _labels([group[0] for group in repeated], with_seed=False)
-    return [SeedGroup(label, sorted(group, key=lambda r: r.seed or 0)) for label, group in zip(labels, repeated)]
+    return [(label, sorted(group, key=lambda r: r.seed or 0)) for label, group in zip(labels, repeated)]
 
 
 SEED_COLUMNS = ("setting", "seeds", "n", "test acc mean", "test acc sd", "test acc 95% CI",
                 "epoch s mean", "epoch s sd", "epoch s 95% CI")
 
 
-def _spread_cells(spread: Spread | None, digits: int) -> list[str]:
-    if spread is None:
-        return ["", "", ""]
-    return [f"{spread.mean:.{digits}f}", f"{spread.sd:.{digits}f}", f"[{spread.low:.{digits}f}, {spread.high:.{digits}f}]"]
-
-
-def seed_rows(groups: list[SeedGroup]) -> list[list[str]]:
-    return [[group.label, group.seeds, str(len(group.runs)), *_spread_cells(group.spread("test_acc"), 4),
-             *_spread_cells(group.spread("epoch_s"), 3)] for group in groups]
-
-
-def seed_table(groups: list[SeedGroup]) -> str:
-    lines = ["| " + " | ".join(SEED_COLUMNS) + " |", "|" + "---|" * len(SEED_COLUMNS)]
-    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in seed_rows(groups)])
-
-
-def write_seed_csv(groups: list[SeedGroup], path: Path) -> None:
-    with path.open("w", newline="") as file:
-        writer = csv.writer(file)
-        writer.writerow(SEED_COLUMNS)
-        writer.writerows(seed_rows(groups))
+def seed_rows(groups: list[tuple[str, list[Run]]]) -> list[list[str]]:
+    return [[label, ",".join(str(run.seed) for run in group), str(len(group)),
+             *spread_cells([run.test_acc for run in group if run.test_acc is not None], 4, 0.0, 1.0),
+             *spread_cells([run.epoch_s for run in group if run.epoch_s is not None], 3, 0.0, math.inf)]
+            for label, group in groups]
 
 
 def _save(figure: "Figure", path: Path) -> None:
-    """Grid and legend on each plot's axes, then the PNG."""
     for axes in figure.axes:
         axes.grid(alpha=0.3)
         if axes.lines:
@@ -312,18 +230,20 @@ def _save(figure: "Figure", path: Path) -> None:
 
 
 def _labels(runs: list[Run], with_seed: bool = True) -> list[str]:
-    """Short legend labels: what the run is, its seed where seeds differ, then what else tells it apart
-    (another setting of the same name, by the first key that differs; else its row in the table)."""
+    """Legend labels: the run, its seed where seeds differ, then the first setting that tells alike labels apart
+    (else the row)."""
     seeds = with_seed and varies(runs, "seed")
-    labels = [run.label + (f" seed {run.seed}" if seeds else "") for run in runs]
+    labels = [f"{run.model} {run.strategy} {run.total_devices} dev {run.precision}"
+              + (f" seed {run.seed}" if seeds else "") for run in runs]
     for label in set(labels):
         same = [i for i, other in enumerate(labels) if other == label]
         if len(same) < 2:
             continue
         keys = sorted({k for i in same for k in runs[i].params} - {*NOT_A_SETTING, *PER_DEVICES})
         differing = [k for k in keys if len({str(runs[i].params.get(k)) for i in same}) > 1]
+        key = differing[0] if differing else None
         for i in same:
-            labels[i] += f" {differing[0]}={_word(runs[i].params.get(differing[0]))}" if differing else f" (row {i + 1})"
+            labels[i] += f" {key}={_word(runs[i].params.get(key))}" if key else f" (row {i + 1})"
     return labels
 
 
@@ -335,7 +255,7 @@ def _word(value: Any) -> str:
 
 
 def colour(index: int) -> Any:
-    """The `index`th of 20 distinct colours (matplotlib's tab20, its dark shades first)."""
+    """matplotlib's tab20, its dark shades first."""
     from matplotlib import colormaps
 
     return colormaps["tab20"]((2 * index) % 20 + (index // 10) % 2)
@@ -358,9 +278,7 @@ def plot_val_acc(runs: list[Run], path: Path) -> None:
             repeats[run.setting] += 1
             axes.plot(epochs, accs, color=shade, linestyle=line, marker=marker, label=label)
     axes.set(xlabel="epoch", ylabel="val/acc", title="Validation accuracy per epoch")
-    from matplotlib.ticker import MaxNLocator
-
-    axes.xaxis.set_major_locator(MaxNLocator(integer=True))
+    axes.xaxis.get_major_locator().set_params(integer=True)
     _save(figure, path)
 
 
@@ -389,95 +307,78 @@ def plot_epoch_time(runs: list[Run], path: Path) -> None:
     _save(figure, path)
 
 
-def failed_table(failed: dict[str, str]) -> str:
-    """The sweep's failed jobs, by their folder's name, each with its error line."""
-    def cell(text: str) -> str:
-        return text.replace("|", "\\|")
-
-    rows = [f"| {cell(job)} | {cell(line)} |" for job, line in failed.items()]
-    return "\n".join(["| job | error |", "|---|---|", *rows])
-
-
-def markdown_report(runs: list[Run], root: Path, scaling: str = "", failed: dict[str, str] | None = None,
-                    evaluations: list[Run] | None = None) -> str:
-    """The sections that apply to these runs: speed-ups and epoch time against devices only where
-    devices differ, seed statistics only for settings run with several seeds."""
-    groups = seed_groups(runs)
+def markdown_report(runs: list[Run], root: Path, groups: list[tuple[str, list[Run]]], scaling: str,
+                    failed: dict[str, str] | None, evaluations: list[Run]) -> str:
     by_devices = varies(runs, "total_devices")
     speedup = ("Speed-up is the median epoch time of the runs on one device (devices x num_nodes = 1) with the same "
-               "settings but for devices (model, strategy, precision, batches, epochs, ...), divided by this run's; empty where there is no such run, and for those "
-               "runs themselves where there are several. ") if by_devices else ""
+               "settings but for devices (model, strategy, precision, batches, epochs, ...), divided by this run's; "
+               "empty where there is no such run, and for those runs themselves where there are several. "
+               ) if by_devices else ""
     return "\n".join([
         f"# Report: {root}", "",
         f"{counted(len(runs), 'run')}. Epoch times exclude validation. {speedup}".rstrip(), "",
         markdown_table(runs), "",
-        *([f"{counted(len(failed), 'job')} failed:", "", failed_table(failed), ""] if failed else []),
+        *([f"{counted(len(failed), 'job')} failed:", "",
+           _table(["job", "error"], ([job.replace("|", "\\|"), line.replace("|", "\\|")]
+                                     for job, line in failed.items())), ""] if failed else []),
         *(["## Evaluations", "", "Checkpoints scored by `python -m src.eval`, apart from the training runs above.", "",
-           evaluations_table(evaluations), ""] if evaluations else []),
+           _table(["evaluation", "checkpoint", "test acc"],
+                  ([run.run, run.checkpoint, _cell(run.test_acc, 4)] for run in evaluations), "|---|---|---:|"),
+           ""] if evaluations else []),
         *(["## Seeds", "",
            "Runs of one setting that differ only in their seed: mean, sample standard deviation and the 95 % "
            "confidence interval of the mean (Student t, n - 1 degrees of freedom) over the seeds (`seeds.csv`).", "",
-           seed_table(groups), ""] if groups else []),
+           _table(list(SEED_COLUMNS), seed_rows(groups)), ""] if groups else []),
         "![validation accuracy per epoch](val_acc.png)", "",
         *(["![median epoch time against devices](epoch_time.png)", ""] if by_devices else []),
         *(["# Predicted scaling (scaling.md, `python -m src.scaling`)", "", scaling, ""] if scaling else []),
     ])
 
 
-def scaling_section(root: Path, out: Path) -> str:
-    """The predicted scaling of the same runs (also written to scaling.*); empty when no run can be modelled. It times
-    nothing, so that a sweep's report follows its last job within seconds: it reads the probe and the terms that
-    `python -m src.scaling <folder> --probe` saved there, and says what it assumes where there are none."""
-    try:
-        from src.scaling.predict import load_probe, write_scaling
-
-        return write_scaling(root, out, load_probe(root / "probe.json"), report=True)
-    except UsageError as error:
-        log.info(f"no scaling prediction: {error}")
-        return ""
-
-
 def write_report(root: Path, out: Path | None = None, failed: dict[str, str] | None = None) -> list[Run]:
-    """Read every run below `root` and write the report files into `out` (default: `root`); `failed`:
-    the sweep's failed jobs with their error lines, listed below the table. Predicted scaling only
-    when a run used DDP: without one, the sweep asked nothing of communication."""
+    """`failed`: a sweep's failed jobs with their error lines."""
     out = output_folder(root if out is None else out)
     runs, evaluations = collect(root)
     out.mkdir(parents=True, exist_ok=True)
-    scaling = scaling_section(root, out) if any(run.ddp for run in runs) else ""
-    (out / "report.md").write_text(markdown_report(runs, root, scaling, failed, evaluations))
-    write_csv(runs, out / "report.csv")
+    scaling = ""
+    if any(run.ddp for run in runs):  # without DDP, the runs asked nothing of communication
+        # It times nothing, so that a sweep's report follows its last job within seconds: it reads what
+        # `python -m src.scaling <folder> --probe` saved there.
+        from src.scaling.predict import load_probe, write_scaling
+
+        try:
+            scaling = write_scaling(root, out, load_probe(root / "probe.json"), report=True)
+        except UsageError as error:
+            log.info(f"no scaling prediction: {error}")
+    groups = seed_groups(runs)
+    (out / "report.md").write_text(markdown_report(runs, root, groups, scaling, failed, evaluations))
+    _write_csv(out / "report.csv", COLUMNS,
+               (["" if getattr(run, key) is None else getattr(run, key) for key in COLUMNS] for run in runs))
     plot_val_acc(runs, out / "val_acc.png")
     if varies(runs, "total_devices"):
         plot_epoch_time(runs, out / "epoch_time.png")
-    groups = seed_groups(runs)
     if groups:
-        write_seed_csv(groups, out / "seeds.csv")
+        _write_csv(out / "seeds.csv", SEED_COLUMNS, seed_rows(groups))
     return runs
 
 
-def write_tensorboard_text(runs: list[Run], log_dir: Path) -> None:
-    """The table as TensorBoard text, in its own folder so that it shows as its own run."""
-    from torch.utils.tensorboard import SummaryWriter
-
-    with SummaryWriter(log_dir=str(log_dir)) as writer:
-        writer.add_text("report", markdown_table(runs))
-
-
 def write_sweep_report(sweep_dir: Path, failed: dict[str, str]) -> Path | None:
-    """When a sweep ends: its report in its folder (its failed jobs listed), and `<sweep>/report` in TensorBoard with the
-    table and the sweep's HParams columns (`src.hparams.write_experiment`); None where no run could be reported."""
+    """Also `<sweep>/report` in TensorBoard: the table and the sweep's HParams columns; None where no run was read."""
     try:
         runs = write_report(sweep_dir, failed=failed)
     except UsageError as error:
         log.warning(f"no sweep report: {error}")
         return None
-    write_tensorboard_text(runs, sweep_dir / "report")
+    from torch.utils.tensorboard import SummaryWriter
+
+    with SummaryWriter(log_dir=str(sweep_dir / "report")) as writer:
+        writer.add_text("report", markdown_table(runs))
     if any(run.params for run in runs):
         from src.hparams import override_keys, write_experiment
         from src.launch.naming import sweep_args
 
-        write_experiment([run.params for run in runs if run.params], sweep_dir / "report", override_keys(sweep_args(str(sweep_dir))))
+        write_experiment([run.params for run in runs if run.params], sweep_dir / "report",
+                         override_keys(sweep_args(str(sweep_dir))))
     return sweep_dir / "report.md"
 
 

@@ -1,13 +1,8 @@
 """A resume continues the run as it was: `ckpt_path=last|auto hydra.run.dir=<run>` takes the run's own settings.
 
-Before Hydra composes anything, `with_record` puts the overrides the run (or sweep) recorded in its folder before the
-command's own, so that `python -m src.train ckpt_path=last hydra.run.dir=<run>` alone trains on with the run's batch
-size, optimizer, model, epochs and batch limits. Recorded lines are data (`src.records`): no Hydra setting, no
-`_target_`, no resolver call is taken from them. Once composed, `check` holds the config against the run's
-`config.yaml`, the truth of what it computed: a key may differ only where it cannot change what the run computes
-(`MAY_CHANGE`; where the run ends, `max_epochs`, unless a learning-rate schedule spreads over it; the precision as
-what it means on this machine). Anything else, a missing or damaged record included, is refused in one line before
-anything is written. A run that finished is not opened again: its recorded result line is repeated.
+`with_record` puts the overrides the run (or sweep) recorded before the command's own, before Hydra composes. `check`
+then holds the config against the run's `config.yaml`: a key may differ only where it cannot change what the run
+computes (`MAY_CHANGE`; `max_epochs` unless a schedule spreads over it). A run that finished repeats its result line.
 """
 
 import logging
@@ -18,38 +13,31 @@ from hydra.core.override_parser.types import Override
 from omegaconf import DictConfig
 
 from src import config, records
-from src.checkpoints import CKPT_WORDS, has_checkpoints
+from src.checkpoints import CKPT_WORDS, check_readable, has_checkpoints, newest
 from src.errors import UsageError
 
 log = logging.getLogger("src.train")
-RUN_OVERRIDES = Path(".hydra", "overrides.yaml")
-SWEEP_RECORD = "multirun.yaml"
-# Keys a resume may give anew: where the data is, what is shown, logged, saved and tested, how long a collective may
-# wait, and how fast the same steps run (layout, compilation, graphs, cuDNN's choice, DDP's buckets). Devices and
-# nodes too: DDP computes what one process does at the same global batch (docs/equivalence.md).
+# Keys that cannot change what a run computes: where the data is, what is shown, logged, saved and tested, how fast
+# the same steps run; devices too, as DDP computes what one process does at the same global batch (docs/equivalence.md).
 MAY_CHANGE = {
     "data.root", "data.download", "tags", "test_weights", "checkpoint.every_n_train_steps",
     "trainer.enable_progress_bar", "trainer.enable_model_summary", "trainer.log_every_n_steps", "trainer.profiler",
     "trainer.limit_test_batches", "trainer.benchmark",
     "channels_last", "compile", "cuda_graphs", "steps_per_execution", "accelerator", "devices", "num_nodes",
-    "strategy.timeout_s", "strategy.process_group_backend", "strategy.bucket_cap_mb", "strategy.gradient_as_bucket_view",
-    "strategy.static_graph", "ckpt_path", "output_dir", "run_name", "precision",
+    "strategy.timeout_s", "strategy.process_group_backend", "strategy.bucket_cap_mb",
+    "strategy.gradient_as_bucket_view", "strategy.static_graph", "ckpt_path", "output_dir", "run_name", "precision",
 }
-LENGTH = ("max_epochs", "trainer.max_steps")  # a resume may move these, unless a schedule spreads the learning rate over them
-
-
-def key(line: str) -> str:
-    return line.partition("=")[0].lstrip("+~")
+LENGTH = ("max_epochs", "trainer.max_steps")  # a resume may move these, unless a learning-rate schedule spans them
 
 
 def with_record(args: list[str]) -> list[str]:
-    """`python -m src.train` arguments with the resumed run's (or sweep's) recorded overrides before the command's;
-    arguments that resume nothing come back as they are."""
+    """Arguments that resume nothing come back as they are."""
     typed = {o.key_or_group: o for o in config.parse(args)}
     multirun = "-m" in args or "--multirun" in args
-    word = str(typed["ckpt_path"].value()) if "ckpt_path" in typed and not typed["ckpt_path"].is_sweep_override() else None
+    ckpt_path = typed.get("ckpt_path")
+    word = str(ckpt_path.value()) if ckpt_path is not None and not ckpt_path.is_sweep_override() else None
     if multirun and word == "auto" and "hydra.sweep.dir" in typed:
-        path = Path(str(typed["hydra.sweep.dir"].value())) / SWEEP_RECORD
+        path = Path(str(typed["hydra.sweep.dir"].value())) / "multirun.yaml"
         if not path.is_file():
             return args
         data = records.load(path)
@@ -58,13 +46,14 @@ def with_record(args: list[str]) -> list[str]:
     elif not multirun and word in CKPT_WORDS and "hydra.run.dir" in typed:
         folder = Path(str(typed["hydra.run.dir"].value()))
         if word == "last" and not folder.is_dir():
-            raise UsageError(f"ckpt_path=last: hydra.run.dir={folder} does not exist; name the folder of the run to resume")
-        path = folder / RUN_OVERRIDES
+            raise UsageError(f"ckpt_path=last: hydra.run.dir={folder} does not exist; "
+                             "name the folder of the run to resume")
+        path = folder / ".hydra" / "overrides.yaml"
         if not has_checkpoints(folder):
             return args
         if not path.is_file():
-            raise UsageError(f"{path} is missing: a resume takes the run's settings from it; resume a folder that a run "
-                             "wrote, or start a new run elsewhere")
+            raise UsageError(f"{path} is missing: a resume takes the run's settings from it; resume a folder that a "
+                             "run wrote, or start a new run elsewhere")
         recorded, launch = records.overrides(records.load(path), path), []
     else:
         return args
@@ -73,34 +62,36 @@ def with_record(args: list[str]) -> list[str]:
             records.check_override(line, path)
     if multirun:
         check_sweep(config.parse(recorded), typed, path.parent)
-    return [*(line for line in [*launch, *recorded] if key(line) not in typed), *args]
+    return [*(line for line in [*launch, *recorded] if line.partition("=")[0].lstrip("+~") not in typed), *args]
 
 
 def check_sweep(recorded: list[Override], typed: dict[str, Override], folder: Path) -> None:
-    """A sweep resumes as the same sweep: the keys it swept, with the same values, no other key swept, and the settings
-    of its jobs as they were (a job that never started has no config.yaml to hold it to)."""
+    """The same keys swept over the same values, the jobs' settings as they were (a job that never started has no
+    config.yaml to hold it to)."""
     before = {o.key_or_group: o for o in recorded}
     for name, override in typed.items():
         old = before.get(name)
         values = swept(override) if override.is_sweep_override() else None
         if old is not None and old.is_sweep_override() or values is not None:
             if old is None or not old.is_sweep_override() or values != swept(old):
-                ran = f"it swept {old.input_line}" if old is not None and old.is_sweep_override() else f"it did not sweep {name}"
+                ran = f"it swept {old.input_line}" if old is not None and old.is_sweep_override() \
+                    else f"it did not sweep {name}"
                 raise UsageError(f"{override.input_line} is not allowed in a resume of the sweep {folder}: {ran}; a "
                                  "resume runs the same jobs, so give the sweep as it was, or start a new one elsewhere")
         elif old is not None and old.input_line != override.input_line and name not in MAY_CHANGE | set(LENGTH) \
                 and not name.startswith("hydra"):
-            raise UsageError(f"{override.input_line} is not allowed in a resume of the sweep {folder}: its jobs used "
-                             f"{old.input_line}, and a resume continues them as they were; start a new sweep to change it")
+            raise UsageError(f"{override.input_line} is not allowed in a resume of the sweep {folder}: its jobs "
+                             f"used {old.input_line}, and a resume continues them as they were; start a new sweep to "
+                             "change it")
 
 
 def swept(override: Override) -> Any:
-    """What a sweep override sweeps: its values, or the space of an `interval()` (a search: hydra/sweeper=optuna)."""
+    """Its values, or the space of an `interval()` (a search: hydra/sweeper=optuna)."""
     return override.value() if override.is_interval_sweep() else list(override.sweep_string_iterator())
 
 
 def gradient_math(flat: dict[str, Any]) -> tuple[Any, ...]:
-    """What a strategy does to the gradients: its hook, and PowerSGD's settings where it compresses."""
+    """A strategy's hook, and PowerSGD's settings where it compresses."""
     hook = flat.get("strategy.hook") or "none"
     powersgd = ("strategy.powersgd_rank", "strategy.start_powersgd_iter") if str(hook).startswith("powersgd") else ()
     state = {k: v for k, v in flat.items() if k.startswith("strategy.hook_state") and v is not None}
@@ -108,7 +99,7 @@ def gradient_math(flat: dict[str, Any]) -> tuple[Any, ...]:
 
 
 def check(cfg: DictConfig) -> records.Result | None:
-    """A resumed run's config held to its `config.yaml`; the recorded result of a run that finished, else None."""
+    """The recorded result of a run that finished, else None."""
     folder = Path(cfg.output_dir)
     if str(cfg.ckpt_path) not in CKPT_WORDS or not has_checkpoints(folder):
         return None
@@ -138,8 +129,8 @@ def check(cfg: DictConfig) -> records.Result | None:
             raise refused(name, old, new, folder, f", over which its learning rate follows optim.schedule="
                           f"{before['optim.schedule']}: another length would change every step of it; start a new run "
                           "to train longer")
-        raise refused(name, old, new, folder, ", and a resume continues the run as it was; leave it out, or start a new "
-                                              "run (without ckpt_path) to change it")
+        raise refused(name, old, new, folder, ", and a resume continues the run as it was; leave it out, or start a "
+                                              "new run (without ckpt_path) to change it")
     return finished(cfg, folder)
 
 
@@ -153,9 +144,7 @@ def refused(name: str, old: Any, new: Any, folder: Path, why: str) -> UsageError
 
 
 def finished(cfg: DictConfig, folder: Path) -> records.Result | None:
-    """The recorded result of a run that trained as far as its config asks and was tested; None for any other."""
-    from src.checkpoints import check_readable, newest
-
+    """The result of a run that trained as far as its config asks and was tested."""
     done, saved = records.result(folder), newest(folder)
     check_readable(saved, cfg.ckpt_path)  # before anything of the run is written again
     if done is None or saved is None or saved.path.name != "last.ckpt" or done.step != saved.step:

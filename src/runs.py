@@ -1,20 +1,14 @@
-"""Run folders, read: what the report (`src.report`), the scaling model (`src.scaling`) and `src.eval` know of a run.
+"""Run folders, read (as data, `src.records`) for `src.report`, `src.scaling` and `src.eval`; and the command-line
+shell those commands share.
 
-A run folder (`outputs/runs/<run>`, or one job's folder in a sweep) holds:
-
-- `config.yaml`: the config resolved, as the run used it (`src.train` writes it);
-- `.hydra/hydra.yaml`: Hydra's own settings, with the option chosen in each config group;
-- `events.out.tfevents.*`: TensorBoard's scalars and the run's HParams summary; or, logged with `logger=csv`
-  alone, `csv/metrics.csv` and `csv/hparams.yaml` (MLflow and W&B keep theirs in their own stores, not read here);
-- `checkpoints/`: its checkpoints (`src.checkpoints`).
-
-Every record is read as data (`src.records`): nothing in a folder is resolved or built unchecked.
-Also here: the command-line shell that `python -m src.report` and `python -m src.scaling` share.
+A run folder holds `config.yaml` (resolved), `.hydra/hydra.yaml`, TensorBoard's `events.out.tfevents.*` (or, with
+`logger=csv` alone, `csv/metrics.csv` and `csv/hparams.yaml`; MLflow and W&B keep theirs elsewhere) and `checkpoints/`.
 """
 
 import argparse
 import csv
 import logging
+import re
 import statistics
 import sys
 from collections.abc import Callable, Iterable, Iterator
@@ -29,7 +23,6 @@ from src import records
 from src.errors import UsageError
 from src.launch.console import print_error
 
-HYDRA_CONFIG = Path(".hydra", "hydra.yaml")
 RESOLVED_CONFIG = "config.yaml"
 EVENT_FILES = "events.out.tfevents.*"
 CSV_METRICS, CSV_HPARAMS = Path("csv", "metrics.csv"), Path("csv", "hparams.yaml")  # conf/logger/csv.yaml
@@ -37,20 +30,13 @@ CSV_METRICS, CSV_HPARAMS = Path("csv", "metrics.csv"), Path("csv", "hparams.yaml
 T = TypeVar("T")
 
 
-def legacy_names(tag: str) -> tuple[str, ...]:
-    """Older names of a scalar: `xfer/<name>` was `comm/<name>`."""
-    return ("comm/" + tag.removeprefix("xfer/"),) if tag.startswith("xfer/") else ()
-
-
 def median(values: Iterable[float]) -> float | None:
-    """The median; None when there are no values (a scalar the run did not log)."""
+    """None when there are no values (a scalar the run did not log)."""
     values = list(values)
     return statistics.median(values) if values else None
 
 
 class RunFolder:
-    """One run folder; its events and Hydra's choices are read when first asked for."""
-
     def __init__(self, path: Path, root: Path) -> None:
         self.path = path
         relative = path.relative_to(root).as_posix()
@@ -59,27 +45,24 @@ class RunFolder:
 
     @cached_property
     def hydra(self) -> Any:
-        """Hydra's own record of the run (`.hydra/hydra.yaml`) as plain data; None without one."""
-        hydra_yaml = self.path / HYDRA_CONFIG
+        hydra_yaml = self.path / ".hydra" / "hydra.yaml"
         return records.select(records.load(hydra_yaml), "hydra") if hydra_yaml.is_file() else None
 
     @property
     def evaluation(self) -> bool:
-        """Whether `python -m src.eval` made this folder: it scored a checkpoint and trained nothing."""
+        """A folder of `python -m src.eval`: it scored a checkpoint and trained nothing."""
         return records.select(self.hydra, "job.name") == "eval"
 
     def value(self, key: str, group: str | None = None) -> Any:
-        """A value of the run's resolved config (`group`: the config group whose option the key names)."""
+        """`group`: the config group whose option the key names."""
         return OmegaConf.select(self.config, key)
 
     @cached_property
     def _events(self) -> Any:
-        """TensorBoard's reader of the folder's event files (imported here: commands answer mistakes before it loads)."""
         from tensorboard.backend.event_processing import event_accumulator
 
-        events = event_accumulator.EventAccumulator(
-            str(self.path), size_guidance={event_accumulator.SCALARS: 0, event_accumulator.TENSORS: 0}
-        )
+        events = event_accumulator.EventAccumulator(str(self.path), size_guidance={event_accumulator.SCALARS: 0,
+                                                                                   event_accumulator.TENSORS: 0})
         events.Reload()
         return events
 
@@ -87,10 +70,12 @@ class RunFolder:
     def _series(self) -> dict[str, list[tuple[int, float]]]:
         """Every scalar's (step, value) points: from the event files, else from the CSV logger's metrics.csv."""
         if any(self.path.glob(EVENT_FILES)):
-            return {tag: [(int(e.step), e.value) for e in self._events.Scalars(tag)] for tag in self._events.Tags()["scalars"]}
+            return {tag: [(int(e.step), e.value) for e in self._events.Scalars(tag)]
+                    for tag in self._events.Tags()["scalars"]}
         if not (self.path / CSV_METRICS).is_file():
-            raise UsageError(f"its scalars are read from TensorBoard event files or {CSV_METRICS.as_posix()}, and it has neither: "
-                             "a run logged only to MLflow or W&B is read in their own tools (logger=[mlflow,csv] logs to both)")
+            raise UsageError(f"its scalars are read from TensorBoard event files or {CSV_METRICS.as_posix()}, and "
+                             "it has neither: a run logged only to MLflow or W&B is read in their own tools "
+                             "(logger=[mlflow,csv] logs to both)")
         series: dict[str, list[tuple[int, float]]] = {}
         with (self.path / CSV_METRICS).open(newline="") as file:
             for row in csv.DictReader(file):
@@ -100,16 +85,15 @@ class RunFolder:
         return series
 
     def scalars(self, *tags: str) -> list[tuple[int, float]]:
-        """(step, value) of the first of `tags` that the run logged; empty when it logged none of them.
-        Runs made before the transfer scalars moved to `xfer/` logged them as `comm/`: read as the same."""
-        return next((self._series[name] for tag in tags for name in (tag, *legacy_names(tag)) if name in self._series), [])
+        """(step, value) of the first of `tags` that the run logged; runs made before `xfer/` logged it as `comm/`."""
+        names = [name for tag in tags for name in (tag, tag.replace("xfer/", "comm/", 1)) if name in self._series]
+        return self._series[names[0]] if names else []
 
     def values(self, *tags: str) -> list[float]:
         return [value for _, value in self.scalars(*tags)]
 
     def hparams(self) -> dict[str, Any]:
-        """The run's HParams summary (`precision_used`, `world_size`, ...), or the CSV logger's record of the same
-        settings where the run has no event files; empty when it has neither."""
+        """The run's HParams summary, or the CSV logger's record of it where the run has no event files."""
         if not any(self.path.glob(EVENT_FILES)):
             return dict(records.load(self.path / CSV_HPARAMS) or {}) if (self.path / CSV_HPARAMS).is_file() else {}
         try:
@@ -119,15 +103,20 @@ class RunFolder:
         from tensorboard.plugins.hparams import plugin_data_pb2
 
         values = plugin_data_pb2.HParamsPluginData.FromString(content).session_start_info.hparams
-        return {name: getattr(value, value.WhichOneof("kind")) for name, value in values.items() if value.WhichOneof("kind")}
+        return {name: setting(value) for name, value in values.items() if value.WhichOneof("kind")}
+
+
+def setting(value: Any) -> Any:
+    """An HParams value; whole numbers, recorded as text (`src.hparams.session_start`), read as numbers."""
+    read = getattr(value, value.WhichOneof("kind"))
+    return int(read) if isinstance(read, str) and re.fullmatch(r"-?\d+", read) else read
 
 
 def find_run_dirs(root: Path) -> list[Path]:
-    """Folders below `root` (itself included) that hold a run's config and its scalars (event files or metrics.csv),
-    or the result of a run that logged its scalars elsewhere (said when read)."""
+    """Folders below `root` (itself included) with a run's config and its scalars, or its result (said when read)."""
     configs = sorted(root.glob(f"**/{RESOLVED_CONFIG}"))
-    return [c.parent for c in configs
-            if any(c.parent.glob(EVENT_FILES)) or any((c.parent / name).is_file() for name in (CSV_METRICS, records.RESULT))]
+    return [c.parent for c in configs if any(c.parent.glob(EVENT_FILES))
+            or any((c.parent / name).is_file() for name in (CSV_METRICS, records.RESULT))]
 
 
 def require_folder(root: Path) -> None:
@@ -136,22 +125,21 @@ def require_folder(root: Path) -> None:
 
 
 def read_runs(root: Path, read: Callable[[RunFolder], T | None]) -> list[T]:
-    """`read` of every run folder below `root`, in path order, leaving out those it returns None for.
-
-    A folder that cannot be read (a damaged or hand-edited record) is left out with one `warning:` line on stderr
-    naming it and why; only where no folder can be read is it a UsageError.
-    """
+    """`read` of every run folder below `root`, leaving out None; one that cannot be read (a damaged or hand-edited
+    record) is left out with one `warning:` line, and only where none can be read is it a UsageError."""
     require_folder(root)
     run_dirs = find_run_dirs(root)
     if not run_dirs:
-        raise UsageError(f"{root}: no run folders below it (a run folder holds config.yaml and event files or metrics.csv)")
+        raise UsageError(f"{root}: no run folders below it "
+                         "(a run folder holds config.yaml and event files or metrics.csv)")
     logging.getLogger("tensorboard").setLevel(logging.WARNING)  # it logs every event file it opens at INFO
     found, unreadable = [], []
     for run_dir in run_dirs:
         try:
             item = read(RunFolder(run_dir, root))
         except Exception as error:
-            reason = str(error) if isinstance(error, UsageError) else f"{type(error).__name__}: {' '.join(str(error).split())}"
+            reason = str(error) if isinstance(error, UsageError) else \
+                f"{type(error).__name__}: {' '.join(str(error).split())}"
             unreadable.append(f"{run_dir}: left out ({reason})")
             continue
         if item is not None:
@@ -164,13 +152,12 @@ def read_runs(root: Path, read: Callable[[RunFolder], T | None]) -> list[T]:
 
 
 def resolved_config_file(ckpt_path: object) -> Path:
-    """Where the run that wrote `ckpt_path` (a checkpoint in its `checkpoints/`, or the run folder) keeps its resolved config."""
+    """`ckpt_path`: a checkpoint in its run's `checkpoints/`, or the run folder."""
     path = Path(str(ckpt_path))
     return (path if path.is_dir() else path.parent.parent) / RESOLVED_CONFIG
 
 
 def resolved_config(ckpt_path: object | None) -> DictConfig | None:
-    """The resolved config of the run that wrote `ckpt_path` (a checkpoint or a run folder), if it is there."""
     if ckpt_path is None:
         return None
     config = resolved_config_file(ckpt_path)
@@ -178,14 +165,14 @@ def resolved_config(ckpt_path: object | None) -> DictConfig | None:
 
 
 def output_folder(out: Path) -> Path:
-    """`out`, where a command writes its tables and plots; it may not exist yet, but may not be a file."""
+    """It may not exist yet, but may not be a file."""
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out}: is a file, not a folder")
     return out
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse whose mistakes are UsageErrors, so that they end as every other bad input does."""
+    """Its mistakes are UsageErrors, so that they end as every other bad input does."""
 
     def error(self, message: str) -> NoReturn:
         raise UsageError(message)

@@ -1,11 +1,5 @@
-"""What `hydra/launcher=slurm` asks SLURM for: GPUs only where the run uses them.
-
-`${slurm_gpus:${accelerator},${devices},${hydra.launcher.partition}}` in conf/hydra/launcher/slurm.yaml:
-- accelerator=gpu: `devices` GPUs per node (one per DDP process);
-- accelerator=cpu: no GPU request (a CPU-only cluster refuses `--gpus-per-node`: "Invalid generic resource");
-- accelerator=auto: GPUs when the partition's nodes have any, as `sinfo` reports their GRES; `devices`
-  GPUs when sinfo cannot tell (no SLURM client here), as a GPU cluster needs.
-"""
+"""The GPUs `hydra/launcher=slurm` asks for (`${slurm_gpus:...}`): none for accelerator=cpu (a CPU-only cluster refuses
+`--gpus-per-node`), and for accelerator=auto none where `sinfo` says the partition has none."""
 
 import subprocess
 
@@ -13,18 +7,15 @@ from omegaconf import OmegaConf
 
 
 def partition_has_gpus(partition: str | None) -> bool | None:
-    """Whether a node of `partition` (None: the default partition) has GPUs; None when sinfo cannot tell."""
+    """Whether a node of `partition` (None: the default one) has GPUs; None when sinfo cannot tell."""
     try:
         listing = subprocess.run(["sinfo", "--noheader", "--format=%P|%G"], capture_output=True, text=True,
                                  timeout=60, check=True).stdout
     except (OSError, subprocess.SubprocessError):
         return None
-    gres = []
-    for line in listing.splitlines():
-        name, _, node_gres = line.strip().partition("|")
-        is_default = name.endswith("*")
-        if (partition is None and is_default) or name.rstrip("*") == partition:
-            gres.append(node_gres)
+    rows = [line.strip().partition("|") for line in listing.splitlines()]
+    gres = [node_gres for name, _, node_gres in rows
+            if (partition is None and name.endswith("*")) or name.rstrip("*") == partition]
     if not gres:
         return None  # no such partition: sbatch will say so
     return any("gpu" in g for g in gres)
@@ -32,9 +23,7 @@ def partition_has_gpus(partition: str | None) -> bool | None:
 
 def gpus_per_node(accelerator: str, devices: int, partition: str | None = None) -> int | None:
     """`--gpus-per-node` for a job of `devices` processes per node; None leaves the option out."""
-    if accelerator == "cpu":
-        return None
-    if accelerator == "auto" and partition_has_gpus(partition) is False:
+    if accelerator == "cpu" or (accelerator == "auto" and partition_has_gpus(partition) is False):
         return None
     return devices
 

@@ -1,9 +1,6 @@
 """`python -m src.sysinfo`: what this machine offers for data-parallel training, and which precision suits it.
 
-    python -m src.sysinfo
-
-`collect()` gathers plain data, `format_report()` turns it into text, and `precision_warnings()`
-judges one run's choice of precision and process count against it (used by `SystemInfoLogger`).
+`precision_warnings()` judges one run's precision and process count against `collect()` (for `SystemInfoLogger`).
 """
 
 import os
@@ -13,8 +10,6 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-FP16_TENSOR_CORES = (7, 0)  # Volta
-BF16_TENSOR_CORES = (8, 0)  # Ampere
 HALF_PRECISIONS = ("16-mixed", "16", "16-true")
 # Link codes of `nvidia-smi topo -m` other than NV#, from its legend.
 PCIE_LINKS = {
@@ -28,18 +23,12 @@ def gpu_info(index: int) -> dict[str, Any]:
 
     props = torch.cuda.get_device_properties(index)
     capability = (props.major, props.minor)
-    return {
-        "index": index,
-        "name": props.name,
-        "memory_gib": round(props.total_memory / 2**30, 1),
-        "capability": f"{props.major}.{props.minor}",
-        "fp16_tensor_cores": capability >= FP16_TENSOR_CORES,
-        "bf16": capability >= BF16_TENSOR_CORES,
-    }
+    return {"index": index, "name": props.name, "memory_gib": round(props.total_memory / 2**30, 1),
+            "capability": f"{props.major}.{props.minor}", "fp16_tensor_cores": capability >= (7, 0),  # Volta
+            "bf16": capability >= (8, 0)}  # Ampere
 
 
 def _nvidia_smi_topology() -> str | None:
-    """`nvidia-smi topo -m`, or None where the tool is missing or fails."""
     if shutil.which("nvidia-smi") is None:
         return None
     try:
@@ -50,31 +39,21 @@ def _nvidia_smi_topology() -> str | None:
 
 
 def parse_topology(text: str) -> dict[tuple[int, int], str]:
-    """Link code (NV12, PIX, SYS, ...) of every GPU pair i < j in a `nvidia-smi topo -m` matrix."""
-    lines = [re.sub(r"\x1b\[[0-9;]*m", "", line) for line in text.splitlines()]
-    header = next((line.split("\t") for line in lines if re.search(r"\tGPU\d+", line)), [])
-    columns = {k: int(cell.strip()[3:]) for k, cell in enumerate(header) if re.fullmatch(r"GPU\d+", cell.strip())}
+    """Link code (NV12, PIX, SYS, ...) of every GPU pair i < j."""
+    rows = [[cell.strip() for cell in re.sub(r"\x1b\[[0-9;]*m", "", line).split("\t")] for line in text.splitlines()]
+    header = next((cells for cells in rows if any(re.match(r"GPU\d+", cell) for cell in cells[1:])), [])
+    columns = {k: int(cell[3:]) for k, cell in enumerate(header) if re.fullmatch(r"GPU\d+", cell)}
     links = {}
-    for line in lines:
-        cells = line.split("\t")
-        if not re.fullmatch(r"GPU\d+", cells[0].strip()):
-            continue
-        row = int(cells[0].strip()[3:])
-        for k, col in columns.items():
-            if row < col and k < len(cells):
-                links[row, col] = cells[k].strip()
+    for cells in rows:
+        if re.fullmatch(r"GPU\d+", cells[0]):
+            row = int(cells[0][3:])
+            links.update({(row, col): cells[k] for k, col in columns.items() if row < col and k < len(cells)})
     return links
 
 
-def describe_link(code: str) -> str:
-    if code.startswith("NV"):
-        return f"NVLink ({code[2:]} links)"
-    return PCIE_LINKS.get(code, code)
-
-
 def _interconnect(count: int) -> dict[str, Any]:
-    """How GPUs reach each other: from nvidia-smi where it runs, else from CUDA peer access."""
-    import torch  # imported where used: `--help` answers without it
+    """From nvidia-smi where it runs, else from CUDA peer access."""
+    import torch
 
     if count < 2:
         return {"summary": "none (fewer than 2 GPUs)", "source": None, "links": {}}
@@ -84,10 +63,8 @@ def _interconnect(count: int) -> dict[str, Any]:
         nvlink = [code.startswith("NV") for code in links.values()]
         summary = "NVLink" if all(nvlink) else "mixed NVLink and PCIe" if any(nvlink) else "PCIe"
         return {"summary": summary, "source": "nvidia-smi topo -m", "links": links}
-    links = {
-        f"GPU{i}-GPU{j}": "peer" if torch.cuda.can_device_access_peer(i, j) else "no peer"
-        for i in range(count) for j in range(i + 1, count)
-    }
+    links = {f"GPU{i}-GPU{j}": "peer" if torch.cuda.can_device_access_peer(i, j) else "no peer"
+             for i in range(count) for j in range(i + 1, count)}
     peer = [code == "peer" for code in links.values()]
     summary = ("peer access (NVLink or PCIe P2P; nvidia-smi would tell which)" if all(peer)
                else "no peer access between some GPUs: their traffic goes through host memory")
@@ -111,7 +88,7 @@ def _cpu_cores() -> int:
 
 
 def recommend_precision(gpus: list[dict[str, Any]], cpu_bf16: bool) -> tuple[str, str]:
-    """The precision to pass as `precision=`, and why; mixed GPUs are judged by the weakest."""
+    """The precision to pass, and why; mixed GPUs are judged by the weakest."""
     if not gpus:
         if cpu_bf16:
             return "bf16-mixed", ("no CUDA GPU: 16-mixed needs CUDA; this CPU has native bf16 (AVX512-BF16/AMX), "
@@ -121,14 +98,14 @@ def recommend_precision(gpus: list[dict[str, Any]], cpu_bf16: bool) -> tuple[str
     if all(g["bf16"] for g in gpus):
         return "bf16-mixed", "bf16 tensor cores (compute capability >= 8.0): fp16 speed, fp32 range, no loss scaling"
     if all(g["fp16_tensor_cores"] for g in gpus):
-        return "16-mixed", "fp16 tensor cores (compute capability >= 7.0) but no bf16 ones; the gradients are loss-scaled"
+        return "16-mixed", ("fp16 tensor cores (compute capability >= 7.0) but no bf16 ones; "
+                            "the gradients are loss-scaled")
     weakest = min(gpus, key=lambda g: tuple(map(int, g["capability"].split("."))))
     return "32", (f"GPU{weakest['index']} ({weakest['name']}, compute capability {weakest['capability']}) has no "
                   "tensor cores: mixed precision would save memory but rarely time")
 
 
 def collect() -> dict[str, Any]:
-    """Everything the report shows, as plain data."""
     import lightning
     import torch
     import torch.distributed as dist
@@ -138,23 +115,14 @@ def collect() -> dict[str, Any]:
     cpu_bf16 = cpu_has_bf16()
     precision, reason = recommend_precision(gpus, cpu_bf16)
     return {
-        "gpus": gpus,
-        "fp16_tensor_cores": bool(gpus) and all(g["fp16_tensor_cores"] for g in gpus),
+        "gpus": gpus, "fp16_tensor_cores": bool(gpus) and all(g["fp16_tensor_cores"] for g in gpus),
         "bf16": bool(gpus) and all(g["bf16"] for g in gpus) and torch.cuda.is_bf16_supported(including_emulation=False),
-        "interconnect": _interconnect(count),
-        "nccl": dist.is_available() and dist.is_nccl_available(),
+        "interconnect": _interconnect(count), "nccl": dist.is_available() and dist.is_nccl_available(),
         "gloo": dist.is_available() and dist.is_gloo_available(),
-        "cpu_cores": _cpu_cores(),
-        "threads": torch.get_num_threads(),
-        "cpu_bf16": cpu_bf16,
-        "versions": {
-            "torch": torch.__version__,
-            "lightning": lightning.__version__,
-            "cuda": torch.version.cuda,
-            "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
-        },
-        "recommended_precision": precision,
-        "precision_reason": reason,
+        "cpu_cores": _cpu_cores(), "threads": torch.get_num_threads(), "cpu_bf16": cpu_bf16,
+        "versions": {"torch": torch.__version__, "lightning": lightning.__version__, "cuda": torch.version.cuda,
+                     "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None},
+        "recommended_precision": precision, "precision_reason": reason,
     }
 
 
@@ -163,7 +131,7 @@ def _yes(flag: bool) -> str:
 
 
 def cudnn_version(number: int | None) -> str:
-    """cuDNN's version as it is written: torch reports it as one number (92400 is 9.24.0, 8902 is 8.9.2)."""
+    """torch reports it as one number: 92400 is 9.24.0, 8902 is 8.9.2."""
     if not number:
         return "none"
     scale = 10000 if number >= 10000 else 1000  # cuDNN 9 gave the minor version two digits
@@ -183,9 +151,11 @@ def format_report(info: dict[str, Any]) -> str:
     interconnect = info["interconnect"]
     source = f" (from {interconnect['source']})" if interconnect["source"] else ""
     lines.append(line("Interconnect", f"{interconnect['summary']}{source}"))
-    lines += [f"  {pair}: {describe_link(code)}" for pair, code in interconnect["links"].items()]
+    lines += [f"  {pair}: " + (f"NVLink ({code[2:]} links)" if code.startswith("NV") else PCIE_LINKS.get(code, code))
+              for pair, code in interconnect["links"].items()]
     lines.append(line("Backends", f"NCCL {_yes(info['nccl'])} (needs CUDA GPUs), gloo {_yes(info['gloo'])}"))
-    lines.append(line("CPU cores", f"{info['cpu_cores']} usable by this process; native bf16: {_yes(info['cpu_bf16'])}"))
+    lines.append(line("CPU cores", f"{info['cpu_cores']} usable by this process; "
+                                   f"native bf16: {_yes(info['cpu_bf16'])}"))
     lines.append(line("CPU threads", f"{info['threads']} for torch's operators in this process (a DDP worker's: its "
                                      "share of the cores); OMP_NUM_THREADS=<n> sets them"))
     v = info["versions"]
@@ -196,28 +166,24 @@ def format_report(info: dict[str, Any]) -> str:
 
 
 def precision_warnings(info: dict[str, Any], precision: str, accelerator: str, processes: int) -> list[str]:
-    """One line per way a run's precision or process count fits this hardware badly; empty when it fits."""
+    """One line per way a run's precision or process count fits this hardware badly."""
     precision = str(precision)
     warnings = []
-    if accelerator in ("gpu", "cuda") and info["gpus"]:
-        if precision in HALF_PRECISIONS:
-            for g in info["gpus"]:
-                if not g["fp16_tensor_cores"]:
-                    warnings.append(f"precision={precision} on GPU{g['index']} ({g['name']}, compute capability "
-                                    f"{g['capability']}): no fp16 tensor cores, so little or no speed-up; use precision=32")
-        if precision.startswith("bf16"):
-            for g in info["gpus"]:
-                if not g["bf16"]:
-                    better = "16-mixed" if g["fp16_tensor_cores"] else "32"
-                    warnings.append(f"precision={precision} on GPU{g['index']} ({g['name']}, compute capability "
-                                    f"{g['capability']}): no bf16 support, it is emulated and slow; use precision={better}")
+    if accelerator in ("gpu", "cuda"):
+        for g in info["gpus"]:
+            gpu = f"precision={precision} on GPU{g['index']} ({g['name']}, compute capability {g['capability']})"
+            if precision in HALF_PRECISIONS and not g["fp16_tensor_cores"]:
+                warnings.append(f"{gpu}: no fp16 tensor cores, so little or no speed-up; use precision=32")
+            if precision.startswith("bf16") and not g["bf16"]:
+                better = "16-mixed" if g["fp16_tensor_cores"] else "32"
+                warnings.append(f"{gpu}: no bf16 support, it is emulated and slow; use precision={better}")
     elif accelerator == "cpu":
         if precision.startswith("bf16") and not info["cpu_bf16"]:
-            warnings.append(f"precision={precision} on this CPU: no native bf16 (AVX512-BF16 or AMX), so it is emulated "
-                            "and slower than fp32; use precision=32")
+            warnings.append(f"precision={precision} on this CPU: no native bf16 (AVX512-BF16 or AMX), so it is "
+                            "emulated and slower than fp32; use precision=32")
         if processes > info["cpu_cores"]:
-            warnings.append(f"{processes} DDP processes on {info['cpu_cores']} CPU cores: the processes compete for cores "
-                            f"and every step slows down; use devices={info['cpu_cores']} or fewer")
+            warnings.append(f"{processes} DDP processes on {info['cpu_cores']} CPU cores: the processes compete for "
+                            f"cores and every step slows down; use devices={info['cpu_cores']} or fewer")
     return warnings
 
 

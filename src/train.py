@@ -1,12 +1,5 @@
-"""`python -m src.train`: compose the config, check it, start the run's processes; in each, build, fit and test.
-
-    python -m src.train                                   # LeNet, one device
-    python -m src.train model=resnet18 strategy=ddp devices=4 precision=16-mixed
-    python -m src.train -m strategy=ddp,ddp_fp16 devices=1,2,4
-
-`main` is the Hydra job: `src.launch.cli.run_job` checks the config, holds the run folder, checks a resume, writes the
-run's records and starts its processes (`src.launch.workers`), each of which runs `fit_and_test` once.
-"""
+"""`python -m src.train [-m] key=value ...`: `src.launch.cli.run_job` checks the config and starts the run's processes,
+each of which builds the run, fits and tests it (`train`), e.g. `model=resnet18 strategy=ddp devices=4`."""
 
 import inspect
 import logging
@@ -49,7 +42,6 @@ log = logging.getLogger("src.train")  # the result line is the command's: named 
 
 
 def quiet_known_warnings() -> None:
-    """Lightning's and torch's warnings that ask nothing of this project's users."""
     for message in (
         r".*isinstance\(treespec, LeafSpec\)",  # torch 2.14 against Lightning 2.6
         r"It is recommended to use `self.log\('xfer/",  # the xfer/ epoch means are rank 0's own by design
@@ -72,7 +64,6 @@ quiet_known_warnings()
 
 
 def build(group: str, node: DictConfig, **kwargs: Any) -> Any:
-    """Hydra's instantiate of a config group; a failure is one line naming the group."""
     try:
         return instantiate(node, **kwargs)
     except InstantiationException as error:
@@ -102,8 +93,7 @@ def check_model(model: object, target: object, sample_shape: tuple[int, ...] | N
 
 @contextmanager
 def trainer_input_errors() -> Iterator[None]:
-    """Lightning's refusal of a Trainer argument that only the data can judge (`trainer.val_check_interval=500` with 4
-    training batches), as one line naming it."""
+    """Lightning's refusal of a Trainer argument only the data can judge (`trainer.val_check_interval=500`)."""
     try:
         yield
     except (MisconfigurationException, ValueError) as error:
@@ -115,7 +105,6 @@ def trainer_input_errors() -> Iterator[None]:
 
 
 def build_run(cfg: DictConfig, checkpoint: Saved | None, fit: bool) -> dict[str, Any]:
-    """The run's objects from its config: data, model, callbacks, loggers and Trainer, and what the fast path chose."""
     output_dir, accelerator = Path(cfg.output_dir), resolve_accelerator(cfg.accelerator)
     seed_everything(cfg.seed, workers=True, verbose=False)
     if accelerator == "cpu":
@@ -164,8 +153,8 @@ def scalar_metrics(trainer: Trainer) -> dict[str, float]:
 
 
 def weights_to_test(test_weights: str, best: Callback | None) -> Path | None:
-    """The best checkpoint's file for `test_weights=best` (every process asks its own ModelCheckpoint, which knows the
-    file rank 0 wrote); None for the weights training ended with."""
+    """The best checkpoint's file for `test_weights=best` (each process's ModelCheckpoint knows the file rank 0 wrote);
+    None for the weights training ended with."""
     if test_weights == "last":
         return None
     if isinstance(best, ModelCheckpoint) and best.best_model_path:
@@ -177,7 +166,6 @@ def weights_to_test(test_weights: str, best: Callback | None) -> Path | None:
 
 
 def train(cfg: DictConfig) -> tuple[Result, dict[str, Any]]:
-    """Build, fit and test one configuration in this process: its result, and the objects built."""
     output_dir = Path(cfg.output_dir)
     checkpoint = resolve_ckpt_path(cfg.ckpt_path, output_dir)
     objects = build_run(cfg, checkpoint, fit=True)
@@ -207,8 +195,8 @@ def train(cfg: DictConfig) -> tuple[Result, dict[str, Any]]:
 
 
 def record(cfg: DictConfig, objects: dict[str, Any], result: Result, tested: Path | None, training: bool = True) -> None:
-    """Rank 0 ends the run's record: its settings in every logger (TensorBoard's HParams row; a training run's only,
-    so that HParams compares trainings), `result.json`, and the result line, on the terminal and in the command's log."""
+    """Rank 0 ends the run's record: its settings in every logger (a training's only, so that HParams compares
+    trainings), `result.json`, and the result line."""
     trainer = objects["trainer"]
     if not trainer.is_global_zero:
         return
@@ -227,19 +215,14 @@ def shown(metrics: dict[str, float], name: str) -> str:
 
 
 def hardware_use(metrics: dict[str, float]) -> str:
-    """`, 0.52 TFLOP/s a device, MFU 13.1 %, peak memory 812 MiB`: what the run measured of these (HardwareUse)."""
-    shown_figures = []
-    if "usage/tflops_per_s" in metrics:
-        shown_figures.append(f"{metrics['usage/tflops_per_s']:.3g} TFLOP/s a device")
-    if "usage/mfu" in metrics:
-        shown_figures.append(f"MFU {metrics['usage/mfu']:.1%}".replace("%", " %"))
-    if "usage/peak_memory_mib" in metrics:
-        shown_figures.append(f"peak memory {metrics['usage/peak_memory_mib']:.0f} MiB")
-    return "".join(f", {figure}" for figure in shown_figures)
+    """`, 0.52 TFLOP/s a device, MFU 13.1 %, peak memory 812 MiB`: those of these the run measured (HardwareUse)."""
+    shapes = {"usage/tflops_per_s": "{:.3g} TFLOP/s a device", "usage/mfu": "MFU {:.1%}",
+              "usage/peak_memory_mib": "peak memory {:.0f} MiB"}
+    return "".join(", " + shape.format(metrics[name]).replace("%", " %") for name, shape in shapes.items()
+                   if name in metrics)
 
 
 def fit_and_test(cfg: DictConfig) -> Result:
-    """What each of a run's processes runs."""
     return train(cfg)[0]
 
 

@@ -308,7 +308,9 @@ def hparams(run_dir: Path) -> dict[str, object]:
     """The hyperparameters of a run's HParams summary; {} when it has none."""
     for data in hparams_plugin_data(run_dir):
         if data.HasField("session_start_info"):
-            return {k: v.WhichOneof("kind") and getattr(v, v.WhichOneof("kind")) for k, v in data.session_start_info.hparams.items()}
+            from src.runs import setting
+
+            return {k: v.WhichOneof("kind") and setting(v) for k, v in data.session_start_info.hparams.items()}
     return {}
 
 

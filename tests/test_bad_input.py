@@ -127,6 +127,9 @@ OUT_OF_RANGE = {
     # rules across keys
     "trainer.min_epochs=20": "it must be at most max_epochs=10",
     "trainer.enable_checkpointing=false": "remove them with ~callbacks.best_checkpoint ~callbacks.last_checkpoint",
+    "~callbacks.best_checkpoint ~callbacks.last_checkpoint trainer.enable_checkpointing=false":
+        "remove them with ~callbacks.step_checkpoint",
+    "strategy=dp devices=2 sync_batchnorm=true": "each GPU's replica normalises with its own shard; use strategy=ddp",
     "num_nodes=2": "torchrun or SLURM (see docs/cluster.md)",
     "strategy=ddp strategy.hook=zip": "strategy.hook must be one of: none, fp16, bf16, powersgd, powersgd_fp16, or the import path",
     "strategy=ddp strategy.powersgd_rank=0": "strategy.powersgd_rank must be a whole number of at least 1",

@@ -87,6 +87,7 @@ def test_run_folder_is_named_after_model_strategy_devices_and_precision_used():
     assert cfg.run_name == "resnet18_ddp_4dev_bf16-mixed"  # fp16 autocast needs CUDA: the run uses bf16
     assert cfg.precision_used == "bf16-mixed"
     assert composed("precision=32", "num_nodes=2").run_name == "lenet_auto_1dev_2nodes_32-true"
+    assert composed("experiment=d2l_lenet", "precision=32").run_name == "lenet_auto_1dev_32-true_d2l_lenet"
     run_dir = yaml.safe_load((CONF_DIR / "hydra" / "default.yaml").read_text())["run"]["dir"]
     assert run_dir == "${claim_dir:outputs/runs/${run_stamp:}_${run_name}}"
 

@@ -19,7 +19,6 @@ from src.models.lenet import LeNet
 from src.models.module import Classifier
 from src.models.resnet import resnet18
 from src.strategies.dp import DataParallelNet, DataParallelStrategy
-from src.strategies.sync_batchnorm import SyncBatchNormPlugin
 from src.launch.workers import processes_per_node
 from tests.equivalence import checkpoint, deviation
 from tests.helpers import QUICK, REPO, composed, hparams, train
@@ -49,16 +48,6 @@ def test_several_cpu_devices_are_a_usage_error():
     trainer = quiet_trainer(strategy="dp", accelerator="cpu", devices=2)
     with pytest.raises(UsageError, match="strategy=dp devices=2 needs CUDA GPUs"):
         trainer.fit(BoringModel())
-
-
-def test_sync_batchnorm_over_several_gpus_is_a_usage_error():
-    strategy = DataParallelStrategy()
-    strategy._layer_sync = SyncBatchNormPlugin(cuda=True)
-    strategy.parallel_devices = [torch.device("cuda", 0)]
-    strategy.check_devices()  # one GPU normalises the whole batch: nothing to synchronise
-    strategy.parallel_devices = [torch.device("cuda", 0), torch.device("cuda", 1)]
-    with pytest.raises(UsageError, match="sync_batchnorm=true does not work with strategy=dp"):
-        strategy.check_devices()
 
 
 def test_cli_dp_on_one_cpu_device_trains_and_logs(tmp_path, data_root):

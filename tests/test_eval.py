@@ -112,3 +112,11 @@ def test_a_failed_eval_leaves_no_folder_behind(tmp_path, trained):
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1].startswith(f"error: data.root={nodata}: Fashion-MNIST not found")
     assert not nodata.exists() and not (tmp_path / "outputs").exists()
+
+
+def test_eval_help_lists_the_groups_a_test_uses_only():
+    result = run_cli("src.eval", "--help", timeout=120)
+    assert result.returncode == 0, result.stderr
+    choices = result.stdout.split("Choices (group=option):")[1].split("Every key")[0]
+    assert [line.split(":")[0] for line in choices.split("\n") if line.strip()] == ["model", "strategy", "logger"]
+    assert "strategy: auto, ddp, ddp_bf16, ddp_fp16, ddp_powersgd, ddp_powersgd_fp16, dp" in choices

@@ -118,7 +118,8 @@ def test_hparams_figures_are_those_of_the_run_and_the_report(served_sweep, sweep
         run = session["name"]
         seed = int(run[-1])
         assert group["name"].startswith(f"seed={seed} {LABEL} #"), "what differs first: the table cuts trial ids short"
-        assert group["hparams"]["seed"] == seed
+        assert group["hparams"]["seed"] == str(seed) and group["hparams"]["devices"] == "1"  # whole, not 1.0000
+        assert group["hparams"]["optim.lr" if "optim.lr" in group["hparams"] else "lr"] == pytest.approx(0.05)
         metrics = {value["name"]["tag"]: value["value"] for value in group["metricValues"]}
         logged = scalars(sweep / run)
         assert metrics["time/epoch_s_median"] == pytest.approx(statistics.median(logged["time/epoch_s"]))
@@ -154,6 +155,8 @@ def test_single_run_is_named_by_the_precision_used_and_opens_on_what_was_typed(s
     hparams, metrics = default_columns(experiment)
     assert hparams == ["data.val_size", "lr", "lr_used", "model", "strategy"]  # typed, then what the run is
     assert metrics[:4] == FIRST_METRICS
+    [group] = Served(single).session_groups(experiment)  # what was typed first: the table cuts trial ids short
+    assert group["name"].startswith(f"debug=quick optim.lr=0.05 data.val_size=1000 {LABEL} #"), group["name"]
 
 
 def test_the_default_loader_agrees(sweep):
@@ -224,3 +227,15 @@ def test_jobs_of_a_swept_key_that_a_plus_adds_get_folders_apart(tmp_path):
     named = [sweep_job_dirname([f"+callbacks.fault.step={step}"], 0, str(tmp_path), "lenet_auto_1dev_32-true")
              for step in (2, 1000)]
     assert named == ["lenet_auto_1dev_32-true_callbacks.fault.step=2", "lenet_auto_1dev_32-true_callbacks.fault.step=1000"]
+
+
+def test_a_swept_experiment_is_named_once_by_the_run_label(tmp_path):
+    from omegaconf import OmegaConf
+
+    from src.launch.naming import run_label, sweep_job_dirname
+
+    OmegaConf.save(OmegaConf.create({"hydra": {"overrides": {"task": ["experiment=d2l_lenet,lenet_plus"]}}}),
+                   tmp_path / "multirun.yaml")
+    named = [sweep_job_dirname([f"experiment={name}"], 0, str(tmp_path), run_label("lenet", "auto", 1, 1, "32-true", name))
+             for name in ("d2l_lenet", "lenet_plus")]
+    assert named == ["lenet_auto_1dev_32-true_d2l_lenet", "lenet_auto_1dev_32-true_lenet_plus"]

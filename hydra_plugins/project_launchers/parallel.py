@@ -1,7 +1,4 @@
-"""Where Hydra finds the parallel launcher (`hydra/launcher=parallel`), in any Hydra app.
-
-    python -m src.train -m hydra/launcher=parallel seed=1,2,3,4
-"""
+"""Where Hydra finds the parallel launcher (`-m hydra/launcher=parallel seed=1,2,3,4`), in any Hydra app."""
 
 from dataclasses import dataclass
 
@@ -16,8 +13,7 @@ class ParallelLauncher(_ParallelLauncher):
 
 @dataclass
 class ParallelLauncherConf:
-    """Several sweep jobs at once on this machine, each on a share of the cores (affinity, and as many threads) and, on
-    a GPU machine, `devices` GPUs by CUDA_VISIBLE_DEVICES; each job's output in `<sweep>/.parallel/<job>.out`."""
+    """Several sweep jobs at once, each on a share of the cores and GPUs; its output in `<sweep>/.parallel/<job>.out`."""
 
     _target_: str = "hydra_plugins.project_launchers.parallel.ParallelLauncher"
     jobs: int | None = None  # at most this many at once; null: as many as fit (GPUs x jobs_per_gpu, or cores, over a job's devices)

@@ -1,8 +1,5 @@
-"""Where Hydra finds the Optuna sweeper (`hydra/sweeper=optuna`) and its settings, in any Hydra app. Optuna itself is
-imported only when the sweeper is asked for (the `optuna` extra: .venv/bin/pip install -e '.[optuna]').
-
-    python -m src.train -m hydra/sweeper=optuna 'optim.lr=tag(log, interval(0.001, 0.1))' hydra.sweeper.n_trials=12
-"""
+"""Where Hydra finds the Optuna sweeper (`-m hydra/sweeper=optuna 'optim.lr=tag(log, interval(0.001, 0.1))'`), in
+any Hydra app; Optuna (the `optuna` extra) is imported only when the sweeper is asked for."""
 
 from dataclasses import dataclass
 

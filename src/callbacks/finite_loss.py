@@ -11,22 +11,16 @@ from lightning.pytorch.trainer.states import TrainerFn
 from src.errors import TrainingDiverged
 
 
-ACROSS_PROCESSES_EVERY_N_STEPS = 50  # a read there is a collective: not every step, whatever the logging interval
+ACROSS_PROCESSES_EVERY_N_STEPS = 50  # a read there is a collective, where every rank waits for the slowest
 
 
 class FiniteLossCheck(Callback):
     """Raises `TrainingDiverged` naming the first step whose `train/loss` was not finite.
 
-    Each step records, on the device and without waiting for it, the first non-finite loss and its
-    step. The record is read (one device sync, and across DDP processes one all-gather) every
-    `every_n_steps` steps, before validation, at the end of each epoch and before any checkpoint
-    is written (Lightning asks every callback for its state first), so no checkpoint of a
-    diverged model is written. `every_n_steps=None` reads every step
-    in one CPU process, where it costs nothing, and every `ACROSS_PROCESSES_EVERY_N_STEPS` steps across
-    processes, where a read is a collective: a meeting of every rank that would otherwise wait for
-    the slowest once more per step. In one CUDA process it never waits for the device
-    during the epoch: after each batch the record is copied to pinned host memory without waiting,
-    and the copy is read once a CUDA event says it has landed, a batch or two later.
+    Each step records the first bad loss on the device without waiting; the record is read every `every_n_steps`,
+    before validation, at each epoch's end and before any checkpoint, so no diverged model is saved. By default:
+    every step in one CPU process (free), every `ACROSS_PROCESSES_EVERY_N_STEPS` across processes, and in one CUDA
+    process never a wait: a pinned host copy is read once its CUDA event says it landed.
     """
 
     def __init__(self, every_n_steps: int | None = None) -> None:
@@ -52,8 +46,7 @@ class FiniteLossCheck(Callback):
         loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
         if self._first is None or not isinstance(loss, torch.Tensor):
             return
-        # One loss per optimizer step of the batch (several with steps_per_execution > 1). The record is
-        # updated in place with Python scalars as kernel arguments: no host-device copy.
+        # One loss per optimizer step of the batch; updated in place with Python scalars: no host-device copy.
         first, losses = self._first, loss.detach().flatten()
         bad = ~torch.isfinite(losses)
         where = bad.to(torch.int8).argmax()  # the batch's first bad step, 0 if none
@@ -67,7 +60,7 @@ class FiniteLossCheck(Callback):
             self.check(trainer)
 
     def check_landed(self, trainer: Trainer) -> None:
-        """Read the record's last pinned copy if it has landed, then send the next; never waits."""
+        """Read the last pinned copy if it has landed, then send the next; never waits."""
         assert self._landing is not None and self._first is not None
         host, landed = self._landing
         if not landed.query():
@@ -84,11 +77,10 @@ class FiniteLossCheck(Callback):
         self.check(trainer)
 
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
-        """Every process builds each checkpoint, so the check's all-gather meets in all of them."""
+        """Every process builds each checkpoint, so the all-gather meets in all of them."""
         self.check(trainer)
 
     def check(self, trainer: Trainer) -> None:
-        """Raise in every process at once when any process saw a non-finite loss."""
         if self._first is None:
             return
         records = self._first
@@ -99,7 +91,7 @@ class FiniteLossCheck(Callback):
         self.raise_if_bad(trainer, records.reshape(-1, 3).tolist())
 
     def raise_if_bad(self, trainer: Trainer, records: list) -> None:
-        """Raise naming the earliest bad step of the records ([step, epoch, loss] each, or one such list)."""
+        """`records`: [step, epoch, loss], or a list of them."""
         rows = records if isinstance(records[0], list) else [records]
         bad = [row for row in rows if row[0] >= 0]
         if not bad:

@@ -1,23 +1,9 @@
-"""How much of the hardware a run used: model FLOP/s per device, their share of the device's peak, peak memory.
+"""How much of the hardware a run used: `usage/tflops_per_s` per device, `usage/mfu`, `usage/peak_memory_mib`.
 
-The model's FLOPs per optimizer step (forward and backward pass at each process's batch, in the
-run's precision) are counted once, when fitting starts, by torch's FLOP counter
-(`torch.utils.flop_counter`, through Lightning's `measure_flops`) on a copy of the network on the
-meta device: shapes only, no device work, no change to the network, outside every timed step.
-Each training epoch, the images per second that EpochTimer measured turn the count into:
-
-- `usage/tflops_per_s`: model TFLOP/s per device (FLOPs per image x images/s over all processes / devices);
-- `usage/mfu`: model FLOPs utilisation, those FLOP/s over the device's peak for the precision used,
-  from Lightning's table (`get_available_flops`); where the table has no entry (a CPU, a GPU it does
-  not list), not logged, and the run says why in one line;
-- `usage/peak_memory_mib`: rank 0's peak memory so far (CUDA: the caching allocator's peak of
-  allocated memory since fitting started; CPU: the process's peak resident size);
-
-and when training ends the medians over the epochs, `usage/tflops_per_s_median` and
-`usage/mfu_median`: the figures of the result line, the report and the HParams tab.
-
-Lightning's ThroughputMonitor computes such figures too, but synchronizes CUDA after every
-batch; here they come from the epoch's time, which EpochTimer already takes at epoch ends.
+The FLOPs of a training step are counted once at fit start by torch's FLOP counter on a meta-device copy of the
+network (no device work); each epoch, EpochTimer's images per second turn them into FLOP/s. MFU divides by the
+device's peak from Lightning's table, and is not logged (with one line saying why) where it has no entry. Medians
+over the epochs are logged at the end. Lightning's ThroughputMonitor would synchronize CUDA after every batch.
 """
 
 import contextlib
@@ -39,37 +25,28 @@ from src.callbacks.timing import EpochTimer
 
 log = logging.getLogger(__name__)
 
-# The dtype a precision computes its matrix products in, under Lightning's names of the precisions.
 COMPUTE_DTYPES = {"bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16, "16-mixed": torch.float16,
                   "16-true": torch.float16, "32-true": torch.float32, "64-true": torch.float64}
 MIB = 2**20
 
 
 def count_flops(net: nn.Module, sample_shape: Sequence[int], batch: int, precision: Any = None) -> int:
-    """FLOPs of one forward and backward pass of `net` over `batch` samples of `sample_shape`, as torch's
-    FLOP counter counts them (matrix products and convolutions; the first layer's input gradient, which
-    nothing asks for, is not computed and not counted).
-
-    `precision`: a Lightning precision plugin, whose forward context and input conversion the pass runs
-    under, as in training. The count runs on a copy of `net` on the meta device.
-    """
+    """FLOPs of a forward and backward pass over `batch` samples, under `precision` (a Lightning plugin) if given."""
     meta = copy.deepcopy(net).to("meta")
     for module in meta.modules():
-        # Normalisation in eval mode: a synchronized BatchNorm cannot all-reduce meta tensors, and torch's
-        # counter counts no normalisation, so the count is the same in either mode.
+        # A synchronized BatchNorm cannot all-reduce meta tensors; the counter counts no normalisation anyway.
         if isinstance(module, nn.modules.batchnorm._NormBase):
             module.eval()
-    images = torch.empty(batch, *sample_shape, device="meta")
-    context = precision.forward_context() if precision is not None else contextlib.nullcontext()
+    images, context = torch.empty(batch, *sample_shape, device="meta"), contextlib.nullcontext()
     if precision is not None:
-        images = precision.convert_input(images)
+        images, context = precision.convert_input(images), precision.forward_context()
     with context:
         # `forward`, not the call: a compiled network would compile its copy; hooks on the network itself do no FLOPs.
         return measure_flops(meta, lambda: meta.forward(images), lambda out: out.float().sum())
 
 
 def peak_flops(device: torch.device, precision: str) -> tuple[float | None, str]:
-    """The device's peak FLOP/s for the precision, from Lightning's table; None and the reason where it has none."""
+    """From Lightning's table; None and the reason where it has none."""
     dtype = COMPUTE_DTYPES.get(precision)
     if dtype is None:
         return None, f"precision {precision} has no compute dtype in the peak table"
@@ -92,12 +69,8 @@ def peak_memory_mib(device: torch.device) -> float:
 
 
 class HardwareUse(Callback):
-    """Logs the `usage/` scalars at each training epoch's end, from EpochTimer's figures of that epoch.
-
-    It reads the epoch's images per second from the trainer's EpochTimer, so it comes after it in
-    the callbacks (conf/callbacks/default.yaml). A network it cannot count (no `sample_shape` on the
-    data module, a pass that fails on the meta device) logs memory alone, with the reason in one line.
-    """
+    """Logs the `usage/` scalars at each epoch's end; comes after EpochTimer (conf/callbacks/default.yaml), whose
+    figures it reads. A network it cannot count logs memory alone, with the reason in one line."""
 
     def __init__(self) -> None:
         self.flops_per_sample: float | None = None
@@ -166,14 +139,14 @@ class HardwareUse(Callback):
                 logger.log_metrics(medians, step=max(trainer.global_step - 1, 0))
 
     def state_dict(self) -> dict[str, Any]:
-        """The epochs' figures so far, in each checkpoint: a resumed run's medians cover all its epochs."""
+        """In each checkpoint: a resumed run's medians cover all its epochs."""
         return {"tflops_per_s": list(self.tflops_per_s), "mfu": list(self.mfu), "peak_memory": self.peak_memory}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.tflops_per_s, self.mfu, self.peak_memory = list(state["tflops_per_s"]), list(state["mfu"]), state["peak_memory"]
 
     def summary(self) -> dict[str, float]:
-        """The run's figures: medians over its epochs of TFLOP/s and MFU, and its peak memory; what it did not measure is absent."""
+        """Medians over the epochs, and peak memory; what was not measured is absent."""
         figures = {"usage/tflops_per_s": self.tflops_per_s, "usage/mfu": self.mfu}
         summary = {name: statistics.median(values) for name, values in figures.items() if values}
         if self.peak_memory is not None:

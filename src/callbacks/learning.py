@@ -1,5 +1,4 @@
-"""Whether a short run's training loss fell: `debug=quick`'s few steps tell a setting that learns from one that
-does not only where the loss moved."""
+"""Whether a short run's training loss fell: what `debug=quick`'s few steps can tell."""
 
 from typing import Any
 
@@ -8,8 +7,7 @@ from lightning import Callback, LightningModule, Trainer
 
 
 class LossFalls(Callback):
-    """Keeps the training loss of the run's first and last optimizer steps on the device (no step waits for it),
-    and says once training ends whether it fell."""
+    """Keeps the first and last optimizer steps' loss on the device, so no step waits for it."""
 
     def __init__(self) -> None:
         self.first: torch.Tensor | None = None
@@ -32,7 +30,7 @@ class LossFalls(Callback):
         self.steps = self._counted + trainer.global_step - self._start
 
     def state_dict(self) -> dict[str, Any]:
-        """The first loss and the steps counted, in checkpoints: a resumed run's verdict spans all its steps."""
+        """In checkpoints: a resumed run's verdict spans all its steps."""
         return {"first": None if self.first is None else self.first.cpu(), "steps": self.steps}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -20,21 +20,13 @@ def summary_table(columns: list[tuple[str, list[str]]], totals: list[tuple[str, 
 
 
 class SummaryWithoutZeroFlops(ModelSummary):
-    """Lightning 2.6 counts FLOPs only by running the module's `example_input_array`; without one it
-    shows a FLOPs column of zeros and `0 Total Flops`. Here those are left out; a count it made stays.
-    The classifier has no example input: its batches are (images, labels) pairs, normalised by the
-    data module, which a bare example tensor would not pass through."""
+    """Lightning 2.6 counts FLOPs only by running `example_input_array`, which the classifier lacks (its batches are
+    normalised by the data module), and would show a column of zeros and `0 Total Flops`."""
 
     @staticmethod
-    def summarize(
-        summary_data: list[tuple[str, list[str]]],
-        total_parameters: int,
-        trainable_parameters: int,
-        model_size: float,
-        total_training_modes: dict[str, int],
-        total_flops: int,
-        **summarize_kwargs: Any,
-    ) -> None:
+    def summarize(summary_data: list[tuple[str, list[str]]], total_parameters: int, trainable_parameters: int,
+                  model_size: float, total_training_modes: dict[str, int], total_flops: int,
+                  **summarize_kwargs: Any) -> None:
         totals = [
             (get_human_readable_count(trainable_parameters), "Trainable params"),
             (get_human_readable_count(total_parameters - trainable_parameters), "Non-trainable params"),
@@ -51,11 +43,9 @@ class SummaryWithoutZeroFlops(ModelSummary):
 
 
 def without_zero_flops(callbacks: list[Callback]) -> list[Callback]:
-    """The trainer's callbacks with the model summary Lightning added made a `SummaryWithoutZeroFlops`.
-    Changed after the Trainer is built: passed in, it would make Lightning print that one is already
-    configured, and print it even with `trainer.enable_model_summary=false`."""
+    """Swaps the class of the summary Lightning added: one passed to the Trainer makes Lightning say one is already
+    configured, and prints even with `trainer.enable_model_summary=false`. The subclass adds no state."""
     for callback in callbacks:
         if type(callback) is ModelSummary:
-            # The subclass adds no state: the callback keeps the depth and arguments it holds privately.
             callback.__class__ = SummaryWithoutZeroFlops
     return callbacks

@@ -1,5 +1,4 @@
-"""A search trial's side of `hydra/sweeper=optuna`: its job reaches its Optuna trial through the study's file, in
-whatever process it runs. The sweeper gives each job the `ReportToTrial` callback and wraps its task in `TrialTask`."""
+"""A trial's side of `hydra/sweeper=optuna`: a job reaches its trial through the study's file, in any process."""
 
 import logging
 from dataclasses import asdict, dataclass
@@ -19,14 +18,11 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class TrialResult(Result):
-    """A trial's result: its run's, and whether the pruner stopped it."""
-
     pruned: bool = False
 
 
 class TrialRecord:
-    """One trial of a sweep's study, reached through the study's file by its number: from the job's task, and from its
-    callback in the run's first process."""
+    """One trial of a sweep's study, reached through the study's file by its number."""
 
     def __init__(self, db: str, study: str, number: int) -> None:
         self.storage, self.number = storage(db), number
@@ -35,7 +31,7 @@ class TrialRecord:
         self.id = self.storage.get_trial_id_from_study_id_trial_number(self.storage.get_study_id_from_name(study), number)
 
     def report(self, epoch: int, value: float) -> bool:
-        """The epoch's val/acc to the trial; True where the pruner gives the trial up, which is recorded and said."""
+        """True where the pruner gives the trial up."""
         self.storage.set_trial_intermediate_value(self.id, epoch, value)
         if not self.study.pruner.prune(self.study, self.storage.get_trial(self.id)):
             return False
@@ -45,7 +41,6 @@ class TrialRecord:
         return True
 
     def told(self, result: Any, folder: str) -> TrialResult:
-        """The job's end told to the study: its objective, and whether the pruner stopped it."""
         metrics = getattr(result, "metrics", {})
         if OBJECTIVE not in metrics:
             self.tell("FAIL")
@@ -65,8 +60,7 @@ class TrialRecord:
 
 @dataclass
 class TrialTask:
-    """A sweep job's task around the app's: the trial's folder noted, then how the job ended told to the study. A stop
-    signal (SystemExit) tells nothing: the trial stays running, for a resume to train on."""
+    """Tells the study how the job ended; a stop signal (SystemExit) leaves the trial running, to resume."""
 
     task: TaskFunction
 
@@ -83,8 +77,7 @@ class TrialTask:
 
 
 class ReportToTrial(Callback):
-    """Each epoch's val/acc to the trial, from the first process. When the study's pruner gives the trial up, every
-    process stops after this epoch, so that the run still ends as a run does: tested, recorded, with its result."""
+    """Each epoch's val/acc to the trial; a pruned trial stops after the epoch in every process, then is tested."""
 
     def __init__(self, db: str, study: str, trial: int) -> None:
         self.where = (db, study, trial)

@@ -9,12 +9,10 @@ from lightning.pytorch.callbacks.progress.tqdm_progress import convert_inf
 
 
 class EpochBar(TQDMProgressBar):
-    """Lightning's bar, its epochs counted from 1 of max_epochs as train.log and the stop line count them
-    (Lightning's own counts from 0)."""
+    """Epochs counted from 1 of max_epochs, as train.log counts them (Lightning's bar counts from 0)."""
 
     def on_train_epoch_start(self, trainer: Trainer, *_: Any) -> None:
-        # Lightning's steps, with the description set before the reset draws the bar: else each epoch's
-        # bar is first drawn under the last epoch's name (and the first under Lightning's "Epoch 0").
+        # Lightning's steps, the description set before the reset draws the bar (else under the last epoch's name).
         if self._leave:
             self.train_progress_bar = self.init_train_tqdm()
         bar = self.train_progress_bar
@@ -24,6 +22,5 @@ class EpochBar(TQDMProgressBar):
 
 
 def progress_bar(enable: bool | None) -> EpochBar | None:
-    """The bar for `trainer.enable_progress_bar` (null: where the output is a terminal). Elsewhere (a file, a pipe) a bar
-    would fill it with carriage returns and escapes: the epoch lines of `train.log` say the same, one line an epoch."""
+    """`trainer.enable_progress_bar=null`: only where the output is a terminal; a file would fill with escapes."""
     return EpochBar() if enable or enable is None and sys.stdout.isatty() else None

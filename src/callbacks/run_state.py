@@ -15,7 +15,7 @@ log = logging.getLogger(__name__)
 
 
 def all_ranks(value: Any) -> list[Any]:
-    """`value` of every process, in rank order: a collective, which every process calls; [value] in one process."""
+    """`value` of every process, in rank order: a collective, which every process calls."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return [value]
     gathered: list[Any] = [None] * dist.get_world_size()
@@ -24,7 +24,7 @@ def all_ranks(value: Any) -> list[Any]:
 
 
 def generators() -> dict[str, Any]:
-    """This process's random generators, as tensors and plain values, so that `torch.load(weights_only=True)` reads them."""
+    """As tensors and plain values, so that `torch.load(weights_only=True)` reads them."""
     kind, keys, position, has_gauss, gauss = np.random.get_state()
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate(),
                              "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), position, has_gauss, gauss]}
@@ -34,13 +34,10 @@ def generators() -> dict[str, Any]:
 
 
 class RunState(Callback):
-    """Gives every process a random stream of its own, and saves each process's generators and the number of processes
-    with every checkpoint.
+    """A random stream per process, and every process's generators and the world size saved in each checkpoint.
 
-    Lightning seeds every process alike, so all ranks would draw the same crops and flips for their own images: rank
-    r > 0 reseeds with seed + r (rank 0 keeps a one-process run's stream). Lightning restores weights, optimizer, loops
-    and (through the data module's resumable loader) the position in the epoch, but not the generators: restoring each
-    rank's makes anything random after a resume (dropout, augmentation) draw what the unbroken run drew.
+    Lightning seeds every process alike (all ranks would draw the same crops), so rank r > 0 reseeds with seed + r.
+    It does not restore the generators, so without this a resumed run would draw otherwise than the unbroken one.
     """
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:

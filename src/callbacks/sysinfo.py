@@ -11,8 +11,7 @@ log = logging.getLogger(__name__)
 
 
 class SystemInfoLogger(Callback):
-    """On global rank 0: `python -m src.sysinfo`'s report as TensorBoard text `system`, and one log line
-    per `sysinfo.precision_warnings` hit (e.g. 16-mixed on a GPU without fp16 tensor cores)."""
+    """On rank 0: `python -m src.sysinfo`'s report as TensorBoard text `system`, and a line per precision warning."""
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not trainer.is_global_zero:
@@ -24,7 +23,7 @@ class SystemInfoLogger(Callback):
             log.warning(warning)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """Once a resumed run has its step back: the text at that step, so the run's series never goes back."""
+        """Once a resumed run has its step back, so that the text's step never goes back."""
         if not trainer.is_global_zero:
             return
         report = "```\n" + sysinfo.format_report(self._info) + "\n```"

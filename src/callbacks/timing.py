@@ -12,21 +12,16 @@ log = logging.getLogger(__name__)
 
 
 def _sync(device: torch.device) -> None:
-    """Wait for queued CUDA work so that wall time covers the kernels, not only their launch."""
+    """So that wall time covers the kernels, not only their launch."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
 class EpochTimer(Callback):
-    """Logs `time/epoch_s` and `time/samples_per_s` once per training epoch, at the step val/acc uses,
-    and their medians over the run's epochs once when training ends (`time/epoch_s_median`,
-    `time/samples_per_s_median`: the figures of the result line, the report and the HParams tab).
+    """Logs `time/epoch_s` and `time/samples_per_s` each epoch, and their medians (`_median`) when training ends.
 
-    Validation runs inside Lightning's training epoch; its time is measured and subtracted so
-    that the figure is comparable with a plain training loop and with the book's s/epoch. The
-    pause lasts until training goes on (the next batch, or the epoch's end), so the checkpoint
-    that follows validation is left out too: under DDP it is a meeting of every process. So is
-    the one-off warm-up a module reports in `warmup_s` (the capture of a CUDA graph).
+    Validation runs inside Lightning's training epoch; its time, and that of the checkpoint after it (a meeting of
+    every DDP process), is left out, as is a module's one-off `warmup_s` (a CUDA graph's capture).
     """
 
     def __init__(self) -> None:
@@ -59,7 +54,6 @@ class EpochTimer(Callback):
             self._paused_at = time.perf_counter()
 
     def _resume(self) -> None:
-        """End a pause for validation and what follows it."""
         if self._paused_at is not None:
             self._paused += time.perf_counter() - self._paused_at
             self._paused_at = None
@@ -85,7 +79,7 @@ class EpochTimer(Callback):
                      f"{seconds:.2f} s {samples_per_s:.0f} samples/s")
 
     def state_dict(self) -> dict[str, list[float]]:
-        """The epochs' figures so far, in each checkpoint: a resumed run's medians cover all its epochs."""
+        """In each checkpoint: a resumed run's medians cover all its epochs."""
         return {"epoch_times": list(self.epoch_times), "samples_per_s": list(self.samples_per_s)}
 
     def load_state_dict(self, state: dict[str, list[float]]) -> None:

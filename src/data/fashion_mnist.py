@@ -39,13 +39,8 @@ class TensorImages(Dataset):
 
 @dataclass
 class ShardOrder:
-    """The order in which one process visits its shard of a split, epoch by epoch.
-
-    The same indices, in the same order, as torch's `DistributedSampler` (training: shuffled per
-    epoch from `seed + epoch`, padded by repeating the start so that every process takes as many
-    steps) or Lightning's `UnrepeatedDistributedSampler` (evaluation: in order, unpadded, so that
-    every image counts once), but as one tensor per epoch instead of a Python list.
-    """
+    """One process's shard of a split, epoch by epoch, as one tensor: the indices of torch's `DistributedSampler`
+    (`pad`: training) or Lightning's `UnrepeatedDistributedSampler` (evaluation, where every image counts once)."""
 
     size: int
     rank: int = 0
@@ -74,17 +69,10 @@ class ShardOrder:
 
 
 class DeviceLoader:
-    """Batches of one process's shard, gathered from a split that already sits on the training device.
+    """Batches of one process's shard, each one gather on the device where the split sits: no host work per batch.
 
-    The split crosses to the device once. Each epoch, its order is one tensor copied there; each
-    batch is then one gather on the device: no per-batch work on the host, no worker processes.
-    With `steps_per_batch` = K > 1, each batch holds the images of K consecutive optimizer steps
-    (`batch_size` each), in the order K batches would have had (see `steps_per_execution`).
-
-    Its position in the epoch is part of every checkpoint (Lightning saves `state_dict()` with the
-    fit loop and calls `load_state_dict()` on resume), counted in global batches of one optimizer
-    step, the same on any number of processes and for any K, so a mid-epoch checkpoint resumes with
-    exactly the batches an unbroken run would have seen, under another world size too.
+    A batch holds `steps_per_batch` optimizer steps' images. Its position in the epoch is in every checkpoint, counted
+    in global batches of one step, so a mid-epoch resume sees the unbroken run's batches, under any world size too.
     """
 
     batch_sampler = None  # Lightning looks for one beside `sampler`, as on a DataLoader
@@ -101,8 +89,7 @@ class DeviceLoader:
         return math.ceil(len(self.sampler) / (self.batch_size * self.steps_per_batch))
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        # A generator: nothing runs until the first batch is asked for, after Lightning has set
-        # the sampler's epoch.
+        # A generator: nothing runs until the first batch, after Lightning has set the sampler's epoch.
         epoch, skipped = self.sampler.epoch, 0
         if self.resume_at is not None and self.resume_at[0] == epoch:
             skipped = self.resume_at[1]
@@ -123,8 +110,7 @@ class DeviceLoader:
 
 
 def augment(images: torch.Tensor, pad: int, hflip: bool) -> torch.Tensor:
-    """Each image shifted by up to `pad` pixels each way (a random crop of the image padded with
-    background), and mirrored left-right with probability 1/2 if `hflip`: on the device, one gather."""
+    """A random crop of the image padded by `pad` pixels, mirrored with probability 1/2 if `hflip`: one gather."""
     n, _, height, width = images.shape
     rows = torch.arange(height, device=images.device).expand(n, height)
     cols = torch.arange(width, device=images.device).expand(n, width)
@@ -140,54 +126,31 @@ def augment(images: torch.Tensor, pad: int, hflip: bool) -> torch.Tensor:
 
 
 def per_process_batch(batch_size: int, world_size: int) -> int:
-    """The global batch split evenly over all processes."""
     if batch_size < 1 or batch_size % world_size:
-        raise UsageError(
-            f"data.batch_size={batch_size} is the global batch and must be a positive multiple of the "
-            f"{world_size} processes (devices x num_nodes); try {max(world_size, batch_size // world_size * world_size)}"
-        )
+        raise UsageError(f"data.batch_size={batch_size} is the global batch and must be a positive multiple of the "
+                         f"{world_size} processes (devices x num_nodes); try "
+                         f"{max(world_size, batch_size // world_size * world_size)}")
     return batch_size // world_size
 
 
 class FashionMNISTDataModule(LightningDataModule):
-    """Fashion-MNIST through torchvision: download when missing, parse the IDX files, serve each split
-    from the training device.
+    """Fashion-MNIST through torchvision, each split served from the training device in a distributed sampler's
+    order, also on one process: the union of N processes' shards of batch k is batch k of a one-process run."""
 
-    Every split is served in a distributed sampler's order, also on one process, so that a run on
-    N processes sees exactly the same global batches as a run on one: the union of the N
-    shards of batch k is batch k of the single-process run. Validation and test shards are not
-    padded, so accuracy counts each image once on any number of processes.
-    """
-
-    def __init__(
-        self,
-        root: str = "data",
-        batch_size: int = 256,
-        val_size: int = 5000,
-        download: bool = True,
-        shuffle: bool = True,
-        seed: int = 42,
-        num_classes: int = 10,
-        in_channels: int = 1,
-        random_crop: int = 0,
-        hflip: bool = False,
-    ) -> None:
+    def __init__(self, root: str = "data", batch_size: int = 256, val_size: int = 5000, download: bool = True,
+                 shuffle: bool = True, seed: int = 42, num_classes: int = 10, in_channels: int = 1,
+                 random_crop: int = 0, hflip: bool = False) -> None:
         super().__init__()
         self.random_crop, self.hflip = random_crop, hflip  # training images only (`augment`)
-        self.num_classes = num_classes  # given to the model too (conf/model: ${data.num_classes})
-        self.in_channels = in_channels
-        self.root = Path(root)
-        self.batch_size = batch_size
-        self.val_size = val_size
-        self.download = download
-        self.shuffle = shuffle
-        self.seed = seed
+        self.num_classes, self.in_channels = num_classes, in_channels  # given to the model too (conf/model)
+        self.root, self.batch_size, self.val_size = Path(root), batch_size, val_size
+        self.download, self.shuffle, self.seed = download, shuffle, seed
         self.steps_per_execution = 1  # optimizer steps per training batch: set by the run (src/fast_path.py)
         self.splits: dict[str, TensorImages] = {}
 
     @property
     def sample_shape(self) -> tuple[int, int, int]:
-        """One training image's shape as the model gets it: what a run counts its FLOPs per image on."""
+        """What a run counts its FLOPs per image on."""
         return (self.in_channels, IMAGE_SIZE, IMAGE_SIZE)
 
     @property
@@ -198,7 +161,6 @@ class FashionMNISTDataModule(LightningDataModule):
         return [name for name in RAW_FILES if not (self.raw_folder / name).is_file()]
 
     def prepare_data(self) -> None:
-        """Download into `root` when files are missing (runs once per node)."""
         if not self.missing_files():
             return
         reason = "data.download=false"
@@ -212,24 +174,19 @@ class FashionMNISTDataModule(LightningDataModule):
                 folders.remove_empty(created)  # torchvision made them before it tried
                 first_line = str(error).splitlines()[0].rstrip(" :") if str(error) else type(error).__name__
                 reason = f"download failed: {first_line}"
-        raise UsageError(
-            f"data.root={self.root}: Fashion-MNIST not found in {self.raw_folder} ({reason}); expected "
-            f"{', '.join(RAW_FILES)}; point data.root=<folder holding FashionMNIST/raw> at a copy"
-        )
+        raise UsageError(f"data.root={self.root}: Fashion-MNIST not found in {self.raw_folder} ({reason}); expected "
+                         f"{', '.join(RAW_FILES)}; point data.root=<folder holding FashionMNIST/raw> at a copy")
 
     def _load(self, train: bool) -> FashionMNIST:
-        if self.missing_files():
-            self.prepare_data()
+        self.prepare_data()
         try:
             return FashionMNIST(str(self.root), train=train, download=False)
         except Exception as error:
-            raise UsageError(
-                f"data.root={self.root}: {self._unreadable_file()} in {self.raw_folder} is corrupt "
-                f"({type(error).__name__}: {error}); delete it to download again, or point data.root at a good copy"
-            ) from error
+            raise UsageError(f"data.root={self.root}: {self._unreadable_file()} in {self.raw_folder} is corrupt "
+                             f"({type(error).__name__}: {error}); delete it to download again, or point data.root at "
+                             "a good copy") from error
 
     def _unreadable_file(self) -> str:
-        """Name the file torchvision cannot parse, so the error says which one to replace."""
         for name in RAW_FILES:
             try:
                 read_sn3_pascalvincent_tensor(str(self.raw_folder / name), strict=False)
@@ -243,15 +200,12 @@ class FashionMNISTDataModule(LightningDataModule):
         if (self.num_classes, self.in_channels) != (10, 1):
             key, value = ("data.num_classes", self.num_classes) if self.num_classes != 10 else ("data.in_channels", self.in_channels)
             raise UsageError(f"{key}={value} is not allowed; Fashion-MNIST has 10 classes of grayscale images (10 and 1)")
-        train = self._load(train=True)
-        test = self._load(train=False)
+        train, test = self._load(train=True), self._load(train=False)
         for prefix, split in (("train", train), ("t10k", test)):
             self._check(prefix, split.data, split.targets)
         if not 0 <= self.val_size < len(train.targets):
-            raise UsageError(
-                f"data.val_size={self.val_size} is not allowed; data.val_size must be a whole number from 0 to "
-                f"{len(train.targets) - 1} (the training images less one)"
-            )
+            raise UsageError(f"data.val_size={self.val_size} is not allowed; data.val_size must be a whole number "
+                             f"from 0 to {len(train.targets) - 1} (the training images less one)")
         order = torch.randperm(len(train.targets), generator=torch.Generator().manual_seed(self.seed))
         val_idx, train_idx = order[: self.val_size], order[self.val_size :]
         self.splits = {
@@ -261,8 +215,7 @@ class FashionMNISTDataModule(LightningDataModule):
         }
 
     def _check(self, prefix: str, images: torch.Tensor, labels: torch.Tensor) -> None:
-        """Files that torchvision parses can still disagree with each other or with the model: as many labels as
-        images, images of the size the model takes, labels of the classes it scores."""
+        """Files that torchvision parses can still disagree with each other or with the model."""
         where = f"data.root={self.root}: {self.raw_folder / prefix}"
         if len(labels) != len(images):
             raise UsageError(f"{where}-labels-idx1-ubyte holds {len(labels)} labels for the {len(images)} images of "
@@ -275,17 +228,13 @@ class FashionMNISTDataModule(LightningDataModule):
                              f"not 0 to {self.num_classes - 1} (data.num_classes={self.num_classes}); point data.root at a good copy")
 
     def _loader(self, split: str) -> DeviceLoader:
-        """Training shards are padded to equal length (DDP needs the same number of steps on every
-        process); validation and test shards are not, so that every image counts exactly once."""
-        trainer = self.trainer
-        world_size = trainer.world_size if trainer else 1
-        rank = trainer.global_rank if trainer else 0
+        """Training shards are padded: DDP needs the same number of steps on every process."""
+        trainer, dataset, train = self.trainer, self.splits[split], split == "train"
+        world_size, rank = (trainer.world_size, trainer.global_rank) if trainer else (1, 0)
         device = trainer.strategy.root_device if trainer else torch.device("cpu")
-        dataset = self.splits[split]
-        train = split == "train"
         order = ShardOrder(len(dataset), rank, world_size, shuffle=train and self.shuffle, seed=self.seed, pad=train)
-        steps = self.steps_per_execution if train else 1
-        return DeviceLoader(dataset, order, per_process_batch(self.batch_size, world_size), device, steps)
+        return DeviceLoader(dataset, order, per_process_batch(self.batch_size, world_size), device,
+                            self.steps_per_execution if train else 1)
 
     def train_dataloader(self) -> DeviceLoader:
         return self._loader("train")
@@ -297,12 +246,8 @@ class FashionMNISTDataModule(LightningDataModule):
         return self._loader("test")
 
     def on_after_batch_transfer(self, batch: tuple[torch.Tensor, torch.Tensor], dataloader_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Augment training images if asked, then normalise, on the device, where the uint8 split already
-        sits (a quarter of the float size).
-
-        The images get the dtype the precision plugin gives inputs (float64 for `precision=64`,
-        float16 for `16-true`): Lightning converts inputs before this hook, while they are uint8.
-        """
+        """Augment and normalise on the device, into the precision's input dtype: Lightning converts inputs before
+        this hook, while they are uint8."""
         images, labels = batch
         if (self.random_crop or self.hflip) and self.trainer and self.trainer.training:
             images = augment(images, self.random_crop, self.hflip)

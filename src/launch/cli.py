@@ -1,11 +1,9 @@
 """Around every entry point (`src.train`, `src.eval`): the command line in, one line and an exit status out.
 
-Bad input ends in one `error:` line and exit status 2 (a diverged loss: 1), and leaves no folder that could pass for
-a result; a stop signal or a failed rank ends the run with one line naming what is kept; a sweep prints a summary,
-writes its report, and exits non-zero if any of its jobs failed.
+Bad input is one `error:` line, exit status 2 (a diverged loss: 1), and no folder that could pass for a result; a stop
+or a failed rank is one line naming what is kept; a sweep prints a summary, writes its report, and fails with its jobs.
 """
 
-import logging
 import os
 import sys
 from collections.abc import Callable
@@ -24,17 +22,15 @@ from src.launch import lock, naming, progress, ranks, stops
 from src.launch.console import counted, print_error, print_line
 from src.launch.stops import RankFailed, RunStopped, signal_name
 
-log = logging.getLogger(__name__)
 SETTINGS = (".hydra", "config.yaml", lock.LOCK)  # what a folder holds before a run has written anything of its own
 
 
 def holds_only_settings(folder: Path) -> bool:
-    """True for a folder with nothing but settings and logs: no checkpoint, no TensorBoard run, no result."""
     return folder.is_dir() and all(p.name in SETTINGS or p.suffix == ".log" for p in folder.iterdir())
 
 
 def kept(output_dir: Path) -> str:
-    """What a stopped run leaves to resume from, and the command that resumes it (a sweep's, in a sweep)."""
+    """What a stopped run leaves to resume from, and the command that resumes it."""
     sweep = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
     again = (f"{interpreter()} -m src.train -m hydra.sweep.dir={HydraConfig.get().sweep.dir} ckpt_path=auto" if sweep
              else f"{interpreter()} -m src.train ckpt_path=last hydra.run.dir={output_dir}")
@@ -46,7 +42,6 @@ def kept(output_dir: Path) -> str:
 
 
 def end_run(line: str, status: int) -> NoReturn:
-    """The run stopped: one line from the first process, then the exit status."""
     if ranks.is_rank_zero():
         try:
             print_error(line)
@@ -56,8 +51,8 @@ def end_run(line: str, status: int) -> NoReturn:
 
 
 def save_records(cfg: DictConfig) -> None:
-    """The run's records, once its checks have passed (Hydra's own writing is off, `hydra.output_subdir: null`, so
-    that a refused resume rewrites nothing): `.hydra/` as Hydra writes it, and `config.yaml`, every value resolved."""
+    """`.hydra/` as Hydra writes it, and `config.yaml` resolved, once the checks pass (Hydra's own writing is off,
+    `hydra.output_subdir: null`, so that a refused resume rewrites nothing)."""
     folder = Path(cfg.output_dir)
     (folder / ".hydra").mkdir(parents=True, exist_ok=True)
     OmegaConf.save(cfg, folder / ".hydra" / "config.yaml")
@@ -68,9 +63,8 @@ def save_records(cfg: DictConfig) -> None:
 
 def run_job(cfg: DictConfig, task: Callable[[DictConfig], Result],
             prepare: Callable[[DictConfig], None] | None = None) -> Result:
-    """One Hydra job of this project: `prepare`d (src.eval takes the scored run's model), checked, its folder held, its
-    resume checked, its records written, then launched (`src.launch.workers`). A failure leaves no folder that could
-    pass for a result."""
+    """One Hydra job: `prepare`d (src.eval takes the scored run's model), checked, its folder locked, its resume
+    checked, its records written, then launched (`src.launch.workers`)."""
     from src.checkpoints import clean_partial  # torch and Lightning: once the config is composed
     from src.launch import workers
 
@@ -91,8 +85,6 @@ def run_job(cfg: DictConfig, task: Callable[[DictConfig], Result],
             return workers.launch(task, cfg)
     except RunStopped as stop:
         end_run(f"run stopped by {signal_name(stop.signum)}{stop.where}; {kept(output_dir)}", 128 + stop.signum)
-    except RankFailed as failure:
-        end_run(f"{failure.line}; {kept(output_dir)}", 1)
     except Exception as error:
         line = said(error)  # the user's input, or the machine's refusal (a full disk)
         if line is not None:
@@ -101,15 +93,16 @@ def run_job(cfg: DictConfig, task: Callable[[DictConfig], Result],
             if HydraConfig.get().mode == RunMode.MULTIRUN:
                 raise line from None  # the job fails alone: its launcher says so, and the sweep goes on
             end_run(str(line), 2 if isinstance(line, UsageError) else 1)  # one line: Hydra would add one of its own
-        failure = stops.rank_failure(error, cfg)  # under torchrun or SLURM: a collective that lost its peer or timed out
+        # under torchrun or SLURM: a collective that lost its peer or timed out
+        failure = error if isinstance(error, RankFailed) else stops.rank_failure(error, cfg)
         if failure is None:
             raise
         end_run(f"{failure.line}; {kept(output_dir)}", 1)
 
 
 def main(hydra_main: Callable[[], object], report: bool = False) -> None:
-    """Check what was typed, run the Hydra entry, and exit with the status it earned; with `report` (training), a
-    resume takes the run's recorded settings first (`src.resume`), and a sweep writes its report when it ends."""
+    """Run the Hydra entry and exit with the status it earned; with `report` (training), a resume takes the run's
+    recorded settings first (`src.resume`), and a sweep writes its report."""
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises its refusals here, where they become one line
     stops.handle_stop_signals()
     args = sys.argv[1:]
@@ -145,8 +138,7 @@ def main(hydra_main: Callable[[], object], report: bool = False) -> None:
 
 
 def typed_sweep_dir(args: list[str]) -> Path | None:
-    """The sweep folder a sweep command names (`-m hydra.sweep.dir=<folder>`); None for a run, or a sweep in a new
-    folder of its own (`claim_dir`)."""
+    """The folder of `-m hydra.sweep.dir=<folder>`; None for a run, or a sweep in a new folder (`claim_dir`)."""
     if "-m" not in args and "--multirun" not in args:
         return None
     typed = [o for o in config.parse(args) if o.key_or_group == "hydra.sweep.dir" and not o.is_sweep_override()]
@@ -154,8 +146,8 @@ def typed_sweep_dir(args: list[str]) -> Path | None:
 
 
 def failed(error: Exception, args: list[str]) -> int:
-    """The exit status of a command that raised `error`, once its one line is said: a sweep's failed job was said
-    as it ended; anything that is neither the user's input nor a job's failure is a traceback."""
+    """The exit status of a command that raised `error`, once its line is said (a sweep's failed job was, as it
+    ended); what is neither the user's input nor a job's failure is a traceback."""
     if progress.tally is not None and any(error is f.error for f in progress.tally.failures):
         return 0
     causes = [error]
@@ -173,8 +165,7 @@ def failed(error: Exception, args: list[str]) -> int:
 
 
 def write_report(sweep_dir: Path, failures: list[progress.Failure], appendix: str = "") -> Path | None:
-    """The sweep's report in its folder, its failed jobs listed, and what its sweeper adds (a search's trials); None
-    where no run could be reported."""
+    """The sweep's report, its failed jobs listed, with what its sweeper adds; None where no run could be reported."""
     from src.report import write_sweep_report  # matplotlib and TensorBoard: only once a sweep has ended
 
     written = write_sweep_report(sweep_dir, {f.name: f.line for f in failures})

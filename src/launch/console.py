@@ -1,9 +1,5 @@
-"""What a person reads on the terminal: lines that start at the left edge while a progress bar shows,
-and counts said in words.
-
-A tqdm bar leaves the cursor after its last character, so a line printed while one shows would
-continue the bar's line.
-"""
+"""What a person reads on the terminal: lines that start at the left edge while a progress bar shows (a tqdm bar
+leaves the cursor after its last character), and counts said in words."""
 
 import logging
 import sys
@@ -15,17 +11,15 @@ from tqdm import tqdm
 
 
 def open_progress_bars() -> list[tqdm]:
-    """The progress bars on screen, the innermost (highest position) first. A disabled bar is never listed."""
-    # tqdm lists its open bars only in this private set (its own `write` reads it); Lightning's bars are
-    # its own too. Without the set no bar is listed: lines are still printed, maybe after a bar.
+    """The progress bars on screen, the innermost first; never a disabled one."""
+    # tqdm lists its open bars (Lightning's too) only in this private set, which its own `write` reads; without it
+    # no bar is listed, and lines are still printed, maybe after a bar.
     bars = [bar for bar in list(getattr(tqdm, "_instances", ())) if not getattr(bar, "disable", True)]
     return sorted(bars, key=lambda bar: -abs(getattr(bar, "pos", 0)))
 
 
 def close_progress_bars() -> None:
-    """Close the bars on screen. A bar that stays (the epoch's) keeps its last state and ends its line;
-    one that goes (validation's) is cleared. Later closes by Lightning or at exit do nothing, so no bar
-    is drawn again below what is printed next."""
+    """A bar that stays keeps its last state and ends its line; later closes (Lightning's, at exit) draw nothing."""
     for bar in open_progress_bars():
         try:
             bar.close()
@@ -34,14 +28,12 @@ def close_progress_bars() -> None:
 
 
 def _may_take_the_bars_lock() -> bool:
-    """Only the main thread, which draws the bars: another thread (the stop watcher) must not wait for
-    their lock, which a stuck main thread may hold."""
+    """Another thread (the stop watcher) must not wait for the bars' lock, which a stuck main thread may hold."""
     return threading.current_thread() is threading.main_thread()
 
 
 def print_error(message: str) -> None:
-    """`error: <message>` on stderr, on a line of its own even while a progress bar shows: the main
-    thread closes the bars first, another thread starts the line with a newline instead."""
+    """`error: <message>` on stderr, on a line of its own: after the bars close, or a newline from another thread."""
     if _may_take_the_bars_lock():
         close_progress_bars()
         fresh = ""
@@ -51,8 +43,8 @@ def print_error(message: str) -> None:
 
 
 def print_line(message: str) -> None:
-    """A line on stdout that starts at the left edge: above the progress bars while any shows (tqdm
-    clears them, prints it and draws them again), and from another thread after a newline."""
+    """A line on stdout above the progress bars (tqdm clears them, prints it and draws them again), or after a newline
+    from another thread."""
     bars = open_progress_bars()
     if bars and _may_take_the_bars_lock():
         tqdm.write(message, file=sys.stdout)
@@ -63,8 +55,7 @@ def print_line(message: str) -> None:
 
 
 class ConsoleHandler(logging.StreamHandler):
-    """Hydra's console log handler, printing above the progress bars while any shows: tqdm clears them,
-    prints the line and draws them again, so that an epoch's summary does not continue the bar's line."""
+    """Hydra's console log handler, printing above the progress bars, so that a line does not continue a bar's."""
 
     def emit(self, record: logging.LogRecord) -> None:
         if not (open_progress_bars() and _may_take_the_bars_lock()):
@@ -80,19 +71,17 @@ class ConsoleHandler(logging.StreamHandler):
 
 
 def counted(count: int, noun: str, nouns: str | None = None) -> str:
-    """`1 run`, `2 runs`: a count with its noun in the right number, rather than `run(s)`."""
+    """`1 run`, `2 runs`, rather than `run(s)`."""
     return f"{count} {noun if count == 1 else nouns or noun + 's'}"
 
 
 def processes(count: int) -> str:
-    """`1 process`, `2 processes`."""
     return counted(count, "process", "processes")
 
 
 @contextmanager
 def saying(what: str, after_s: float = 1.5) -> Iterator[None]:
-    """`what ...` on stderr once the work inside has taken `after_s` seconds, so that a command that is slow to
-    answer says what it is doing; nothing for work done sooner."""
+    """`what ...` on stderr once the work inside has taken `after_s` seconds: a slow command says what it is doing."""
     timer = threading.Timer(after_s, lambda: print(f"{what} ...", file=sys.stderr, flush=True))
     timer.daemon = True
     timer.start()

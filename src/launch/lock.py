@@ -1,5 +1,5 @@
-"""One writer per run folder and per sweep folder: a lock held for the writer's life, which the kernel releases when
-the process ends however it ends (docs/reliability.md says what this does on NFS and Lustre)."""
+"""One writer per run folder and per sweep folder: a lock the kernel releases when the process ends however it ends
+(docs/reliability.md says what this does on NFS and Lustre)."""
 
 import errno
 import fcntl
@@ -19,8 +19,7 @@ NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 
 
 def acquire(folder: Path, what: str) -> int | None:
-    """Lock `folder` for this process: its lock file's descriptor, held until `release` (or the process's end).
-    A folder another process holds is refused in one line naming that process."""
+    """The lock file's descriptor, held until `release`; a folder another process holds is one line naming it."""
     folder.mkdir(parents=True, exist_ok=True)
     while True:
         fd = os.open(folder / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
@@ -52,7 +51,7 @@ def _same_file(fd: int, path: Path) -> bool:
 
 
 def release(fd: int | None, folder: Path) -> None:
-    """Unlock `folder` and remove its lock file, which a writer that ended without this call leaves behind (unlocked)."""
+    """Unlock `folder` and remove its lock file (a writer that ended without this call leaves it, unlocked)."""
     if fd is not None:
         if _same_file(fd, folder / LOCK):
             (folder / LOCK).unlink()

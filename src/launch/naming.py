@@ -8,19 +8,18 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from src.config import options
 from src.errors import interpreter
 from src.folders import missing, remove_empty
 from src.records import load, overrides, select
 from src.launch.ranks import external_rank, run_stamp
 
-# Folders this process has claimed, by the name asked for (Hydra may resolve a name more than once), and the
-# folders each claim created, deepest first.
+# Folders this process claimed, by the name asked for (Hydra may resolve one twice); the folders each claim created.
 _claimed: dict[str, str] = {}
 _created: dict[str, list[Path]] = {}
 
 
 def swept_keys(args: list[str]) -> list[str]:
-    """Keys given several values on the command line (`devices=1,2,4`), in the order typed."""
     try:
         parsed = OverridesParser.create().parse_overrides([a for a in args if "=" in a and not a.startswith("-")])
     except Exception:
@@ -29,34 +28,34 @@ def swept_keys(args: list[str]) -> list[str]:
 
 
 def sweep_args(sweep_dir: str) -> list[str]:
-    """The sweep's overrides from the `multirun.yaml` Hydra writes before any job starts (a SLURM job's argv is its own)."""
+    """The sweep's overrides from its `multirun.yaml`, written before any job starts (a SLURM job's argv is its own)."""
     saved = Path(sweep_dir) / "multirun.yaml"
     return overrides(select(load(saved), "hydra.overrides.task"), saved) if saved.is_file() else []
 
 
 def precision_used(precision: object, accelerator: str) -> str:
-    """The one place `precision=auto` (and 16-mixed on a CPU) becomes what the run computes in: Lightning's spelling."""
+    """The one place `precision=auto` (and 16-mixed on a CPU) becomes what the run computes in."""
     from src.fast_path import resolve_accelerator, resolve_precision  # torch: only once a run is named
 
     return resolve_precision(precision, resolve_accelerator(str(accelerator)))
 
 
-def run_label(model: str, strategy: str, devices: int, num_nodes: int, precision: str) -> str:
-    """`lenet_ddp_2dev_bf16-mixed`: what the run is, with the precision it uses."""
+def run_label(model: str, strategy: str, devices: int, num_nodes: int, precision: str, experiment: str | None = None) -> str:
+    """`lenet_ddp_2dev_bf16-mixed`, `lenet_auto_1dev_32-true_d2l_lenet`: what the run is, with the precision it uses."""
     nodes = f"_{num_nodes}nodes" if int(num_nodes) > 1 else ""
-    return f"{model}_{strategy}_{devices}dev{nodes}_{precision}"
+    recipe = f"_{experiment}" if experiment else ""
+    return f"{model}_{strategy}_{devices}dev{nodes}_{precision}{recipe}"
 
 
-LABELLED = ("model", "strategy", "devices", "num_nodes")  # swept keys the run label shows by value
+LABELLED = ("model", "strategy", "devices", "num_nodes", "experiment")  # swept keys the run label shows by value
 
 
 def sweep_job_dirname(job_overrides: list[str], job_num: int, sweep_dir: str, label: str = "") -> str:
-    """The job's run label, then the job's values of the swept keys it does not show: `lenet_ddp_2dev_32-true` for
-    `devices=1,2`, `lenet_auto_1dev_32-true_seed=2` for `seed=1,2`. A swept precision is shown as typed unless the
-    label shows it so (`32` is `32-true` there, and `auto` may become any): two jobs never share a folder."""
+    """The run label, then the swept values it does not show: `lenet_auto_1dev_32-true_seed=2` for `seed=1,2`; a swept
+    precision as typed unless the label shows it so (`32` is `32-true`): two jobs never share a folder."""
     values = {key.lstrip("+"): value for key, value in (item.split("=", 1) for item in job_overrides if "=" in item)}
     swept = [key for key in swept_keys(sweep_args(sweep_dir)) if key in values]
-    if not label:  # a job named before it resolved its label (one that never started): by every swept value
+    if not label:  # a job that never started: by every swept value
         return ",".join(f"{key}={values[key]}" for key in swept) or f"job{job_num}"
     parts = [f"{key}={values[key]}" for key in swept
              if key not in LABELLED and not (key == "precision" and label.endswith("_" + values[key]))]
@@ -64,7 +63,7 @@ def sweep_job_dirname(job_overrides: list[str], job_num: int, sweep_dir: str, la
 
 
 def job_dirname(config: DictConfig) -> str:
-    """A sweep job's folder name before it runs, resolved under the job's own Hydra config, as Hydra's `run_job` does."""
+    """A sweep job's folder name before it runs, resolved under its own Hydra config as Hydra's `run_job` does."""
     saved = HydraConfig.instance().cfg
     HydraConfig.instance().set_config(config)
     try:
@@ -74,8 +73,7 @@ def job_dirname(config: DictConfig) -> str:
 
 
 def job_folder_name(sweep_dir: Path, job_overrides: list[str], job_num: int) -> str:
-    """The folder a job of this sweep ran in, found by the overrides it recorded there; named by the swept keys alone
-    for a job that never started."""
+    """The folder a job of this sweep ran in, found by the overrides it recorded there."""
     for saved in sweep_dir.glob("*/.hydra/overrides.yaml"):
         if load(saved) == list(job_overrides):
             return saved.parent.parent.name
@@ -83,9 +81,8 @@ def job_folder_name(sweep_dir: Path, job_overrides: list[str], job_num: int) -> 
 
 
 def claim_dir(path: str, kind: str = "run") -> str:
-    """`path`, or `path-2`, `path-3`, ... if taken: created here, atomically, so that two runs (or sweeps) started in
-    the same second never share a folder. Processes of one run under torchrun or SLURM all name the folder after the
-    launcher's run id (`run_stamp`) and use it as it is."""
+    """`path`, or `path-2`, `path-3`, ... if taken, created atomically: two runs started in one second never share
+    a folder. Processes under torchrun or SLURM share the folder their launcher's run id names (`run_stamp`)."""
     if external_rank() is not None:
         return path
     if kind == "run" and HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
@@ -111,7 +108,7 @@ def claim_dir(path: str, kind: str = "run") -> str:
 
 
 def unclaim_dir(folder: Path) -> None:
-    """Remove a folder and the parents its claim created, as far as they are empty (a failed run's or sweep's)."""
+    """Remove a failed run's folder and the parents its claim created, as far as they are empty."""
     shutil.rmtree(folder, ignore_errors=True)
     remove_empty(_created.get(str(Path(folder).absolute()), [Path(folder)]))
 
@@ -125,7 +122,7 @@ def unclaim_unused() -> None:
 
 def register_resolvers() -> None:
     for name, function in (("run_stamp", run_stamp), ("claim_dir", claim_dir), ("run_label", run_label),
-                           ("precision_used", precision_used), ("python", interpreter)):  # python: --help's commands
+                           ("precision_used", precision_used), ("python", interpreter), ("options", options)):
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, function, use_cache=True)
     if not OmegaConf.has_resolver("sweep_job_dirname"):

@@ -2,11 +2,9 @@
 
     python -m src.train -m hydra/sweeper=optuna 'optim.lr=tag(log, interval(0.001, 0.1))' hydra.sweeper.n_trials=12
 
-Each trial is a sweep job of the sweep's launcher (side by side under `hydra/launcher=parallel`). The study is an
-SQLite file, `<sweep>/optuna.db`, which outlives the command, so that a resume (`hydra.sweep.dir=<sweep>
-ckpt_path=auto`) goes on to `n_trials`, a trial left running training on under its number. A job, in whatever process,
-reaches its trial through that file (`src.callbacks.optuna_trial`): its callback reports each epoch and stops a pruned
-trial, and its task, wrapped, tells the study how the job ended.
+Each trial is a job of the sweep's launcher. The study, `<sweep>/optuna.db`, outlives the command: a resume
+(`hydra.sweep.dir=<sweep> ckpt_path=auto`) goes on to `n_trials`. A job, in whatever process, reaches its trial through
+that file (`src.callbacks.optuna_trial`), to report each epoch, stop when pruned, and tell how it ended.
 """
 
 from collections.abc import Sequence
@@ -36,7 +34,7 @@ SETTINGS = {"n_trials": whole(1), "n_jobs": NULL | whole(1), "seed": whole(0), "
 
 
 def optuna_package() -> Any:
-    """Optuna, quiet but for its warnings; its absence is one line naming the extra that installs it."""
+    """Optuna, quiet but for its warnings; its absence is one line naming what installs it."""
     try:
         import optuna
     except ImportError:
@@ -46,7 +44,7 @@ def optuna_package() -> Any:
 
 
 def storage(db: Path | str) -> Any:
-    """The study's file as Optuna's RDB storage (what optuna-dashboard reads), waiting its turn while a job writes."""
+    """The study's file (what optuna-dashboard reads), waiting its turn while a job writes."""
     return optuna_package().storages.RDBStorage(f"sqlite:///{db}", engine_kwargs={"connect_args": {"timeout": 60}})
 
 
@@ -57,15 +55,13 @@ def make_pruner(name: str) -> Any:
 
 @dataclass
 class Space:
-    """The search space typed on the command line: a distribution per swept key, each categorical key's choices as
-    the command line types them, and the overrides every trial takes as typed."""
+    """A distribution per swept key, each categorical key's choices as typed, and the overrides every trial takes."""
 
     distributions: dict[str, Any] = field(default_factory=dict)
     typed: dict[str, list[str]] = field(default_factory=dict)
     fixed: list[str] = field(default_factory=list)
 
     def overrides(self, params: dict[str, Any]) -> list[str]:
-        """A trial's overrides: the fixed ones, then its point of the space."""
         return [*self.fixed, *(f"{key}={self.typed[key][int(dist.to_internal_repr(params[key]))]}" if key in self.typed
                                else f"{key}={params[key]}" for key, dist in self.distributions.items())]
 
@@ -77,8 +73,8 @@ class Space:
 
 
 def search_space(arguments: Sequence[str]) -> Space:
-    """Hydra's sweep overrides as Optuna's distributions: `interval(a, b)` a float (`tag(int, ...)` an int, `tag(log,
-    ...)` on a log scale), `choice(...)`, `a,b,c` and `range(...)` a categorical; anything else is one line."""
+    """`interval(a, b)` a float (`tag(int, ...)` an int, `tag(log, ...)` on a log scale), `choice(...)`, `a,b,c` and
+    `range(...)` a categorical; anything else is one line."""
     distributions, space = optuna_package().distributions, Space()
     for override in OverridesParser.create().parse_overrides(list(arguments)):
         key, value, line = override.get_key_element(), override.value(), f"{override.input_line} is not allowed; "
@@ -106,8 +102,6 @@ def search_space(arguments: Sequence[str]) -> Space:
 
 
 class OptunaSweeper(Sweeper):
-    """Hydra's sweeper plugin interface: `setup` once, then `sweep` with the command line's overrides."""
-
     def __init__(self, **settings: Any) -> None:
         optuna_package()
         for name, rule in SETTINGS.items():
@@ -156,8 +150,8 @@ class OptunaSweeper(Sweeper):
         return returns
 
     def check(self, space: Space) -> None:
-        """The ends and choices of the space composed as a job's config is, and held to their keys' rules: a bad key or
-        value is one line before the study or any trial exists (the rules across keys are the job's to check)."""
+        """The space's ends and choices composed and held to their keys' rules, before the study or any trial exists
+        (the rules across keys are the job's to check)."""
         assert self.hydra_context is not None and self.config is not None
         for point in space.corners():
             self.hydra_context.config_loader.load_sweep_config(self.config, space.overrides(point))
@@ -167,8 +161,8 @@ class OptunaSweeper(Sweeper):
                     raise not_allowed(key, value, must_be(key, value, rule))
 
     def open_study(self, sweep_dir: Path) -> Any:
-        """The sweep folder's study, made, or continued by a resume; its sampler seeded anew for the trials to come, so
-        that a resume does not ask again what the first command asked."""
+        """The sweep folder's study, made or resumed, its sampler seeded anew so that a resume does not ask again what
+        the first command asked."""
         optuna, db, direction = optuna_package(), sweep_dir / DB, self.settings["direction"]
         if db.exists() and OmegaConf.select(self.config, "ckpt_path") != "auto":
             raise UsageError(f"hydra.sweep.dir={sweep_dir} holds the study of an earlier search ({db}); continue it with "
@@ -205,8 +199,8 @@ def settings(trial: Any) -> str:
 
 
 def best(study: Any, sweep_dir: Path, note: bool = False) -> str:
-    """The search's answer: the best trial's settings, objective and test accuracy, its folder, and the study's file;
-    as a note on a progress line, the objective and the trial alone (nothing before a trial completes)."""
+    """The best trial's settings, objective, test accuracy and folder, and the study's file; as a progress line's
+    `note`, the objective and the trial alone."""
     top = next(iter(study.best_trials), None)
     if note:
         return "" if top is None else f"best {OBJECTIVE}={top.value:.4f} (trial {top.number + 1})"
@@ -220,7 +214,7 @@ def best(study: Any, sweep_dir: Path, note: bool = False) -> str:
 
 
 def trials_table(study: Any, sweep_dir: Path) -> str:
-    """The trials for the sweep's report: each one's state, objective, test accuracy, settings and folder."""
+    """The trials, for the sweep's report."""
     states = {"COMPLETE": "complete", "PRUNED": "pruned", "FAIL": "failed", "RUNNING": "stopped", "WAITING": "waiting"}
     rows = [f"| {t.number + 1} | {states[t.state.name]}" + (f" after epoch {t.user_attrs[PRUNED_AFTER]}" if PRUNED_AFTER
             in t.user_attrs else "") + "".join(f" | {t.user_attrs[name]:.4f}" if name in t.user_attrs else " | " for name

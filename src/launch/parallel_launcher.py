@@ -1,19 +1,13 @@
 """`hydra/launcher=parallel`: up to K sweep jobs at once on this machine, each on devices no other running job has.
 
-    python -m src.train -m hydra/launcher=parallel seed=1,2,3,4                              # K: as many as fit
     python -m src.train -m hydra/launcher=parallel seed=1,2,3,4 hydra.launcher.jobs_per_gpu=4  # 4 jobs share a GPU
 
-Each job runs as Hydra's `run_job` in a process of its own (a new interpreter), as a SLURM job does. The machine is cut
-into K slots of cores; a job holds one slot, its cores by affinity (its DDP workers inherit it) with as many threads,
-and on a GPU machine `devices` GPUs by CUDA_VISIBLE_DEVICES, each GPU shared by at most `jobs_per_gpu` jobs (an app
-without `devices` and `accelerator` keys asks for one CPU slot). A job's return is its own `JobReturn`; what it prints
-goes to `<sweep>/.parallel/<job>.out`, the terminal gets the progress lines. A stop signal to the sweep goes on to every
-running job, once (each is in a process group of its own, so a terminal's Ctrl-C reaches it only this way); no job
-starts after it, and a second signal kills what still runs.
-
-No launcher at hand does this: hydra-submitit-launcher's local executor starts every job at once on the same GPUs and
-kills a job one second after Ctrl-C, before it can say where it stopped; Hydra's joblib launcher gives no job devices
-of its own.
+Each job runs Hydra's `run_job` in a new interpreter, as a SLURM job does, holding one of K slots of cores (by affinity,
+with as many threads) and, on a GPU machine, `devices` GPUs by CUDA_VISIBLE_DEVICES, each shared by at most
+`jobs_per_gpu` jobs. Its output goes to `<sweep>/.parallel/<job>.out`; the terminal gets the progress lines. A stop
+signal goes on to every running job once (each has a process group of its own, out of the terminal's reach); no job
+starts after it, and a second signal kills what still runs. No launcher at hand does this: submitit's local executor
+starts every job on the same GPUs and kills a job 1 s after Ctrl-C; Hydra's joblib launcher gives no job its devices.
 """
 
 import logging
@@ -26,21 +20,21 @@ from collections import deque
 from collections.abc import Sequence
 from contextlib import suppress
 from dataclasses import dataclass
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
 
 import cloudpickle
 from hydra.core.singleton import Singleton
-from hydra.core.utils import JobReturn, JobStatus, configure_log, run_job, setup_globals
-from hydra.plugins.launcher import Launcher
-from hydra.types import HydraContext, TaskFunction
-from omegaconf import DictConfig, open_dict
+from hydra.core.utils import JobReturn, JobStatus, run_job, setup_globals
+from omegaconf import DictConfig
 
 from src.errors import UsageError
 from src.launch.console import counted
 from src.launch.naming import job_dirname
-from src.launch.progress import Progress, value
+from src.launch.progress import Progress, last_error_line, value
+from src.launch.ranks import usable_cores
+from src.launch.sequential_launcher import ProjectLauncher
 from src.launch.stops import STOP_SIGNALS, RankFailed, RunStopped, die_with_launcher, handle_stop_signals, signal_name
 
 log = logging.getLogger(__name__)
@@ -55,7 +49,7 @@ class Placement:
     gpus: tuple[str, ...] | None
 
     def take(self) -> None:
-        """In the job's process, before it runs: its cores, its threads and its GPUs."""
+        """In the job's process, before it runs."""
         if self.gpus is not None:
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(self.gpus)
         if hasattr(os, "sched_setaffinity"):
@@ -78,8 +72,8 @@ class Places:
         self.jobs_per_gpu = jobs_per_gpu
 
     def take(self, gpus: int) -> Placement | None:
-        """A slot and `gpus` GPUs with a free place each, the least shared first; None until they are free. A job that
-        asks for more GPUs than there are gets all of them, once none is in use (its own checks then refuse it)."""
+        """A slot and `gpus` GPUs, the least shared first; None until they are free. A job that asks for more GPUs than
+        there are gets all of them, once none is in use (its own checks then refuse it)."""
         if not self.free:
             return None
         if gpus > len(self.load):
@@ -103,7 +97,7 @@ class Places:
 
 
 def machine_gpus() -> list[str] | None:
-    """The GPUs this process sees, by the names CUDA_VISIBLE_DEVICES gives them; None without any."""
+    """The GPUs this process sees, by their CUDA_VISIBLE_DEVICES names; None without any."""
     import torch  # only for a sweep whose jobs ask for GPUs
 
     count = torch.cuda.device_count()  # read through NVML where it can, without starting CUDA here
@@ -114,7 +108,7 @@ def machine_gpus() -> list[str] | None:
 
 
 def wants_gpu(config: DictConfig) -> bool:
-    """Whether a job runs on GPUs: its `accelerator` (gpu, cuda; auto where CUDA is), none for an app without one."""
+    """Its `accelerator` (gpu, cuda; auto where CUDA is); no GPU for an app without one."""
     accelerator = str(config.get("accelerator", "cpu"))
     if accelerator == "auto":
         import torch
@@ -123,14 +117,9 @@ def wants_gpu(config: DictConfig) -> bool:
     return accelerator in ("gpu", "cuda")
 
 
-def usable_cores() -> list[int]:
-    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
-
-
 def slots_that_fit(jobs: int | None, cores: int, gpus: int, jobs_per_gpu: int, needs: list["Job"]) -> int:
-    """K, the jobs run at once: `jobs` where given, else as many as fit: on GPUs, their places over the fewest devices
-    a GPU job asks for; on CPU, the cores over the most devices a job asks for (each DDP process wants a core). At
-    least one core per job, and no more slots than jobs."""
+    """K: `jobs` where given, else on GPUs their places over the fewest devices a GPU job asks for, on CPU the cores
+    over the most devices a job asks for (a core per DDP process). At least one core per job, no more slots than jobs."""
     if jobs is None:
         on_gpu = [job.devices for job in needs if job.gpu]
         jobs = max(1, gpus * jobs_per_gpu // min(on_gpu)) if gpus and on_gpu else max(1, cores // max(job.devices for job in needs))
@@ -151,8 +140,6 @@ def checked_setting(name: str, value: Any, allow_null: bool, most: int | None = 
 
 @dataclass
 class Job:
-    """A sweep job as the launcher schedules it: its config, folder name and the devices it asks for."""
-
     number: int
     overrides: list[str]
     config: DictConfig
@@ -163,40 +150,26 @@ class Job:
 
 @dataclass
 class Running:
-    """A job's process, the pipe its JobReturn comes back on, and where its output goes."""
-
     job: Job
     placement: Placement
     process: multiprocessing.process.BaseProcess
-    results: Connection | None
-    out: Path
+    out: Path  # what the job prints; its JobReturn in `<out>.return`
     out_start: int  # where this attempt's output begins in `out` (a resumed sweep appends)
-    returned: JobReturn | None = None
 
 
-class ParallelLauncher(Launcher):
-    """Hydra's launcher plugin interface: `setup` once, then `launch` with the sweep's jobs."""
-
+class ParallelLauncher(ProjectLauncher):
     def __init__(self, jobs: Any = None, jobs_per_gpu: Any = 1) -> None:
+        super().__init__()
         self.jobs = checked_setting("jobs", jobs, allow_null=True, most=len(usable_cores()))
         self.jobs_per_gpu = checked_setting("jobs_per_gpu", jobs_per_gpu, allow_null=False)
-        self.config: DictConfig | None = None
-        self.hydra_context: HydraContext | None = None
-        self.task_function: TaskFunction | None = None
-
-    def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
-        self.config, self.hydra_context, self.task_function = config, hydra_context, task_function
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
-        assert self.config is not None and self.hydra_context is not None and self.task_function is not None
-        setup_globals()
-        configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
+        sweep_dir = self.start_sweep()
         jobs = [self.job(number, list(overrides)) for number, overrides in enumerate(job_overrides, initial_job_idx)]
         cores = usable_cores()
         gpus = machine_gpus() if any(job.gpu for job in jobs) else None
         slots = slots_that_fit(self.jobs, len(cores), len(gpus or ()), self.jobs_per_gpu, jobs)
-        sweep_dir = Path(str(self.config.hydra.sweep.dir))
-        (sweep_dir / ".parallel").mkdir(parents=True, exist_ok=True)
+        (sweep_dir / ".parallel").mkdir(exist_ok=True)
         log.info(f"{counted(len(jobs), 'job')}, {slots} at a time, in {sweep_dir}; each job's output in {sweep_dir / '.parallel'}")
         places = Places(cores, slots, gpus, self.jobs_per_gpu)
         progress = Progress(len(jobs), initial_job_idx, sweep_dir)
@@ -222,11 +195,7 @@ class ParallelLauncher(Launcher):
         return [returns[job.number] for job in jobs]
 
     def job(self, number: int, overrides: list[str]) -> Job:
-        """A job's config composed here, as Hydra's basic launcher composes it, for its name and devices."""
-        assert self.hydra_context is not None and self.config is not None
-        config = self.hydra_context.config_loader.load_sweep_config(self.config, overrides)
-        with open_dict(config):
-            config.hydra.job.id = config.hydra.job.num = number
+        config = self.job_config(number, overrides)
         devices = config.get("devices", 1)
         return Job(number, overrides, config, job_dirname(config), devices if isinstance(devices, int) else 1, wants_gpu(config))
 
@@ -235,18 +204,16 @@ class ParallelLauncher(Launcher):
         payload = cloudpickle.dumps((self.hydra_context, self.task_function, job.config, Singleton.get_state()))
         out = sweep_dir / ".parallel" / f"{job.name}.out"
         start = out.stat().st_size if out.is_file() else 0
-        context = multiprocessing.get_context("spawn")
-        results, sent = context.Pipe(duplex=False)
-        process = context.Process(target=run_in_own_process, name=f"sweep job {job.number}",
-                                  args=(payload, placement, str(out), sent))
+        Path(f"{out}.return").unlink(missing_ok=True)
+        process = multiprocessing.get_context("spawn").Process(
+            target=run_in_own_process, name=f"sweep job {job.number}", args=(payload, placement, str(out)))
         process.start()
-        sent.close()  # the job holds the sending end now: its end reads as the end of the pipe
-        return Running(job, placement, process, results, out, start)
+        return Running(job, placement, process, out, start)
 
 
 class Stops:
-    """The stop signals that reach the sweep while its jobs run: noted, and the wait for the jobs woken, rather than an
-    exception raised wherever the launcher is (between starting a job's process and holding on to it, say)."""
+    """Stop signals while the jobs run: noted, and the wait for the jobs woken, rather than raised wherever the launcher
+    is (between starting a job's process and holding on to it, say)."""
 
     def __init__(self) -> None:
         self.signals: list[int] = []
@@ -270,81 +237,61 @@ class Stops:
 
 
 def ended_jobs(running: dict[int, Running], woken: int) -> list[Running]:
-    """Wait until a running job has ended, or a stop signal wakes the wait; the jobs that have ended, taken out of
-    `running`. A job's return is read as it comes, since a job sending a large one waits until it is read."""
+    """The jobs that have ended, taken out of `running`, once one has or a stop signal wakes the wait."""
     assert running, "a job can always start while none runs"
-    while True:
-        waits: dict[Any, Running] = {r.process.sentinel: r for r in running.values()}
-        waits.update({r.results: r for r in running.values() if r.results is not None})
-        ready = wait([*waits, woken])
-        ended = []
-        for item in ready:
-            job = waits.get(item)
-            if job is None:  # a stop signal
-                os.read(woken, 1024)
-            elif item is job.results:
-                job.returned = receive(job)
-            else:
-                ended.append(job)
-        for job in ended:
-            if job.results is not None:  # what it sent, if anything, is in the pipe, whose end it closed
-                job.returned = receive(job)
-            job.process.join()
-            del running[job.job.number]
-        if ended or woken in ready:
-            return ended
+    ready = wait([*(job.process.sentinel for job in running.values()), woken])
+    if woken in ready:
+        os.read(woken, 1024)
+    ended = [job for job in running.values() if job.process.sentinel in ready]
+    for job in ended:
+        job.process.join()
+        del running[job.job.number]
+    return ended
 
 
-def receive(job: Running) -> JobReturn | None:
-    """The job's JobReturn from its pipe, which is then closed; None if it ended without sending one."""
-    assert job.results is not None
-    try:
-        return pickle.loads(job.results.recv_bytes())
-    except EOFError:  # killed, or stopped by a signal
+def sent(job: Running) -> JobReturn | None:
+    """The JobReturn the job left, if it ended with one (a killed or stopped job did not)."""
+    path = Path(f"{job.out}.return")
+    if not path.is_file():
         return None
-    finally:
-        job.results.close()
-        job.results = None
+    job_return = pickle.loads(path.read_bytes())
+    path.unlink()
+    return job_return
 
 
 def returned(job: Running) -> JobReturn:
-    """The job's own JobReturn, or for a job that ended without one (killed, say), a failure saying how it ended."""
-    if job.returned is not None:
-        return job.returned
-    failure = RankFailed(f"{last_words(job)} (see {job.out})")
-    return JobReturn(overrides=job.job.overrides, status=JobStatus.FAILED, _return_value=failure)
+    """The job's own JobReturn, or a failure saying how it ended without one."""
+    own = sent(job)
+    if own is not None:
+        return own
+    failed = JobReturn(overrides=job.job.overrides, status=JobStatus.FAILED)
+    failed.return_value = RankFailed(f"{last_words(job)} (see {job.out})")
+    return failed
 
 
 def last_words(job: Running) -> str:
     """How a job that sent no result ended: its last `error:` line (a stop line, say), else its exit."""
     code = job.process.exitcode or 0
-    return last_error(job.out, job.out_start) or (
-        f"killed by {signal_name(-code)}" if code < 0 else f"ended with exit status {code} and no result")
-
-
-def last_error(out: Path, start: int) -> str | None:
-    """The last `error: ...` line the job printed, from `start` on in its output file."""
     try:
-        with open(out, "rb") as file:
-            file.seek(start)
-            text = file.read().decode(errors="replace")
+        with open(job.out, "rb") as file:
+            file.seek(job.out_start)
+            said = last_error_line(file.read().decode(errors="replace"))
     except OSError:
-        return None
-    errors = [line.removeprefix("error: ").strip() for line in text.splitlines() if line.startswith("error: ")]
-    return errors[-1] if errors else None
+        said = None
+    return said or (f"killed by {signal_name(-code)}" if code < 0 else f"ended with exit status {code} and no result")
 
 
 def stop_all(running: dict[int, Running], stops: Stops, progress: Progress) -> None:
-    """The first stop signal to each running job, once; then one line for each as it ends. A second signal kills what
-    still runs."""
+    """The first stop signal to each running job, once; a line for each as it ends; a second signal kills the rest."""
     for job in running.values():
         with suppress(ProcessLookupError, PermissionError):
             os.kill(job.process.pid, stops.signals[0])
     killed = False
     while running:
         for ended in ended_jobs(running, stops.woken):
-            progress.stopped(ended.job.number, ended.job.name, last_words(ended) if ended.returned is None else
-                             getattr(value(ended.returned), "line", "") or "ended")
+            own = sent(ended)
+            progress.stopped(ended.job.number, ended.job.name,
+                             last_words(ended) if own is None else getattr(value(own), "line", "") or "ended")
         if len(stops.signals) > 1 and not killed:
             killed = True
             for job in running.values():
@@ -358,12 +305,9 @@ def kill(pid: int) -> None:
             send(pid, signal.SIGKILL)
 
 
-# ---------------------------------------------------------------- in the job's process
-
-
-def run_in_own_process(payload: bytes, placement: Placement, out: str, results: Connection) -> None:
-    """One sweep job: its process group, devices and output file, then Hydra's `run_job`; its JobReturn goes back on
-    `results`. A job stopped by a signal exits with the run's status instead."""
+def run_in_own_process(payload: bytes, placement: Placement, out: str) -> None:
+    """In the job's process: its process group, devices and output file, then Hydra's `run_job`, whose JobReturn it
+    leaves in `<out>.return`. A job stopped by a signal exits with the run's status instead."""
     os.setpgid(0, 0)  # signals come from the sweep, once, not also from the terminal
     handle_stop_signals()
     die_with_launcher()
@@ -378,5 +322,6 @@ def run_in_own_process(payload: bytes, placement: Placement, out: str, results: 
     setup_globals()
     job = run_job(hydra_context=hydra_context, task_function=task_function, config=config,
                   job_dir_key="hydra.sweep.dir", job_subdir_key="hydra.sweep.subdir")
-    results.send_bytes(cloudpickle.dumps(job))  # its Hydra config names classes that plain pickle may not find
-    results.close()
+    partial = Path(f"{out}.return.partial")  # a job killed while writing leaves no return that reads as its own
+    partial.write_bytes(cloudpickle.dumps(job))  # its Hydra config names classes that plain pickle may not find
+    partial.replace(f"{out}.return")

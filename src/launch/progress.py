@@ -1,17 +1,15 @@
-"""Where a sweep is: one line as each job starts and as it ends, and one summary when the sweep ends.
+"""Where a sweep is: a line as each job starts and ends, and a summary when the sweep ends.
 
-    job 2/4 started: lenet_auto_1dev_32-true_seed=2 (elapsed 0:41, about 1:20 left)
     job 2/4 done: lenet_auto_1dev_32-true_seed=2: test/acc=0.7012 ... -> outputs/multirun/... (elapsed 1:22, about 0:41 left)
     sweep of 4 jobs: 3 done, 0 resumed, 0 skipped, 1 failed; report: outputs/multirun/.../report.md
 
-Every launcher (sequential, parallel, SLURM) feeds the same `Progress` from the process that waits for the jobs. It
-reads only Hydra's `JobReturn`, so it serves any Hydra app: a task's value that has a `line` (the project's `Result`)
-is shown, and its `resumed`, `skipped` and `pruned` are counted. The time left is the mean length of the jobs ended so
-far, spread over the most jobs seen running at once. A sweeper that launches its jobs batch by batch (Optuna's) sets
-up the `Tally` itself: what it calls a job, how many it will run and how many ended before this command, and a note
-for each line (the best value so far).
+Every launcher feeds the same `Progress`, from Hydra's `JobReturn` alone, so it serves any Hydra app: a value's `line`
+is shown and its `resumed`, `skipped` and `pruned` counted. The time left is the mean length of the ended jobs, spread
+over the most jobs seen running at once. A sweeper that launches batch by batch (Optuna's) sets up the `Tally` itself.
 """
 
+import contextlib
+import io
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,29 +24,40 @@ from src.launch.stops import RankFailed
 
 @dataclass(frozen=True)
 class Failure:
-    """A job that failed: its folder's name, its one line, the exit status it earns, and its exception."""
-
     name: str
     line: str
-    status: int
+    status: int  # the exit status it earns
     error: BaseException | None = None
 
 
 def value(job: JobReturn) -> object:
-    """A job's return value, or for a failed job the exception it raised: `JobReturn.return_value` would raise that
-    exception after writing a line of its own to stderr, so the field behind it is read (Hydra names it in the
-    constructor; no public getter leaves stderr alone)."""
-    return job._return_value
+    """A job's return value, or for a failed job the exception it raised."""
+    if job.status != JobStatus.FAILED:
+        return job.return_value
+    # A failed job's getter writes a line of its own to stderr, then raises its exception: that line goes nowhere.
+    with contextlib.redirect_stderr(io.StringIO()):
+        try:
+            return job.return_value
+        except Exception as error:  # Hydra keeps a failed job's `Exception`
+            error.__traceback__ = error.__traceback__.tb_next.tb_next  # as it was, without this frame and the getter's
+            return error
 
 
 def failure(job: JobReturn, name: str) -> Failure | None:
-    """How a job failed, from its JobReturn; None for a job that ended well."""
+    """How a job failed; None for a job that ended well."""
     if job.status != JobStatus.FAILED:
         return None
     error = value(job)
     own = isinstance(error, (UsageError, RunFailed, RankFailed))  # exceptions that are their own line
-    line = str(error) if own else f"{type(error).__name__}: {error}"
-    return Failure(name, " ".join(line.split()), 2 if isinstance(error, UsageError) else 1, error if isinstance(error, BaseException) else None)
+    line = " ".join((str(error) if own else f"{type(error).__name__}: {error}").split())
+    status = 2 if isinstance(error, UsageError) else 1
+    return Failure(name, line, status, error if isinstance(error, BaseException) else None)
+
+
+def last_error_line(text: str) -> str | None:
+    """The last `error: ...` line a job printed."""
+    errors = [line.removeprefix("error: ").strip() for line in text.splitlines() if line.startswith("error: ")]
+    return errors[-1] if errors else None
 
 
 def clock_time(seconds: float) -> str:
@@ -60,7 +69,7 @@ def clock_time(seconds: float) -> str:
 
 @dataclass
 class Tally:
-    """How the jobs of this command's sweep ended, across the launcher's calls: what the summary counts."""
+    """How the jobs of this command's sweep ended, across the launcher's calls."""
 
     total: int = 0
     done: int = 0
@@ -73,23 +82,9 @@ class Tally:
     before: int = 0  # jobs of the sweep that ended before this command (a resumed search)
     note: Callable[[], str] | None = None  # said after the times of each line
     appendix: str = ""  # added to the end of the sweep's report
-    lengths: list[float] = field(default_factory=list)  # how long each job ended so far ran, across launcher calls
+    lengths: list[float] = field(default_factory=list)  # how long each job ended so far ran
     widest: int = 0  # the most jobs seen running at once
     began: float | None = None  # when the first launcher call began
-
-    def add(self, job: JobReturn, name: str) -> Failure | None:
-        failed = failure(job, name)
-        if failed is not None:
-            self.failures.append(failed)
-        elif getattr(job.return_value, "skipped", False):
-            self.skipped += 1
-        elif getattr(job.return_value, "pruned", False):
-            self.pruned += 1
-        elif getattr(job.return_value, "resumed", False):
-            self.resumed += 1
-        else:
-            self.done += 1
-        return failed
 
     def summary(self, report: Path | None) -> str:
         """`sweep of 4 jobs: 3 done, 0 resumed, 0 skipped, 1 failed; report: <path>`; jobs not ended were not run."""
@@ -138,25 +133,27 @@ class Progress:
         self.say(f"{self.tally.noun} {number + 1}/{self.total} started: {name} ({self.times()})")
 
     def ended(self, number: int, name: str, job: JobReturn) -> None:
-        """The job's end: its result line, or its error."""
         now = self.clock()
         self.tally.lengths.append(now - self.running.pop(number, now))
-        failed = self.tally.add(job, name)
+        failed = failure(job, name)
         if failed is not None:
+            self.tally.failures.append(failed)
             said = f"failed: {name}: {failed.line}"
         else:
-            line, value = getattr(job.return_value, "line", ""), job.return_value
-            word = "skipped" if getattr(value, "skipped", False) else "pruned" if getattr(value, "pruned", False) else "done"
-            said = f"{word}: {name}" + (f": {line}" if line else "")
+            result = job.return_value
+            counted = next((word for word in ("skipped", "pruned", "resumed") if getattr(result, word, False)), "done")
+            setattr(self.tally, counted, getattr(self.tally, counted) + 1)
+            line = getattr(result, "line", "")
+            said = f"{'done' if counted == 'resumed' else counted}: {name}" + (f": {line}" if line else "")
         self.say(f"{self.tally.noun} {number + 1}/{self.total} {said} ({self.times()})")
 
     def stopped(self, number: int, name: str, line: str) -> None:
-        """A job ended by the sweep's stop signal: its stop line. It counts as not run."""
+        """A job ended by the sweep's stop signal; it counts as not run."""
         self.running.pop(number, None)
         self.say(f"{self.tally.noun} {number + 1}/{self.total} stopped: {name}: {line} ({self.times()})")
 
     def left(self) -> float | None:
-        """Seconds until the last job ends, from the jobs ended so far; None before any has ended."""
+        """Seconds until the last job ends; None before any has ended."""
         lengths = self.tally.lengths
         if not lengths:
             return None

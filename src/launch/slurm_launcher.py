@@ -1,11 +1,9 @@
-"""`hydra/launcher=slurm`: hydra-submitit-launcher's SLURM launcher, with the endings a user can trust.
+"""`hydra/launcher=slurm`: hydra-submitit-launcher's SLURM launcher, with endings a user can trust.
 
-On the submitting machine it waits for the job array itself, with a line as each job starts and ends
-(`src.launch.progress`): a job that failed (an exception, or no result at all) returns a FAILED JobReturn, so the
-sweep exits non-zero naming it; a stop signal cancels the array; a job that SLURM can never start ends the sweep with
-one line. In each SLURM task it runs the Hydra job as rank N of the run (rank N>0 logs to `train_rank_N.log`),
-resumes a requeued job (`ckpt_path=auto` unless given), and exits non-zero for a failed job, so that SLURM records
-it as FAILED.
+The submitter waits for the job array itself, with a progress line as each job starts and ends: a failed job (an
+exception, or no result) fails the sweep naming it, a stop signal cancels the array, a job SLURM can never start ends
+the sweep in one line. Each SLURM task runs the job as rank N (N>0 logs to `train_rank_N.log`), resumes a requeued job
+(`ckpt_path=auto` unless given), and exits non-zero for a failed job, so that SLURM records it as FAILED.
 """
 
 import logging
@@ -28,7 +26,7 @@ from submitit.core.utils import UncompletedJobError, cloudpickle_dump, temporary
 from src.errors import RunFailed, UsageError
 from src.launch import stops
 from src.launch.naming import job_folder_name
-from src.launch.progress import Progress, failure, value
+from src.launch.progress import Progress, failure, last_error_line, value
 from src.launch.stops import RankFailed, RunStopped
 
 log = logging.getLogger(__name__)
@@ -40,10 +38,8 @@ NEVER_STARTS = ("PartitionConfig", "PartitionNodeLimit", "PartitionTimeLimit", "
 
 
 class SlurmLauncher(SubmititSlurmLauncher):
-    """The plugin's launcher; `launch` and `__call__` replaced because the plugin's wait cannot be
-    stopped and turns a failed job into a traceback, and its job exits 0 whatever the task returned."""
-
-    # ------------------------------------------------------------ on the submitting machine
+    """The plugin's wait cannot be stopped and turns a failed job into a traceback, and its job exits 0 whatever the
+    task returned: `launch` (on the submitting machine) and `__call__` (in each SLURM task) replace them."""
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         assert self.config is not None
@@ -76,8 +72,6 @@ class SlurmLauncher(SubmititSlurmLauncher):
             cancel(jobs)
             raise RunStopped(stop.signum, f"; cancelled SLURM job {jobs[0].job_id.split('_')[0]}") from None
 
-    # ------------------------------------------------------------ in each SLURM task
-
     def __call__(self, sweep_overrides: list[str], job_dir_key: str, job_num: int, job_id: str,
                  singleton_state: dict[type, Singleton]) -> JobReturn:
         assert self.hydra_context is not None and self.config is not None and self.task_function is not None
@@ -96,16 +90,14 @@ class SlurmLauncher(SubmititSlurmLauncher):
                             job_dir_key=job_dir_key, job_subdir_key="hydra.sweep.subdir")
         failed = failure(job, "")
         if failed is not None:
-            # The JobReturn first, as submitit would write it, so that the submitter reads the failure; then the job's
-            # own exit status, which submitit would have made 0.
+            # The JobReturn as submitit would write it, for the submitter; then the exit status submitit would make 0.
             with temporary_save_path(environment.paths.result_pickle) as path:
                 cloudpickle_dump(("success", job), path)
             sys.exit(failed.status)
         return job
 
     def checkpoint(self, *args: Any, **kwargs: Any) -> Any:
-        """submitit's timeout or preemption signal: requeue, and exit without the SIGTERM that
-        `scontrol requeue` sends next raising a second stop during the exit."""
+        """submitit's timeout or preemption signal: requeue, deaf to the SIGTERM `scontrol requeue` sends next."""
         stops.ignore_stop_signals()
         log.info("requeued by SLURM: the next attempt resumes from this run's last checkpoint")
         return super().checkpoint(*args, **kwargs)
@@ -113,8 +105,7 @@ class SlurmLauncher(SubmititSlurmLauncher):
 
 def wait(jobs: list[submitit.Job], overrides: list[list[str]], numbers: list[int], sweep_dir: Path,
          progress: Progress) -> list[JobReturn]:
-    """Until every job has ended, with a line as each starts (SLURM runs it) and ends; each job's JobReturn.
-    A job that SLURM can never start ends the sweep with one line."""
+    """Each job's JobReturn, once every job has ended, with a line as each starts (SLURM runs it) and ends."""
     array_id = jobs[0].job_id.split("_")[0]
     returns: dict[int, JobReturn] = {}
     started: set[int] = set()
@@ -165,7 +156,7 @@ def never_starts(listed: list[tuple[str, str, str]]) -> str | None:
 
 
 def scontrol(kind: str, name: str) -> dict[str, str]:
-    """`scontrol show <kind> <name>` as a dict; empty when scontrol cannot tell."""
+    """`scontrol show <kind> <name>` as a dict; empty when it cannot tell."""
     try:
         out = subprocess.run(["scontrol", "show", kind, "--oneliner", name], capture_output=True, text=True,
                              timeout=60, check=True).stdout
@@ -175,7 +166,6 @@ def scontrol(kind: str, name: str) -> dict[str, str]:
 
 
 def cancel(jobs: list[submitit.Job]) -> None:
-    """scancel the sweep's job array (every job of one sweep is a task of it)."""
     array_id = jobs[0].job_id.split("_")[0]
     subprocess.run(["scancel", array_id], capture_output=True, timeout=60)
     log.info(f"cancelled SLURM job {array_id}")
@@ -188,8 +178,8 @@ def result(job: submitit.Job, overrides: Sequence[str]) -> JobReturn:
             raise UncompletedJobError("no result")
         returned: JobReturn = job.results()[0]
     except (UncompletedJobError, submitit.core.utils.FailedJobError) as error:
-        failed = RankFailed(f"{last_error(job, str(error))} (SLURM job {job.job_id})")
-        returned = JobReturn(overrides=list(overrides), status=JobStatus.FAILED, _return_value=failed)
+        returned = JobReturn(overrides=list(overrides), status=JobStatus.FAILED)
+        returned.return_value = RankFailed(f"{last_error(job, str(error))} (SLURM job {job.job_id})")
     said = value(returned)
     if returned.status == JobStatus.FAILED and type(said) in (UsageError, RunFailed):  # the job's own line, with its id
         returned.return_value = type(said)(f"{said} (SLURM job {job.job_id})")
@@ -198,9 +188,8 @@ def result(job: submitit.Job, overrides: Sequence[str]) -> JobReturn:
 
 def last_error(job: submitit.Job, fallback: str) -> str:
     """The job's last `error:` line (its stderr), else the last line of what submitit says."""
-    text = job.stderr() or ""
-    errors = [line.removeprefix("error: ").strip() for line in text.splitlines() if line.startswith("error: ")]
-    if errors:
-        return errors[-1]
+    error = last_error_line(job.stderr() or "")
+    if error is not None:
+        return error
     said = [line.strip() for line in fallback.splitlines() if line.strip()]
     return f"ended {job.state} without a result" + (f" ({said[-1][:200]})" if said else "")

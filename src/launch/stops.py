@@ -1,7 +1,6 @@
-"""How a run stops: a stop signal raises `RunStopped` in the main thread, a rank that ends the run is
-`RankFailed`, and a collective that lost its peer or waited too long is told from other errors. Kept apart
-from the DDP workers (`src.launch.workers`), so that every entry point handles signals from its first line
-on, before torch is imported."""
+"""How a run stops: a stop signal raises `RunStopped` in the main thread, a rank that ends the run is `RankFailed`,
+and a collective that lost its peer or timed out is told from other errors. Apart from `src.launch.workers`, so that
+every entry point handles signals from its first line, before torch is imported."""
 
 import ctypes
 import multiprocessing
@@ -21,8 +20,7 @@ COLLECTIVE_MARKS = ("gloo", "NCCL", "Connection reset", "Connection closed", "Br
 
 
 class RunStopped(BaseException):
-    """A stop signal, raised in the main thread. Not an `Exception`, so no `except Exception` swallows it;
-    Lightning's own handler of any other exception still finalizes the loggers on the way out."""
+    """A stop signal. Not an `Exception`, so that no `except Exception` swallows it (Lightning still finalizes)."""
 
     def __init__(self, signum: int, where: str = "") -> None:
         super().__init__(signum, where)
@@ -50,11 +48,9 @@ def nowhere() -> str:
     return ""
 
 
-# Where training is, for the stop line: ` during epoch 3 (step 6)`, the epoch counted from 1 as train.log counts it.
-# Asked when a signal comes, so that the line names the step the checkpoint of an epoch that just ended holds, and
-# no step pays for it (`src.launch.workers.StopOnSignal` points it at the trainer while it trains).
+# Where training is, for the stop line (` during epoch 3 (step 6)`): asked only when a signal comes, so that no step
+# pays for it; `src.launch.workers.StopOnSignal` points it at the trainer.
 position: Callable[[], str] = nowhere
-
 
 # Stop signals that came while `held`, raised when it ends; `_holding` counts the `held` blocks the main thread is in.
 _held_signals: list[int] = []
@@ -70,10 +66,8 @@ def _raise_stop(signum: int, frame: Any) -> None:
 
 @contextmanager
 def held() -> Iterator[None]:
-    """Stop signals that arrive inside wait until it ends, then raise as usual. For code that other threads wait
-    on: an exception raised inside `queue.Queue.put` between counting the item and waking the reader loses
-    the wake-up, and TensorBoard's writer thread then sleeps out its flush interval (120 s) before the run can
-    flush and end."""
+    """Stop signals wait until the block ends. For code other threads wait on: raised inside `queue.Queue.put`, a stop
+    loses the reader's wake-up, and TensorBoard's writer sleeps out its 120 s flush interval before the run ends."""
     global _holding
     _holding += 1
     try:
@@ -87,20 +81,19 @@ def held() -> Iterator[None]:
 
 
 def handle_stop_signals() -> None:
-    """SIGTERM, SIGINT and SIGHUP raise `RunStopped` in the main thread from now on."""
     for signum in STOP_SIGNALS:
         signal.signal(signum, _raise_stop)
 
 
 def ignore_stop_signals() -> None:
-    """On the way out: the agent sends SIGTERM to every worker once one has ended (and a terminal's
-    Ctrl-C reaches a worker twice), and a handler that raised during the exit would print a traceback."""
+    """On the way out: the agent SIGTERMs every worker once one has ended (and Ctrl-C reaches a worker twice); a
+    handler that raised during the exit would print a traceback."""
     for signum in STOP_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
 
 
-def rank_failure(error: BaseException, cfg: DictConfig) -> "RankFailed | None":
-    """A collective that lost its peer or timed out, somewhere in `error` or its causes, as one line; else None."""
+def rank_failure(error: BaseException, cfg: DictConfig) -> RankFailed | None:
+    """A collective that lost its peer or timed out, in `error` or its causes, as one line; else None."""
     seen: set[int] = set()
     current: BaseException | None = error
     while current is not None and id(current) not in seen:
@@ -116,17 +109,15 @@ def rank_failure(error: BaseException, cfg: DictConfig) -> "RankFailed | None":
 
 
 def timed_out(cfg: DictConfig, stopped: str = "") -> RankFailed:
-    """The line of a collective that waited `strategy.timeout_s` for another rank (`stopped`: that rank, where it is
-    known to be stopped, by SIGSTOP or a debugger)."""
+    """A collective that waited `strategy.timeout_s` for another rank (`stopped`: that rank, known to be stopped)."""
     waited = f"strategy.timeout_s={cfg.strategy.get('timeout_s')}"
     peer = f"{stopped}, which is stopped (SIGSTOP or a debugger)" if stopped else "another rank"
     return RankFailed(f"a collective waited {waited} s without an answer from {peer}; run stopped", timed_out=True)
 
 
 def die_with_launcher() -> None:
-    """The agent watches its workers from the launcher, so a launcher killed by SIGKILL would leave them waiting in a
-    collective (and a parallel sweep's job, training on): on Linux the kernel ends this process once its parent is
-    gone, also while it is stopped; elsewhere a thread does once the launcher has ended."""
+    """A launcher killed by SIGKILL must not leave its workers waiting in a collective (or a sweep job training on): on
+    Linux the kernel ends this process once its parent is gone, even while stopped; elsewhere a thread does."""
     if sys.platform.startswith("linux"):
         pr_set_pdeathsig = 1
         ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)

@@ -1,11 +1,7 @@
-"""A run's processes: one per device for local DDP, started by torch's elastic agent (the engine behind `torchrun`),
-else the task in this process.
-
-The launching process works out how many processes the run has and starts them; it builds nothing. Each worker is a
-new interpreter (spawn) that runs the task with the resolved config. Workers see torchrun's environment (RANK,
-LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT), so Lightning starts no processes of its own. The agent forwards signals,
-notices a dead worker and stops the others; what is here covers what it leaves open, each piece saying why.
-"""
+"""A run's processes: for local DDP one per device, started by torch's elastic agent (the engine behind `torchrun`),
+else the task in this process. The launching process builds nothing; each worker (spawned) sees torchrun's environment,
+so Lightning starts no processes of its own. The agent forwards signals, notices a dead worker and stops the others;
+what is here covers what it leaves open."""
 
 import functools
 import importlib
@@ -21,7 +17,7 @@ import traceback
 import uuid
 import weakref
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -42,7 +38,7 @@ from src.errors import RunFailed, UsageError, said
 from src.fast_path import resolve_accelerator
 from src.launch import stops
 from src.launch.console import close_progress_bars, counted
-from src.launch.ranks import external_rank
+from src.launch.ranks import external_rank, usable_cores
 from src.launch.stops import (STOP_SIGNALS, RankFailed, RunStopped, die_with_launcher, handle_stop_signals,
                               ignore_stop_signals, rank_failure, signal_name, timed_out)
 from src.records import Result
@@ -59,7 +55,7 @@ def processes_per_node(cfg: DictConfig) -> int:
 
 
 def check_machine(cfg: DictConfig, world_size: int) -> None:
-    """What this machine and the number of processes decide: the devices asked for exist, the global batch splits."""
+    """The devices asked for exist here, and the global batch splits over the processes."""
     cuda, accelerator = torch.cuda.is_available(), str(cfg.accelerator)
     if accelerator in ("gpu", "cuda") and not cuda:
         raise UsageError(f"accelerator={accelerator} but this machine has no CUDA device; use accelerator=cpu")
@@ -74,8 +70,7 @@ def check_machine(cfg: DictConfig, world_size: int) -> None:
 
 
 def launch(task: Callable[[DictConfig], Result], cfg: DictConfig) -> Result:
-    """Run `task(cfg)` in one worker per device where Lightning would start DDP processes itself (one node, several
-    devices, no torchrun or SLURM around the run), else in this process; rank 0's result."""
+    """`task(cfg)` in a worker per device where Lightning would start DDP processes itself, else in this process."""
     per_node = processes_per_node(cfg)
     check_machine(cfg, per_node * int(cfg.num_nodes))
     if per_node == 1 or external_rank() is not None:
@@ -86,8 +81,8 @@ def launch(task: Callable[[DictConfig], Result], cfg: DictConfig) -> Result:
 
 @contextmanager
 def own_process_group() -> Iterator[None]:
-    """A DDP job on one device runs in this process, where Lightning leaves its process group and its environment
-    (LOCAL_RANK, which would tell the next job of a sweep that someone else started its processes)."""
+    """Lightning leaves its process group and environment behind in this process (LOCAL_RANK would tell the next job of
+    a sweep that someone else started its processes)."""
     saved = {name: os.environ.get(name) for name in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")}
     try:
         yield
@@ -106,31 +101,22 @@ class StopOnSignal(Callback):
     broadcasts from inside the handler, which hangs ranks that are in another collective."""
 
     def on_sanity_check_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        _handle_anew()
+        stops.position = stops.nowhere
+        handle_stop_signals()
+
+    on_test_start = on_sanity_check_start
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        _handle_anew()
+        self.on_sanity_check_start(trainer, pl_module)
         stops.position = functools.partial(_position, weakref.ref(trainer))  # weak: a run's model outlives no run
-
-    def on_test_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        _handle_anew()
 
 
 def _position(trainer: "weakref.ref[Trainer]") -> str:
     return "" if (alive := trainer()) is None else f" during epoch {alive.current_epoch + 1} (step {alive.global_step})"
 
 
-def _handle_anew() -> None:
-    stops.position = stops.nowhere
-    handle_stop_signals()
-
-
-# ---------------------------------------------------------------- the launching process
-
-
 def start(task: Callable[[DictConfig], Result], cfg: DictConfig, nprocs: int) -> Result:
-    """`task(cfg)` in `nprocs` workers; rank 0's result. Raises `RunStopped` when this process got a stop signal,
-    `RankFailed` when a worker ended the run, and the worker's own `UsageError` or `RunFailed`."""
+    """`task(cfg)` in `nprocs` workers; rank 0's result, else `RunStopped`, `RankFailed`, or the worker's own error."""
     handlers = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
     quiet = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.distributed.launcher")]
     for logger in quiet:  # the agent's own lines would say again, in many lines, what the one `error:` line says
@@ -154,9 +140,9 @@ def start(task: Callable[[DictConfig], Result], cfg: DictConfig, nprocs: int) ->
         try:
             results = elastic_launch(config, _worker)(task, resolved, logging_config, str(position))
         except SignalException as stop:  # the agent has stopped the workers with the same signal
-            raise RunStopped(int(stop.sigval), _read(position)) from None
+            raise RunStopped(int(stop.sigval), position.read_text() if position.is_file() else "") from None
         except ChildFailedError as error:
-            raise _rank_failure(error, _read(position), resolved) from None
+            raise _rank_failure(error, position.read_text() if position.is_file() else "", resolved) from None
         finally:
             for signum, handler in handlers.items():  # the agent leaves its own handlers in place
                 signal.signal(signum, handler)
@@ -169,9 +155,8 @@ def start(task: Callable[[DictConfig], Result], cfg: DictConfig, nprocs: int) ->
 
 
 def importable(function: Callable[..., Any]) -> Callable[..., Any]:
-    """`function` as its module's import name holds it: under `python -m src.train` the entry's functions live in
-    `__main__`, which a new process names `__mp_main__`, and a copy by value (a parallel sweep's job) is no object
-    pickle can find by name."""
+    """`function` by its module's import name: under `python -m` it lives in `__main__`, which a new process names
+    `__mp_main__`, and a copy by value (a parallel sweep's job) is none that pickle finds by name."""
     spec = getattr(sys.modules.get(function.__module__), "__spec__", None)
     if function.__module__ in ("__main__", "__mp_main__") and spec is not None:
         return getattr(importlib.import_module(spec.name), function.__name__)
@@ -180,31 +165,19 @@ def importable(function: Callable[..., Any]) -> Callable[..., Any]:
 
 def _leave_position(position: Path, where: str, rank: int) -> None:
     """Rank 0's position, else the first stopped rank's: a rank waiting in a collective for a peer that a signal
-    ended never runs its handler, and the agent kills it."""
+    ended never runs its handler."""
     if rank == 0:
         partial = position.with_name(f"{position.name}.0")
         partial.write_text(where)
         partial.replace(position)
         return
-    try:
-        with position.open("x") as file:
-            file.write(where)
-    except FileExistsError:
-        pass
-
-
-def _read(position: Path) -> str:
-    """Where training was when a signal stopped a rank (` during epoch 3 (step 6)`), if one said so."""
-    try:
-        return position.read_text()
-    except OSError:
-        return ""
+    with suppress(FileExistsError), position.open("x") as file:
+        file.write(where)
 
 
 def _rank_failure(error: ChildFailedError, where: str, cfg: DictConfig) -> BaseException:
     """The worker whose end stopped the run, in one line: a death by a signal first, then a stop, then the rest. Over
-    NCCL, a death by SIGABRT is NCCL's watchdog ending a collective that timed out (a peer that died or stopped is
-    found first: it ended earlier, and by its own signal)."""
+    NCCL, SIGABRT is its watchdog ending a collective that timed out (a dead or stopped peer ended earlier)."""
     def order(item: tuple[int, Any]) -> tuple[int, int]:
         code = item[1].exitcode
         return (0 if code < 0 else 1 if code - 128 in STOP_SIGNALS else 2, item[1].timestamp)
@@ -225,18 +198,14 @@ def _rank_failure(error: ChildFailedError, where: str, cfg: DictConfig) -> BaseE
 
 
 def _over_nccl(cfg: DictConfig) -> bool:
-    """Whether the run's processes talk over NCCL: the backend set, else the one a CUDA device gets."""
     backend = OmegaConf.select(cfg, "strategy.process_group_backend")
     return (backend or ("nccl" if resolve_accelerator(str(cfg.accelerator)) == "gpu" else "gloo")) == "nccl"
 
 
-# ---------------------------------------------------------------- a worker
-
-
 def _worker(task: Callable[[DictConfig], Result], cfg: DictConfig, logging_config: dict[str, Any] | None,
             position: str) -> Any:
-    """One rank: what `task` returns, or a user's error for the launcher to report. A rank stopped by a signal ends
-    its progress bar's line and leaves where training was in the file `position`."""
+    """One rank: what `task` returns, or a user's error for the launcher to say; a rank stopped by a signal leaves
+    where training was in the file `position`."""
     die_with_launcher()
     # tqdm's default lock holds a named semaphore, which this process's immediate exit (`_exit`) would leave to the
     # resource tracker's "leaked semaphore" warning at the end of the run: the bars get a thread lock instead.
@@ -245,7 +214,10 @@ def _worker(task: Callable[[DictConfig], Result], cfg: DictConfig, logging_confi
     rank_zero_only.rank = rank  # Lightning read it at import, before the agent set RANK
     Path(position).with_name(f"pid{os.getpid()}").write_text(str(rank))  # for the peers' `stopped_peers`
     _log_to_file(logging_config, rank)
-    _share_cores(int(os.environ["LOCAL_WORLD_SIZE"]))
+    if "OMP_NUM_THREADS" not in os.environ:  # as torchrun and Lightning split the cores, and elastic_launch does not
+        threads = max(1, len(usable_cores()) // int(os.environ["LOCAL_WORLD_SIZE"]))
+        os.environ["OMP_NUM_THREADS"] = str(threads)  # for the processes a worker starts
+        torch.set_num_threads(threads)
     handle_stop_signals()
     try:
         result = task(cfg)
@@ -284,8 +256,8 @@ def _worker(task: Callable[[DictConfig], Result], cfg: DictConfig, logging_confi
 
 
 def stopped_peers(ranks: Path) -> str:
-    """The other workers of this run (this process group) that are stopped, as `rank N (pid P)` (each worker notes its
-    pid's rank in the folder `ranks`); empty where none is, or where the system does not tell (no /proc)."""
+    """The other stopped workers of this process group, as `rank N (pid P)` (each notes its pid's rank in the folder
+    `ranks`); empty where none is, or without /proc."""
     found = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -300,25 +272,8 @@ def stopped_peers(ranks: Path) -> str:
     return ", ".join(sorted(found))
 
 
-def _share_cores(workers: int) -> None:
-    """The cores this process may run on split between its workers, as torchrun (OMP_NUM_THREADS=1) and Lightning's own
-    launcher do and elastic_launch does not: each worker would otherwise start a thread per core."""
-    if "OMP_NUM_THREADS" not in os.environ:
-        threads = max(1, len(usable_cores()) // workers)
-        os.environ["OMP_NUM_THREADS"] = str(threads)  # for the processes a worker starts
-        torch.set_num_threads(threads)
-
-
-def usable_cores() -> list[int]:
-    """The cores this process may run on: its affinity where the system tells it (Linux; `taskset`, a SLURM allocation
-    or a parallel sweep's job narrow it), else all of them."""
-    if hasattr(os, "sched_getaffinity"):
-        return sorted(os.sched_getaffinity(0))
-    return list(range(os.cpu_count() or 1))
-
-
 def _log_to_file(logging_config: dict[str, Any] | None, rank: int) -> None:
-    """The job's logging in a worker: rank 0 writes the job's log (`train.log`), rank N `train_rank_N.log`."""
+    """Rank 0 writes the job's log (`train.log`), rank N `train_rank_N.log`."""
     if logging_config is None:
         return
     for handler in logging_config.get("handlers", {}).values():

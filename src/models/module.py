@@ -5,6 +5,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -24,59 +25,47 @@ from src.optim import Schedule, fused_under_a_scaler
 log = logging.getLogger(__name__)
 
 STAGES = ("train", "val", "test")
-# Where Lightning's checkpoints count the optimizer steps it took (automatic optimization) or the module took (manual).
-AUTOMATIC_STEPS, MANUAL_STEPS = "epoch_loop.automatic_optimization.optim_progress", "epoch_loop.manual_optimization.optim_step_progress"
-WARM_STEPS = 3  # eager steps before a CUDA graph is captured: cuDNN's autotuning and the optimizer's state are built by then
+# Where Lightning's checkpoints count the optimizer steps taken under automatic and manual optimization.
+AUTOMATIC_STEPS = "epoch_loop.automatic_optimization.optim_progress"
+MANUAL_STEPS = "epoch_loop.manual_optimization.optim_step_progress"
+WARM_STEPS = 3  # eager steps before a CUDA graph's capture: cuDNN's autotuning and the optimizer's state are built
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
 
 def plain(node: Any) -> Any:
     """A config as plain values; None for an object (a network handed over as a module is not recorded)."""
-    return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node) if isinstance(node, Mapping) else None
-
-
-def default_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
-    """SGD with the book's LeNet rate, for a Classifier built without a config."""
-    return torch.optim.SGD(params, lr=0.1)
+    if isinstance(node, DictConfig):
+        return OmegaConf.to_container(node, resolve=True)
+    return dict(node) if isinstance(node, Mapping) else None
 
 
 class Classifier(LightningModule):
-    """Trains any image classifier `net` with the given loss (cross-entropy) and optimizer.
+    """Trains any image classifier `net` with the given loss and optimizer (a partial called with the parameters).
 
-    Loss, accuracy and logging happen here, on the gathered logits of the whole
-    (per-process) batch, so a strategy only has to make `net`'s forward pass parallel.
-    The network, the loss and the optimizer come from the config (`conf/model/`,
-    `conf/optim/`), so a new one is a config file and a class, not an edit here:
-    `optimizer` is a partial (Hydra's `_partial_: true`) called with the parameters.
+    Loss, accuracy and logging happen here, on the gathered logits of the whole per-process batch, so a strategy only
+    has to make `net`'s forward pass parallel.
     """
 
-    def __init__(
-        self,
-        net: nn.Module | Mapping[str, Any],
-        optimizer: OptimizerFactory = default_optimizer,
-        num_classes: int = 10,
-        loss: nn.Module | Mapping[str, Any] | None = None,
-        schedule: Schedule | None = None,
-    ) -> None:
+    def __init__(self, net: nn.Module | Mapping[str, Any],
+                 optimizer: OptimizerFactory = partial(torch.optim.SGD, lr=0.1),  # the book's LeNet rate
+                 num_classes: int = 10, loss: nn.Module | Mapping[str, Any] | None = None,
+                 schedule: Schedule | None = None) -> None:
         super().__init__()
-        # The network and loss given as configs (conf/model: `_recursive_: false`) are built here and recorded in the
-        # checkpoint's hyperparameters as plain values, so that `load_from_checkpoint(path)` needs nothing else.
+        # Network and loss configs (conf/model: `_recursive_: false`) are built here and recorded as plain values, so
+        # that `load_from_checkpoint(path)` needs nothing else.
         self.save_hyperparameters({"net": plain(net), "loss": plain(loss), "num_classes": num_classes}, logger=False)
         self.net = instantiate(net) if isinstance(net, Mapping) else net
         self.optimizer = optimizer
         self.schedule = schedule or Schedule()
         self.loss = instantiate(loss) if isinstance(loss, Mapping) else loss if loss is not None else nn.CrossEntropyLoss()
-        # Per stage, the epoch's accuracy and image-weighted mean loss, updated at every step. Images
-        # are weighted so that processes holding one image more or less than the others (unpadded
-        # evaluation shards) count each image once. No per-step checks of the labels or of NaNs
-        # (the data comes from validated files; FiniteLossCheck watches the loss): on a GPU each
-        # check would wait for the device.
+        # The loss is weighted by images, so unpadded evaluation shards count each image once. No per-step checks of
+        # labels or NaNs (the data module and FiniteLossCheck do them): on a GPU each would wait for the device.
         for stage in STAGES:
             setattr(self, f"{stage}_acc", MulticlassAccuracy(num_classes, average="micro", validate_args=False))
             setattr(self, f"{stage}_loss", MeanMetric(nan_strategy="disable"))
         self.val_acc_best = MaxMetric()
         self.val_acc_best.persistent(True)  # in checkpoints, so that a resumed run remembers its best epoch
-        self._logged: set[str] = set()  # the stages whose metric objects were handed to `self.log` this epoch
+        self._logged: set[str] = set()  # the stages whose metric objects `self.log` has this epoch
         self.fast_steps = FastSteps()
         self.step_batch_size = 0  # with steps_per_execution > 1: the images of one optimizer step
         self.graphed: GraphedStep | None = None
@@ -88,8 +77,7 @@ class Classifier(LightningModule):
 
     @classmethod
     def load_from_checkpoint(cls, checkpoint_path: str | Path, *args: Any, **kwargs: Any) -> "Classifier":  # type: ignore[override]
-        """Lightning's, reading the file as tensors and plain values only, and building the recorded network and loss
-        only from classes the project's conf/ names: a checkpoint may come from anyone."""
+        """Reads weights-only, and builds only classes the project's conf/ names: a checkpoint may come from anyone."""
         recorded = read_checkpoint(checkpoint_path).get("hyper_parameters", {})
         records.check_data({k: v for k, v in recorded.items() if k not in kwargs}, Path(checkpoint_path),
                            records.conf_targets(), "hyper_parameters")
@@ -97,9 +85,8 @@ class Classifier(LightningModule):
         return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)
 
     def use_fast_steps(self, fast_steps: FastSteps, step_batch_size: int) -> None:
-        """Run `fast_steps.steps_per_execution` optimizer steps of `step_batch_size` images per training
-        batch, each as one CUDA graph replay if `fast_steps.cuda_graphs`; the module then steps its
-        optimizer itself (Lightning's manual optimization), exactly as Lightning would one step a batch."""
+        """`steps_per_execution` optimizer steps a batch, each a CUDA graph replay with `cuda_graphs`: the module
+        then steps its optimizer itself (manual optimization), as Lightning would one step a batch."""
         self.fast_steps = fast_steps
         self.step_batch_size = step_batch_size
         self.automatic_optimization = not fast_steps.manual
@@ -113,22 +100,17 @@ class Classifier(LightningModule):
         return self.loss(logits, y), logits, y
 
     def stage_step(self, batch: tuple[torch.Tensor, torch.Tensor], stage: str) -> torch.Tensor:
-        """Loss of the batch; the stage's metrics take it in."""
         loss, logits, y = self.model_step(batch)
         self.update_metrics(stage, loss, logits, y)
         return loss
 
     def update_metrics(self, stage: str, loss: torch.Tensor, logits: torch.Tensor, y: torch.Tensor) -> None:
-        """The stage's metrics take in one batch, without waiting for the device.
-
-        The image count is a tensor made on the loss's device: a Python number would be copied
-        there from pageable memory, which makes the host wait for the device at every step.
-        """
+        """Never waits for the device: the image count is made there (a Python number would be copied from pageable
+        memory, a wait at every step)."""
         getattr(self, f"{stage}_acc").update(logits, y)
         getattr(self, f"{stage}_loss").update(loss.detach(), weight=loss.new_full((), len(y), dtype=torch.float32))
         if stage not in self._logged:
-            # Once per epoch is enough: Lightning computes and resets the metric objects at its end.
-            # Every `self.log` call costs Lightning about 0.3 ms, a third of a GPU step of LeNet.
+            # Once an epoch: Lightning computes and resets the metric objects at its end, and a call costs 0.3 ms.
             self._logged.add(stage)
             self.log(f"{stage}/loss", getattr(self, f"{stage}_loss"), on_step=False, on_epoch=True, prog_bar=stage == "train")
             self.log(f"{stage}/acc", getattr(self, f"{stage}_acc"), on_step=False, on_epoch=True, prog_bar=stage != "test")
@@ -139,13 +121,11 @@ class Classifier(LightningModule):
         x, y = batch
         size = self.step_batch_size or len(y)
         losses = [self.optimizer_step_on(xs, ys) for xs, ys in zip(x.split(size), y.split(size))]
-        # Lightning logs its metrics at the training batches taken, counted in this private attribute (no public API
-        # sets the step it logs at); counted in optimizer steps, every point sits where one step a batch puts it.
+        # Lightning logs at batches taken; count optimizer steps. Private: no public API sets the step it logs at.
         self.trainer.fit_loop.epoch_loop._batches_that_stepped += len(losses) - 1
         return torch.stack(losses)
 
     def optimizer_step_on(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """One optimizer step on one batch, stepped here (manual optimization); returns its detached loss."""
         optimizer = self.optimizers()
         if self.graphed is None and self.fast_steps.cuda_graphs and len(y) == self.step_batch_size:
             if self.warm_steps >= WARM_STEPS:
@@ -165,8 +145,7 @@ class Classifier(LightningModule):
         return loss.detach().clone()  # a replay overwrites the graph's own loss tensor
 
     def _capture(self, optimizer: Any, x: torch.Tensor, y: torch.Tensor) -> None:
-        """The training step as a CUDA graph; eager steps from now on where it cannot be one (a network whose forward
-        pass waits for the GPU, `.item()` or a data-dependent shape, which a capture refuses)."""
+        """Eager steps from now on where the step cannot be captured (`.item()`, a data-dependent shape)."""
         optimizer.zero_grad(set_to_none=True)  # the captured backward pass owns the gradients from now on
         try:
             self.graphed = GraphedStep(self.forward_backward, x, y, list(self.parameters()))
@@ -190,14 +169,13 @@ class Classifier(LightningModule):
             self.graphed, self.warm_steps = None, 0
 
     def _capture_key(self) -> tuple:
-        """What a graph holds of its fit: the parameters' memory, the precision, and its loss scaler (16-mixed
-        multiplies the loss by the scaler's tensor inside the graph; the object itself, kept alive, not its id)."""
+        """The parameters' memory, the precision, and its loss scaler (16-mixed multiplies the loss by the scaler's
+        tensor inside the graph; the object itself, kept alive, not its id)."""
         plugin = self.trainer.precision_plugin
         return (type(plugin), getattr(plugin, "precision", None), getattr(plugin, "scaler", None),
                 tuple(param.data_ptr() for param in self.parameters()))
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Loss and logits of a batch, its gradients accumulated into the parameters' `.grad`."""
         loss, logits, _ = self.model_step((x, y))
         self.manual_backward(loss)
         return loss, logits
@@ -220,7 +198,7 @@ class Classifier(LightningModule):
             self._end_warmup()
 
     def _start_warmup(self) -> None:
-        """With compile=true, the run's first optimizer step compiles: it is timed as warm-up."""
+        """With compile=true, the run's first optimizer step compiles: timed as warm-up."""
         if self.fast_steps.compiled and not self._compile_timed:
             self._synchronize()
             self._warmup_started = time.perf_counter()
@@ -251,25 +229,22 @@ class Classifier(LightningModule):
             self.log("val/acc_best", self.val_acc_best.compute(), sync_dist=True)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Every checkpoint keeps the figures logged so far, and one saved within an epoch (`step.ckpt`) what the epoch's
-        training metrics have taken in, so that a resumed run's figures are those of the unbroken run."""
+        """The figures logged so far (a run resumed after its last epoch ends with them), and within an epoch
+        (`step.ckpt`) its training metrics' state, so that a resumed run's figures are the unbroken run's."""
         if self._trainer is None:
             return
-        # The figures logged so far: a run resumed after its last epoch (stopped in its test) ends with them.
         checkpoint["logged"] = {name: float(value) for name, value in self.trainer.callback_metrics.items() if value.numel() == 1}
         if self.trainer.training and not self.trainer.is_last_batch:
             checkpoint["epoch_metrics"] = {name: {key: value.detach().cpu() for key, value in metric.metric_state.items()}
                                            for name, metric in (("train_acc", self.train_acc), ("train_loss", self.train_loss))}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """The epoch's training metrics of a checkpoint saved within it (see `on_save_checkpoint`). A checkpoint saved
-        with the optimizer stepped by Lightning resumes with it stepped here, and the other way round (a CPU run
+        """A checkpoint saved under automatic optimization resumes under manual, and the other way round (a CPU run
         resumed on a GPU): the optimizer steps taken move to the counter in use."""
         for name, states in checkpoint.get("epoch_metrics", {}).items():
             for key, value in states.items():
                 setattr(getattr(self, name), key, value.to(self.device))
-        # Lightning documents no format for its loops' state, and no public API moves a count between them:
-        # a checkpoint whose loop state reads otherwise is left as it is.
+        # Lightning documents no format for its loops' state: one that reads otherwise is left as it is.
         loop = checkpoint.get("loops", {}).get("fit_loop", {})
         try:
             automatic, manual = loop[AUTOMATIC_STEPS]["optimizer"]["step"], loop[MANUAL_STEPS]

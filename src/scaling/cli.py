@@ -1,7 +1,6 @@
 """`python -m src.scaling <run or sweep folder>`: predicted epoch time and speed-up on 1 to 1024 processes.
 
-The command line, parsed and checked without torch: `--help` and a mistake are answered in about a
-second, before `src.scaling.predict` is imported to predict or time. See `src.scaling.predict`.
+Parsed and checked without torch, so that `--help` and a mistake are answered in about a second.
 """
 
 from argparse import Namespace
@@ -14,7 +13,6 @@ from src.scaling.costmodel import PRESET_BUS_SHARE
 
 
 def parse(argv: list[str] | None) -> Namespace:
-    """The command line, checked: every mistake a UsageError."""
     parser = ArgumentParser(prog="python -m src.scaling", description=__doc__.splitlines()[0])
     parser.add_argument("folder", type=Path, nargs="?", help="a run folder, a sweep folder or outputs/")
     parser.add_argument("--out", type=Path, help="where to write (default: the folder; outputs/ for --probe alone)")
@@ -38,18 +36,6 @@ def parse(argv: list[str] | None) -> Namespace:
     whatif_mode = args.model is not None or args.params is not None
     if args.folder is None and not args.probe and not whatif_mode:
         raise UsageError("give a run or sweep folder, --probe, or a what-if (--model or --params)")
-    _check_terms(args)
-    if whatif_mode:
-        if args.folder is not None or args.probe:
-            raise UsageError("--model/--params is a what-if without a run: give no run folder and no --probe with it")
-        whatif.check(args)
-    else:
-        whatif.refuse(args)
-    return args
-
-
-def _check_terms(args: Namespace) -> None:
-    """The terms' flags and --per-process-batch, each within what it can mean."""
     allowed = [
         ("--overlap", args.overlap, args.overlap is None or 0 <= args.overlap <= 1, "between 0 and 1"),
         ("--skew", args.skew, args.skew is None or 0 <= args.skew <= 10, "between 0 and 10"),
@@ -62,3 +48,11 @@ def _check_terms(args: Namespace) -> None:
     for option, value, ok, rule in allowed:
         if not ok:
             raise UsageError(f"{option} {value:g} is not allowed; it must be {rule}")
+    if whatif_mode:
+        if args.folder is not None or args.probe:
+            raise UsageError("--model/--params is a what-if without a run: give no run folder and no --probe with it")
+        whatif.check(args)
+    else:
+        whatif.refuse(args)
+    return args
+

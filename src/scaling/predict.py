@@ -1,16 +1,7 @@
 """`python -m src.scaling <run or sweep folder>`: predicted epoch time and speed-up on 1 to 1024 processes.
 
-    python -m src.scaling outputs/runs/<run>                # scaling.md, scaling.csv, scaling_<model>.png there
-    python -m src.scaling outputs/multirun/<sweep> --probe  # also time gloo here: the "measured" interconnect
-    python -m src.scaling outputs/runs/<run> --per-process-batch 64   # weak scaling: 64 per process, the global batch grows
-    python -m src.scaling --probe                           # only the probe: outputs/probe.json
-    python -m src.scaling --model torchvision.models.resnet50 --step-ms 164 --batch 32 --link 25gbe --processes 8 64
-                                                            # a what-if without a run (src.scaling.whatif)
-
-From each model's run with the fewest processes (its step time, and under DDP what it timed of
-its backward pass and communication), the model's gradient shapes, and the cost model of
-`src.scaling.costmodel`, for every DDP hook and interconnect. A folder that also holds multi-process DDP
-runs gets a table of predicted against measured `xfer/hook_ms` and epoch time. See docs/scaling.md.
+From each model's run with the fewest processes, its gradient shapes and `src.scaling.costmodel`, for every DDP hook
+and interconnect; multi-process DDP runs in the folder get predicted against measured. See docs/scaling.md.
 """
 
 import csv
@@ -38,7 +29,7 @@ from src.scaling import whatif
 from src.scaling.cli import parse
 from src.scaling.costmodel import (
     BACKWARD_SHARE, DDP_GPU_MULTI_SHARE, DDP_GPU_SHARE, HOOKS, INTERCONNECTS, MIB, Interconnect, Step, Terms, bucketed,
-    epoch_steps, predict_step,
+    predict_step,
 )
 from src.scaling.timed import Timed
 
@@ -72,7 +63,7 @@ class RunFigures:
     accelerator: str = "cpu"  # "cuda" for a run on GPUs (its HParams record's `accelerator`)
 
     def setting(self) -> tuple:
-        """What makes two runs repeats of each other: the same model, batch, processes, hook, rank, precision and epoch."""
+        """What makes two runs repeats of each other."""
         return self.model, self.batch_size, self.processes, self.hook, self.powersgd_rank, self.precision, self.steps_per_epoch
 
 
@@ -84,8 +75,7 @@ def read_figures(run: RunFolder) -> RunFigures | None:
         return None
 
     def series(tag: str) -> list[tuple[int, float]]:
-        """(step, value) of a scalar, or of its per-epoch mean `<tag>_epoch` when only that was logged."""
-        return run.scalars(tag, f"{tag}_epoch")
+        return run.scalars(tag, f"{tag}_epoch")  # or its per-epoch mean, when only that was logged
 
     def typical(tag: str) -> float | None:
         return median(v for _, v in series(tag))
@@ -128,11 +118,8 @@ TIMED = ("epoch_s", "step_s", "exposed_comm_s", "backward_s", "overlap_frac", "b
 
 
 def merge_repeats(runs: list[RunFigures]) -> list[RunFigures]:
-    """One figure set per setting: where several runs repeat a setting, the median of each timed figure.
-
-    On shared cores one run's epoch time can differ from the next one's (other processes, the cores'
-    clocks) by as much as the differences the model predicts; repeats narrow it.
-    """
+    """One figure set per setting, the median of each timed figure over repeats: on shared cores one run's epoch
+    can differ from the next one's by as much as the differences the model predicts."""
     settings: dict[tuple, list[RunFigures]] = {}
     for run in sorted(runs, key=lambda r: r.run):
         settings.setdefault(run.setting(), []).append(run)
@@ -145,14 +132,6 @@ def merge_repeats(runs: list[RunFigures]) -> list[RunFigures]:
         merged.append(replace(repeats[0], run=f"{repeats[0].run}, median of {len(repeats)} runs",
                               **{name: value for name, value in medians.items() if value is not None}))
     return merged
-
-
-def collect(root: Path) -> list[RunFigures]:
-    """Every run below `root` that the model can use."""
-    runs = read_runs(root, read_figures)
-    if not runs:
-        raise UsageError(f"{root}: no run below it has a timed training epoch (time/epoch_s) on one process or under DDP")
-    return runs
 
 
 @dataclass(frozen=True)
@@ -178,7 +157,6 @@ class Baseline:
     buckets: dict[str, list[list[int]]]  # bytes of each all-reduce per hook, bucket by bucket
     encode: dict[str, float]  # s per step of each hook itself, its all-reduces' transfer aside
     lags: dict[int, float]  # processes -> the model's steps' lag meeting on this machine's cores (`stepclock.meeting_lags`)
-    # s per step DDP adds on N > 1 processes besides the hook's own work, per hook
     reducer: dict[str, float] = field(default_factory=lambda: dict.fromkeys(HOOKS, 0.0))
 
     @property
@@ -252,9 +230,7 @@ class Baseline:
 
 
 def gpu_ddp_cost(compute_1: float, timed: Timed | None, origin: dict[str, str]) -> dict[str, float]:
-    """Seconds per step DDP adds to each of N > 1 GPU processes, per hook, and how that was found (into `origin`):
-    measured on one GPU where `timed` holds it (a DDP model of world size 1 against the plain model), else the
-    share DDP_GPU_SHARE of the step; with DDP_GPU_MULTI_SHARE of the step that more than one GPU adds."""
+    """Seconds per step DDP adds to each of N > 1 GPU processes, per hook, measured or assumed; how, into `origin`."""
     multi = DDP_GPU_MULTI_SHARE * compute_1
     origin["hook"] = "0 on its own: on a GPU the hook's work is part of DDP's, below"
     if timed is not None and timed.reducer:
@@ -269,9 +245,9 @@ def gpu_ddp_cost(compute_1: float, timed: Timed | None, origin: dict[str, str]) 
     return dict.fromkeys(HOOKS, (DDP_GPU_SHARE + DDP_GPU_MULTI_SHARE) * compute_1)
 
 
-def load_probe(path: Path | None) -> gloo_probe.Probe | None:
+def load_probe(path: Path) -> gloo_probe.Probe | None:
     """A saved probe; None where there is no file. A file that is not a probe is a UsageError."""
-    if path is None or not path.exists():
+    if not path.exists():
         return None
     try:
         return gloo_probe.load(path)
@@ -280,7 +256,6 @@ def load_probe(path: Path | None) -> gloo_probe.Probe | None:
 
 
 def measured_links(probe: gloo_probe.Probe | None) -> dict[int, Interconnect]:
-    """One interconnect per probed process count: gloo between processes sharing this machine's cores."""
     if probe is None:
         return {}
     return {n: Interconnect(f"gloo here, {n} proc.", bandwidth, latency, "python -m src.scaling --probe", probe.cores,
@@ -295,32 +270,16 @@ def link_for(processes: int, measured: dict[int, Interconnect]) -> Interconnect:
 
 
 def predictions(base: Baseline, links: list[Interconnect], per_process_batch: int | None = None) -> list[dict]:
-    """One row per interconnect, hook and process count.
-
-    Strong scaling (per_process_batch None): the run's global batch split over the processes, so
-    only counts that divide it. Weak scaling: `per_process_batch` on each process, the global batch
-    N times that, over the samples of the run's epoch.
-    """
+    """One row per interconnect, hook and process count; strong scaling only at counts that divide the run's batch."""
     run, rows = base.run, []
-    samples = run.steps_per_epoch * run.batch_size
+    counts = [n for n in PROCESS_COUNTS if per_process_batch is not None or run.batch_size % n == 0]
     for link in links:
         for hook in HOOKS:
-            one = None
-            for n in PROCESS_COUNTS:
-                if per_process_batch is None and run.batch_size % n:
-                    continue
-                step = base.step(hook, n, link, per_process_batch)
-                global_batch = run.batch_size if per_process_batch is None else per_process_batch * n
-                steps = run.steps_per_epoch if per_process_batch is None else epoch_steps(samples, global_batch)
-                epoch_s = steps * step.total
-                one = epoch_s if n == 1 else one
-                rows.append({
-                    "model": run.model, "batch_size": run.batch_size, "mode": "strong" if per_process_batch is None else "weak",
-                    "interconnect": link.name, "hook": hook, "processes": n, "global_batch": global_batch,
-                    "bytes_per_step": sum(base.sizes(hook)) if n > 1 else 0, "compute_ms": step.compute * 1e3,
-                    "overhead_ms": step.overhead * 1e3, "comm_ms": step.comm * 1e3, "exposed_ms": step.exposed * 1e3,
-                    "skew_ms": step.skew * 1e3, "epoch_s": epoch_s, "speedup": one / epoch_s, "efficiency": one / epoch_s / n,
-                })
+            for row in whatif.rows(lambda n: base.step(hook, n, link, per_process_batch), run.batch_size, counts,
+                                   run.steps_per_epoch * run.batch_size, per_process_batch):
+                sent = sum(base.sizes(hook)) if row["processes"] > 1 else 0
+                rows.append({"model": run.model, "batch_size": run.batch_size, "interconnect": link.name, "hook": hook,
+                             "mode": "strong" if per_process_batch is None else "weak", "bytes_per_step": sent, **row})
     return rows
 
 
@@ -519,13 +478,13 @@ NO_PROBE = ("No predictions here: the run ran on CPU, and the one interconnect t
 def write_scaling(root: Path, out: Path | None = None, probe: gloo_probe.Probe | None = None,
                   options: Options = Options(), report: bool = False) -> str:
     """Write scaling.md, scaling.csv and one plot per model into `out` (default `root`); returns the Markdown sections.
-
-    `report`: for a report, which must not wait: nothing is timed (the terms `python -m src.scaling` timed and saved
-    in `root`'s scaling_terms.json are read, others assumed and said so), and a CPU run is predicted only on the
-    interconnect measured here (a saved probe), not on GPU links. Otherwise each model's terms are timed here and saved.
-    """
+    `report`, which must not wait: nothing is timed (saved terms are read, others assumed and said so), and a CPU run is
+    predicted only on the interconnect of a saved probe. Otherwise each model's terms are timed here and saved."""
     out = output_folder(root if out is None else out)
-    runs = merge_repeats(collect(root))
+    runs = read_runs(root, read_figures)
+    if not runs:
+        raise UsageError(f"{root}: no run below it has a timed training epoch (time/epoch_s) on one process or under DDP")
+    runs = merge_repeats(runs)
     cores = probe.cores if probe is not None else len(os.sched_getaffinity(0))
     measured = measured_links(probe)
     named = [link if options.bus_share is None else replace(link, bus_share=options.bus_share) for link in INTERCONNECTS]
@@ -558,7 +517,7 @@ def write_scaling(root: Path, out: Path | None = None, probe: gloo_probe.Probe |
     if not report:
         timing.save(out / timing.FILE, saved)
     with (out / "scaling.csv").open("w", newline="") as file:
-        writer = csv.DictWriter(file, fieldnames=COLUMNS)
+        writer = csv.DictWriter(file, fieldnames=COLUMNS, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(all_rows)
     on_cpu = any(run.accelerator != "cuda" for run in runs)  # only a CPU run is predicted on this machine's interconnect
@@ -577,10 +536,6 @@ def time_baseline(run: RunFigures, cores: int, options: Options, meet_at: Sequen
     return timing.time_run(run.net, run.shapes, run.input_shape, max(1, run.batch_size // run.processes), run.precision,
                            run.accelerator, run.powersgd_rank, options.bucket_mb, cores, batches,
                            need_clock=options.overhead_ms is None or options.skew is None)
-
-
-def options_from(args: Namespace) -> Options:
-    return Options(args.overlap, args.overhead_ms, args.skew, args.bus_share, args.per_process_batch, args.bucket_mb)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -615,5 +570,7 @@ def run(args: Namespace) -> None:
         if args.folder is not None:
             with saying(f"reading the runs below {args.folder} and predicting their scaling (timing what no saved "
                         "probe or terms hold)"):
-                write_scaling(args.folder, out, probe, options_from(args))
+                options = Options(args.overlap, args.overhead_ms, args.skew, args.bus_share, args.per_process_batch,
+                                  args.bucket_mb)
+                write_scaling(args.folder, out, probe, options)
             print(f"-> {out / 'scaling.md'}")

@@ -1,21 +1,10 @@
-"""The "measured" interconnect: time gloo all-reduces between local processes and fit the ring model to them.
+"""The "measured" interconnect: gloo all-reduces timed between local processes, and the ring model fitted to them.
 
-    python -m src.scaling --probe            # 2 and 4 processes, 4 B to 32 MiB and a meeting, about 25 s on 2 cores
-
-Each size is all-reduced a few times back to back after a barrier, and rank 0 keeps the median.
-The fit is least squares on t = 2(N-1) latency + 2(N-1)/N bytes / bandwidth (`costmodel.ring_allreduce_s`),
-weighted by 1/t so that the microsecond points count as much as the millisecond ones. Each process
-count gets a fit of its own: with more processes than cores, a ring step waits for a process the
-scheduler has put aside, which no latency fitted on fewer processes foresees.
-
-The probe also times a meeting: each process does the same 50 ms of work (matrix products, timed
-alone first), then all-reduces 4 bytes. What that takes beyond the work (times the turns processes
-take on shared cores) and the 4-byte all-reduce is the lag of the slowest process to arrive, a cost
-of training on shared cores that all-reduces started together after a barrier do not show. It is
-kept as a share of the work's turns: from 20 to 100 ms of work it grew with the work (2 processes on
-2 cores: 2 to 3 ms; 4 processes: 0.3 to 8 ms), about 3 to 4 % from 50 ms on; on a later day, 3 to
-16 % between probes a few minutes apart. The median meeting: the mean followed the outliers.
-The probe's processes are new interpreters (spawn), each importing this module.
+The fit is least squares on t = 2(N-1) latency + 2(N-1)/N bytes / bandwidth, weighted by 1/t so that microsecond
+points count as much as millisecond ones; each process count gets its own, since beyond the cores a ring step
+waits for a process the scheduler put aside. The meeting (equal work, then a 4-byte all-reduce) gives the lag of
+the slowest process on shared cores, which all-reduces started after a barrier do not show; its median, as the
+mean followed outliers (docs/scaling.md). Probe processes are new interpreters (spawn) importing this module.
 """
 
 import json
@@ -24,7 +13,8 @@ import socket
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,24 +31,20 @@ MEETINGS = 30
 
 @dataclass(frozen=True)
 class Probe:
-    """The timed all-reduces, (processes, bytes, seconds), on a machine with `cores` cores."""
-
-    points: list[tuple[int, int, float]]
+    points: list[tuple[int, int, float]]  # (processes, bytes, seconds)
     cores: int
-    lags: dict[int, float] = field(default_factory=dict)  # processes -> time lost meeting after equal work, a share of the work's turns
+    lags: dict[int, float] = field(default_factory=dict)  # processes -> time lost meeting, a share of the work's turns
 
     def timed(self, processes: int) -> tuple[tuple[int, float], ...]:
-        """(bytes, seconds) of the all-reduces timed at this process count."""
         return tuple((b, t) for n, b, t in self.points if n == processes)
 
     def fits(self) -> dict[int, tuple[float, float]]:
-        """(latency s, bandwidth bytes/s) fitted to each process count's points."""
+        """(latency s, bandwidth bytes/s) per process count."""
         counts = sorted({n for n, _, _ in self.points})
         return {n: fit_ring([p for p in self.points if p[0] == n]) for n in counts}
 
 
 def fit_ring(points: Sequence[tuple[int, int, float]]) -> tuple[float, float]:
-    """(latency s, bandwidth bytes/s) of the ring model that best fits the points, in relative error."""
     rows = torch.tensor([[2.0 * (n - 1), 2.0 * (n - 1) / n * b] for n, b, _ in points], dtype=torch.float64)
     times = torch.tensor([t for _, _, t in points], dtype=torch.float64)
     weights = 1 / times
@@ -76,8 +62,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _repeats(nbytes: int) -> int:
-    return 20 if nbytes <= 2**18 else 5
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """One torch thread, as each of 2 DDP processes gets on 2 cores, and steadier on a busy machine; restored after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _work(count: int) -> None:
@@ -88,9 +81,7 @@ def _work(count: int) -> None:
 
 def _work_count() -> tuple[int, float]:
     """Matrix products that take about MEETING_WORK_S on one thread here, and the seconds they take alone."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         _work(20)
         start = time.perf_counter()
         _work(200)
@@ -101,8 +92,6 @@ def _work_count() -> tuple[int, float]:
             _work(count)
             seconds.append(time.perf_counter() - start)
         return count, statistics.median(seconds)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _worker(rank: int, processes: int, port: int, sizes: Sequence[int], work: int, result: str) -> None:
@@ -114,7 +103,7 @@ def _worker(rank: int, processes: int, port: int, sizes: Sequence[int], work: in
         tensor = torch.ones(max(1, nbytes // 4))
         dist.all_reduce(tensor)  # warm-up: connections and buffers
         seconds = []
-        for _ in range(_repeats(nbytes)):
+        for _ in range(20 if nbytes <= 2**18 else 5):
             dist.barrier()
             start = time.perf_counter()
             dist.all_reduce(tensor)
@@ -134,8 +123,7 @@ def _worker(rank: int, processes: int, port: int, sizes: Sequence[int], work: in
 
 
 def start_ranks(worker: Callable[..., None], processes: int, *args: Any) -> Any:
-    """Run `worker(rank, processes, port, *args, result)` in `processes` local processes that meet on a free
-    port; what rank 0 wrote to the file named `result`, read as JSON."""
+    """Run `worker(rank, processes, port, *args, result)` in local processes; what rank 0 wrote to `result`, as JSON."""
     with tempfile.TemporaryDirectory() as folder:
         result = os.path.join(folder, "result.json")
         torch.multiprocessing.start_processes(worker, (processes, free_port(), *args, result), processes, start_method="spawn")
@@ -149,9 +137,8 @@ def lag_share(alone: float, together: float, processes: int, cores: int) -> floa
 
 
 def measure(processes: int, cores: int, sizes: Sequence[int] = SIZES) -> tuple[list[tuple[int, int, float]], float]:
-    """(processes, bytes, median seconds) of a gloo all-reduce for each size, between local processes, and
-    the lag of a meeting: its median time beyond the work's turns on `cores` cores and the smallest all-reduce,
-    as a share of those turns."""
+    """(processes, bytes, median seconds) of a gloo all-reduce for each size, and the meeting's lag beyond the
+    work's turns and the smallest all-reduce (`lag_share`)."""
     count, alone = _work_count()
     data = start_ranks(_worker, processes, list(sizes), count)
     points = [(processes, int(b), float(t)) for b, t in data["timings"]]
@@ -172,7 +159,6 @@ def save(probe: Probe, path: Path) -> None:
 
 
 def load(path: Path) -> Probe:
-    """A probe saved by `save`; ValueError when the file is not one."""
     try:
         data = json.loads(path.read_text())
         points = [(int(n), int(b), float(t)) for n, b, t in data["points"]]

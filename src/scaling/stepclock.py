@@ -1,29 +1,11 @@
-"""A model's training step timed here, on one thread: the step time a what-if starts from, and the
-terms of the cost model that one run's averages cannot give.
+"""A model's training step timed here, on one thread: the step a what-if starts from, and the terms of the cost
+model that one run's averages cannot give (docs/scaling.md).
 
-- overhead: the part of a step that does not shrink with the batch. The step is timed at the
-  batch b and at b/4; the straight line t(b) = overhead + c x b through both gives it. Processes
-  that split a global batch each still pay it in full.
-- skew: the spread of the step time (standard deviation / mean) over repeated steps. With N
-  ranks, every all-reduce waits for the slowest; `costmodel.expected_max_normal` says how far
-  behind the mean that one is.
-
-Forward pass, cross-entropy on random labels, backward pass and a plain SGD step, in the run's
-precision (bf16 and fp16 autocast add a cast per layer, a cost the batch does not shrink): the
-figures are shares of a step, applied to a run's own step time.
-
-- hook: what each DDP communication hook costs a step besides its all-reduces' transfer: torch's
-  own hook (PowerSGD's error feedback, products, orthogonalisation and the chain of futures its
-  three all-reduces complete on), timed in a DDP model of the run's shapes on a one-process gloo group.
-- reducer: what DDP adds to a step besides its hook (copying the gradients into its buckets and the
-  averaged ones back, its checks before the forward pass): the same DDP model's forward and backward
-  pass less a plain model's and less the hook.
-- DDP's own cost on a device (`ddp_step_costs`): a DDP model of world size 1 against the plain model, the
-  same training step at the run's batch and precision; on a GPU, what DDP costs besides the transfer.
-- lag: processes that share cores and meet after every step (as DDP's all-reduces make them) lose
-  time beyond taking turns: the scheduler puts one aside while the others wait, and each evicts the
-  others' data from the caches it shares with them. The model's own step is timed in N processes
-  at once, meeting after each step, against one of them stepping alone.
+- overhead: the intercept of the line through the step at batch b and b/4; skew: the step's standard deviation / mean.
+- hook and reducer: torch's hook, and DDP's work besides it, in a DDP model on a one-process gloo group.
+- DDP's own cost on a device (`ddp_step_costs`): a DDP model of world size 1 against the plain model.
+- lag: N processes sharing cores and meeting after every step lose time beyond their turns (the scheduler puts one
+  aside while the others wait, and they evict each other's caches).
 """
 
 import copy
@@ -45,7 +27,7 @@ from hydra.utils import instantiate
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from src.scaling.probe import lag_share, start_ranks
+from src.scaling.probe import lag_share, one_thread, start_ranks
 from src.strategies.comm import CommMeter
 from src.strategies.ddp import CommHookDDPStrategy, one_bucket_cap_mb
 
@@ -54,6 +36,7 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 BUDGET_S = 1.0  # timing per batch size: enough repeats for a median, few enough for a report
+AUTOCAST = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}  # Lightning's names; any other: no autocast
 
 
 @dataclass(frozen=True)
@@ -63,13 +46,14 @@ class StepClock:
     skew: float  # standard deviation / mean of step_s
 
 
-AUTOCAST = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}  # Lightning's names; any other: no autocast
+def reason(error: Exception, limit: int = 300) -> str:
+    """An exception in one short line, for a warning or a usage error."""
+    return f"{type(error).__name__}: {' '.join(str(error).split())[:limit]}"
 
 
 def stepper(net: nn.Module, input_shape: Sequence[int], batch: int, precision: str = "32-true",
             device: str = "cpu") -> Callable[[], float]:
-    """A training step of `net` on random data at `batch`, in `precision`, that returns its seconds (on CUDA,
-    until the device has done it)."""
+    """A training step on random data that returns its seconds (on CUDA, once the device has done it)."""
     images = torch.randn(batch, *input_shape, device=device)
     optimizer = torch.optim.SGD(net.parameters(), lr=1e-3)
     with torch.no_grad():  # a DDP model prepares its backward pass only for a forward pass that records one
@@ -93,7 +77,7 @@ def stepper(net: nn.Module, input_shape: Sequence[int], batch: int, precision: s
 
 def step_times(net: nn.Module, input_shape: Sequence[int], batch: int, repeats: int | None = None,
                precision: str = "32-true", device: str = "cpu") -> list[float]:
-    """Seconds of each of `repeats` training steps at `batch` (after one warm-up step); None: as many as fit BUDGET_S."""
+    """Seconds of each of `repeats` steps after a warm-up one; None: as many as fit BUDGET_S."""
     step = stepper(net, input_shape, batch, precision, device)
     first = step()
     count = repeats if repeats is not None else max(3, min(20, int(BUDGET_S / max(first, 1e-6))))
@@ -101,16 +85,12 @@ def step_times(net: nn.Module, input_shape: Sequence[int], batch: int, repeats: 
 
 
 def measure(net: nn.Module, input_shape: Sequence[int], batch: int, precision: str = "32-true") -> StepClock:
-    """Time `net`'s step at `batch` and at a quarter of it, with one thread, in `precision`; restore the thread count after."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    """Time `net`'s step at `batch` and at a quarter of it, on one thread."""
+    with one_thread():
         net.train()
         full = step_times(net, input_shape, batch, precision=precision)
         small_batch = max(1, batch // 4)
         small = statistics.median(step_times(net, input_shape, small_batch, precision=precision))
-    finally:
-        torch.set_num_threads(threads)
     step = statistics.median(full)
     return StepClock(step, overhead_share(step, batch, small, small_batch), statistics.pstdev(full) / statistics.mean(full))
 
@@ -123,10 +103,25 @@ def overhead_share(step: float, batch: int, small_step: float, small_batch: int)
     return min(max(intercept / step, 0.0), 0.99)
 
 
-def in_own_process(function: Callable[..., T], *args: Any) -> T:
-    """`function(*args)` in a new process of its own (spawn): its result, or its exception raised here."""
-    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(function, *args).result()
+def in_own_process(failed: str, instead: str, function: Callable[..., T], *args: Any) -> T | None:
+    """`function(*args)` in a new process (spawn), so that its group, DDP's threads and any failure stay away from
+    the caller's; None where it fails, logged as "<failed> (<reason>); <instead>"."""
+    try:
+        with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            return pool.submit(function, *args).result()
+    except Exception as error:  # noqa: BLE001  a figure that cannot be timed is estimated or assumed instead
+        log.warning(f"{failed} ({reason(error)}); {instead}")
+        return None
+
+
+def _ddp(net: nn.Module, hook: str, rank: int, bucket_cap_mb: float,
+         device: str = "cpu") -> tuple[CommHookDDPStrategy, DistributedDataParallel]:
+    """A DDP copy of `net` and the strategy that builds `hook`; PowerSGD in one bucket, as in this project's gloo runs."""
+    strategy = CommHookDDPStrategy(hook=hook, powersgd_rank=rank, start_powersgd_iter=2)
+    cap = max(bucket_cap_mb, one_bucket_cap_mb(net)) if hook.startswith("powersgd") else bucket_cap_mb
+    model = DistributedDataParallel(copy.deepcopy(net).to(device).train(), bucket_cap_mb=cap,
+                                    device_ids=[0] if device == "cuda" else None)
+    return strategy, model
 
 
 @dataclass(frozen=True)
@@ -137,19 +132,11 @@ class DDPClock:
 
 def ddp_times(net: Any, input_shape: Sequence[int], hooks: Sequence[str], rank: int = 1,
               bucket_cap_mb: float = 25.0, repeats: int = 5) -> DDPClock | None:
-    """Seconds per step that DDP and each hook take besides their all-reduces' transfer, as in training, on one thread.
-
-    `net`: the model's config (`_target_` and its arguments). A one-process gloo group makes every
-    all-reduce a local no-op, so what is left is DDP's and the hook's own work. It runs in a process
-    of its own: the group, DDP's threads and any failure stay there, away from the caller's process
-    and its groups. None, with the reason logged, when that process fails; the caller then estimates
-    the hooks' arithmetic instead (`timed.encode_s`).
-    """
-    try:
-        return in_own_process(_ddp_times, net, tuple(input_shape), tuple(hooks), rank, bucket_cap_mb, repeats)
-    except Exception as error:  # noqa: BLE001  a figure that cannot be timed is estimated instead
-        log.warning(f"the DDP hooks could not be timed ({type(error).__name__}: {error}); their arithmetic is estimated")
-        return None
+    """Seconds per step DDP and each hook take besides their transfer, on one thread, from the model's config. A one-
+    process gloo group makes every all-reduce a local no-op, leaving DDP's and the hook's own work. None where it fails:
+    the caller then estimates the hooks' arithmetic (`timed.encode_s`)."""
+    return in_own_process("the DDP hooks could not be timed", "their arithmetic is estimated",
+                          _ddp_times, net, tuple(input_shape), tuple(hooks), rank, bucket_cap_mb, repeats)
 
 
 def _ddp_times(net: Any, input_shape: tuple[int, ...], hooks: tuple[str, ...], rank: int, bucket_cap_mb: float,
@@ -164,14 +151,10 @@ def _ddp_times(net: Any, input_shape: tuple[int, ...], hooks: tuple[str, ...], r
 
 
 def _hook_and_reducer_s(net: nn.Module, input_shape: Sequence[int], hook: str, rank: int, bucket_cap_mb: float,
-            repeats: int) -> tuple[float, float]:
-    """The hook's median seconds per step, and the median of what the rest of DDP adds to a forward and backward pass."""
-    strategy = CommHookDDPStrategy(hook=hook, powersgd_rank=rank, start_powersgd_iter=2)
-    # PowerSGD gets one bucket, as this project's gloo runs give it (`CommHookDDPStrategy.ddp_bucket_cap_mb`).
-    cap = max(bucket_cap_mb, one_bucket_cap_mb(net)) if hook.startswith("powersgd") else bucket_cap_mb
-    plain = copy.deepcopy(net)
-    model = DistributedDataParallel(copy.deepcopy(net), bucket_cap_mb=cap)
-    meter = CommMeter()
+                        repeats: int) -> tuple[float, float]:
+    """Medians of the hook's seconds per step and of what the rest of DDP adds to a forward and backward pass."""
+    strategy, model = _ddp(net, hook, rank, bucket_cap_mb)
+    plain, meter = copy.deepcopy(net), CommMeter()
     state, function = strategy.build_hook(dist.group.WORLD)
     model.register_comm_hook(state, meter.wrap(function))
     image = torch.randn(1, *input_shape)  # one image: the gradients, all DDP and the hook see, do not depend on the batch
@@ -193,22 +176,11 @@ def _pass_s(model: nn.Module, image: torch.Tensor) -> float:
 
 def ddp_step_costs(net: Any, input_shape: Sequence[int], batch: int, precision: str, hooks: Sequence[str], rank: int = 1,
                    bucket_cap_mb: float = 25.0, device: str = "cuda", repeats: int = 10) -> dict[str, float] | None:
-    """Seconds a training step of a DDP model of world size 1 takes beyond the same step of the plain model, per hook,
-    on `device` (cuda: NCCL, cpu: gloo): its copies of the gradients into the buckets and back, the hook, the
-    reducer's bookkeeping and the all-reduce call, at `batch` in `precision`.
-
-    What DDP costs a GPU's step besides the transfer, measured where one GPU can show it (docs/scaling.md).
-    The steps of the two models alternate, so that a device that speeds up or slows down moves both; the
-    median of `repeats` differences, after warm-up steps (PowerSGD's plain ones among them). It runs in a
-    process of its own, like `ddp_times`; None, with the reason logged, when that process fails.
-    """
-    try:
-        return in_own_process(_ddp_step_costs, net, tuple(input_shape), batch, precision, tuple(hooks), rank, bucket_cap_mb,
-                               device, repeats)
-    except Exception as error:  # noqa: BLE001  an unmeasured cost is assumed instead, and the report says so
-        log.warning(f"DDP's own cost could not be measured on {device} ({type(error).__name__}: "
-                    f"{' '.join(str(error).split())[:300]}); it is assumed")
-        return None
+    """Seconds a step of a DDP model of world size 1 takes beyond the plain model's, per hook, on `device` (cuda:
+    NCCL, cpu: gloo): what DDP costs a GPU's step besides the transfer. The two models' steps alternate, so that a
+    device that speeds up or slows down moves both. None where it fails, as `ddp_times`."""
+    return in_own_process(f"DDP's own cost could not be measured on {device}", "it is assumed", _ddp_step_costs,
+                          net, tuple(input_shape), batch, precision, tuple(hooks), rank, bucket_cap_mb, device, repeats)
 
 
 def _ddp_step_costs(net: Any, input_shape: tuple[int, ...], batch: int, precision: str, hooks: tuple[str, ...], rank: int,
@@ -226,12 +198,9 @@ def _ddp_step_costs(net: Any, input_shape: tuple[int, ...], batch: int, precisio
 
 def _added_by_ddp(net: nn.Module, input_shape: Sequence[int], batch: int, precision: str, hook: str, rank: int,
                   bucket_cap_mb: float, device: str, repeats: int) -> float:
-    strategy = CommHookDDPStrategy(hook=hook, powersgd_rank=rank, start_powersgd_iter=2)
-    cap = max(bucket_cap_mb, one_bucket_cap_mb(net)) if hook.startswith("powersgd") else bucket_cap_mb
-    plain = copy.deepcopy(net).to(device).train()
-    ddp = DistributedDataParallel(copy.deepcopy(net).to(device).train(), bucket_cap_mb=cap,
-                                  device_ids=[0] if device == "cuda" else None)
+    strategy, ddp = _ddp(net, hook, rank, bucket_cap_mb, device)
     ddp.register_comm_hook(*strategy.build_hook(dist.group.WORLD))
+    plain = copy.deepcopy(net).to(device).train()
     plain_step, ddp_step = stepper(plain, input_shape, batch, precision, device), stepper(ddp, input_shape, batch, precision, device)
     for _ in range(strategy.start_powersgd_iter + 2):  # warm-up: allocation, autotuning, PowerSGD's plain steps
         plain_step(), ddp_step()
@@ -239,27 +208,20 @@ def _added_by_ddp(net: nn.Module, input_shape: Sequence[int], batch: int, precis
     return max(0.0, statistics.median(added))  # the difference of two timings can fall below zero where DDP costs little
 
 
-MEETING_ROUNDS = 8  # each round: one process steps alone, then all step together and meet
-
-
 def meeting_lags(net: Any, input_shape: Sequence[int], batches: dict[int, int], precision: str = "32-true",
-                 cores: int | None = None, rounds: int = MEETING_ROUNDS) -> dict[int, float]:
-    """For each process count N in `batches` (N -> each process's batch), the time N processes of one thread
-    lose stepping together on this machine's cores and meeting after each step, as a share of the turns they
-    take (`lag_share` of the median step together and the median step alone).
-
-    The alone steps interleave with the together ones, so that a machine that slows down or speeds up
-    meanwhile moves both. A count whose processes fail is left out, with the reason logged; the caller
-    then uses the probe's meeting of plain matrix products instead.
-    """
+                 cores: int | None = None, rounds: int = 8) -> dict[int, float]:
+    """For each process count N in `batches` (N -> each process's batch), the time N one-thread processes lose stepping
+    together and meeting after each step, as a share of their turns (`lag_share`). The alone steps interleave with the
+    together ones, so that a machine that changes speed moves both. A count whose processes fail is left out, logged;
+    the caller then uses the probe's lag."""
     cores = cores or len(os.sched_getaffinity(0))
     lags = {}
     for processes, batch in batches.items():
         try:
             alone, together = start_ranks(_meeting_worker, processes, net, tuple(input_shape), batch, precision, rounds)
         except Exception as error:  # noqa: BLE001  the probe's lag stands in for a figure that cannot be timed
-            log.warning(f"the model's steps on {processes} processes could not be timed ({type(error).__name__}: "
-                        f"{' '.join(str(error).split())[:300]}); the probe's lag is used instead")
+            log.warning(f"the model's steps on {processes} processes could not be timed ({reason(error)}); "
+                        "the probe's lag is used instead")
             continue
         lags[processes] = lag_share(alone, together, processes, cores)
     return lags
@@ -267,7 +229,7 @@ def meeting_lags(net: Any, input_shape: Sequence[int], batches: dict[int, int], 
 
 def _meeting_worker(rank: int, processes: int, port: int, net: Any, input_shape: tuple[int, ...], batch: int,
                     precision: str, rounds: int, result: str) -> None:
-    """One of the processes of `meeting_lags`; rank 0 writes [median alone, median together] to `result`."""
+    """Each round one process steps alone, then all step together and meet; rank 0 writes both medians to `result`."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=processes)
     try:

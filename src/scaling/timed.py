@@ -1,15 +1,7 @@
-"""What `python -m src.scaling` times on this machine for a run's model, and the file that keeps it.
+"""What `python -m src.scaling <folder>` times here for a run's model, and `scaling_terms.json`, which keeps it.
 
-Timing a model's terms takes seconds to a minute (its step at two batches, DDP and every hook in a
-process of their own, its steps on N processes meeting after each): `time_run` does it when
-`python -m src.scaling <folder>` is asked, and `save` writes the figures to `scaling_terms.json`
-beside the tables. A report (`src.report`) never times: it reads that file, and where it has no
-entry for a run, the report's predictions say what they assume instead (`predict.Baseline`).
-
-- A CPU run: overhead and skew (`stepclock.measure`), each hook's own work and DDP's besides it
-  (`stepclock.ddp_times`), and with a probe the model's lag meeting on N processes (`stepclock.meeting_lags`).
-- A GPU run, on a machine with a GPU: what DDP of world size 1 adds to the run's step, per hook
-  (`stepclock.ddp_step_costs`): its copies into buckets, the hook, the reducer and the all-reduce call.
+Timing takes seconds to a minute, so a report (`src.report`) never times: it reads this file, and where it has no
+entry, its predictions say what they assume instead (`predict.Baseline`).
 """
 
 import dataclasses
@@ -27,6 +19,7 @@ import torch
 from hydra.utils import instantiate
 
 from src.scaling import stepclock
+from src.scaling.probe import one_thread
 from src.strategies.ddp import HOOKS
 
 log = logging.getLogger(__name__)
@@ -58,32 +51,20 @@ def key(model: str, batch: int, processes: int, precision: str, per_process_batc
 
 
 def _median_s(work: Callable[[], object], repeats: int = 3) -> float:
-    work()  # warm-up: allocation, first-call dispatch
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        work()
-        times.append(time.perf_counter() - start)
+    with one_thread():
+        work()  # warm-up: allocation, first-call dispatch
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            work()
+            times.append(time.perf_counter() - start)
     return statistics.median(times)
 
 
 def encode_s(shapes: Sequence[Sequence[int]], hook: str, rank: int = 1) -> float:
-    """Seconds one CPU thread spends per step on the hook's own arithmetic, on tensors of the model's shapes.
-
-    none divides the gradients by N; fp16/bf16 cast them there and back; PowerSGD adds the error
-    feedback, computes P = M Q, orthonormalises P, computes Q = M^T P and rebuilds M = P Q^T.
-    One thread, as each of 2 DDP processes gets on 2 cores; it also keeps the figure steady on a
-    busy machine, where several threads mostly wait for each other.
-    """
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return _encode_s(shapes, hook, rank)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _encode_s(shapes: Sequence[Sequence[int]], hook: str, rank: int) -> float:
+    """Seconds one CPU thread spends per step on the hook's own arithmetic, on tensors of the model's shapes. none
+    divides the gradients by N; fp16/bf16 cast them there and back; PowerSGD adds the error feedback, P = M Q,
+    orthonormalises P, Q = M^T P and rebuilds M = P Q^T."""
     numel = sum(math.prod(shape) for shape in shapes)
     flat = torch.randn(numel)
     if hook == "none":
@@ -113,8 +94,9 @@ def _encode_s(shapes: Sequence[Sequence[int]], hook: str, rank: int) -> float:
 def time_run(net: Any, shapes: Sequence[Sequence[int]], input_shape: Sequence[int], batch: int, precision: str,
              accelerator: str, rank: int, bucket_mb: float, cores: int, meet_batches: dict[int, int],
              need_clock: bool = True) -> Timed:
-    """Time the terms of a run's model here: `batch` is each process's, as the run computed it; `meet_batches`:
-    processes -> each one's batch, where the model's lag meeting on this machine's cores is wanted."""
+    """Time the terms of a run's model here. A CPU run: overhead and skew, each hook and DDP besides it, and the lag
+    meeting at `meet_batches` (processes -> each one's batch); a GPU run: what DDP of world size 1 adds, per hook.
+    `batch` is each process's, as the run computed it."""
     if accelerator == "cuda":
         if not torch.cuda.is_available():
             return Timed(device="")  # a GPU run read where there is none: nothing measured, the defaults are assumed

@@ -1,17 +1,7 @@
-"""A what-if without a run: `python -m src.scaling --model <import path> | --params <count> ...`.
+"""A what-if without a run: `python -m src.scaling --model <import path> | --params <count> ...` (README.md).
 
-    python -m src.scaling --model torchvision.models.resnet50 --step-ms 164 --batch 32 --per-process-batch 32 \
-        --link 25gbe --processes 8 64 256
-    python -m src.scaling --model src.models.lenet.LeNet --batch 256 --link 10gbe --processes 2 4   # step timed here
-    python -m src.scaling --params 25.6e6 --step-ms 164 --batch 32 --bandwidth 6.25 --latency 10 --processes 2 4
-
-The model gives the gradient bytes (its parameters, in DDP's buckets); the step time is stated
-(`--step-ms`, one process at `--batch`) or timed here on one thread; the link is a named preset
-(`costmodel.PRESETS`) or a bandwidth and latency. The terms of `costmodel.Terms` are stated by
-flags; where not, a step timed here gives overhead and skew as for a run (`stepclock`), a stated
-step 0 for both (a published step time already holds its own overhead), and overlap is 1. A
-stated step is taken as a GPU's, and DDP's own work on it as shares of the step fitted to
-published GPU timings (`ddp_cost`; `--ddp-share` states the part one GPU can measure).
+The step time is stated (`--step-ms`, taken as a GPU's, DDP's own work on it fitted to published GPU timings) or
+timed here on one thread (`stepclock`, which also gives overhead and skew); see docs/scaling.md.
 """
 
 import functools
@@ -19,12 +9,14 @@ import importlib
 import math
 import warnings
 from argparse import ArgumentParser, Namespace
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from src.errors import UsageError
 from src.scaling.costmodel import (
-    BACKWARD_SHARE, DDP_GPU_MULTI_SHARE, DDP_GPU_SHARE, HOOKS, MIB, PRESET_BUS_SHARE, PRESETS, Interconnect, Terms, bucketed,
-    epoch_steps, expected_max_normal, predict_step,
+    BACKWARD_SHARE, DDP_GPU_MULTI_SHARE, DDP_GPU_SHARE, HOOKS, MIB, PRESET_BUS_SHARE, PRESETS, Interconnect, Step,
+    Terms, bucketed, epoch_steps, expected_max_normal, predict_step,
 )
 
 if TYPE_CHECKING:  # torch is imported where a model is built or timed: the command line is checked without it
@@ -59,7 +51,6 @@ WHATIF_ONLY = ("params", "step_ms", "batch", "link", "bandwidth", "latency", "pr
 
 
 def refuse(args: Namespace) -> None:
-    """What-if options without --model or --params: one line saying so."""
     given = [name for name in WHATIF_ONLY if getattr(args, name) is not None]
     if given or args.hook != "none" or args.input != "1x28x28":
         name = given[0] if given else ("hook" if args.hook != "none" else "input")
@@ -134,7 +125,6 @@ def build(path: str, device: str | None = None) -> "torch.nn.Module":
 
 @functools.cache
 def model_shapes(path: str) -> tuple[tuple[int, ...], ...]:
-    """The shapes of the gradients of the model `path` builds, in parameter order."""
     return tuple(tuple(p.shape) for p in build(path, "meta").parameters() if p.requires_grad)
 
 
@@ -152,9 +142,7 @@ def the_link(args: Namespace) -> tuple[Interconnect, str]:
         link = Interconnect(f"{args.bandwidth:g} GB/s, {args.latency:g} us", args.bandwidth * 1e9, args.latency * 1e-6,
                             "stated", bus_share=PRESET_BUS_SHARE)
         origin = "--bandwidth, --latency"
-    if args.bus_share is not None:
-        return Interconnect(link.name, link.bandwidth, link.latency, link.source, bus_share=args.bus_share), origin
-    return link, origin
+    return (link if args.bus_share is None else replace(link, bus_share=args.bus_share)), origin
 
 
 def report(args: Namespace) -> str:
@@ -172,9 +160,9 @@ def report(args: Namespace) -> str:
         try:
             clock = stepclock.measure(build(args.model), input_shape(args.input), batch)
         except Exception as error:
-            reason = " ".join(str(error).split())[:200]
-            raise UsageError(f"--input {args.input}: timing --model {args.model} on it failed ({type(error).__name__}: "
-                             f"{reason}); give one sample's shape as CxHxW, e.g. 3x224x224, or --step-ms") from error
+            raise UsageError(f"--input {args.input}: timing --model {args.model} on it failed "
+                             f"({stepclock.reason(error, 200)}); give one sample's shape as CxHxW, e.g. 3x224x224, "
+                             "or --step-ms") from error
         step_1, step_origin = clock.step_s, f"timed here: one thread, input {args.input}, fp32 SGD step"
     if args.overhead_ms is not None:
         overhead, overhead_origin = min(args.overhead_ms / 1000, step_1), "stated (--overhead-ms)"
@@ -227,7 +215,9 @@ def report(args: Namespace) -> str:
         "| epoch s | speed-up | efficiency |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for row in rows(step_1, batch, buckets, terms, link, counts, samples, per_process):
+    share = None if per_process is None else per_process / batch
+    table = rows(lambda n: predict_step(step_1, buckets, 0.0, n, link, terms, share), batch, counts, samples, per_process)
+    for row in table:
         lines.append(
             f"| {row['processes']} | {row['global_batch']} | {row['per_process']:g} | {row['compute_ms']:.1f} "
             f"| {row['overhead_ms']:.1f} | {row['comm_ms']:.1f} | {row['exposed_ms']:.1f} | {row['skew_ms']:.1f} "
@@ -236,12 +226,8 @@ def report(args: Namespace) -> str:
 
 
 def ddp_cost(args: Namespace, step_1: float, stated_step: bool) -> tuple[float, str]:
-    """Seconds per step DDP's own work adds on N > 1 processes, and how that was found.
-
-    A stated step is taken as a GPU's: DDP's cost on one GPU (`--ddp-share`, else the fitted DDP_GPU_SHARE) and what
-    more than one GPU adds (DDP_GPU_MULTI_SHARE, fitted), as shares of the step; docs/scaling.md has the fit. A step
-    timed here is this CPU's, where `python -m src.scaling <run folder>` times DDP's own work: only `--ddp-share` counts.
-    """
+    """Seconds per step DDP's own work adds on N > 1 processes, and how that was found. A stated step is taken as a
+    GPU's, with the fitted shares; one timed here is this CPU's, where only `--ddp-share` counts."""
     if not stated_step:
         share = args.ddp_share or 0.0
         return share * step_1, (f"{share:.1%} of the step, stated (--ddp-share)" if args.ddp_share is not None else
@@ -253,18 +239,17 @@ def ddp_cost(args: Namespace, step_1: float, stated_step: bool) -> tuple[float, 
         "GPU adds; both fitted to PyTorch's DDP benchmark on V100s (docs/scaling.md)")
 
 
-def rows(step_1: float, batch: int, buckets: list[list[int]], terms: Terms, link: Interconnect, counts: list[int],
-         samples: int, per_process_batch: int | None) -> list[dict]:
+def rows(step: Callable[[int], Step], batch: int, counts: Sequence[int], samples: int,
+         per_process_batch: int | None) -> list[dict]:
     """Predicted step and epoch for each process count; speed-up and efficiency against one process in the same mode."""
 
     def predict(n: int) -> dict:
-        share = None if per_process_batch is None else per_process_batch / batch
-        step = predict_step(step_1, buckets, 0.0, n, link, terms, share)
+        predicted = step(n)
         global_batch = batch if per_process_batch is None else per_process_batch * n
         return {"processes": n, "global_batch": global_batch, "per_process": global_batch / n,
-                "compute_ms": step.compute * 1e3, "overhead_ms": step.overhead * 1e3, "comm_ms": step.comm * 1e3,
-                "exposed_ms": step.exposed * 1e3, "skew_ms": step.skew * 1e3, "step_ms": step.total * 1e3,
-                "epoch_s": epoch_steps(samples, global_batch) * step.total}
+                "compute_ms": predicted.compute * 1e3, "overhead_ms": predicted.overhead * 1e3,
+                "comm_ms": predicted.comm * 1e3, "exposed_ms": predicted.exposed * 1e3, "skew_ms": predicted.skew * 1e3,
+                "step_ms": predicted.total * 1e3, "epoch_s": epoch_steps(samples, global_batch) * predicted.total}
 
     one = predict(1)["epoch_s"]
     table = [predict(n) for n in counts]

@@ -1,20 +1,10 @@
-"""Measures what a DDP communication hook really sends, by counting the collectives on its process group.
+"""Measures what a DDP communication hook really sends, by counting the collectives on its own process group.
 
-The hook gets a process group of its own, made by `CommMeter.new_group`: a `CountingGroup`, a
-`torch.distributed.ProcessGroup` written in Python (the public class; c10d dispatches a Python
-subclass's collectives to its methods) that holds a real group of the run's backend, made by
-`dist.new_group`, and hands each collective on to it after counting the bytes this process passes
-in. The Work objects of the real group pass through, so `wait()`, `get_future()` and the timeout
-behave as on a plain gloo or NCCL group. Every all-reduce and all-gather issued on the group is
-counted, whatever issued it: `dist.all_reduce` (however it was imported), `group.allreduce`,
-`all_reduce_coalesced`, or PowerSGD's all-reduces from future callbacks on the backend's threads
-(hence the lock). Nothing process-wide is replaced, and other groups never see the counter.
-
-Where the counting group cannot work (a torch whose c10d does not dispatch to Python groups, or a
-backend that refuses the wrapped calls), the run goes on with the plain group, uncounted, and says
-so in one line: the `xfer/bytes_per_step` and `xfer/compression_ratio` scalars are then absent.
-Collectives that name ranks of the world (`broadcast`, `barrier`, `all_gather_into_tensor`) need a
-group that torch registered; a hook of one's own that issues them gets its group's `inner` group.
+`CountingGroup` is a `torch.distributed.ProcessGroup` written in Python (c10d dispatches a Python subclass's
+collectives to its methods) that counts the bytes of each all-reduce or all-gather, whoever issued it (PowerSGD
+issues some from future callbacks on the backend's threads: hence the lock), and hands it to a real group; its Work
+objects pass through. Where c10d or the backend refuses it, the run goes on uncounted and says so in one line.
+Collectives that name world ranks (`broadcast`, `barrier`) need a registered group: a hook's `group.inner`.
 """
 
 import logging
@@ -37,8 +27,6 @@ FP32_BYTES = 4
 
 @dataclass(frozen=True)
 class StepComm:
-    """One process's gradient communication between two optimizer steps."""
-
     bytes_sent: int = 0  # payload of every collective on the hook's group
     fp32_bytes: int = 0  # the same buckets' gradients as fp32
     hook_s: float = 0.0  # sum over buckets of the time from the hook's call to the end of its collectives
@@ -53,10 +41,8 @@ class StepComm:
 class CommMeter:
     """Counts the bytes and time of one DDP hook that owns its process group.
 
-    With `device_timed` (NCCL), the future a hook returns completes once its collectives are enqueued on the GPU, so
-    a bucket is timed with CUDA events instead: one recorded as the hook is called, one where the future's callback
-    runs on the stream, after the collectives. Reading them would wait for the GPU, so a bucket's time is counted by
-    the first `take` that finds its end event passed (typically the next step's), without waiting.
+    With `device_timed` (NCCL, whose future completes once its collectives are enqueued), a bucket is timed by CUDA
+    events at the hook's call and in the future's callback; the first `take` that finds the end passed counts it.
     """
 
     def __init__(self, device_timed: bool = False) -> None:
@@ -67,12 +53,8 @@ class CommMeter:
         self._events: list[tuple[Any, Any]] = []  # (start, end) CUDA events of buckets not counted yet
 
     def new_group(self, backend: str, timeout: timedelta) -> dist.ProcessGroup:
-        """A process group of all ranks over `backend` (gloo, nccl, mpi) whose collectives this meter counts.
-
-        Like `dist.new_group`, every rank must call it, in the same order as its other groups. One
-        all-reduce of one number tries the counting group on every rank; where it fails (the same
-        way on every rank, which runs the same torch), the plain group is returned, uncounted.
-        """
+        """Called by every rank, as `dist.new_group`. One all-reduce probes the counting group; where it fails (alike
+        on every rank, which runs the same torch), the plain group is returned, uncounted."""
         inner = dist.new_group(backend=backend, timeout=timeout)
         group = CountingGroup(inner, self)
         try:
@@ -89,7 +71,7 @@ class CommMeter:
         return group
 
     def wrap(self, hook: Hook) -> Hook:
-        """The hook, timed from its call until its future completes (on the GPU's stream when `device_timed`)."""
+        """The hook, timed from its call until its future completes."""
 
         def measured(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
             fp32_bytes = bucket.buffer().numel() * FP32_BYTES
@@ -105,7 +87,6 @@ class CommMeter:
         return measured
 
     def _start(self) -> Any:
-        """A wall clock reading, or a CUDA event recorded on the current stream."""
         if not self.device_timed:
             return time.perf_counter()
         event = torch.cuda.Event(enable_timing=True)
@@ -113,8 +94,7 @@ class CommMeter:
         return event
 
     def _stop(self, started: Any) -> float:
-        """Seconds since `started`; with CUDA events 0, and their time once `take` finds the end passed. A future's
-        callback runs on the stream its value is ready on, so the end event follows the hook's collectives."""
+        """With CUDA events 0: `take` counts them. A future's callback runs on the stream its value is ready on."""
         if not self.device_timed:
             return time.perf_counter() - started
         with self._lock:
@@ -122,11 +102,10 @@ class CommMeter:
         return 0.0
 
     def count_collective(self, bytes_sent: int) -> None:
-        """One collective on the group, passing `bytes_sent` bytes in; called on any thread."""
         self._add(bytes_sent=bytes_sent, collectives=1)
 
     def take(self) -> StepComm:
-        """What was counted since the last call (with `device_timed`, the time of the buckets whose end has passed)."""
+        """What was counted since the last call."""
         with self._lock:
             step, self._step = self._step, StepComm()
             pending, self._events, device_ms = self._events, [], 0.0
@@ -147,7 +126,7 @@ class CommMeter:
 
 
 def _first_cause(error: BaseException) -> str:
-    """The first line of the error a failure started with (torch's exception logger can raise another while reporting it)."""
+    """The first line of the first error (torch's exception logger can raise another while reporting it)."""
     while error.__context__ is not None:
         error = error.__context__
     return str(error).splitlines()[0] if str(error) else type(error).__name__
@@ -158,19 +137,16 @@ def _device_of(backend: str) -> torch.device:
 
 
 def _nbytes(tensors: Any) -> int:
-    """Bytes of a tensor or of every tensor in a (nested) list of them."""
     if isinstance(tensors, torch.Tensor):
         return tensors.numel() * tensors.element_size()
     return sum(_nbytes(t) for t in tensors)
 
 
-# The collectives a CountingGroup forwards (the ProcessGroup method names c10d calls), each with the
-# position of the argument holding what this process passes in.
+# The ProcessGroup methods c10d calls that a CountingGroup counts, with the position of the argument sent.
 SENT_ARGUMENT: dict[str, int] = {"allreduce": 0, "allreduce_coalesced": 0, "allgather": 1, "reduce_scatter": 1}
 
 
 class CountingGroup(dist.ProcessGroup):
-    """A process group that counts each collective's bytes with a CommMeter, then hands it to `inner`."""
 
     def __init__(self, inner: dist.ProcessGroup, meter: CommMeter) -> None:
         super().__init__(inner.rank(), inner.size())

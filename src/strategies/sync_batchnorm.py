@@ -1,11 +1,7 @@
 """`sync_batchnorm=true` on every device: BatchNorm statistics over the global batch, also on CPU.
 
-torch's nn.SyncBatchNorm refuses CPU input, and DDP refuses any nn.SyncBatchNorm in a CPU model,
-so Lightning's `sync_batchnorm=True` fails under DDP on CPU (gloo). `AllReduceBatchNorm` is a
-BatchNorm layer (`AllReduceBatchNorm1d/2d/3d`, each a torch `nn.BatchNorm1d/2d/3d`) that adds its
-per-channel sums over all processes with a differentiable all-reduce, whose backward adds the
-gradients of every process's loss, as torch's CUDA kernels do. On CUDA the plugin keeps torch's
-SyncBatchNorm.
+torch's nn.SyncBatchNorm refuses CPU input (and DDP a CPU model holding one), so `AllReduceBatchNorm1d/2d/3d` add
+their per-channel sums over the processes with a differentiable all-reduce. On CUDA the plugin keeps torch's.
 """
 
 from typing import Any
@@ -19,12 +15,8 @@ BatchNorm = nn.BatchNorm1d | nn.BatchNorm2d | nn.BatchNorm3d
 
 
 class _AllReduceSum(torch.autograd.Function):
-    """Sum over the processes of `group`; backward sums the output gradients the same way.
-
-    Every process's output depends on every process's input, so the gradient of one input is
-    the sum of all processes' output gradients. (torch.distributed.nn.functional.all_reduce
-    does the same but is deprecated.)
-    """
+    """Sum over the processes; backward sums the output gradients likewise, as every output depends on every input.
+    (torch.distributed.nn.functional.all_reduce does the same but is deprecated.)"""
 
     @staticmethod
     def forward(ctx: Any, tensor: Tensor, group: dist.ProcessGroup) -> Tensor:
@@ -40,40 +32,22 @@ class _AllReduceSum(torch.autograd.Function):
         return total, None
 
 
-def all_reduce(tensor: Tensor, group: dist.ProcessGroup) -> Tensor:
-    """Differentiable sum of `tensor` over all processes of `group`."""
-    return _AllReduceSum.apply(tensor, group)
-
-
-def _copy_state(source: BatchNorm, target: BatchNorm) -> BatchNorm:
-    """Give `target` the parameters, buffers and mode of `source` (the same tensors, not copies)."""
-    if source.affine:
-        target.weight = source.weight
-        target.bias = source.bias
-    target.running_mean = source.running_mean
-    target.running_var = source.running_var
-    target.num_batches_tracked = source.num_batches_tracked
-    target.training = source.training
-    return target
-
-
 def _layer_like(layer_class: type[BatchNorm], module: BatchNorm, **kwargs: Any) -> BatchNorm:
-    """A `layer_class` with the options of `module`, sharing its parameters and buffers."""
+    """A `layer_class` with the options and mode of `module`, sharing its parameters and buffers."""
     if module.affine and module.bias is None:  # torch 2.11 has no `bias` option: an affine layer has one there
         kwargs["bias"] = False
     layer = layer_class(module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats,
                         **kwargs)
-    return _copy_state(module, layer)
+    if module.affine:
+        layer.weight, layer.bias = module.weight, module.bias
+    layer.running_mean, layer.running_var = module.running_mean, module.running_var
+    layer.num_batches_tracked, layer.training = module.num_batches_tracked, module.training
+    return layer
 
 
 class AllReduceBatchNorm:
-    """BatchNorm over the batch of all processes of `process_group` (default: all), on any device.
-
-    In training, inside a process group of several processes, it normalises with the mean and
-    biased variance of the global batch and updates the running statistics as BatchNorm does
-    (unbiased variance; momentum, or the cumulative average when momentum is None). Otherwise,
-    as torch's SyncBatchNorm, it is plain BatchNorm. One class per input size, as torch's.
-    """
+    """BatchNorm over the batch of all processes of `process_group` (default: all), in training; plain BatchNorm
+    otherwise, as torch's SyncBatchNorm. One class per input size, as torch's."""
 
     input_dims: tuple[int, ...]  # the input dimensions the torch class it extends accepts
 
@@ -82,29 +56,26 @@ class AllReduceBatchNorm:
         self.process_group = process_group
 
     def forward(self, input: Tensor) -> Tensor:
-        if not (self.training and dist.is_available() and dist.is_initialized() and self.world_size() > 1):
+        if not (self.training and dist.is_available() and dist.is_initialized()):
+            return super().forward(input)
+        group = self.process_group or dist.group.WORLD
+        if dist.get_world_size(group) == 1:
             return super().forward(input)
         if input.dim() not in self.input_dims:
             raise ValueError(f"expected {' or '.join(f'{d}D' for d in self.input_dims)} input (got {input.dim()}D input)")
-        return self.synchronised(input)
+        return self.synchronised(input, group)
 
-    def group(self) -> dist.ProcessGroup:
-        return self.process_group or dist.group.WORLD
-
-    def world_size(self) -> int:
-        return dist.get_world_size(self.group())
-
-    def synchronised(self, input: Tensor) -> Tensor:
+    def synchronised(self, input: Tensor, group: dist.ProcessGroup) -> Tensor:
         x = input.to(torch.promote_types(input.dtype, torch.float32))  # float16 and bfloat16 statistics in float32
         dims = [0, *range(2, x.dim())]
         shape = [1, -1] + [1] * (x.dim() - 2)
         local_count = x.new_full((1,), x.numel() / x.size(1))
-        totals = all_reduce(torch.cat([x.sum(dims), local_count]), group=self.group())
+        totals = _AllReduceSum.apply(torch.cat([x.sum(dims), local_count]), group)
         count = totals[-1]
         mean = totals[:-1] / count
         centered = x - mean.view(shape)
         # A second all-reduce of squared deviations: E[x^2] - E[x]^2 loses digits when |mean| >> std.
-        var = all_reduce((centered * centered).sum(dims), group=self.group()) / count
+        var = _AllReduceSum.apply((centered * centered).sum(dims), group) / count
         if self.track_running_stats:
             self.update_running_stats(mean.detach(), var.detach(), count.item())
         out = centered * torch.rsqrt(var + self.eps).view(shape)
@@ -125,25 +96,12 @@ class AllReduceBatchNorm:
 
     @staticmethod
     def convert(module: nn.Module, process_group: dist.ProcessGroup | None = None) -> nn.Module:
-        """Replace every BatchNorm layer of `module` by its AllReduceBatchNorm class, sharing its parameters and buffers."""
-        converted = module
-        synced = next((s for plain, s in SYNCED.items() if isinstance(module, plain)), None)
-        if synced is not None and not isinstance(module, AllReduceBatchNorm):
-            converted = _layer_like(synced, module, process_group=process_group)
-        for name, child in module.named_children():
-            converted.add_module(name, AllReduceBatchNorm.convert(child, process_group))
-        return converted
+        """Every BatchNorm layer of `module` replaced by its AllReduceBatchNorm class, sharing parameters and buffers."""
+        return _swap_layers(module, SYNCED, process_group=process_group)
 
     @staticmethod
     def revert(module: nn.Module) -> nn.Module:
-        """Undo `convert`: the plain torch BatchNorm layers of the same input sizes."""
-        converted = module
-        plain = next((p for p, synced in SYNCED.items() if isinstance(module, synced)), None)
-        if plain is not None:
-            converted = _layer_like(plain, module)
-        for name, child in module.named_children():
-            converted.add_module(name, AllReduceBatchNorm.revert(child))
-        return converted
+        return _swap_layers(module, {synced: plain for plain, synced in SYNCED.items()})
 
 
 class AllReduceBatchNorm1d(AllReduceBatchNorm, nn.BatchNorm1d):
@@ -163,12 +121,18 @@ SYNCED: dict[type[BatchNorm], type[BatchNorm]] = {
 }
 
 
-class SyncBatchNormPlugin(TorchSyncBatchNorm):
-    """Lightning's sync-BatchNorm plugin for CUDA and CPU: `Trainer(plugins=[SyncBatchNormPlugin(cuda=...)])`.
+def _swap_layers(module: nn.Module, classes: dict[type[BatchNorm], type[BatchNorm]], **kwargs: Any) -> nn.Module:
+    """`module` with each layer that is an instance of a key of `classes` made one of its value class."""
+    new_class = next((new for old, new in classes.items() if isinstance(module, old)), None)
+    swapped = _layer_like(new_class, module, **kwargs) if new_class not in (None, type(module)) else module
+    for name, child in module.named_children():
+        swapped.add_module(name, _swap_layers(child, classes, **kwargs))
+    return swapped
 
-    `cuda` says where the model will run: DDP converts the layers before it moves the model to
-    its device, so the layers' device cannot tell yet.
-    """
+
+class SyncBatchNormPlugin(TorchSyncBatchNorm):
+    """Lightning's sync-BatchNorm plugin for CUDA and CPU. `cuda` says where the model will run: DDP converts the
+    layers before it moves the model to its device."""
 
     def __init__(self, cuda: bool) -> None:
         self.cuda = cuda
