@@ -20,7 +20,7 @@ from collections import deque
 from collections.abc import Sequence
 from contextlib import suppress
 from dataclasses import dataclass
-from multiprocessing.connection import wait
+from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
@@ -153,8 +153,10 @@ class Running:
     job: Job
     placement: Placement
     process: multiprocessing.process.BaseProcess
-    out: Path  # what the job prints; its JobReturn in `<out>.return`
+    results: Connection | None  # the pipe its JobReturn comes back on, never a file: run folders are data
+    out: Path  # what the job prints
     out_start: int  # where this attempt's output begins in `out` (a resumed sweep appends)
+    returned: JobReturn | None = None
 
 
 class ParallelLauncher(ProjectLauncher):
@@ -204,11 +206,13 @@ class ParallelLauncher(ProjectLauncher):
         payload = cloudpickle.dumps((self.hydra_context, self.task_function, job.config, Singleton.get_state()))
         out = sweep_dir / ".parallel" / f"{job.name}.out"
         start = out.stat().st_size if out.is_file() else 0
-        Path(f"{out}.return").unlink(missing_ok=True)
-        process = multiprocessing.get_context("spawn").Process(
-            target=run_in_own_process, name=f"sweep job {job.number}", args=(payload, placement, str(out)))
+        context = multiprocessing.get_context("spawn")
+        results, sending = context.Pipe(duplex=False)
+        process = context.Process(target=run_in_own_process, name=f"sweep job {job.number}",
+                                  args=(payload, placement, str(out), sending))
         process.start()
-        return Running(job, placement, process, out, start)
+        sending.close()  # the job holds the sending end now: its end reads as the end of the pipe
+        return Running(job, placement, process, results, out, start)
 
 
 class Stops:
@@ -237,33 +241,43 @@ class Stops:
 
 
 def ended_jobs(running: dict[int, Running], woken: int) -> list[Running]:
-    """The jobs that have ended, taken out of `running`, once one has or a stop signal wakes the wait."""
+    """The jobs that have ended, taken out of `running`, once one has or a stop signal wakes the wait. A job's return
+    is read as it comes: a job sending a large one waits until it is read."""
     assert running, "a job can always start while none runs"
-    ready = wait([*(job.process.sentinel for job in running.values()), woken])
-    if woken in ready:
-        os.read(woken, 1024)
-    ended = [job for job in running.values() if job.process.sentinel in ready]
-    for job in ended:
-        job.process.join()
-        del running[job.job.number]
-    return ended
+    while True:
+        waits: dict[Any, Running] = {r.process.sentinel: r for r in running.values()}
+        waits.update({r.results: r for r in running.values() if r.results is not None})
+        ready = wait([*waits, woken])
+        if woken in ready:
+            os.read(woken, 1024)
+        for job in (waits[item] for item in ready if item in waits and item is waits[item].results):
+            job.returned = receive(job)
+        ended = [job for job in running.values() if job.process.sentinel in ready]
+        for job in ended:
+            if job.results is not None:  # what it sent, if anything, is in the pipe, whose end it closed
+                job.returned = receive(job)
+            job.process.join()
+            del running[job.job.number]
+        if ended or woken in ready:
+            return ended
 
 
-def sent(job: Running) -> JobReturn | None:
-    """The JobReturn the job left, if it ended with one (a killed or stopped job did not)."""
-    path = Path(f"{job.out}.return")
-    if not path.is_file():
+def receive(job: Running) -> JobReturn | None:
+    """The job's JobReturn from its pipe, which is then closed; None if it ended without sending one."""
+    assert job.results is not None
+    try:
+        return pickle.loads(job.results.recv_bytes())
+    except EOFError:  # killed, or stopped by a signal
         return None
-    job_return = pickle.loads(path.read_bytes())
-    path.unlink()
-    return job_return
+    finally:
+        job.results.close()
+        job.results = None
 
 
 def returned(job: Running) -> JobReturn:
     """The job's own JobReturn, or a failure saying how it ended without one."""
-    own = sent(job)
-    if own is not None:
-        return own
+    if job.returned is not None:
+        return job.returned
     failed = JobReturn(overrides=job.job.overrides, status=JobStatus.FAILED)
     failed.return_value = RankFailed(f"{last_words(job)} (see {job.out})")
     return failed
@@ -289,9 +303,8 @@ def stop_all(running: dict[int, Running], stops: Stops, progress: Progress) -> N
     killed = False
     while running:
         for ended in ended_jobs(running, stops.woken):
-            own = sent(ended)
-            progress.stopped(ended.job.number, ended.job.name,
-                             last_words(ended) if own is None else getattr(value(own), "line", "") or "ended")
+            progress.stopped(ended.job.number, ended.job.name, last_words(ended) if ended.returned is None else
+                             getattr(value(ended.returned), "line", "") or "ended")
         if len(stops.signals) > 1 and not killed:
             killed = True
             for job in running.values():
@@ -305,9 +318,9 @@ def kill(pid: int) -> None:
             send(pid, signal.SIGKILL)
 
 
-def run_in_own_process(payload: bytes, placement: Placement, out: str) -> None:
-    """In the job's process: its process group, devices and output file, then Hydra's `run_job`, whose JobReturn it
-    leaves in `<out>.return`. A job stopped by a signal exits with the run's status instead."""
+def run_in_own_process(payload: bytes, placement: Placement, out: str, results: Connection) -> None:
+    """In the job's process: its process group, devices and output file, then Hydra's `run_job`, whose JobReturn goes
+    back on `results`. A job stopped by a signal exits with the run's status instead."""
     os.setpgid(0, 0)  # signals come from the sweep, once, not also from the terminal
     handle_stop_signals()
     die_with_launcher()
@@ -322,6 +335,5 @@ def run_in_own_process(payload: bytes, placement: Placement, out: str) -> None:
     setup_globals()
     job = run_job(hydra_context=hydra_context, task_function=task_function, config=config,
                   job_dir_key="hydra.sweep.dir", job_subdir_key="hydra.sweep.subdir")
-    partial = Path(f"{out}.return.partial")  # a job killed while writing leaves no return that reads as its own
-    partial.write_bytes(cloudpickle.dumps(job))  # its Hydra config names classes that plain pickle may not find
-    partial.replace(f"{out}.return")
+    results.send_bytes(cloudpickle.dumps(job))  # its Hydra config names classes that plain pickle may not find
+    results.close()
