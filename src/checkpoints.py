@@ -28,15 +28,14 @@ CKPT_WORDS = ("last", "auto")
 
 
 def read_checkpoint(path: str | Path, mmap: bool = False) -> Any:
-    """Tensors and plain values only, so that reading a file never runs code it carries (`RunState` keeps its
-    generators as tensors)."""
+    """Tensors and plain values only: reading a file never runs code it carries (`RunState` keeps RNGs as tensors)."""
     return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """Writes a checkpoint beside its final name, then renames it into place: Lightning's save moves a file from /tmp,
-    a copy where /tmp is another filesystem, which a kill cuts short. Reads with `weights_only=True`: Lightning leaves
-    it to torch, whose default turns unsafe under `TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1`."""
+    """Written beside its final name, then renamed: Lightning's save moves a file from /tmp, a copy a kill cuts short
+    where /tmp is another filesystem. Read with `weights_only=True`: torch's default is unsafe under
+    `TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1`."""
 
     def load_checkpoint(self, path: str | Path, map_location: Callable | None = lambda storage, location: storage,
                         weights_only: bool | None = None) -> dict[str, Any]:
@@ -75,8 +74,8 @@ def moved(checkpoint: dict[str, Any], folder: Path) -> dict[str, Any]:
 
 
 class StepCheckpoint(ModelCheckpoint):
-    """`step.ckpt` every N steps, except at an epoch's last batch: a resume from it would skip the epoch's validation
-    (its best checkpoint, its val/* scalars), which comes right after; one saved earlier replays the last steps."""
+    """`step.ckpt` every N steps, except at an epoch's last batch: a resume from it would skip the epoch's validation,
+    which comes right after; one saved earlier replays the last steps."""
 
     def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
         if not trainer.is_last_batch:
@@ -85,8 +84,7 @@ class StepCheckpoint(ModelCheckpoint):
 
 @dataclass(frozen=True)
 class Saved:
-    """One safe read of a checkpoint file before a run starts, its contents or the error that stopped it: it answers
-    every question asked of the file then; Lightning reads it again to resume."""
+    """One safe read of a checkpoint file before a run starts, its contents or the error that stopped it."""
 
     path: Path
     contents: Any = None

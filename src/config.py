@@ -91,10 +91,6 @@ def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def is_number(value: Any) -> bool:
-    return (isinstance(value, float) and math.isfinite(value)) or is_int(value)
-
-
 def whole(lo: int | None = None, hi: int | None = None) -> Rule:
     words = f"a whole number from {lo} to {hi}" if hi is not None else \
         "a whole number" + (f" of at least {lo}" if lo is not None else "")
@@ -104,7 +100,8 @@ def whole(lo: int | None = None, hi: int | None = None) -> Rule:
 def number(lo: float | None = None, hi: float | None = None, lo_open: bool = False, hi_open: bool = False) -> Rule:
     parts = ([f"above {lo}" if lo_open else f"at least {lo}"] if lo is not None else []) + \
             ([f"below {hi}" if hi_open else f"at most {hi}"] if hi is not None else [])
-    return Rule(lambda v: is_number(v) and (lo is None or (v > lo if lo_open else v >= lo))
+    return Rule(lambda v: (is_int(v) or isinstance(v, float) and math.isfinite(v))
+                and (lo is None or (v > lo if lo_open else v >= lo))
                 and (hi is None or (v < hi if hi_open else v <= hi)),
                 "a number" + (" " + " and ".join(parts) if parts else ""))
 

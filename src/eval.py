@@ -55,7 +55,7 @@ def as_trained(cfg: DictConfig, overrides: list[str], group: str) -> DictConfig:
     return trained
 
 
-def evaluate(cfg: DictConfig) -> tuple[Result, dict[str, Any]]:
+def evaluate(cfg: DictConfig) -> Result:
     checkpoint = checkpoint_to_evaluate(cfg.ckpt_path, cfg.test_weights)
     objects = build_run(cfg, checkpoint, fit=False)
     trainer, model = objects["trainer"], objects["model"]
@@ -67,11 +67,7 @@ def evaluate(cfg: DictConfig) -> tuple[Result, dict[str, Any]]:
             f"{processes(trainer.world_size)}) of {checkpoint.path} -> {cfg.output_dir}")
     result = Result(metrics, line, trainer.global_step)
     record(cfg, objects, result, checkpoint.path, training=False)
-    return result, objects
-
-
-def score(cfg: DictConfig) -> Result:
-    return evaluate(cfg)[0]
+    return result
 
 
 def take_the_runs_model(cfg: DictConfig) -> None:
@@ -81,7 +77,7 @@ def take_the_runs_model(cfg: DictConfig) -> None:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="eval")
 def main(cfg: DictConfig) -> Result:
-    return cli.run_job(cfg, score, prepare=take_the_runs_model)
+    return cli.run_job(cfg, evaluate, prepare=take_the_runs_model)
 
 
 def with_checkpoint_model(args: list[str]) -> list[str]:

@@ -1,9 +1,5 @@
-"""The settings that make the same training faster on the hardware at hand, each chosen by measurement
-(`benchmarks/speed.py`, docs/results.md): `precision=auto`, `channels_last` (NHWC, which oneDNN and cuDNN convolve
-fastest: ResNet-18 on an H100, 5.9 against 10.6 ms a step in bf16), `compile`, `trainer.benchmark`, `cuda_graphs`
-(a step is one graph replay, not hundreds of kernel launches) and `steps_per_execution` (Lightning's per-batch work
-paid once per 8 optimizer steps).
-"""
+"""Settings that make the same training faster on the hardware at hand, each chosen by measurement (docs/results.md):
+`precision=auto`, `channels_last`, `compile`, `trainer.benchmark`, `cuda_graphs` and `steps_per_execution`."""
 
 import ctypes
 import logging
@@ -24,12 +20,9 @@ from src.sysinfo import cpu_has_bf16, gpu_info, recommend_precision
 
 log = logging.getLogger(__name__)
 
-# Lightning's loop and callbacks cost about 1.7 ms a batch on an H100 host (a graphed LeNet step: 1.0-1.4 ms), 2.3 ms
-# on a 2-core CPU (docs/results.md).
-STEPS_PER_EXECUTION = 8
+STEPS_PER_EXECUTION = 8  # Lightning's loop costs about 1.7 ms a batch on an H100 host: more than a LeNet step
 
-# As `Trainer.precision` reports them.
-LIGHTNING_SPELLING = {"16": "16-mixed", "bf16": "bf16-mixed", "32": "32-true", "64": "64-true"}
+LIGHTNING_SPELLING = {"16": "16-mixed", "bf16": "bf16-mixed", "32": "32-true", "64": "64-true"}  # as Trainer has it
 
 # glibc's mallopt parameters (malloc.h) and the value that turns trimming off.
 M_TRIM_THRESHOLD, M_MMAP_MAX, NEVER = -1, -4, -1
@@ -65,9 +58,8 @@ def cudnn_benchmark(benchmark: bool | None, deterministic: object) -> bool:
 
 
 def one_channel_nchw_pays(accelerator: str, strategy: object) -> bool:
-    """Whether convolutions of one input channel keep NCHW weights under `channels_last`: only under DDP on CUDA, where
-    cuDNN handed back their gradient in NCHW strides and DDP copied it every step (ResNet-18 on an H100). On CPU the
-    mixed layout costs a conversion in every pass (a 2-core AMD EPYC, docs/results.md)."""
+    """One-input-channel convolutions keep NCHW weights under `channels_last` only under DDP on CUDA, where cuDNN gave
+    their gradient in NCHW strides and DDP copied it every step; on CPU the mixed layout costs a conversion a pass."""
     return accelerator == "gpu" and isinstance(strategy, DDPStrategy)
 
 
@@ -84,9 +76,8 @@ def speed_up(net: nn.Module, channels_last: bool, compile: bool, one_channel_nch
 
 
 def keep_freed_memory() -> bool:
-    """Keep memory a CPU step frees for the next step; whether glibc took it (elsewhere nothing changes). glibc maps
-    large blocks fresh and trims its heap, so each step faulted its activations in again, page by page: up to a fifth
-    of LeNet's step (a 2-core AMD EPYC, docs/results.md)."""
+    """Keep memory a CPU step frees for the next; whether glibc took it. glibc maps large blocks fresh and trims its
+    heap, so each step faulted its activations in again: up to a fifth of LeNet's step on CPU (docs/results.md)."""
     if not sys.platform.startswith("linux"):
         return False
     try:
@@ -106,19 +97,15 @@ class FastSteps:
     compiled: bool = False  # the network is compiled: its first step is a warm-up, timed and reported
 
     @property
-    def manual(self) -> bool:
-        """The module steps its optimizer itself (Lightning's manual optimization)."""
+    def manual(self) -> bool:  # the module steps its optimizer itself (Lightning's manual optimization)
         return self.steps_per_execution > 1 or self.cuda_graphs
 
 
 def resolve_fast_steps(cuda_graphs: bool | str, steps_per_execution: int | str, *, accelerator: str, world_size: int,
                        strategy: object, compile: bool, trainer_args: dict[str, Any], supported: bool,
                        step_counts: dict[str, int] | None = None) -> FastSteps:
-    """`auto` takes them where they work. Both need the module to step its own optimizer in one process (DDP's reducer
-    expects one backward per forward, DataParallel rebuilds its replicas every call, Lightning accumulates and clips
-    only when it steps); graphs need CUDA, and with `compile=true` only `cuda_graphs=true` takes them (unmeasured).
-    Lightning checks the step count after each batch, so `step_counts` must be multiples of the steps per batch:
-    `auto` takes the largest that divides them."""
+    """`auto` takes them where they work (one process stepping its own optimizer; graphs: CUDA, no `compile`), and the
+    most steps per batch that divide `step_counts`: Lightning checks those counts only after each batch."""
     blockers = [need for need, missing in (
         ("a strategy of one process on one device (strategy=auto)",
          world_size > 1 or not (strategy == "auto" or isinstance(strategy, SingleDeviceStrategy))),
@@ -146,18 +133,15 @@ def resolve_fast_steps(cuda_graphs: bool | str, steps_per_execution: int | str, 
 
 
 class GraphedStep:
-    """Forward, loss and backward pass of one batch shape, captured once as a CUDA graph, then replayed. `step(x, y)`
-    calls `backward()` and returns (loss, logits); gradients must be None at capture, so that the graph owns them.
-    Each replay hands every parameter its captured gradient back: Lightning sets them to None before validation, and
-    the optimizer skips a None `.grad`. Autocast keeps its weight cache off, as capture requires. Run warm steps
-    eagerly before the capture (cuDNN's autotuning, lazily built optimizer state)."""
+    """Forward, loss and backward of one batch shape, captured once as a CUDA graph, then replayed; gradients must be
+    None at capture, so that the graph owns them. Run warm steps eagerly first (cuDNN autotuning, optimizer state)."""
 
     def __init__(self, step: StepFunction, x: torch.Tensor, y: torch.Tensor, parameters: list[nn.Parameter]) -> None:
         self.x, self.y = x.clone(), y.clone()
         device = x.device.type
         start = time.perf_counter()
         with torch.autocast(device, dtype=torch.get_autocast_dtype(device), enabled=torch.is_autocast_enabled(device),
-                            cache_enabled=False):
+                            cache_enabled=False):  # capture forbids autocast's weight cache
             loss, logits = self._capture(step)
         self.capture_s = time.perf_counter() - start
         # Detached, the capture's autograd graph goes: an eager step after it (an uneven last batch) would
@@ -181,7 +165,7 @@ class GraphedStep:
         """Replay on `x`, `y`; the returned tensors are overwritten by the next replay."""
         self.x.copy_(x)
         self.y.copy_(y)
-        for param, grad in self.grads:
+        for param, grad in self.grads:  # Lightning sets them to None before validation; the optimizer skips those
             if param.grad is not grad:
                 param.grad = grad
         self._replay()

@@ -58,25 +58,20 @@ def _plain(value: Any) -> bool | int | float | str:
     return value if isinstance(value, (bool, int, float, str)) else str(value)
 
 
-def _nested(cfg: DictConfig, node: str) -> dict[str, Any]:
-    """`node.key: value` of every plain setting under `node`; None (a library default) is left out."""
-    items: dict = OmegaConf.to_container(OmegaConf.select(cfg, node) or OmegaConf.create(), resolve=True)
-    return {f"{node}.{key}": _plain(value) for key, value in items.items()
-            if not str(key).startswith("_") and value is not None and not isinstance(value, dict)
-            and f"{node}.{key}" not in NOT_SETTINGS}
-
-
-def parameter_counts(trainer: Trainer) -> dict[str, int]:
-    model = trainer.lightning_module
-    total = sum(p.numel() for p in model.parameters())
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return {"params/total": total, "params/trainable": trainable, "params/non_trainable": total - trainable}
-
-
 def run_hparams(cfg: DictConfig, trainer: Trainer, lr_used: float) -> dict[str, Any]:
-    """Every key a command line can set, flat: what the run is first, the optimizer's arguments after its class."""
+    """Every key a command line can set, flat: what the run is first, the optimizer's arguments after its class, then
+    the plain settings under `NESTED` (None, a library default, left out)."""
     optim = {k: v for k, v in OmegaConf.to_container(cfg.optim, resolve=True).items() if not k.startswith("_")}
     choices = records.select(hydra_record(Path(cfg.output_dir)), "runtime.choices.experiment")
+    parameters = list(trainer.lightning_module.parameters())
+    total = sum(p.numel() for p in parameters)
+    trainable = sum(p.numel() for p in parameters if p.requires_grad)
+    nested: dict[str, Any] = {}
+    for node in NESTED:
+        items: dict = OmegaConf.to_container(OmegaConf.select(cfg, node) or OmegaConf.create(), resolve=True)
+        nested |= {f"{node}.{key}": _plain(value) for key, value in items.items()
+                   if not str(key).startswith("_") and value is not None and not isinstance(value, dict)
+                   and f"{node}.{key}" not in NOT_SETTINGS}
     return {
         "model": cfg.model_name, "strategy": cfg.strategy_name, "devices": cfg.devices, "precision": str(cfg.precision),
         "num_nodes": cfg.num_nodes, "world_size": trainer.world_size, "precision_used": str(trainer.precision),
@@ -89,21 +84,13 @@ def run_hparams(cfg: DictConfig, trainer: Trainer, lr_used: float) -> dict[str, 
         "sync_batchnorm": cfg.sync_batchnorm, "channels_last": cfg.channels_last, "compile": cfg.compile,
         # The file a run started from (`last` and `auto` resume the same run: a resumed run's row is the unbroken one's).
         "ckpt_path": "" if cfg.ckpt_path in (None, "last", "auto") else str(cfg.ckpt_path), "tags": ",".join(str(tag) for tag in cfg.get("tags") or []),
-        **parameter_counts(trainer),
-        **{k: v for node in NESTED for k, v in _nested(cfg, node).items()},
+        "params/total": total, "params/trainable": trainable, "params/non_trainable": total - trainable,
+        **nested,
     }
 
 
 # Top-level keys recorded under their own name; other plain names are the optimizer's arguments.
 _TOP_LEVEL = {field.name for field in fields(TrainConfig)} | {"experiment"}
-
-
-def _sources(name: str) -> tuple[str, ...]:
-    if name in SOURCES:
-        return SOURCES[name]
-    if "." not in name and "/" not in name and name not in _TOP_LEVEL:
-        return (f"optim.{name}",)
-    return (name,)
 
 
 def hydra_record(run_dir: Path) -> Any:
@@ -115,11 +102,6 @@ def hydra_record(run_dir: Path) -> Any:
 STAMP = re.compile(r"^(\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d|torchrun-[^_]+|slurm-[^_]+)_")
 
 
-def typed_overrides(run_dir: Path) -> list[str]:
-    saved = run_dir / ".hydra" / "overrides.yaml"
-    return [str(override) for override in records.load(saved) or []] if saved.is_file() else []
-
-
 def override_keys(overrides: Iterable[object]) -> list[str]:
     """The key or config group of each override (`optim.lr=0.1`, `+callbacks.x._target_=...`, `model=resnet18`)."""
     return [re.sub(r"@.*$", "", str(override).split("=", 1)[0].lstrip("+~")) for override in overrides]
@@ -127,8 +109,12 @@ def override_keys(overrides: Iterable[object]) -> list[str]:
 
 def changed_names(params: Iterable[str], typed: Iterable[str]) -> set[str]:
     """The settings that the keys typed changed; a config group chosen (`optim=adam`) marks its own column only."""
-    typed = set(typed)
-    return {name for name in params if typed & set(_sources(name))}
+    typed, changed = set(typed), set()
+    for name in params:
+        argument = "." not in name and "/" not in name and name not in _TOP_LEVEL
+        if typed & set(SOURCES.get(name, (f"optim.{name}",) if argument else (name,))):
+            changed.add(name)
+    return changed
 
 
 def hparam_info(name: str, values: list[Any], differs: bool) -> api_pb2.HParamInfo:
@@ -176,12 +162,12 @@ def session_end() -> Summary:
     return _summary(metadata.SESSION_END_INFO_TAG, plugin_data_pb2.HParamsPluginData(session_end_info=info))
 
 
-def experiment(runs: list[Mapping[str, Any]], differing: set[str] | None = None, typed: Iterable[str] = ()) -> Summary:
-    """The experiment summary of `runs`' settings; `differing`: the names to mark, by default `sweep_columns`'s."""
+def experiment(runs: list[Mapping[str, Any]], marked: Iterable[str] = (), typed: Iterable[str] = ()) -> Summary:
+    """The experiment summary of `runs`' settings, `sweep_columns` marked as differing."""
     names: dict[str, None] = {}
     for params in runs:
         names.update(dict.fromkeys(params))
-    differing = with_identity(differing, names) if differing is not None else sweep_columns(runs, list(names), typed)
+    differing = sweep_columns(runs, list(names), typed, set(marked))
     infos = [hparam_info(name, [params[name] for params in runs if name in params], name in differing) for name in names]
     metrics = [api_pb2.MetricInfo(name=api_pb2.MetricName(tag=tag), display_name=title, description=description)
                for tag, title, description in METRICS]
@@ -189,9 +175,9 @@ def experiment(runs: list[Mapping[str, Any]], differing: set[str] | None = None,
     return _summary(metadata.EXPERIMENT_TAG, plugin_data_pb2.HParamsPluginData(experiment=data))
 
 
-def sweep_columns(runs: list[Mapping[str, Any]], names: list[str], typed: Iterable[str]) -> set[str]:
-    """At most five columns, in this order: typed settings that differ, other differing settings, `IDENTITY`, and
-    what follows from the model (keys one model lacks, the parameter counts)."""
+def sweep_columns(runs: list[Mapping[str, Any]], names: list[str], typed: Iterable[str], marked: set[str]) -> set[str]:
+    """`marked`, then up to five columns in all: typed settings that differ, other differing settings, `IDENTITY` (not
+    the names that sort first), and what follows from the model (keys one model lacks, the parameter counts)."""
     def values(name: str) -> set[str]:
         return {repr(params.get(name, ...)) for params in runs}
 
@@ -201,35 +187,26 @@ def sweep_columns(runs: list[Mapping[str, Any]], names: list[str], typed: Iterab
     follows = [name for name in names if len(values(name)) > 1 and name not in by_choice]
     ranked = [*(n for n in by_choice if n in typed_names), *(n for n in by_choice if n not in typed_names),
               *(n for n in IDENTITY if n in names), *follows]
-    return set(list(dict.fromkeys(ranked))[:SHOWN])
-
-
-def with_identity(marked: set[str], names: Iterable[str]) -> set[str]:
-    """`marked`, filled up to the five columns TensorBoard shows with `IDENTITY` (not the names that sort first)."""
-    extra = [name for name in IDENTITY if name in names and name not in marked]
-    return set(marked) | set(extra[:max(0, SHOWN - len(marked))])
+    unmarked = [name for name in dict.fromkeys(ranked) if name not in marked]
+    return marked | set(unmarked[:max(0, SHOWN - len(marked))])
 
 
 # Typed keys a single run's trial id leaves out: its folder's name shows them, or they change no result.
 UNNAMED = {"model", "strategy", "devices", "num_nodes", "precision", "experiment", "data.root", "ckpt_path"}
 
 
-def trial_name(run_dir: Path, sweep_job: bool) -> str:
-    """The run folder's name without its date, what tells it apart first (the table cuts a trial id short): what a
-    sweep varied (`seed=1 lenet_auto_1dev_32-true`), or what a run's command line typed (`optim.lr=0.1 lenet_...`)."""
+def trial_id(run_dir: Path, overrides: list[str], params: Mapping[str, Any]) -> str:
+    """The run folder's name without its date, led by what tells it apart (the table cuts a trial id short): what a
+    sweep varied or a run's command line typed (`optim.lr=0.1 lenet_...`); then a digest of the run's settings."""
     name = STAMP.sub("", run_dir.name)
     saved = run_dir / "config.yaml"
     label = str(records.select(records.load(saved), "run_name") or "") if saved.is_file() else ""
     if label and name.startswith(label + "_"):
-        return f"{name[len(label) + 1:]} {label}"
-    overrides = [] if sweep_job else typed_overrides(run_dir)
-    keys = override_keys(overrides)
-    shown = [o for o, key in zip(overrides, keys) if key not in UNNAMED and not key.startswith("hydra.")]
-    return " ".join([*shown, name])
-
-
-def trial_id(name: str, params: Mapping[str, Any]) -> str:
-    """The name with a digest of the settings: two runs of one name but other settings are two trials."""
+        name = f"{name[len(label) + 1:]} {label}"
+    else:
+        keys = override_keys(overrides)
+        shown = [o for o, key in zip(overrides, keys) if key not in UNNAMED and not key.startswith("hydra.")]
+        name = " ".join([*shown, name])
     settings = {k: v for k, v in params.items() if k not in ("tags", "ckpt_path")}
     digest = hashlib.sha1(repr(sorted(settings.items())).encode()).hexdigest()[:4]
     return f"{name} #{digest}"
@@ -242,16 +219,15 @@ def log_hparams(loggers: list[Logger], params: dict[str, Any], run_dir: Path, st
     for logger in loggers:
         if not isinstance(logger, RunLogger):
             logger.log_hyperparams(params)
-            continue
-        if has_hparams(run_dir):  # a resumed run keeps the record it began with
-            continue
-        sweep_job = str(records.select(hydra_record(run_dir), "mode")) == "MULTIRUN"
-        if not sweep_job:
-            typed = override_keys(typed_overrides(run_dir))
-            logger.add_summary(experiment([params], changed_names(params, typed)), step)
-        logger.add_summary(session_start(params, trial_id(trial_name(run_dir, sweep_job), params)), step)
-        logger.add_summary(session_end(), step)
-        logger.experiment.flush()
+        elif not has_hparams(run_dir):  # a resumed run keeps the record it began with
+            sweep_job = str(records.select(hydra_record(run_dir), "mode")) == "MULTIRUN"
+            saved = run_dir / ".hydra" / "overrides.yaml"
+            overrides = [str(o) for o in records.load(saved) or []] if saved.is_file() and not sweep_job else []
+            if not sweep_job:
+                logger.add_summary(experiment([params], changed_names(params, override_keys(overrides))), step)
+            logger.add_summary(session_start(params, trial_id(run_dir, overrides, params)), step)
+            logger.add_summary(session_end(), step)
+            logger.experiment.flush()
 
 
 def write_experiment(runs: list[Mapping[str, Any]], log_dir: Path, typed: Iterable[str] = ()) -> None:

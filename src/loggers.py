@@ -41,6 +41,9 @@ DESCRIPTIONS = {
     "usage/tflops_per_s_median": "median of usage/tflops_per_s over the run's epochs",
     "usage/mfu_median": "median of usage/mfu over the run's epochs",
     EPOCH_TAG: "Lightning's epoch counter (from 0) at each epoch-end point",
+}
+# `xfer/<name>_epoch` is the epoch's mean of `xfer/<name>`.
+TRANSFERS = {
     "xfer/bytes_per_step": "bytes of every all-reduce the DDP hook issued in the optimizer step, per process (payload)",
     "xfer/compression_ratio": "the step's gradients as fp32 bytes divided by xfer/bytes_per_step",
     "xfer/hook_ms": "sum over the step's buckets of the time from the hook's call to its result (may overlap backward)",
@@ -50,6 +53,7 @@ DESCRIPTIONS = {
     "xfer/overlap_ms": "the part of xfer/backward_comm_ms spent while gradients were still computed",
     "xfer/overlap_frac": "xfer/overlap_ms / xfer/backward_comm_ms: the share of communication hidden behind backward",
 }
+DESCRIPTIONS |= TRANSFERS | {f"{tag}_epoch": f"mean over the epoch of {tag}: {text}" for tag, text in TRANSFERS.items()}
 
 
 # TensorBoard's Custom Scalars tab (tags are regexes): the answer first, communication last; Time Series orders
@@ -71,15 +75,6 @@ LAYOUT = {
         "compression": ["Multiline", ["xfer/compression_ratio$", "xfer/buckets_per_step$"]],
     },
 }
-
-
-def description(tag: str) -> str | None:
-    """A tag's description; `xfer/<name>_epoch` is the epoch's mean of `xfer/<name>`."""
-    if tag in DESCRIPTIONS:
-        return DESCRIPTIONS[tag]
-    if tag.startswith("xfer/") and tag.endswith("_epoch") and tag[: -len("_epoch")] in DESCRIPTIONS:
-        return f"mean over the epoch of {tag[: -len('_epoch')]}: " + DESCRIPTIONS[tag[: -len("_epoch")]]
-    return None
 
 
 class RunLogger(TensorBoardLogger):
@@ -109,11 +104,11 @@ class RunLogger(TensorBoardLogger):
         if not self._laid_out:  # at the first points' step: `add_custom_scalars` writes step 0, back in a resumed run
             self._laid_out = True
             self.add_summary(custom_scalars(LAYOUT), step)
-        for tag in [t for t in metrics if t not in self._described and description(t)]:
+        for tag in [t for t in metrics if t not in self._described and t in DESCRIPTIONS]:
             self._described.add(tag)
             value = float(metrics.pop(tag))
             # TensorBoard keeps a tag's first metadata; its Rust loader needs the scalar data class set too.
-            about = SummaryMetadata(summary_description=description(tag), data_class=DataClass.DATA_CLASS_SCALAR,
+            about = SummaryMetadata(summary_description=DESCRIPTIONS[tag], data_class=DataClass.DATA_CLASS_SCALAR,
                                     plugin_data=SummaryMetadata.PluginData(plugin_name="scalars"))
             point = Summary.Value(tag=tag, simple_value=value, metadata=about)
             self.add_summary(Summary(value=[point]), step)
@@ -134,18 +129,12 @@ class RunLogger(TensorBoardLogger):
             if status != "success":
                 self.writer.close()
 
-    @rank_zero_only
-    @held()
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
+        self.finalize("closed")
 
-    @rank_zero_only
-    @held()
     def save(self) -> None:
         """Flush. Not Lightning's save, which writes an `hparams.yaml` holding `{}` and opens a writer where none is."""
-        if self.writer is not None:
-            self.writer.flush()
+        self.finalize("success")
 
 
 class CSVRunLogger(CSVLogger):

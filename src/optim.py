@@ -1,7 +1,5 @@
 """The optimizer of a run (`conf/optim/`, a Hydra partial), its learning rate scaled to the global batch and scheduled.
-
-`optim.lr_scaling`, `base_batch_size`, `schedule` and `warmup` are read here and never reach the optimizer. The
-linear rule (Goyal et al., 2017) keeps the update per sample about the same: lr * global_batch / base_batch_size.
+`optim.lr_scaling`, `base_batch_size`, `schedule` and `warmup` are read here and never reach the optimizer.
 """
 
 import functools
@@ -21,11 +19,11 @@ from src.errors import UsageError
 
 
 def scaled_lr(lr: float, global_batch: int, lr_scaling: str = "none", base_batch_size: int = 256) -> float:
+    """The linear rule (Goyal et al., 2017) keeps the update per sample about the same."""
     return lr * global_batch / base_batch_size if lr_scaling == "linear" else lr
 
 
 def build_optimizer(optim: Mapping[str, Any], global_batch: int) -> functools.partial:
-    """A partial that takes the parameters, with the scaled `lr`."""
     args = OmegaConf.to_container(optim, resolve=True) if OmegaConf.is_config(optim) else dict(optim)
     assert isinstance(args, dict)
     scaling = [args.pop(name, default) for name, default in (("lr_scaling", "none"), ("base_batch_size", 256))]
@@ -49,9 +47,8 @@ def check_optimizer(factory: functools.partial, params: Iterable[nn.Parameter]) 
 
 
 def fused_under_a_scaler(factory: Callable[..., Optimizer], trainer: Any) -> Callable[..., Optimizer]:
-    """The fused kernel where 16-mixed scales the loss on CUDA: it reads the scaler's found-inf flag on the GPU, where
-    GradScaler.step would wait for it every step. Not under gradient clipping (it needs the gradients unscaled first),
-    nor where the config chose `fused` or `foreach`."""
+    """The fused kernel where 16-mixed scales the loss on CUDA: it reads the found-inf flag on the GPU, where
+    GradScaler.step would wait for it. Not under gradient clipping (unscaled first), nor where the config chose."""
     chosen = getattr(factory, "keywords", {}).keys() & {"fused", "foreach"}
     if (getattr(trainer.precision_plugin, "scaler", None) is None or trainer.strategy.root_device.type != "cuda"
             or trainer.gradient_clip_val or chosen or "fused" not in inspect.signature(factory).parameters):
@@ -60,9 +57,8 @@ def fused_under_a_scaler(factory: Callable[..., Optimizer], trainer: Any) -> Cal
 
 
 class Schedule:
-    """The learning rate over a run's optimizer steps, as a factor of `lr`: `none`, or `cosine`, which rises over the
-    first `warmup` share of the steps, then falls along a half cosine to zero (Smith's one-cycle without momentum).
-    A plain class: Hydra's `instantiate` would turn a dataclass handed to the Classifier into a config."""
+    """A factor of `lr` per optimizer step: `none`, or `cosine`, rising over the first `warmup` share of the steps, then
+    falling along a half cosine to zero. Not a dataclass: Hydra's `instantiate` would turn one into a config."""
 
     def __init__(self, name: str = "none", warmup: float = 0.0) -> None:
         self.name, self.warmup = name, warmup

@@ -8,18 +8,15 @@ import logging
 import math
 import statistics
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from src import records
 from src.errors import UsageError
 from src.launch.console import counted, saying
 from src.runs import ArgumentParser, RunFolder, median, output_folder, read_runs, usage_errors_exit
-
-if TYPE_CHECKING:  # matplotlib, TensorBoard, Lightning and torch are imported where used: the command answers first
-    from matplotlib.figure import Figure
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +28,8 @@ COLUMNS = {
     "mfu": "MFU (median)", "peak_memory_mib": "peak memory MiB", "comm_bytes_per_step": "comm bytes/step (median)",
     "speedup": "speed-up",
 }
+DIGITS = {"test_acc": 4, "epoch_s": 3, "samples_per_s": 1, "tflops_per_s": 4, "mfu": 3, "speedup": 2}
+MEASURED = ("tflops_per_s", "mfu", "peak_memory_mib", "comm_bytes_per_step")  # shown where some run measured them
 FILES = ("report.md", "report.csv", "val_acc.png", "epoch_time.png")  # the last only where devices differ
 NOT_A_SETTING = ("seed", "tags", "ckpt_path")  # repeats with other seeds are one setting
 PER_DEVICES = ("devices", "num_nodes", "world_size")  # what a speed-up compares
@@ -144,33 +143,25 @@ def _cell(value: Any, digits: int) -> str:
     return "" if value is None else f"{value:.{digits}f}" if isinstance(value, float) else str(value)
 
 
-def _table(header: list[str], rows: Iterable[list[str]], rule: str = "") -> str:
+def _table(header: Sequence[str], rows: Iterable[list[str]], rule: str = "") -> str:
     body = ["| " + " | ".join(row) + " |" for row in rows]
     return "\n".join(["| " + " | ".join(header) + " |", rule or "|" + "---|" * len(header), *body])
 
 
 def _write_csv(path: Path, header: Iterable[str], rows: Iterable[Iterable[Any]]) -> None:
     with path.open("w", newline="") as file:
-        writer = csv.writer(file)
-        writer.writerow(header)
-        writer.writerows(rows)
+        csv.writer(file).writerows([header, *rows])
 
 
 def markdown_table(runs: list[Run]) -> str:
     """Seed only where seeds differ, speed-up only where devices do, a measured figure only where some run measured
     it (MFU: on a GPU that Lightning's peak table lists)."""
-    hidden = {"seed"} if not varies(runs, "seed") else set()
-    if all(run.finished == "yes" for run in runs):
-        hidden.add("finished")
-    if not varies(runs, "total_devices"):
-        hidden.add("speedup")
-    hidden |= {key for key in ("tflops_per_s", "mfu", "peak_memory_mib", "comm_bytes_per_step")
-               if all(getattr(run, key) is None for run in runs)}
-    columns = [key for key in COLUMNS if key not in hidden]
-    digits = {"test_acc": 4, "epoch_s": 3, "samples_per_s": 1, "tflops_per_s": 4, "mfu": 3, "peak_memory_mib": 0,
-              "comm_bytes_per_step": 0, "speedup": 2}
+    shown = {"seed": varies(runs, "seed"), "finished": any(run.finished != "yes" for run in runs),
+             "speedup": varies(runs, "total_devices"),
+             **{key: any(getattr(run, key) is not None for run in runs) for key in MEASURED}}
+    columns = [key for key in COLUMNS if shown.get(key, True)]
     return _table([COLUMNS[key] for key in columns],
-                  ([_cell(getattr(run, key), digits.get(key, 0)) for key in columns] for run in runs))
+                  ([_cell(getattr(run, key), DIGITS.get(key, 0)) for key in columns] for run in runs))
 
 
 T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
@@ -196,37 +187,21 @@ def spread_cells(values: list[float], digits: int, low: float, high: float) -> l
     return [f"{mean:.{digits}f}", f"{sd:.{digits}f}", interval]
 
 
-def seed_groups(runs: list[Run]) -> list[tuple[str, list[Run]]]:
-    """Settings run with more than one seed, by label, one run per seed (two runs of one seed are not two samples)."""
-    by_setting: dict[tuple, dict[int | None, Run]] = defaultdict(dict)
-    for run in runs:
-        by_setting[run.setting].setdefault(run.seed, run)
-    repeated = [list(group.values()) for group in by_setting.values() if len(group) > 1 and None not in group]
-    labels = _labels([group[0] for group in repeated], with_seed=False)
-    return [(label, sorted(group, key=lambda r: r.seed or 0)) for label, group in zip(labels, repeated)]
-
-
 SEED_COLUMNS = ("setting", "seeds", "n", "test acc mean", "test acc sd", "test acc 95% CI",
                 "epoch s mean", "epoch s sd", "epoch s 95% CI")
 
 
-def seed_rows(groups: list[tuple[str, list[Run]]]) -> list[list[str]]:
+def seed_rows(runs: list[Run]) -> list[list[str]]:
+    """A row per setting run with more than one seed, one run per seed (two runs of one seed are not two samples)."""
+    by_setting: dict[tuple, dict[int | None, Run]] = defaultdict(dict)
+    for run in runs:
+        by_setting[run.setting].setdefault(run.seed, run)
+    repeated = [sorted(group.values(), key=lambda r: r.seed or 0) for group in by_setting.values()
+                if len(group) > 1 and None not in group]
     return [[label, ",".join(str(run.seed) for run in group), str(len(group)),
              *spread_cells([run.test_acc for run in group if run.test_acc is not None], 4, 0.0, 1.0),
              *spread_cells([run.epoch_s for run in group if run.epoch_s is not None], 3, 0.0, math.inf)]
-            for label, group in groups]
-
-
-def _save(figure: "Figure", path: Path) -> None:
-    for axes in figure.axes:
-        axes.grid(alpha=0.3)
-        if axes.lines:
-            axes.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0)  # off the data
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-
-    FigureCanvasAgg(figure)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
+            for label, group in zip(_labels([group[0] for group in repeated], with_seed=False), repeated)]
 
 
 def _labels(runs: list[Run], with_seed: bool = True) -> list[str]:
@@ -261,25 +236,39 @@ def colour(index: int) -> Any:
     return colormaps["tab20"]((2 * index) % 20 + (index // 10) % 2)
 
 
-def plot_val_acc(runs: list[Run], path: Path) -> None:
-    """One line per run; repeats of a setting share a colour and differ in line style and marker."""
+def _plot(path: Path, lines: list[tuple[Any, Any, dict[str, Any]]], **settings: Any) -> None:
+    """`lines`: x, y and the style of each; `settings`: of the axes, after whole-number x ticks."""
+    # matplotlib, TensorBoard, Lightning and torch are imported where used: the command answers first.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     figure = Figure(figsize=(11, 5))
     axes = figure.add_subplot()
+    for x, y, style in lines:
+        axes.plot(x, y, **style)
+    axes.xaxis.get_major_locator().set_params(integer=True)
+    axes.set(**settings)
+    axes.grid(alpha=0.3)
+    if axes.lines:
+        axes.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0)  # off the data
+    FigureCanvasAgg(figure)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def plot_val_acc(runs: list[Run], path: Path) -> None:
+    """One line per run; repeats of a setting share a colour and differ in line style and marker."""
     colours: dict[tuple, Any] = {}
     repeats: dict[tuple, int] = defaultdict(int)
     styles = [("-", "o"), ("--", "s"), (":", "^"), ("-.", "D")]
+    lines = []
     for run, label in zip(runs, _labels(runs)):
         if run.val_acc:
-            epochs, accs = zip(*run.val_acc)
             shade = colours.setdefault(run.setting, colour(len(colours)))
             line, marker = styles[repeats[run.setting] % len(styles)]
             repeats[run.setting] += 1
-            axes.plot(epochs, accs, color=shade, linestyle=line, marker=marker, label=label)
-    axes.set(xlabel="epoch", ylabel="val/acc", title="Validation accuracy per epoch")
-    axes.xaxis.get_major_locator().set_params(integer=True)
-    _save(figure, path)
+            lines.append((*zip(*run.val_acc), {"color": shade, "linestyle": line, "marker": marker, "label": label}))
+    _plot(path, lines, xlabel="epoch", ylabel="val/acc", title="Validation accuracy per epoch")
 
 
 def plot_epoch_time(runs: list[Run], path: Path) -> None:
@@ -290,24 +279,16 @@ def plot_epoch_time(runs: list[Run], path: Path) -> None:
         if run.epoch_s is not None:
             points[run.but_devices][run.total_devices].append(run.epoch_s)
             first.setdefault(run.but_devices, run)
-    from matplotlib.figure import Figure
-
-    figure = Figure(figsize=(11, 5))
-    axes = figure.add_subplot()
     settings = sorted(points)
-    labels = [label.replace(f" {first[key].total_devices} dev", "") for key, label in
-              zip(settings, _labels([first[key] for key in settings], with_seed=False))]
-    for index, (key, label) in enumerate(zip(settings, labels)):
-        devices = sorted(points[key])
-        axes.plot(devices, [statistics.median(points[key][d]) for d in devices], marker="o", label=label,
-                  color=colour(index))
-    axes.set(xlabel="devices (all nodes)", ylabel="median epoch time (s)", title="Epoch time against devices")
-    axes.set_xticks(sorted({d for by_devices in points.values() for d in by_devices}))
-    axes.set_ylim(bottom=0)
-    _save(figure, path)
+    labels = _labels([first[key] for key in settings], with_seed=False)
+    lines = [(sorted(points[key]), [statistics.median(points[key][d]) for d in sorted(points[key])],
+              {"marker": "o", "label": label.replace(f" {first[key].total_devices} dev", ""), "color": colour(index)})
+             for index, (key, label) in enumerate(zip(settings, labels))]
+    _plot(path, lines, xlabel="devices (all nodes)", ylabel="median epoch time (s)", title="Epoch time against devices",
+          xticks=sorted({d for by_devices in points.values() for d in by_devices}), ylim=(0, None))
 
 
-def markdown_report(runs: list[Run], root: Path, groups: list[tuple[str, list[Run]]], scaling: str,
+def markdown_report(runs: list[Run], root: Path, seeds: list[list[str]], scaling: str,
                     failed: dict[str, str] | None, evaluations: list[Run]) -> str:
     by_devices = varies(runs, "total_devices")
     speedup = ("Speed-up is the median epoch time of the runs on one device (devices x num_nodes = 1) with the same "
@@ -328,7 +309,7 @@ def markdown_report(runs: list[Run], root: Path, groups: list[tuple[str, list[Ru
         *(["## Seeds", "",
            "Runs of one setting that differ only in their seed: mean, sample standard deviation and the 95 % "
            "confidence interval of the mean (Student t, n - 1 degrees of freedom) over the seeds (`seeds.csv`).", "",
-           _table(list(SEED_COLUMNS), seed_rows(groups)), ""] if groups else []),
+           _table(SEED_COLUMNS, seeds), ""] if seeds else []),
         "![validation accuracy per epoch](val_acc.png)", "",
         *(["![median epoch time against devices](epoch_time.png)", ""] if by_devices else []),
         *(["# Predicted scaling (scaling.md, `python -m src.scaling`)", "", scaling, ""] if scaling else []),
@@ -350,15 +331,15 @@ def write_report(root: Path, out: Path | None = None, failed: dict[str, str] | N
             scaling = write_scaling(root, out, load_probe(root / "probe.json"), report=True)
         except UsageError as error:
             log.info(f"no scaling prediction: {error}")
-    groups = seed_groups(runs)
-    (out / "report.md").write_text(markdown_report(runs, root, groups, scaling, failed, evaluations))
+    seeds = seed_rows(runs)
+    (out / "report.md").write_text(markdown_report(runs, root, seeds, scaling, failed, evaluations))
     _write_csv(out / "report.csv", COLUMNS,
                (["" if getattr(run, key) is None else getattr(run, key) for key in COLUMNS] for run in runs))
     plot_val_acc(runs, out / "val_acc.png")
     if varies(runs, "total_devices"):
         plot_epoch_time(runs, out / "epoch_time.png")
-    if groups:
-        _write_csv(out / "seeds.csv", SEED_COLUMNS, seed_rows(groups))
+    if seeds:
+        _write_csv(out / "seeds.csv", SEED_COLUMNS, seeds)
     return runs
 
 

@@ -1,9 +1,5 @@
-"""A resume continues the run as it was: `ckpt_path=last|auto hydra.run.dir=<run>` takes the run's own settings.
-
-`with_record` puts the overrides the run (or sweep) recorded before the command's own, before Hydra composes. `check`
-then holds the config against the run's `config.yaml`: a key may differ only where it cannot change what the run
-computes (`MAY_CHANGE`; `max_epochs` unless a schedule spreads over it). A run that finished repeats its result line.
-"""
+"""A resume continues the run as it was: `ckpt_path=last|auto hydra.run.dir=<run>` takes the run's own settings, and
+a key may differ from its `config.yaml` only where it cannot change what the run computes."""
 
 import logging
 from pathlib import Path
@@ -31,7 +27,7 @@ LENGTH = ("max_epochs", "trainer.max_steps")  # a resume may move these, unless 
 
 
 def with_record(args: list[str]) -> list[str]:
-    """Arguments that resume nothing come back as they are."""
+    """The overrides the run (or sweep) recorded, then the command's own; arguments that resume nothing as they are."""
     typed = {o.key_or_group: o for o in config.parse(args)}
     multirun = "-m" in args or "--multirun" in args
     ckpt_path = typed.get("ckpt_path")
@@ -71,11 +67,10 @@ def check_sweep(recorded: list[Override], typed: dict[str, Override], folder: Pa
     before = {o.key_or_group: o for o in recorded}
     for name, override in typed.items():
         old = before.get(name)
-        values = swept(override) if override.is_sweep_override() else None
-        if old is not None and old.is_sweep_override() or values is not None:
-            if old is None or not old.is_sweep_override() or values != swept(old):
-                ran = f"it swept {old.input_line}" if old is not None and old.is_sweep_override() \
-                    else f"it did not sweep {name}"
+        was_swept = old is not None and old.is_sweep_override()
+        if was_swept or override.is_sweep_override():
+            if not (was_swept and override.is_sweep_override() and swept(override) == swept(old)):
+                ran = f"it swept {old.input_line}" if was_swept else f"it did not sweep {name}"
                 raise UsageError(f"{override.input_line} is not allowed in a resume of the sweep {folder}: {ran}; a "
                                  "resume runs the same jobs, so give the sweep as it was, or start a new one elsewhere")
         elif old is not None and old.input_line != override.input_line and name not in MAY_CHANGE | set(LENGTH) \

@@ -1,9 +1,5 @@
-"""Run folders, read (as data, `src.records`) for `src.report`, `src.scaling` and `src.eval`; and the command-line
-shell those commands share.
-
-A run folder holds `config.yaml` (resolved), `.hydra/hydra.yaml`, TensorBoard's `events.out.tfevents.*` (or, with
-`logger=csv` alone, `csv/metrics.csv` and `csv/hparams.yaml`; MLflow and W&B keep theirs elsewhere) and `checkpoints/`.
-"""
+"""Run folders, read as data (`src.records`) for `src.report`, `src.scaling` and `src.eval`; and the command-line
+shell those commands share."""
 
 import argparse
 import csv
@@ -53,8 +49,7 @@ class RunFolder:
         """A folder of `python -m src.eval`: it scored a checkpoint and trained nothing."""
         return records.select(self.hydra, "job.name") == "eval"
 
-    def value(self, key: str, group: str | None = None) -> Any:
-        """`group`: the config group whose option the key names."""
+    def value(self, key: str, group: str | None = None) -> Any:  # group: the config group whose option the key names
         return OmegaConf.select(self.config, key)
 
     @cached_property
@@ -165,17 +160,14 @@ def resolved_config(ckpt_path: object | None) -> DictConfig | None:
 
 
 def output_folder(out: Path) -> Path:
-    """It may not exist yet, but may not be a file."""
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out}: is a file, not a folder")
     return out
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """Its mistakes are UsageErrors, so that they end as every other bad input does."""
-
     def error(self, message: str) -> NoReturn:
-        raise UsageError(message)
+        raise UsageError(message)  # to end as every other bad input does
 
 
 @contextmanager

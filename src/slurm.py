@@ -6,18 +6,22 @@ import subprocess
 from omegaconf import OmegaConf
 
 
-def partition_has_gpus(partition: str | None) -> bool | None:
-    """Whether a node of `partition` (None: the default one) has GPUs; None when sinfo cannot tell."""
+def slurm_output(*command: str) -> str | None:
+    """What a SLURM command prints; None where it cannot tell (no such command, an error, no answer in a minute)."""
     try:
-        listing = subprocess.run(["sinfo", "--noheader", "--format=%P|%G"], capture_output=True, text=True,
-                                 timeout=60, check=True).stdout
+        return subprocess.run(command, capture_output=True, text=True, timeout=60, check=True).stdout
     except (OSError, subprocess.SubprocessError):
         return None
+
+
+def partition_has_gpus(partition: str | None) -> bool | None:
+    """Whether a node of `partition` (None: the default one) has GPUs; None when sinfo cannot tell."""
+    listing = slurm_output("sinfo", "--noheader", "--format=%P|%G") or ""
     rows = [line.strip().partition("|") for line in listing.splitlines()]
     gres = [node_gres for name, _, node_gres in rows
             if (partition is None and name.endswith("*")) or name.rstrip("*") == partition]
     if not gres:
-        return None  # no such partition: sbatch will say so
+        return None  # no sinfo, or no such partition: sbatch will say so
     return any("gpu" in g for g in gres)
 
 

@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 from optuna.trial import TrialState, create_trial
 
-from src.callbacks.optuna_trial import TrialRecord, TrialResult, TrialTask
+from src.launch.optuna_sweeper import TrialRecord, TrialResult, TrialTask
 from src.errors import UsageError
 from src.launch import progress
 from src.launch.optuna_sweeper import DB, OptunaSweeper, search_space, storage

@@ -1,6 +1,5 @@
-"""Where Hydra finds the sequential launcher (`hydra/launcher=sequential`, the project's default), in any Hydra app."""
-
-from dataclasses import dataclass
+"""Where Hydra finds the sequential launcher (`hydra/launcher=sequential`, the project's default), in any Hydra app: one
+job after another in this process, with a line as each starts and ends, and a summary at the end."""
 
 from hydra.core.config_store import ConfigStore
 
@@ -11,11 +10,5 @@ class SequentialLauncher(_SequentialLauncher):
     """`src.launch.sequential_launcher.SequentialLauncher`, under the name Hydra accepts."""
 
 
-@dataclass
-class SequentialLauncherConf:
-    """One job after another in this process, with a line as each starts and ends, and a summary at the end."""
-
-    _target_: str = "hydra_plugins.project_launchers.sequential.SequentialLauncher"
-
-
-ConfigStore.instance().store(group="hydra/launcher", name="sequential", node=SequentialLauncherConf, provider="project")
+ConfigStore.instance().store(group="hydra/launcher", name="sequential", provider="project",
+                             node={"_target_": "hydra_plugins.project_launchers.sequential.SequentialLauncher"})

@@ -15,12 +15,11 @@ ACROSS_PROCESSES_EVERY_N_STEPS = 50  # a read there is a collective, where every
 
 
 class FiniteLossCheck(Callback):
-    """Raises `TrainingDiverged` naming the first step whose `train/loss` was not finite.
+    """Raises `TrainingDiverged` naming the first step whose `train/loss` was not finite, recorded on the device.
 
-    Each step records the first bad loss on the device without waiting; the record is read every `every_n_steps`,
-    before validation, at each epoch's end and before any checkpoint, so no diverged model is saved. By default:
-    every step in one CPU process (free), every `ACROSS_PROCESSES_EVERY_N_STEPS` across processes, and in one CUDA
-    process never a wait: a pinned host copy is read once its CUDA event says it landed.
+    The record is read every `every_n_steps` (default: each step in one CPU process, every
+    `ACROSS_PROCESSES_EVERY_N_STEPS` across processes, and in one CUDA process from a pinned copy once it has landed,
+    never waiting), and before validation, at each epoch's end and before any checkpoint: none saves a diverged model.
     """
 
     def __init__(self, every_n_steps: int | None = None) -> None:
@@ -60,12 +59,12 @@ class FiniteLossCheck(Callback):
             self.check(trainer)
 
     def check_landed(self, trainer: Trainer) -> None:
-        """Read the last pinned copy if it has landed, then send the next; never waits."""
+        """Read the last pinned copy if it has landed, then send the next."""
         assert self._landing is not None and self._first is not None
         host, landed = self._landing
         if not landed.query():
             return
-        self.raise_if_bad(trainer, host.tolist())
+        self.raise_if_bad(trainer, [host.tolist()])
         host.copy_(self._first, non_blocking=True)
         landed.record()
 
@@ -77,7 +76,7 @@ class FiniteLossCheck(Callback):
         self.check(trainer)
 
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
-        """Every process builds each checkpoint, so the all-gather meets in all of them."""
+        """Every process builds each checkpoint: the all-gather meets in all of them."""
         self.check(trainer)
 
     def check(self, trainer: Trainer) -> None:
@@ -85,15 +84,15 @@ class FiniteLossCheck(Callback):
             return
         records = self._first
         if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
+            # Not the strategy's all_gather: it calls torch.distributed.nn.functional's, which warns it is deprecated.
             gathered = [torch.empty_like(self._first) for _ in range(trainer.world_size)]
             dist.all_gather(gathered, self._first)
             records = torch.stack(gathered)
         self.raise_if_bad(trainer, records.reshape(-1, 3).tolist())
 
-    def raise_if_bad(self, trainer: Trainer, records: list) -> None:
-        """`records`: [step, epoch, loss], or a list of them."""
-        rows = records if isinstance(records[0], list) else [records]
-        bad = [row for row in rows if row[0] >= 0]
+    def raise_if_bad(self, trainer: Trainer, records: list[list[float]]) -> None:
+        """`records`: rows of [step, epoch, loss]."""
+        bad = [row for row in records if row[0] >= 0]
         if not bad:
             return
         step, epoch, loss = min(bad)  # Lightning's epoch, from 0; the message counts from 1, as train.log does

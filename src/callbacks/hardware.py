@@ -1,9 +1,5 @@
-"""How much of the hardware a run used: `usage/tflops_per_s` per device, `usage/mfu`, `usage/peak_memory_mib`.
-
-The FLOPs of a training step are counted once at fit start by torch's FLOP counter on a meta-device copy of the
-network (no device work); each epoch, EpochTimer's images per second turn them into FLOP/s. MFU divides by the
-device's peak from Lightning's table, and is not logged (with one line saying why) where it has no entry. Medians
-over the epochs are logged at the end. Lightning's ThroughputMonitor would synchronize CUDA after every batch.
+"""How much of the hardware a run used: `usage/tflops_per_s` per device, `usage/mfu`, `usage/peak_memory_mib`. A step's
+FLOPs are counted once, on a meta-device copy; Lightning's ThroughputMonitor would synchronize CUDA after every batch.
 """
 
 import contextlib
@@ -21,6 +17,7 @@ from lightning import Callback, LightningModule, Trainer
 from lightning.fabric.utilities.throughput import get_available_flops, measure_flops
 from torch import nn
 
+from src.callbacks import log_scalars
 from src.callbacks.timing import EpochTimer
 
 log = logging.getLogger(__name__)
@@ -31,11 +28,11 @@ MIB = 2**20
 
 
 def count_flops(net: nn.Module, sample_shape: Sequence[int], batch: int, precision: Any = None) -> int:
-    """FLOPs of a forward and backward pass over `batch` samples, under `precision` (a Lightning plugin) if given."""
+    """Of a forward and backward pass over `batch` samples, under `precision` (a Lightning plugin) if given."""
     meta = copy.deepcopy(net).to("meta")
     for module in meta.modules():
         # A synchronized BatchNorm cannot all-reduce meta tensors; the counter counts no normalisation anyway.
-        if isinstance(module, nn.modules.batchnorm._NormBase):
+        if isinstance(module, (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)):
             module.eval()
     images, context = torch.empty(batch, *sample_shape, device="meta"), contextlib.nullcontext()
     if precision is not None:
@@ -46,7 +43,6 @@ def count_flops(net: nn.Module, sample_shape: Sequence[int], batch: int, precisi
 
 
 def peak_flops(device: torch.device, precision: str) -> tuple[float | None, str]:
-    """From Lightning's table; None and the reason where it has none."""
     dtype = COMPUTE_DTYPES.get(precision)
     if dtype is None:
         return None, f"precision {precision} has no compute dtype in the peak table"
@@ -69,8 +65,8 @@ def peak_memory_mib(device: torch.device) -> float:
 
 
 class HardwareUse(Callback):
-    """Logs the `usage/` scalars at each epoch's end; comes after EpochTimer (conf/callbacks/default.yaml), whose
-    figures it reads. A network it cannot count logs memory alone, with the reason in one line."""
+    """Comes after EpochTimer (conf/callbacks/default.yaml), whose figures it reads. A network it cannot count logs
+    memory alone, with the reason in one line; MFU needs the device in Lightning's table of peaks."""
 
     def __init__(self) -> None:
         self.flops_per_sample: float | None = None
@@ -128,25 +124,22 @@ class HardwareUse(Callback):
                 figures["usage/mfu"] = self.mfu[-1]
         self.peak_memory = peak_memory_mib(pl_module.device)
         figures["usage/peak_memory_mib"] = self.peak_memory
-        if trainer.is_global_zero:
-            for logger in trainer.loggers:
-                logger.log_metrics(figures, step=trainer.global_step - 1)  # the step of the epoch's other scalars
+        log_scalars(trainer, figures)
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         medians = {f"{name}_median": value for name, value in self.summary().items() if name != "usage/peak_memory_mib"}
-        if medians and trainer.is_global_zero:
-            for logger in trainer.loggers:
-                logger.log_metrics(medians, step=max(trainer.global_step - 1, 0))
+        if medians:
+            log_scalars(trainer, medians, step=max(trainer.global_step - 1, 0))
 
     def state_dict(self) -> dict[str, Any]:
-        """In each checkpoint: a resumed run's medians cover all its epochs."""
+        """A resumed run's medians cover all its epochs."""
         return {"tflops_per_s": list(self.tflops_per_s), "mfu": list(self.mfu), "peak_memory": self.peak_memory}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.tflops_per_s, self.mfu, self.peak_memory = list(state["tflops_per_s"]), list(state["mfu"]), state["peak_memory"]
 
     def summary(self) -> dict[str, float]:
-        """Medians over the epochs, and peak memory; what was not measured is absent."""
+        """Medians over the epochs, and peak memory, of what was measured."""
         figures = {"usage/tflops_per_s": self.tflops_per_s, "usage/mfu": self.mfu}
         summary = {name: statistics.median(values) for name, values in figures.items() if values}
         if self.peak_memory is not None:

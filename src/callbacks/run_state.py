@@ -34,11 +34,8 @@ def generators() -> dict[str, Any]:
 
 
 class RunState(Callback):
-    """A random stream per process, and every process's generators and the world size saved in each checkpoint.
-
-    Lightning seeds every process alike (all ranks would draw the same crops), so rank r > 0 reseeds with seed + r.
-    It does not restore the generators, so without this a resumed run would draw otherwise than the unbroken one.
-    """
+    """A random stream per process (Lightning seeds all alike: rank r > 0 reseeds with seed + r); every process's
+    generators, which Lightning does not restore, and the world size in each checkpoint, for an exact resume."""
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if trainer.global_rank:  # after Lightning's own seeding of the stage, before a checkpoint is restored

@@ -8,6 +8,8 @@ import torch
 from lightning import Callback, LightningModule, Trainer
 from lightning.pytorch.trainer.states import TrainerFn
 
+from src.callbacks import log_scalars
+
 log = logging.getLogger(__name__)
 
 
@@ -18,11 +20,8 @@ def _sync(device: torch.device) -> None:
 
 
 class EpochTimer(Callback):
-    """Logs `time/epoch_s` and `time/samples_per_s` each epoch, and their medians (`_median`) when training ends.
-
-    Validation runs inside Lightning's training epoch; its time, and that of the checkpoint after it (a meeting of
-    every DDP process), is left out, as is a module's one-off `warmup_s` (a CUDA graph's capture).
-    """
+    """Logs `time/epoch_s` and `time/samples_per_s` each epoch, and their medians (`_median`) at the end. Left out:
+    validation and the checkpoint after it (inside Lightning's epoch), and a module's one-off `warmup_s`."""
 
     def __init__(self) -> None:
         self.epoch_times: list[float] = []
@@ -66,11 +65,7 @@ class EpochTimer(Callback):
         self.epoch_times.append(seconds)
         samples_per_s = self._samples / seconds if seconds > 0 else 0.0
         self.samples_per_s.append(samples_per_s)
-        if trainer.is_global_zero:
-            # The step Lightning gives the epoch's other scalars (train/loss, val/acc): that of its last batch.
-            step = trainer.global_step - 1
-            for logger in trainer.loggers:
-                logger.log_metrics({"time/epoch_s": seconds, "time/samples_per_s": samples_per_s}, step=step)
+        log_scalars(trainer, {"time/epoch_s": seconds, "time/samples_per_s": samples_per_s})
         # Every process reads the metrics: reading them reduces the epoch's train/loss across processes.
         shown = {k: float(v) for k, v in trainer.callback_metrics.items() if k in ("train/loss", "train/acc", "val/acc")}
         if trainer.is_global_zero:  # the line to grep in train.log, written as each epoch ends
@@ -86,8 +81,7 @@ class EpochTimer(Callback):
         self.epoch_times, self.samples_per_s = list(state["epoch_times"]), list(state["samples_per_s"])
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self.epoch_times and trainer.is_global_zero:
-            for logger in trainer.loggers:
-                logger.log_metrics({"time/epoch_s_median": statistics.median(self.epoch_times),
-                                    "time/samples_per_s_median": statistics.median(self.samples_per_s)},
-                                   step=max(trainer.global_step - 1, 0))
+        if self.epoch_times:
+            log_scalars(trainer, {"time/epoch_s_median": statistics.median(self.epoch_times),
+                                  "time/samples_per_s_median": statistics.median(self.samples_per_s)},
+                        step=max(trainer.global_step - 1, 0))

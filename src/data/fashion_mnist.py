@@ -2,15 +2,14 @@
 
 import math
 import os
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from lightning import LightningDataModule
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, DistributedSampler
 from torchvision.datasets import FashionMNIST
 from torchvision.datasets.mnist import read_sn3_pascalvincent_tensor
 
@@ -37,39 +36,8 @@ class TensorImages(Dataset):
         return self.images[index], self.labels[index]
 
 
-@dataclass
-class ShardOrder:
-    """One process's shard of a split, epoch by epoch, as one tensor: the indices of torch's `DistributedSampler`
-    (`pad`: training) or Lightning's `UnrepeatedDistributedSampler` (evaluation, where every image counts once)."""
-
-    size: int
-    rank: int = 0
-    world_size: int = 1
-    shuffle: bool = False
-    seed: int = 0
-    pad: bool = False
-    epoch: int = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        """Lightning calls this on `loader.sampler` before each training epoch."""
-        self.epoch = epoch
-
-    def __len__(self) -> int:
-        return math.ceil(self.size / self.world_size) if self.pad else len(range(self.rank, self.size, self.world_size))
-
-    def indices(self) -> torch.Tensor:
-        if self.shuffle:
-            order = torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed + self.epoch))
-        else:
-            order = torch.arange(self.size)
-        if self.pad:
-            total = len(self) * self.world_size
-            order = order.repeat(math.ceil(total / self.size))[:total]
-        return order[self.rank :: self.world_size]
-
-
 class DeviceLoader:
-    """Batches of one process's shard, each one gather on the device where the split sits: no host work per batch.
+    """Batches of one process's shard in `sampler`'s order, each one gather on the device where the split sits.
 
     A batch holds `steps_per_batch` optimizer steps' images. Its position in the epoch is in every checkpoint, counted
     in global batches of one step, so a mid-epoch resume sees the unbroken run's batches, under any world size too.
@@ -77,8 +45,8 @@ class DeviceLoader:
 
     batch_sampler = None  # Lightning looks for one beside `sampler`, as on a DataLoader
 
-    def __init__(self, split: TensorImages, sampler: ShardOrder, batch_size: int, device: torch.device,
-                 steps_per_batch: int = 1) -> None:
+    def __init__(self, split: TensorImages, sampler: Sequence[int] | DistributedSampler, batch_size: int,
+                 device: torch.device, steps_per_batch: int = 1) -> None:
         self.images, self.labels = split.images.to(device), split.labels.to(device)
         self.sampler, self.batch_size, self.device = sampler, batch_size, device
         self.steps_per_batch = steps_per_batch
@@ -90,12 +58,12 @@ class DeviceLoader:
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         # A generator: nothing runs until the first batch, after Lightning has set the sampler's epoch.
-        epoch, skipped = self.sampler.epoch, 0
+        epoch, skipped = getattr(self.sampler, "epoch", 0), 0
         if self.resume_at is not None and self.resume_at[0] == epoch:
             skipped = self.resume_at[1]
         self.resume_at = None
         self.epoch, self.batches_seen = epoch, skipped
-        indices = self.sampler.indices().to(self.device, non_blocking=True)
+        indices = torch.tensor(list(self.sampler), dtype=torch.long).to(self.device, non_blocking=True)
         span = self.batch_size * self.steps_per_batch
         for start in range(skipped * self.batch_size, len(indices), span):
             batch = indices[start : start + span]
@@ -134,8 +102,8 @@ def per_process_batch(batch_size: int, world_size: int) -> int:
 
 
 class FashionMNISTDataModule(LightningDataModule):
-    """Fashion-MNIST through torchvision, each split served from the training device in a distributed sampler's
-    order, also on one process: the union of N processes' shards of batch k is batch k of a one-process run."""
+    """Fashion-MNIST through torchvision, served from the training device in a distributed sampler's order, also on
+    one process: the union of N processes' shards of batch k is batch k of a one-process run."""
 
     def __init__(self, root: str = "data", batch_size: int = 256, val_size: int = 5000, download: bool = True,
                  shuffle: bool = True, seed: int = 42, num_classes: int = 10, in_channels: int = 1,
@@ -150,7 +118,6 @@ class FashionMNISTDataModule(LightningDataModule):
 
     @property
     def sample_shape(self) -> tuple[int, int, int]:
-        """What a run counts its FLOPs per image on."""
         return (self.in_channels, IMAGE_SIZE, IMAGE_SIZE)
 
     @property
@@ -215,7 +182,6 @@ class FashionMNISTDataModule(LightningDataModule):
         }
 
     def _check(self, prefix: str, images: torch.Tensor, labels: torch.Tensor) -> None:
-        """Files that torchvision parses can still disagree with each other or with the model."""
         where = f"data.root={self.root}: {self.raw_folder / prefix}"
         if len(labels) != len(images):
             raise UsageError(f"{where}-labels-idx1-ubyte holds {len(labels)} labels for the {len(images)} images of "
@@ -228,11 +194,15 @@ class FashionMNISTDataModule(LightningDataModule):
                              f"not 0 to {self.num_classes - 1} (data.num_classes={self.num_classes}); point data.root at a good copy")
 
     def _loader(self, split: str) -> DeviceLoader:
-        """Training shards are padded: DDP needs the same number of steps on every process."""
+        """Training shards are padded by torch's DistributedSampler (DDP needs the same number of steps on every
+        process); evaluation shards hold each image once, as Lightning's UnrepeatedDistributedSampler's."""
         trainer, dataset, train = self.trainer, self.splits[split], split == "train"
         world_size, rank = (trainer.world_size, trainer.global_rank) if trainer else (1, 0)
         device = trainer.strategy.root_device if trainer else torch.device("cpu")
-        order = ShardOrder(len(dataset), rank, world_size, shuffle=train and self.shuffle, seed=self.seed, pad=train)
+        if train:
+            order = DistributedSampler(dataset, world_size, rank, shuffle=self.shuffle, seed=self.seed)
+        else:
+            order = range(rank, len(dataset), world_size)
         return DeviceLoader(dataset, order, per_process_batch(self.batch_size, world_size), device,
                             self.steps_per_execution if train else 1)
 
@@ -246,8 +216,7 @@ class FashionMNISTDataModule(LightningDataModule):
         return self._loader("test")
 
     def on_after_batch_transfer(self, batch: tuple[torch.Tensor, torch.Tensor], dataloader_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Augment and normalise on the device, into the precision's input dtype: Lightning converts inputs before
-        this hook, while they are uint8."""
+        """Augment and normalise on the device, into the precision's input dtype (Lightning converts them earlier)."""
         images, labels = batch
         if (self.random_crop or self.hflip) and self.trainer and self.trainer.training:
             images = augment(images, self.random_crop, self.hflip)

@@ -1,7 +1,7 @@
 """Around every entry point (`src.train`, `src.eval`): the command line in, one line and an exit status out.
 
-Bad input is one `error:` line, exit status 2 (a diverged loss: 1), and no folder that could pass for a result; a stop
-or a failed rank is one line naming what is kept; a sweep prints a summary, writes its report, and fails with its jobs.
+Bad input is one `error:` line, exit status 2 (a diverged loss: 1), and no folder left; a stop or a failed rank is one
+line naming what is kept; a sweep prints a summary, writes its report, and fails with its jobs.
 """
 
 import os
@@ -21,13 +21,6 @@ from src.errors import RunFailed, UsageError, interpreter, said
 from src.launch import lock, naming, progress, ranks, stops
 from src.launch.console import counted, print_error, print_line
 from src.launch.stops import RankFailed, RunStopped, signal_name
-
-SETTINGS = (".hydra", "config.yaml", lock.LOCK)  # what a folder holds before a run has written anything of its own
-
-
-def holds_only_settings(folder: Path) -> bool:
-    return folder.is_dir() and all(p.name in SETTINGS or p.suffix == ".log" for p in folder.iterdir())
-
 
 def kept(output_dir: Path) -> str:
     """What a stopped run leaves to resume from, and the command that resumes it."""
@@ -69,7 +62,7 @@ def run_job(cfg: DictConfig, task: Callable[[DictConfig], Result],
     from src.launch import workers
 
     output_dir = Path(cfg.output_dir)
-    fresh = holds_only_settings(output_dir)
+    fresh = naming.holds_only_settings(output_dir)
     try:
         if prepare is not None:
             prepare(cfg)

@@ -12,6 +12,7 @@ from src.config import options
 from src.errors import interpreter
 from src.folders import missing, remove_empty
 from src.records import load, overrides, select
+from src.launch.lock import LOCK
 from src.launch.ranks import external_rank, run_stamp
 
 # Folders this process claimed, by the name asked for (Hydra may resolve one twice); the folders each claim created.
@@ -113,19 +114,22 @@ def unclaim_dir(folder: Path) -> None:
     remove_empty(_created.get(str(Path(folder).absolute()), [Path(folder)]))
 
 
+def holds_only_settings(folder: Path) -> bool:
+    """What a folder holds before a run has written anything of its own: its settings, lock and logs."""
+    settings = (".hydra", "config.yaml", LOCK)
+    return folder.is_dir() and all(p.name in settings or p.suffix == ".log" for p in folder.iterdir())
+
+
 def unclaim_unused() -> None:
-    """Take back every folder this process claimed that holds no more than a run's settings and logs."""
+    """Take back every folder this process claimed that a run wrote nothing of its own in."""
     for folder in map(Path, list(_claimed.values())):
-        if folder.is_dir() and all(p.name in (".hydra", ".lock", "config.yaml") or p.suffix == ".log" for p in folder.iterdir()):
+        if holds_only_settings(folder):
             unclaim_dir(folder)
 
 
 def register_resolvers() -> None:
     for name, function in (("run_stamp", run_stamp), ("claim_dir", claim_dir), ("run_label", run_label),
-                           ("precision_used", precision_used), ("python", interpreter), ("options", options)):
+                           ("precision_used", precision_used), ("python", interpreter), ("options", options),
+                           ("sweep_job_dirname", sweep_job_dirname)):
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, function, use_cache=True)
-    if not OmegaConf.has_resolver("sweep_job_dirname"):
-        OmegaConf.register_new_resolver(
-            "sweep_job_dirname",
-            lambda overrides, num, sweep_dir, label="": sweep_job_dirname(list(overrides), num, sweep_dir, str(label)))

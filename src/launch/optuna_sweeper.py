@@ -2,13 +2,14 @@
 
     python -m src.train -m hydra/sweeper=optuna 'optim.lr=tag(log, interval(0.001, 0.1))' hydra.sweeper.n_trials=12
 
-Each trial is a job of the sweep's launcher. The study, `<sweep>/optuna.db`, outlives the command: a resume
-(`hydra.sweep.dir=<sweep> ckpt_path=auto`) goes on to `n_trials`. A job, in whatever process, reaches its trial through
-that file (`src.callbacks.optuna_trial`), to report each epoch, stop when pruned, and tell how it ended.
+Each trial is a job of the sweep's launcher. The study, `<sweep>/optuna.db`, outlives the command (a resume goes on to
+`n_trials`); a job reaches its trial through that file (`TrialRecord`; in training `src.callbacks.optuna_trial`) to report and be
+pruned.
 """
 
+import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,9 @@ from src.config import NULL, must_be, not_allowed, one_of, rule_for, shown, whol
 from src.errors import UsageError, missing_package
 from src.launch import progress
 from src.launch.console import print_line
+from src.records import Result
+
+log = logging.getLogger(__name__)
 
 OBJECTIVE = "val/acc_best"
 DB = "optuna.db"
@@ -51,6 +55,66 @@ def storage(db: Path | str) -> Any:
 def make_pruner(name: str) -> Any:
     pruners = optuna_package().pruners
     return pruners.MedianPruner() if name == "median" else pruners.NopPruner()
+
+
+@dataclass(frozen=True)
+class TrialResult(Result):
+    pruned: bool = False
+
+
+class TrialRecord:
+    """One trial of a sweep's study, reached through the study's file by its number."""
+
+    def __init__(self, db: str, study: str, number: int) -> None:
+        self.storage, self.number = storage(db), number
+        self.study = optuna_package().load_study(study_name=study, storage=self.storage)
+        self.study.pruner = make_pruner(self.study.user_attrs.get("pruner", "none"))
+        self.id = self.storage.get_trial_id_from_study_id_trial_number(self.storage.get_study_id_from_name(study), number)
+
+    def report(self, epoch: int, value: float) -> bool:
+        """True where the pruner gives the trial up."""
+        self.storage.set_trial_intermediate_value(self.id, epoch, value)
+        if not self.study.pruner.prune(self.study, self.storage.get_trial(self.id)):
+            return False
+        self.storage.set_trial_user_attr(self.id, PRUNED_AFTER, epoch + 1)
+        log.info(f"trial {self.number + 1} pruned after epoch {epoch + 1}: val/acc={value:.4f} is below the median of "
+                 "the trials before it at that epoch; it stops here, and is tested")
+        return True
+
+    def told(self, result: Any, folder: str) -> TrialResult:
+        metrics = getattr(result, "metrics", {})
+        if OBJECTIVE not in metrics:
+            self.tell("FAIL")
+            raise UsageError(f"trial {self.number + 1} has no {OBJECTIVE} to be judged by: {folder} ran no validation")
+        for name in (OBJECTIVE, "test/acc"):
+            if name in metrics:
+                self.storage.set_trial_user_attr(self.id, name, metrics[name])
+        pruned = PRUNED_AFTER in self.storage.get_trial(self.id).user_attrs
+        self.tell("PRUNED" if pruned else "COMPLETE", None if pruned else metrics[OBJECTIVE])
+        return TrialResult(**asdict(result), pruned=pruned)
+
+    def tell(self, state: str, value: float | None = None) -> None:
+        from optuna.trial import TrialState
+
+        self.study.tell(self.number, value, state=TrialState[state], skip_if_finished=True)
+
+
+@dataclass
+class TrialTask:
+    """Tells the study how the job ended; a stop signal (SystemExit) leaves the trial running, to resume."""
+
+    task: TaskFunction
+
+    def __call__(self, cfg: DictConfig) -> Any:
+        where = cfg.callbacks[CALLBACK]
+        trial, folder = TrialRecord(where.db, where.study, where.trial), Path(cfg.output_dir).name
+        trial.storage.set_trial_user_attr(trial.id, "folder", folder)
+        try:
+            result = self.task(cfg)
+        except Exception:
+            trial.tell("FAIL")
+            raise
+        return trial.told(result, folder)
 
 
 @dataclass
@@ -110,8 +174,6 @@ class OptunaSweeper(Sweeper):
         self.settings, self.config, self.hydra_context, self.launcher = settings, None, None, None
 
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
-        from src.callbacks.optuna_trial import TrialTask  # Lightning: once the sweeper is asked for
-
         self.config, self.hydra_context = config, hydra_context
         self.launcher = Plugins.instance().instantiate_launcher(hydra_context=hydra_context, config=config,
                                                                 task_function=TrialTask(task_function))

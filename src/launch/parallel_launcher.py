@@ -2,12 +2,11 @@
 
     python -m src.train -m hydra/launcher=parallel seed=1,2,3,4 hydra.launcher.jobs_per_gpu=4  # 4 jobs share a GPU
 
-Each job runs Hydra's `run_job` in a new interpreter, as a SLURM job does, holding one of K slots of cores (by affinity,
-with as many threads) and, on a GPU machine, `devices` GPUs by CUDA_VISIBLE_DEVICES, each shared by at most
-`jobs_per_gpu` jobs. Its output goes to `<sweep>/.parallel/<job>.out`; the terminal gets the progress lines. A stop
-signal goes on to every running job once (each has a process group of its own, out of the terminal's reach); no job
-starts after it, and a second signal kills what still runs. No launcher at hand does this: submitit's local executor
-starts every job on the same GPUs and kills a job 1 s after Ctrl-C; Hydra's joblib launcher gives no job its devices.
+Each job runs Hydra's `run_job` in a new interpreter, in a process group of its own (out of the terminal's reach), on a
+slot of cores and its GPUs; its output goes to `<sweep>/.parallel/<job>.out`. A stop signal goes on to every running job
+once, and no job starts after it; a second kills what still runs. No launcher at hand does this: submitit's local
+executor starts every job on the same GPUs and kills a job 1 s after Ctrl-C; Hydra's joblib launcher gives no job its
+devices.
 """
 
 import logging
@@ -19,7 +18,7 @@ import sys
 from collections import deque
 from collections.abc import Sequence
 from contextlib import suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
@@ -31,10 +30,9 @@ from omegaconf import DictConfig
 
 from src.errors import UsageError
 from src.launch.console import counted
-from src.launch.naming import job_dirname
 from src.launch.progress import Progress, last_error_line, value
 from src.launch.ranks import usable_cores
-from src.launch.sequential_launcher import ProjectLauncher
+from src.launch.sequential_launcher import Job, ProjectLauncher
 from src.launch.stops import STOP_SIGNALS, RankFailed, RunStopped, die_with_launcher, handle_stop_signals, signal_name
 
 log = logging.getLogger(__name__)
@@ -49,7 +47,6 @@ class Placement:
     gpus: tuple[str, ...] | None
 
     def take(self) -> None:
-        """In the job's process, before it runs."""
         if self.gpus is not None:
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(self.gpus)
         if hasattr(os, "sched_setaffinity"):
@@ -72,8 +69,8 @@ class Places:
         self.jobs_per_gpu = jobs_per_gpu
 
     def take(self, gpus: int) -> Placement | None:
-        """A slot and `gpus` GPUs, the least shared first; None until they are free. A job that asks for more GPUs than
-        there are gets all of them, once none is in use (its own checks then refuse it)."""
+        """A slot and `gpus` GPUs, the least shared first; None until free. A job asking for more GPUs than there are
+        gets all, once none is in use (its own checks refuse it)."""
         if not self.free:
             return None
         if gpus > len(self.load):
@@ -118,8 +115,8 @@ def wants_gpu(config: DictConfig) -> bool:
 
 
 def slots_that_fit(jobs: int | None, cores: int, gpus: int, jobs_per_gpu: int, needs: list["Job"]) -> int:
-    """K: `jobs` where given, else on GPUs their places over the fewest devices a GPU job asks for, on CPU the cores
-    over the most devices a job asks for (a core per DDP process). At least one core per job, no more slots than jobs."""
+    """K: `jobs`, else the GPUs' places over the fewest devices a GPU job asks for, else the cores over the most devices
+    a job asks for (a core per DDP process); at least a core per job, no more slots than jobs."""
     if jobs is None:
         on_gpu = [job.devices for job in needs if job.gpu]
         jobs = max(1, gpus * jobs_per_gpu // min(on_gpu)) if gpus and on_gpu else max(1, cores // max(job.devices for job in needs))
@@ -139,16 +136,6 @@ def checked_setting(name: str, value: Any, allow_null: bool, most: int | None = 
 
 
 @dataclass
-class Job:
-    number: int
-    overrides: list[str]
-    config: DictConfig
-    name: str
-    devices: int
-    gpu: bool
-
-
-@dataclass
 class Running:
     job: Job
     placement: Placement
@@ -161,20 +148,16 @@ class Running:
 
 class ParallelLauncher(ProjectLauncher):
     def __init__(self, jobs: Any = None, jobs_per_gpu: Any = 1) -> None:
-        super().__init__()
         self.jobs = checked_setting("jobs", jobs, allow_null=True, most=len(usable_cores()))
         self.jobs_per_gpu = checked_setting("jobs_per_gpu", jobs_per_gpu, allow_null=False)
 
-    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
-        sweep_dir = self.start_sweep()
-        jobs = [self.job(number, list(overrides)) for number, overrides in enumerate(job_overrides, initial_job_idx)]
+    def run(self, jobs: list[Job], progress: Progress, sweep_dir: Path) -> dict[int, JobReturn]:
         cores = usable_cores()
         gpus = machine_gpus() if any(job.gpu for job in jobs) else None
         slots = slots_that_fit(self.jobs, len(cores), len(gpus or ()), self.jobs_per_gpu, jobs)
         (sweep_dir / ".parallel").mkdir(exist_ok=True)
         log.info(f"{counted(len(jobs), 'job')}, {slots} at a time, in {sweep_dir}; each job's output in {sweep_dir / '.parallel'}")
         places = Places(cores, slots, gpus, self.jobs_per_gpu)
-        progress = Progress(len(jobs), initial_job_idx, sweep_dir)
         waiting, running, returns = deque(jobs), {}, {}
         with Stops() as stops:
             try:
@@ -194,12 +177,12 @@ class ParallelLauncher(ProjectLauncher):
             finally:
                 for still in running.values():  # only after an error of this launcher's own
                     kill(still.process.pid)
-        return [returns[job.number] for job in jobs]
+        return returns
 
     def job(self, number: int, overrides: list[str]) -> Job:
-        config = self.job_config(number, overrides)
-        devices = config.get("devices", 1)
-        return Job(number, overrides, config, job_dirname(config), devices if isinstance(devices, int) else 1, wants_gpu(config))
+        job = super().job(number, overrides)
+        devices = job.config.get("devices", 1)
+        return replace(job, devices=devices if isinstance(devices, int) else 1, gpu=wants_gpu(job.config))
 
     def start(self, job: Job, placement: Placement, sweep_dir: Path) -> Running:
         assert self.hydra_context is not None and self.task_function is not None
@@ -216,8 +199,8 @@ class ParallelLauncher(ProjectLauncher):
 
 
 class Stops:
-    """Stop signals while the jobs run: noted, and the wait for the jobs woken, rather than raised wherever the launcher
-    is (between starting a job's process and holding on to it, say)."""
+    """Stop signals while the jobs run: noted and waking the wait, not raised wherever the launcher is (between starting
+    a job's process and holding on to it, say)."""
 
     def __init__(self) -> None:
         self.signals: list[int] = []
@@ -241,37 +224,27 @@ class Stops:
 
 
 def ended_jobs(running: dict[int, Running], woken: int) -> list[Running]:
-    """The jobs that have ended, taken out of `running`, once one has or a stop signal wakes the wait. A job's return
-    is read as it comes: a job sending a large one waits until it is read."""
+    """The jobs that ended, taken out of `running`, once one has or a stop signal wakes the wait. A return is read as it
+    comes: a job sending a large one waits until it is read."""
     assert running, "a job can always start while none runs"
     while True:
-        waits: dict[Any, Running] = {r.process.sentinel: r for r in running.values()}
-        waits.update({r.results: r for r in running.values() if r.results is not None})
-        ready = wait([*waits, woken])
+        pipes = [job.results for job in running.values() if job.results is not None]
+        ready = wait([*(job.process.sentinel for job in running.values()), *pipes, woken])
         if woken in ready:
             os.read(woken, 1024)
-        for job in (waits[item] for item in ready if item in waits and item is waits[item].results):
-            job.returned = receive(job)
         ended = [job for job in running.values() if job.process.sentinel in ready]
+        for job in running.values():
+            # an ended job's return, if it sent one, is in the pipe, whose end it closed
+            if job.results is not None and (job.results in ready or job.process.sentinel in ready):
+                with job.results:
+                    with suppress(EOFError):  # else killed, or stopped by a signal
+                        job.returned = pickle.loads(job.results.recv_bytes())
+                job.results = None
         for job in ended:
-            if job.results is not None:  # what it sent, if anything, is in the pipe, whose end it closed
-                job.returned = receive(job)
             job.process.join()
             del running[job.job.number]
         if ended or woken in ready:
             return ended
-
-
-def receive(job: Running) -> JobReturn | None:
-    """The job's JobReturn from its pipe, which is then closed; None if it ended without sending one."""
-    assert job.results is not None
-    try:
-        return pickle.loads(job.results.recv_bytes())
-    except EOFError:  # killed, or stopped by a signal
-        return None
-    finally:
-        job.results.close()
-        job.results = None
 
 
 def returned(job: Running) -> JobReturn:
@@ -287,16 +260,14 @@ def last_words(job: Running) -> str:
     """How a job that sent no result ended: its last `error:` line (a stop line, say), else its exit."""
     code = job.process.exitcode or 0
     try:
-        with open(job.out, "rb") as file:
-            file.seek(job.out_start)
-            said = last_error_line(file.read().decode(errors="replace"))
+        said = last_error_line(job.out.read_bytes()[job.out_start:].decode(errors="replace"))
     except OSError:
         said = None
     return said or (f"killed by {signal_name(-code)}" if code < 0 else f"ended with exit status {code} and no result")
 
 
 def stop_all(running: dict[int, Running], stops: Stops, progress: Progress) -> None:
-    """The first stop signal to each running job, once; a line for each as it ends; a second signal kills the rest."""
+    """The first stop signal to each running job, once, and a line as each ends; a second signal kills the rest."""
     for job in running.values():
         with suppress(ProcessLookupError, PermissionError):
             os.kill(job.process.pid, stops.signals[0])
@@ -319,8 +290,8 @@ def kill(pid: int) -> None:
 
 
 def run_in_own_process(payload: bytes, placement: Placement, out: str, results: Connection) -> None:
-    """In the job's process: its process group, devices and output file, then Hydra's `run_job`, whose JobReturn goes
-    back on `results`. A job stopped by a signal exits with the run's status instead."""
+    """In the job's process: Hydra's `run_job` in its process group, on its devices, into its output file; the
+    JobReturn goes back on `results`."""
     os.setpgid(0, 0)  # signals come from the sweep, once, not also from the terminal
     handle_stop_signals()
     die_with_launcher()

@@ -3,9 +3,9 @@
     job 2/4 done: lenet_auto_1dev_32-true_seed=2: test/acc=0.7012 ... -> outputs/multirun/... (elapsed 1:22, about 0:41 left)
     sweep of 4 jobs: 3 done, 0 resumed, 0 skipped, 1 failed; report: outputs/multirun/.../report.md
 
-Every launcher feeds the same `Progress`, from Hydra's `JobReturn` alone, so it serves any Hydra app: a value's `line`
-is shown and its `resumed`, `skipped` and `pruned` counted. The time left is the mean length of the ended jobs, spread
-over the most jobs seen running at once. A sweeper that launches batch by batch (Optuna's) sets up the `Tally` itself.
+Every launcher feeds `Progress` from Hydra's `JobReturn` alone, so it serves any Hydra app: a value's `line` is shown,
+its `resumed`, `skipped` and `pruned` counted. The time left: the ended jobs' mean length over the most jobs seen
+running at once. A sweeper that launches batch by batch (Optuna's) sets up the `Tally` itself.
 """
 
 import contextlib
@@ -123,14 +123,10 @@ class Progress:
         tally.total = max(tally.total, self.first + self.count)
         self.tally = tally
 
-    @property
-    def total(self) -> int:
-        return self.tally.total
-
     def started(self, number: int, name: str) -> None:
         self.running[number] = self.clock()
         self.tally.widest = max(self.tally.widest, len(self.running))
-        self.say(f"{self.tally.noun} {number + 1}/{self.total} started: {name} ({self.times()})")
+        self.say(f"{self.tally.noun} {number + 1}/{self.tally.total} started: {name} ({self.times()})")
 
     def ended(self, number: int, name: str, job: JobReturn) -> None:
         now = self.clock()
@@ -145,12 +141,12 @@ class Progress:
             setattr(self.tally, counted, getattr(self.tally, counted) + 1)
             line = getattr(result, "line", "")
             said = f"{'done' if counted == 'resumed' else counted}: {name}" + (f": {line}" if line else "")
-        self.say(f"{self.tally.noun} {number + 1}/{self.total} {said} ({self.times()})")
+        self.say(f"{self.tally.noun} {number + 1}/{self.tally.total} {said} ({self.times()})")
 
     def stopped(self, number: int, name: str, line: str) -> None:
         """A job ended by the sweep's stop signal; it counts as not run."""
         self.running.pop(number, None)
-        self.say(f"{self.tally.noun} {number + 1}/{self.total} stopped: {name}: {line} ({self.times()})")
+        self.say(f"{self.tally.noun} {number + 1}/{self.tally.total} stopped: {name}: {line} ({self.times()})")
 
     def left(self) -> float | None:
         """Seconds until the last job ends; None before any has ended."""
@@ -160,7 +156,7 @@ class Progress:
         mean = sum(lengths) / len(lengths)
         now = self.clock()
         running = sum(max(mean - (now - start), 0.0) for start in self.running.values())
-        waiting = self.total - self.tally.before - len(lengths) - len(self.running)
+        waiting = self.tally.total - self.tally.before - len(lengths) - len(self.running)
         return (running + waiting * mean) / max(self.tally.widest, 1)
 
     def times(self) -> str:

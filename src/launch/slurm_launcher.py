@@ -1,9 +1,8 @@
 """`hydra/launcher=slurm`: hydra-submitit-launcher's SLURM launcher, with endings a user can trust.
 
-The submitter waits for the job array itself, with a progress line as each job starts and ends: a failed job (an
-exception, or no result) fails the sweep naming it, a stop signal cancels the array, a job SLURM can never start ends
-the sweep in one line. Each SLURM task runs the job as rank N (N>0 logs to `train_rank_N.log`), resumes a requeued job
-(`ckpt_path=auto` unless given), and exits non-zero for a failed job, so that SLURM records it as FAILED.
+The submitter waits for the job array with a progress line as each job starts and ends: a failed job fails the sweep
+naming it, a stop signal cancels the array, a job SLURM can never start ends the sweep in one line. Each task runs as
+rank N (N>0 logs to `train_rank_N.log`), resumes when requeued (`ckpt_path=auto`), and exits non-zero when it fails.
 """
 
 import logging
@@ -28,6 +27,7 @@ from src.launch import stops
 from src.launch.naming import job_folder_name
 from src.launch.progress import Progress, failure, last_error_line, value
 from src.launch.stops import RankFailed, RunStopped
+from src.slurm import slurm_output
 
 log = logging.getLogger(__name__)
 
@@ -133,10 +133,8 @@ def wait(jobs: list[submitit.Job], overrides: list[list[str]], numbers: list[int
 
 def queue(array_id: str) -> list[tuple[str, str, str]] | None:
     """(job id, state, reason) of the array's jobs still in SLURM's queue; None when squeue cannot tell."""
-    try:
-        listing = subprocess.run(["squeue", "--noheader", "--array", "--jobs", array_id, "--format=%i|%T|%r"],
-                                 capture_output=True, text=True, timeout=60, check=True).stdout
-    except (OSError, subprocess.SubprocessError):
+    listing = slurm_output("squeue", "--noheader", "--array", "--jobs", array_id, "--format=%i|%T|%r")
+    if listing is None:
         return None
     return [tuple((line.strip().split("|") + ["", ""])[:3]) for line in listing.splitlines() if line.strip()]
 
@@ -157,11 +155,7 @@ def never_starts(listed: list[tuple[str, str, str]]) -> str | None:
 
 def scontrol(kind: str, name: str) -> dict[str, str]:
     """`scontrol show <kind> <name>` as a dict; empty when it cannot tell."""
-    try:
-        out = subprocess.run(["scontrol", "show", kind, "--oneliner", name], capture_output=True, text=True,
-                             timeout=60, check=True).stdout
-    except (OSError, subprocess.SubprocessError):
-        return {}
+    out = slurm_output("scontrol", "show", kind, "--oneliner", name) or ""
     return dict(field.split("=", 1) for field in out.split() if "=" in field)
 
 

@@ -1,7 +1,6 @@
-"""A run's processes: for local DDP one per device, started by torch's elastic agent (the engine behind `torchrun`),
-else the task in this process. The launching process builds nothing; each worker (spawned) sees torchrun's environment,
-so Lightning starts no processes of its own. The agent forwards signals, notices a dead worker and stops the others;
-what is here covers what it leaves open."""
+"""A run's processes: for local DDP one per device, started by torch's elastic agent (as `torchrun`), else the task in
+this process. Each spawned worker sees torchrun's environment, so Lightning starts none of its own; the agent forwards
+signals and stops the others when a worker dies: what is here covers what it leaves open."""
 
 import functools
 import importlib
@@ -70,7 +69,7 @@ def check_machine(cfg: DictConfig, world_size: int) -> None:
 
 
 def launch(task: Callable[[DictConfig], Result], cfg: DictConfig) -> Result:
-    """`task(cfg)` in a worker per device where Lightning would start DDP processes itself, else in this process."""
+    """`task(cfg)` in a worker per device where Lightning would start DDP processes, else in this process."""
     per_node = processes_per_node(cfg)
     check_machine(cfg, per_node * int(cfg.num_nodes))
     if per_node == 1 or external_rank() is not None:
@@ -81,8 +80,8 @@ def launch(task: Callable[[DictConfig], Result], cfg: DictConfig) -> Result:
 
 @contextmanager
 def own_process_group() -> Iterator[None]:
-    """Lightning leaves its process group and environment behind in this process (LOCAL_RANK would tell the next job of
-    a sweep that someone else started its processes)."""
+    """Lightning leaves its process group and environment behind (LOCAL_RANK would tell a sweep's next job that someone
+    else started its processes)."""
     saved = {name: os.environ.get(name) for name in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")}
     try:
         yield
@@ -155,8 +154,8 @@ def start(task: Callable[[DictConfig], Result], cfg: DictConfig, nprocs: int) ->
 
 
 def importable(function: Callable[..., Any]) -> Callable[..., Any]:
-    """`function` by its module's import name: under `python -m` it lives in `__main__`, which a new process names
-    `__mp_main__`, and a copy by value (a parallel sweep's job) is none that pickle finds by name."""
+    """`function` by its import name: under `python -m` it lives in `__main__`, which a spawned process calls
+    `__mp_main__` (a parallel sweep job's copy by value has no name pickle finds)."""
     spec = getattr(sys.modules.get(function.__module__), "__spec__", None)
     if function.__module__ in ("__main__", "__mp_main__") and spec is not None:
         return getattr(importlib.import_module(spec.name), function.__name__)
@@ -204,8 +203,8 @@ def _over_nccl(cfg: DictConfig) -> bool:
 
 def _worker(task: Callable[[DictConfig], Result], cfg: DictConfig, logging_config: dict[str, Any] | None,
             position: str) -> Any:
-    """One rank: what `task` returns, or a user's error for the launcher to say; a rank stopped by a signal leaves
-    where training was in the file `position`."""
+    """One rank: what `task` returns, or a user's error for the launcher to say; stopped by a signal, it leaves where
+    training was in the file `position`."""
     die_with_launcher()
     # tqdm's default lock holds a named semaphore, which this process's immediate exit (`_exit`) would leave to the
     # resource tracker's "leaked semaphore" warning at the end of the run: the bars get a thread lock instead.
@@ -256,8 +255,8 @@ def _worker(task: Callable[[DictConfig], Result], cfg: DictConfig, logging_confi
 
 
 def stopped_peers(ranks: Path) -> str:
-    """The other stopped workers of this process group, as `rank N (pid P)` (each notes its pid's rank in the folder
-    `ranks`); empty where none is, or without /proc."""
+    """The other stopped workers of this process group, as `rank N (pid P)` (each notes its pid's rank in `ranks`);
+    empty where none is, or without /proc."""
     found = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:

@@ -7,11 +7,8 @@ INITS = ("normal", "kaiming")
 
 
 class LeNet(nn.Sequential):
-    """conv 20@3x3, ReLU, avg-pool, conv 50@5x5, ReLU, avg-pool, 800 -> 128 -> 10, for 28x28 images.
-
-    The defaults are the book's network, weights from N(0, 0.01): that small scale is why it needs a large learning
-    rate. `batch_norm`, `pool=max` and `init=kaiming` (He et al., 2015) are `experiment=lenet_plus` (docs/results.md).
-    """
+    """The defaults are the book's network, weights from N(0, 0.01): that small scale is why it needs a large rate.
+    `batch_norm`, `pool=max` and `init=kaiming` (He et al., 2015) are `experiment=lenet_plus` (docs/results.md)."""
 
     def __init__(self, num_classes: int = 10, in_channels: int = 1, init_std: float = 0.01,
                  batch_norm: bool = False, pool: str = "avg", init: str = "normal") -> None:

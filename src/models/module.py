@@ -40,11 +40,8 @@ def plain(node: Any) -> Any:
 
 
 class Classifier(LightningModule):
-    """Trains any image classifier `net` with the given loss and optimizer (a partial called with the parameters).
-
-    Loss, accuracy and logging happen here, on the gathered logits of the whole per-process batch, so a strategy only
-    has to make `net`'s forward pass parallel.
-    """
+    """Trains any image classifier `net`; loss, accuracy and logging happen here, on the logits of the whole
+    per-process batch, so a strategy only has to make `net`'s forward pass parallel."""
 
     def __init__(self, net: nn.Module | Mapping[str, Any],
                  optimizer: OptimizerFactory = partial(torch.optim.SGD, lr=0.1),  # the book's LeNet rate
@@ -58,8 +55,7 @@ class Classifier(LightningModule):
         self.optimizer = optimizer
         self.schedule = schedule or Schedule()
         self.loss = instantiate(loss) if isinstance(loss, Mapping) else loss if loss is not None else nn.CrossEntropyLoss()
-        # The loss is weighted by images, so unpadded evaluation shards count each image once. No per-step checks of
-        # labels or NaNs (the data module and FiniteLossCheck do them): on a GPU each would wait for the device.
+        # Loss weighted by images: unpadded evaluation shards count each image once. No per-step checks (a GPU wait).
         for stage in STAGES:
             setattr(self, f"{stage}_acc", MulticlassAccuracy(num_classes, average="micro", validate_args=False))
             setattr(self, f"{stage}_loss", MeanMetric(nan_strategy="disable"))
@@ -77,7 +73,7 @@ class Classifier(LightningModule):
 
     @classmethod
     def load_from_checkpoint(cls, checkpoint_path: str | Path, *args: Any, **kwargs: Any) -> "Classifier":  # type: ignore[override]
-        """Reads weights-only, and builds only classes the project's conf/ names: a checkpoint may come from anyone."""
+        """Weights-only, building only classes the project's conf/ names: a checkpoint may come from anyone."""
         recorded = read_checkpoint(checkpoint_path).get("hyper_parameters", {})
         records.check_data({k: v for k, v in recorded.items() if k not in kwargs}, Path(checkpoint_path),
                            records.conf_targets(), "hyper_parameters")
@@ -85,8 +81,7 @@ class Classifier(LightningModule):
         return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)
 
     def use_fast_steps(self, fast_steps: FastSteps, step_batch_size: int) -> None:
-        """`steps_per_execution` optimizer steps a batch, each a CUDA graph replay with `cuda_graphs`: the module
-        then steps its optimizer itself (manual optimization), as Lightning would one step a batch."""
+        """`steps_per_execution` optimizer steps a batch (each a CUDA graph replay with `cuda_graphs`), stepped here."""
         self.fast_steps = fast_steps
         self.step_batch_size = step_batch_size
         self.automatic_optimization = not fast_steps.manual
@@ -105,8 +100,7 @@ class Classifier(LightningModule):
         return loss
 
     def update_metrics(self, stage: str, loss: torch.Tensor, logits: torch.Tensor, y: torch.Tensor) -> None:
-        """Never waits for the device: the image count is made there (a Python number would be copied from pageable
-        memory, a wait at every step)."""
+        """The image count is made on the device: a Python number would be copied from pageable memory, a wait."""
         getattr(self, f"{stage}_acc").update(logits, y)
         getattr(self, f"{stage}_loss").update(loss.detach(), weight=loss.new_full((), len(y), dtype=torch.float32))
         if stage not in self._logged:
@@ -198,7 +192,6 @@ class Classifier(LightningModule):
             self._end_warmup()
 
     def _start_warmup(self) -> None:
-        """With compile=true, the run's first optimizer step compiles: timed as warm-up."""
         if self.fast_steps.compiled and not self._compile_timed:
             self._synchronize()
             self._warmup_started = time.perf_counter()
@@ -239,8 +232,7 @@ class Classifier(LightningModule):
                                            for name, metric in (("train_acc", self.train_acc), ("train_loss", self.train_loss))}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """A checkpoint saved under automatic optimization resumes under manual, and the other way round (a CPU run
-        resumed on a GPU): the optimizer steps taken move to the counter in use."""
+        """Between automatic and manual optimization (a CPU run resumed on a GPU), the steps taken move counters."""
         for name, states in checkpoint.get("epoch_metrics", {}).items():
             for key, value in states.items():
                 setattr(getattr(self, name), key, value.to(self.device))

@@ -1,7 +1,5 @@
 """`python -m src.scaling <run or sweep folder>`: predicted epoch time and speed-up on 1 to 1024 processes.
-
-Parsed and checked without torch, so that `--help` and a mistake are answered in about a second.
-"""
+Parsed and checked without torch, so that `--help` and a mistake are answered in about a second."""
 
 from argparse import Namespace
 from pathlib import Path
@@ -36,17 +34,22 @@ def parse(argv: list[str] | None) -> Namespace:
     whatif_mode = args.model is not None or args.params is not None
     if args.folder is None and not args.probe and not whatif_mode:
         raise UsageError("give a run or sweep folder, --probe, or a what-if (--model or --params)")
+    whole = "a whole number of 1 or more"
     allowed = [
-        ("--overlap", args.overlap, args.overlap is None or 0 <= args.overlap <= 1, "between 0 and 1"),
-        ("--skew", args.skew, args.skew is None or 0 <= args.skew <= 10, "between 0 and 10"),
-        ("--bus-share", args.bus_share, args.bus_share is None or 0 < args.bus_share <= 1, "above 0 and at most 1"),
-        ("--bucket-mb", args.bucket_mb, args.bucket_mb > 0, "above 0"),
-        ("--overhead-ms", args.overhead_ms, args.overhead_ms is None or args.overhead_ms >= 0, "0 or more"),
-        ("--per-process-batch", args.per_process_batch, args.per_process_batch is None or args.per_process_batch >= 1,
-         "a whole number of 1 or more"),
+        ("--overlap", args.overlap, lambda value: 0 <= value <= 1, "between 0 and 1"),
+        ("--skew", args.skew, lambda value: 0 <= value <= 10, "between 0 and 10"),
+        ("--bus-share", args.bus_share, lambda value: 0 < value <= 1, "above 0 and at most 1"),
+        ("--bucket-mb", args.bucket_mb, lambda value: value > 0, "above 0"),
+        ("--overhead-ms", args.overhead_ms, lambda value: value >= 0, "0 or more"),
+        ("--per-process-batch", args.per_process_batch, lambda value: value >= 1, whole),
+        ("--params", args.params, lambda value: value >= 1 and value == int(value), whole),
+        ("--step-ms", args.step_ms, lambda value: value > 0, "above 0"),
+        ("--batch", args.batch, lambda value: value >= 1, whole),
+        ("--samples", args.samples, lambda value: value >= 1, whole),
+        ("--ddp-share", args.ddp_share, lambda value: 0 <= value <= 1, "a share of the step, from 0 to 1"),
     ]
     for option, value, ok, rule in allowed:
-        if not ok:
+        if value is not None and not ok(value):
             raise UsageError(f"{option} {value:g} is not allowed; it must be {rule}")
     if whatif_mode:
         if args.folder is not None or args.probe:

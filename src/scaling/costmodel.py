@@ -1,8 +1,5 @@
-"""How long gradient averaging takes on N processes: bytes per hook, ring all-reduce time, epoch time.
-
-Plain numbers, no torch and no file reading, so that `--help` answers at once and every formula can be checked
-by hand (docs/scaling.md).
-"""
+"""How long gradient averaging takes on N processes: bytes per hook, ring all-reduce time, epoch time. Plain
+numbers, no torch, so that `--help` answers at once and every formula can be checked by hand (docs/scaling.md)."""
 
 import functools
 import math
@@ -19,9 +16,8 @@ BACKWARD_SHARE = 2 / 3  # backward ~ twice the forward pass: the share used when
 
 @dataclass(frozen=True)
 class Interconnect:
-    """A link between neighbouring processes of the ring. `timed`: (bytes, seconds) of all-reduces timed at
-    `timed_processes`, read instead of the ring formula there, which a transport that changes its algorithm with the
-    size (gloo: 0.6 ms at 256 KiB, 3.9 ms at 1 MiB) breaks."""
+    """A link between neighbouring processes of the ring. `timed`: (bytes, seconds) timed at `timed_processes`, read
+    there instead of the ring formula, which gloo's change of algorithm with the size breaks."""
 
     name: str
     bandwidth: float  # bytes/s, one direction, nominal
@@ -84,8 +80,7 @@ def ring_allreduce_s(nbytes: float, processes: int, link: Interconnect) -> float
 
 
 def between_timed(nbytes: float, timed: Sequence[tuple[int, float]]) -> float:
-    """Seconds for `nbytes`, straight between the two timed sizes around it; beyond the largest, that
-    size's time scaled by the bytes; below the smallest, the smallest's time."""
+    """Seconds for `nbytes`, straight between the two timed sizes around it; beyond the largest, scaled by the bytes."""
     points = sorted(timed)
     if nbytes <= points[0][0]:
         return points[0][1]
@@ -97,8 +92,8 @@ def between_timed(nbytes: float, timed: Sequence[tuple[int, float]]) -> float:
 
 
 def ddp_buckets(numels: Sequence[int], first_cap: int = MIB, cap: int = 25 * MIB) -> list[int]:
-    """fp32 bytes of each DDP bucket: gradients in reverse order, a bucket closes once it reaches its cap. Approximate
-    (DDP also splits by device and dtype); only the count matters: one latency per bucket."""
+    """fp32 bytes of each DDP bucket: gradients in reverse order, a bucket closes once it reaches its cap (DDP also
+    splits by device and dtype)."""
     buckets, current, limit = [], 0, first_cap
     for numel in reversed(numels):
         current += numel * FP32_BYTES
@@ -126,15 +121,12 @@ def powersgd_sizes(shapes: Sequence[Sequence[int]], rank: int) -> tuple[int, int
 def bucketed(shapes: Sequence[Sequence[int]], hook: str, rank: int = 1, cap: int = 25 * MIB) -> list[list[int]]:
     """Bytes of each all-reduce one process issues per step under `hook`, bucket by bucket in DDP's launch order.
     PowerSGD: three all-reduces (uncompressed, P, Q) of one bucket, as this project's gloo runs have it."""
-    numels = [math.prod(shape) for shape in shapes]
-    if hook == "none":
-        return [[b] for b in ddp_buckets(numels, cap=cap)]
-    if hook in ("fp16", "bf16"):
-        return [[b * HALF_BYTES // FP32_BYTES] for b in ddp_buckets(numels, cap=cap)]
-    if hook in ("powersgd", "powersgd_fp16"):
-        size = FP32_BYTES if hook == "powersgd" else HALF_BYTES
+    if hook not in HOOKS:
+        raise ValueError(f"unknown hook {hook!r}; one of {', '.join(HOOKS)}")
+    size = FP32_BYTES if hook in ("none", "powersgd") else HALF_BYTES
+    if hook.startswith("powersgd"):
         return [[elements * size for elements in powersgd_sizes(shapes, rank)]]
-    raise ValueError(f"unknown hook {hook!r}; one of {', '.join(HOOKS)}")
+    return [[b * size // FP32_BYTES] for b in ddp_buckets([math.prod(shape) for shape in shapes], cap=cap)]
 
 
 def collectives(shapes: Sequence[Sequence[int]], hook: str, rank: int = 1) -> list[int]:
@@ -143,8 +135,8 @@ def collectives(shapes: Sequence[Sequence[int]], hook: str, rank: int = 1) -> li
 
 @functools.cache
 def expected_max_normal(n: int) -> float:
-    """E[max of n standard normal draws]: how far the slowest of n ranks lags the mean, in standard deviations. 0.56 for
-    2, 1.03 for 4, 3.04 for 512; by numerical integration of n x phi(x) Phi(x)^(n-1)."""
+    """E[max of n standard normal draws]: how far the slowest of n ranks lags the mean, in standard deviations (0.56 for
+    2, 3.04 for 512), by numerical integration of n x phi(x) Phi(x)^(n-1)."""
     if n <= 1:
         return 0.0
     step = 20 / 20000
@@ -187,9 +179,8 @@ def predict_step(
     compute_1: float, buckets: Sequence[Sequence[int]], encode: float, processes: int, link: Interconnect,
     terms: Terms = Terms(), batch_share: float | None = None,
 ) -> Step:
-    """One step on N processes from one process's step `compute_1` (overhead included) and the hook's buckets (bytes).
-    `batch_share`: each process's batch over the timed one; None: 1/N (strong scaling). Processes beyond the shared
-    cores take turns. `encode`: the hook's own work per step on one process, its transfer aside."""
+    """One step on N processes from one process's step `compute_1` (overhead included), the hook's buckets (bytes) and
+    own work `encode`. `batch_share`: each process's batch over the timed one; None: 1/N (strong scaling)."""
     share = 1 / processes if batch_share is None else batch_share
     turns = processes / (processes if link.cores is None else min(processes, link.cores))
     compute = (compute_1 - terms.overhead) * share * turns
@@ -208,5 +199,4 @@ def predict_step(
 
 
 def epoch_steps(samples: int, global_batch: int) -> int:
-    """Optimizer steps in an epoch (the last, partial batch counts)."""
     return -(-samples // global_batch)

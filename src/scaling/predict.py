@@ -1,8 +1,5 @@
-"""`python -m src.scaling <run or sweep folder>`: predicted epoch time and speed-up on 1 to 1024 processes.
-
-From each model's run with the fewest processes, its gradient shapes and `src.scaling.costmodel`, for every DDP hook
-and interconnect; multi-process DDP runs in the folder get predicted against measured. See docs/scaling.md.
-"""
+"""`python -m src.scaling <run or sweep folder>`: each model's run with the fewest processes scaled by
+`src.scaling.costmodel` to every hook, interconnect and 1 to 1024 processes, and checked against the other runs."""
 
 import csv
 import os
@@ -165,8 +162,8 @@ class Baseline:
 
     @classmethod
     def from_run(cls, run: RunFigures, cores: int, options: Options = Options(), timed: Timed | None = None) -> "Baseline":
-        """Undo the run's own scaling (its processes shared `cores` cores, or each had a GPU, and computed 1/N of the
-        batch each); each term as the options state it, else as `timed` here (`timed.time_run`), else assumed."""
+        """Undo the run's own scaling (its processes shared `cores` cores, or each had a GPU); each term as the options
+        state it, else as `timed` here (`timed.time_run`), else assumed."""
         gpu = run.accelerator == "cuda"
         share = run.processes if gpu else min(run.processes, cores)
         compute_1 = (run.step_s - run.exposed_comm_s) * share
@@ -198,7 +195,6 @@ class Baseline:
         backward_share = BACKWARD_SHARE if backward_1 is None else min(1.0, backward_1 / compute_1)
         origin["backward"] = ("2/3 of the compute (assumed: backward about twice the forward pass)" if backward_1 is None
                               else f"`xfer/backward_compute_ms` of {run.run}")
-        rank = run.powersgd_rank
         if gpu:
             encode, reducer = dict.fromkeys(HOOKS, 0.0), gpu_ddp_cost(compute_1, timed, origin)
         elif timed is not None:
@@ -215,8 +211,9 @@ class Baseline:
         lags = timed.lags if timed is not None else {}
         origin["lag"] = ("the model's step timed on N processes at once, one thread each, meeting after each step, "
                          "against one of them stepping alone" if lags else "the probe's meeting of matrix products")
-        return cls(run, compute_1, Terms(overhead, skew, overlap, backward_share), origin,
-                   {h: bucketed(run.shapes, h, rank, int(options.bucket_mb * MIB)) for h in HOOKS}, encode, lags, reducer)
+        buckets = {h: bucketed(run.shapes, h, run.powersgd_rank, int(options.bucket_mb * MIB)) for h in HOOKS}
+        terms = Terms(overhead, skew, overlap, backward_share)
+        return cls(run, compute_1, terms, origin, buckets, encode, lags, reducer)
 
     def sizes(self, hook: str) -> list[int]:
         return [b for bucket in self.buckets[hook] for b in bucket]
@@ -246,7 +243,7 @@ def gpu_ddp_cost(compute_1: float, timed: Timed | None, origin: dict[str, str]) 
 
 
 def load_probe(path: Path) -> gloo_probe.Probe | None:
-    """A saved probe; None where there is no file. A file that is not a probe is a UsageError."""
+    """A saved probe; None where there is no file."""
     if not path.exists():
         return None
     try:
@@ -365,8 +362,8 @@ def terms_lines(base: Baseline, bucket_mb: float = 25.0) -> list[str]:
 def section(base: Baseline, rows: list[dict], measured: dict[int, Interconnect], runs: list[RunFigures], plot: str | None,
             links: list[Interconnect], per_process_batch: int | None = None, bucket_mb: float = 25.0,
             no_links: str = "") -> str:
-    """The Markdown of one model, tables first: speed-ups, where compression pays off, the checks, the bytes per
-    step; then the terms of the model. `no_links`: why there are no predictions, where `links` is empty."""
+    """The Markdown of one model, tables first, then the terms of the model. `no_links`: why there are no
+    predictions, where `links` is empty."""
     run = base.run
     counts = sorted({r["processes"] for r in rows})
     mode = ("strong scaling: the global batch of the run split over the processes" if per_process_batch is None else
@@ -416,14 +413,14 @@ def section(base: Baseline, rows: list[dict], measured: dict[int, Interconnect],
 
 def plot(base: Baseline, rows: list[dict], links: list[Interconnect], path: Path) -> None:
     """One panel per interconnect: speed-up against processes, a line per hook, and the ideal."""
-    columns = min(4, len(links))
-    figure = Figure(figsize=(4 * columns, 3.5 * -(-len(links) // columns)))
+    columns, counts = min(4, len(links)), sorted({r["processes"] for r in rows})
+    panel_rows = -(-len(links) // columns)
+    figure = Figure(figsize=(4 * columns, 3.5 * panel_rows))
     for index, link in enumerate(links):
-        axes = figure.add_subplot(-(-len(links) // columns), columns, index + 1)
+        axes = figure.add_subplot(panel_rows, columns, index + 1)
         for hook in HOOKS:
             points = [(r["processes"], r["speedup"]) for r in rows if r["interconnect"] == link.name and r["hook"] == hook]
             axes.plot(*zip(*points), marker=".", label=hook)
-        counts = sorted({r["processes"] for r in rows})
         axes.plot(counts, counts, color="grey", linestyle=":", label="ideal")
         axes.set(xscale="log", yscale="log", title=link.name, xlabel="processes", ylabel="speed-up")
         axes.set_xticks(counts, [str(n) for n in counts], fontsize="x-small")
@@ -478,8 +475,7 @@ NO_PROBE = ("No predictions here: the run ran on CPU, and the one interconnect t
 def write_scaling(root: Path, out: Path | None = None, probe: gloo_probe.Probe | None = None,
                   options: Options = Options(), report: bool = False) -> str:
     """Write scaling.md, scaling.csv and one plot per model into `out` (default `root`); returns the Markdown sections.
-    `report`, which must not wait: nothing is timed (saved terms are read, others assumed and said so), and a CPU run is
-    predicted only on the interconnect of a saved probe. Otherwise each model's terms are timed here and saved."""
+    `report`, which must not wait, times nothing and predicts a CPU run only on a saved probe's interconnect."""
     out = output_folder(root if out is None else out)
     runs = read_runs(root, read_figures)
     if not runs:
@@ -501,10 +497,7 @@ def write_scaling(root: Path, out: Path | None = None, probe: gloo_probe.Probe |
         if not report:
             saved[name] = time_baseline(run, cores, options, tuple(measured))
         base = Baseline.from_run(run, cores, options, saved.get(name))
-        if base.on_gpu:
-            links = named
-        else:
-            links = [*measured.values(), *([] if report else named)]
+        links = named if base.on_gpu else [*measured.values(), *([] if report else named)]
         rows = predictions(base, links, options.per_process_batch)
         image = None
         if links:
@@ -528,7 +521,6 @@ def write_scaling(root: Path, out: Path | None = None, probe: gloo_probe.Probe |
 
 
 def time_baseline(run: RunFigures, cores: int, options: Options, meet_at: Sequence[int]) -> Timed:
-    """Time the terms of a baseline's model here (`timed.time_run`): what the options do not state."""
     if options.per_process_batch is not None:
         batches = {n: options.per_process_batch for n in meet_at}
     else:  # strong scaling: the counts that split the run's batch evenly
@@ -552,7 +544,6 @@ def run(args: Namespace) -> None:
         out = args.out or args.folder or Path("outputs")
         if args.folder is not None:
             require_folder(args.folder)
-        probe = None
         if args.probe:
             with saying("timing gloo all-reduces on this machine's cores for the probe (about a minute)"):
                 probe = gloo_probe.run_probe()
@@ -561,12 +552,10 @@ def run(args: Namespace) -> None:
             for n, (latency, bandwidth) in probe.fits().items():
                 print(f"gloo, {n} processes: latency {latency * 1e6:.1f} us per ring step, bandwidth {bandwidth / 1e9:.3f} GB/s, "
                       f"meeting after equal work {probe.lags.get(n, 0.0):.1%} later than the work")
-        elif args.probe_file is not None:
-            if not args.probe_file.is_file():
-                raise UsageError(f"--probe-file {args.probe_file}: no such file; give a probe.json that --probe wrote")
-            probe = load_probe(args.probe_file)
+        elif args.probe_file is not None and not args.probe_file.is_file():
+            raise UsageError(f"--probe-file {args.probe_file}: no such file; give a probe.json that --probe wrote")
         else:
-            probe = load_probe(args.folder / "probe.json")
+            probe = load_probe(args.probe_file or args.folder / "probe.json")
         if args.folder is not None:
             with saying(f"reading the runs below {args.folder} and predicting their scaling (timing what no saved "
                         "probe or terms hold)"):

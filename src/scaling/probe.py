@@ -1,11 +1,5 @@
-"""The "measured" interconnect: gloo all-reduces timed between local processes, and the ring model fitted to them.
-
-The fit is least squares on t = 2(N-1) latency + 2(N-1)/N bytes / bandwidth, weighted by 1/t so that microsecond
-points count as much as millisecond ones; each process count gets its own, since beyond the cores a ring step
-waits for a process the scheduler put aside. The meeting (equal work, then a 4-byte all-reduce) gives the lag of
-the slowest process on shared cores, which all-reduces started after a barrier do not show; its median, as the
-mean followed outliers (docs/scaling.md). Probe processes are new interpreters (spawn) importing this module.
-"""
+"""The "measured" interconnect: gloo all-reduces timed between local processes (new interpreters, spawn), the ring
+model fitted to them per process count, and the lag of processes meeting on shared cores (docs/scaling.md)."""
 
 import json
 import os
@@ -13,6 +7,7 @@ import socket
 import statistics
 import tempfile
 import time
+import timeit
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -45,6 +40,8 @@ class Probe:
 
 
 def fit_ring(points: Sequence[tuple[int, int, float]]) -> tuple[float, float]:
+    """Least squares on t = 2(N-1) latency + 2(N-1)/N bytes / bandwidth, weighted by 1/t so that microsecond points
+    count as much as millisecond ones."""
     rows = torch.tensor([[2.0 * (n - 1), 2.0 * (n - 1) / n * b] for n, b, _ in points], dtype=torch.float64)
     times = torch.tensor([t for _, _, t in points], dtype=torch.float64)
     weights = 1 / times
@@ -83,19 +80,13 @@ def _work_count() -> tuple[int, float]:
     """Matrix products that take about MEETING_WORK_S on one thread here, and the seconds they take alone."""
     with one_thread():
         _work(20)
-        start = time.perf_counter()
-        _work(200)
-        count = max(1, round(MEETING_WORK_S / ((time.perf_counter() - start) / 200)))
-        seconds = []
-        for _ in range(5):
-            start = time.perf_counter()
-            _work(count)
-            seconds.append(time.perf_counter() - start)
-        return count, statistics.median(seconds)
+        count = max(1, round(MEETING_WORK_S / (timeit.timeit(lambda: _work(200), number=1) / 200)))
+        return count, statistics.median(timeit.repeat(lambda: _work(count), number=1, repeat=5))
 
 
 def _worker(rank: int, processes: int, port: int, sizes: Sequence[int], work: int, result: str) -> None:
-    """One probe process: time every size, then the meetings; rank 0 writes the medians to `result`."""
+    """One probe process: time every size, then the meetings (equal work, then a 4-byte all-reduce: the lag that
+    all-reduces started after a barrier do not show); rank 0 writes the medians to `result`."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=processes)
     timings = []

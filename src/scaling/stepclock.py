@@ -1,12 +1,5 @@
 """A model's training step timed here, on one thread: the step a what-if starts from, and the terms of the cost
-model that one run's averages cannot give (docs/scaling.md).
-
-- overhead: the intercept of the line through the step at batch b and b/4; skew: the step's standard deviation / mean.
-- hook and reducer: torch's hook, and DDP's work besides it, in a DDP model on a one-process gloo group.
-- DDP's own cost on a device (`ddp_step_costs`): a DDP model of world size 1 against the plain model.
-- lag: N processes sharing cores and meeting after every step lose time beyond their turns (the scheduler puts one
-  aside while the others wait, and they evict each other's caches).
-"""
+model (overhead, skew, hook, DDP's own work, lag) that one run's averages cannot give (docs/scaling.md)."""
 
 import copy
 import json
@@ -103,15 +96,28 @@ def overhead_share(step: float, batch: int, small_step: float, small_batch: int)
     return min(max(intercept / step, 0.0), 0.99)
 
 
-def in_own_process(failed: str, instead: str, function: Callable[..., T], *args: Any) -> T | None:
-    """`function(*args)` in a new process (spawn), so that its group, DDP's threads and any failure stay away from
-    the caller's; None where it fails, logged as "<failed> (<reason>); <instead>"."""
+def in_own_process(failed: str, instead: str, device: str, measure: Callable[..., T], net: Any, hooks: Sequence[str],
+                   *args: Any) -> dict[str, T] | None:
+    """`measure(model, hook, *args)` for each hook, in a new process (spawn) holding a one-process group (cuda: NCCL,
+    else gloo), so that the group, DDP's threads and any failure stay away from the caller's; None where it fails."""
     try:
         with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
-            return pool.submit(function, *args).result()
+            return pool.submit(_per_hook_in_group, device, measure, net, tuple(hooks), *args).result()
     except Exception as error:  # noqa: BLE001  a figure that cannot be timed is estimated or assumed instead
         log.warning(f"{failed} ({reason(error)}); {instead}")
         return None
+
+
+def _per_hook_in_group(device: str, measure: Callable[..., T], net: Any, hooks: tuple[str, ...],
+                       *args: Any) -> dict[str, T]:
+    torch.set_num_threads(1)  # on CPU one thread, as every other timing here; a GPU's step does not depend on it
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1,
+                            **({"device_id": torch.device("cuda", 0)} if device == "cuda" else {}))
+    try:
+        model = instantiate(net)
+        return {hook: measure(model, hook, *args) for hook in hooks}
+    finally:
+        dist.destroy_process_group()
 
 
 def _ddp(net: nn.Module, hook: str, rank: int, bucket_cap_mb: float,
@@ -132,25 +138,18 @@ class DDPClock:
 
 def ddp_times(net: Any, input_shape: Sequence[int], hooks: Sequence[str], rank: int = 1,
               bucket_cap_mb: float = 25.0, repeats: int = 5) -> DDPClock | None:
-    """Seconds per step DDP and each hook take besides their transfer, on one thread, from the model's config. A one-
-    process gloo group makes every all-reduce a local no-op, leaving DDP's and the hook's own work. None where it fails:
-    the caller then estimates the hooks' arithmetic (`timed.encode_s`)."""
-    return in_own_process("the DDP hooks could not be timed", "their arithmetic is estimated",
-                          _ddp_times, net, tuple(input_shape), tuple(hooks), rank, bucket_cap_mb, repeats)
-
-
-def _ddp_times(net: Any, input_shape: tuple[int, ...], hooks: tuple[str, ...], rank: int, bucket_cap_mb: float,
-               repeats: int) -> DDPClock:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    model = instantiate(net)
-    timed = {hook: _hook_and_reducer_s(model, input_shape, hook, rank, bucket_cap_mb, repeats) for hook in hooks}
+    """Seconds per step DDP and each hook take besides their transfer, on one thread: on a one-process gloo group
+    every all-reduce is a local no-op. None where it fails: the caller then estimates the hooks (`timed.encode_s`)."""
+    timed = in_own_process("the DDP hooks could not be timed", "their arithmetic is estimated", "cpu",
+                           _hook_and_reducer_s, net, hooks, tuple(input_shape), rank, bucket_cap_mb, repeats)
+    if timed is None:
+        return None
     # The difference of two timings can fall below zero where DDP's copies are tiny next to the pass.
     reducer = max(0.0, statistics.median(added for _, added in timed.values()))
     return DDPClock({hook: hook_s for hook, (hook_s, _) in timed.items()}, reducer)
 
 
-def _hook_and_reducer_s(net: nn.Module, input_shape: Sequence[int], hook: str, rank: int, bucket_cap_mb: float,
+def _hook_and_reducer_s(net: nn.Module, hook: str, input_shape: Sequence[int], rank: int, bucket_cap_mb: float,
                         repeats: int) -> tuple[float, float]:
     """Medians of the hook's seconds per step and of what the rest of DDP adds to a forward and backward pass."""
     strategy, model = _ddp(net, hook, rank, bucket_cap_mb)
@@ -176,28 +175,15 @@ def _pass_s(model: nn.Module, image: torch.Tensor) -> float:
 
 def ddp_step_costs(net: Any, input_shape: Sequence[int], batch: int, precision: str, hooks: Sequence[str], rank: int = 1,
                    bucket_cap_mb: float = 25.0, device: str = "cuda", repeats: int = 10) -> dict[str, float] | None:
-    """Seconds a step of a DDP model of world size 1 takes beyond the plain model's, per hook, on `device` (cuda:
-    NCCL, cpu: gloo): what DDP costs a GPU's step besides the transfer. The two models' steps alternate, so that a
-    device that speeds up or slows down moves both. None where it fails, as `ddp_times`."""
-    return in_own_process(f"DDP's own cost could not be measured on {device}", "it is assumed", _ddp_step_costs,
-                          net, tuple(input_shape), batch, precision, tuple(hooks), rank, bucket_cap_mb, device, repeats)
+    """Seconds a step of a DDP model of world size 1 takes beyond the plain model's, per hook, on `device`: what DDP
+    costs a GPU's step besides the transfer. None where it fails, as `ddp_times`."""
+    return in_own_process(f"DDP's own cost could not be measured on {device}", "it is assumed", device, _added_by_ddp,
+                          net, hooks, tuple(input_shape), batch, precision, rank, bucket_cap_mb, device, repeats)
 
 
-def _ddp_step_costs(net: Any, input_shape: tuple[int, ...], batch: int, precision: str, hooks: tuple[str, ...], rank: int,
-                    bucket_cap_mb: float, device: str, repeats: int) -> dict[str, float]:
-    torch.set_num_threads(1)  # on CPU one thread, as every other timing here; a GPU's step does not depend on it
-    dist.init_process_group("nccl" if device == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1,
-                            **({"device_id": torch.device("cuda", 0)} if device == "cuda" else {}))
-    try:
-        model = instantiate(net)
-        return {hook: _added_by_ddp(model, input_shape, batch, precision, hook, rank, bucket_cap_mb, device, repeats)
-                for hook in hooks}
-    finally:
-        dist.destroy_process_group()
-
-
-def _added_by_ddp(net: nn.Module, input_shape: Sequence[int], batch: int, precision: str, hook: str, rank: int,
+def _added_by_ddp(net: nn.Module, hook: str, input_shape: Sequence[int], batch: int, precision: str, rank: int,
                   bucket_cap_mb: float, device: str, repeats: int) -> float:
+    """The two models' steps alternate, so that a device that speeds up or slows down moves both."""
     strategy, ddp = _ddp(net, hook, rank, bucket_cap_mb, device)
     ddp.register_comm_hook(*strategy.build_hook(dist.group.WORLD))
     plain = copy.deepcopy(net).to(device).train()
@@ -211,9 +197,7 @@ def _added_by_ddp(net: nn.Module, input_shape: Sequence[int], batch: int, precis
 def meeting_lags(net: Any, input_shape: Sequence[int], batches: dict[int, int], precision: str = "32-true",
                  cores: int | None = None, rounds: int = 8) -> dict[int, float]:
     """For each process count N in `batches` (N -> each process's batch), the time N one-thread processes lose stepping
-    together and meeting after each step, as a share of their turns (`lag_share`). The alone steps interleave with the
-    together ones, so that a machine that changes speed moves both. A count whose processes fail is left out, logged;
-    the caller then uses the probe's lag."""
+    together and meeting after each step, a share of their turns; a count whose processes fail is left out, logged."""
     cores = cores or len(os.sched_getaffinity(0))
     lags = {}
     for processes, batch in batches.items():
@@ -229,7 +213,8 @@ def meeting_lags(net: Any, input_shape: Sequence[int], batches: dict[int, int], 
 
 def _meeting_worker(rank: int, processes: int, port: int, net: Any, input_shape: tuple[int, ...], batch: int,
                     precision: str, rounds: int, result: str) -> None:
-    """Each round one process steps alone, then all step together and meet; rank 0 writes both medians to `result`."""
+    """Each round one process steps alone (interleaved, so that a machine that changes speed moves both), then all
+    step together and meet; rank 0 writes both medians to `result`."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=processes)
     try:

@@ -1,17 +1,13 @@
-"""What `python -m src.scaling <folder>` times here for a run's model, and `scaling_terms.json`, which keeps it.
+"""What `python -m src.scaling <folder>` times here for a run's model, and `scaling_terms.json`, which keeps it:
+a report never times (seconds to a minute), it reads this file and says what it assumes where it has no entry."""
 
-Timing takes seconds to a minute, so a report (`src.report`) never times: it reads this file, and where it has no
-entry, its predictions say what they assume instead (`predict.Baseline`).
-"""
-
-import dataclasses
 import json
 import logging
 import math
 import statistics
-import time
+import timeit
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -46,25 +42,18 @@ class Timed:
 
 def key(model: str, batch: int, processes: int, precision: str, per_process_batch: int | None, bucket_mb: float,
         rank: int) -> str:
-    """What the figures depend on: the model and the batch it was timed at, precision, mode, buckets and rank."""
     return f"{model}|batch {batch}|{processes} proc|{precision}|per process {per_process_batch}|{bucket_mb:g} MiB|rank {rank}"
 
 
 def _median_s(work: Callable[[], object], repeats: int = 3) -> float:
     with one_thread():
         work()  # warm-up: allocation, first-call dispatch
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            work()
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        return statistics.median(timeit.repeat(work, number=1, repeat=repeats))
 
 
 def encode_s(shapes: Sequence[Sequence[int]], hook: str, rank: int = 1) -> float:
-    """Seconds one CPU thread spends per step on the hook's own arithmetic, on tensors of the model's shapes. none
-    divides the gradients by N; fp16/bf16 cast them there and back; PowerSGD adds the error feedback, P = M Q,
-    orthonormalises P, Q = M^T P and rebuilds M = P Q^T."""
+    """Seconds one CPU thread spends per step on the hook's own arithmetic, on tensors of the model's shapes (PowerSGD:
+    the error feedback, P = M Q, orthonormalised, Q = M^T P, M = P Q^T)."""
     numel = sum(math.prod(shape) for shape in shapes)
     flat = torch.randn(numel)
     if hook == "none":
@@ -94,9 +83,8 @@ def encode_s(shapes: Sequence[Sequence[int]], hook: str, rank: int = 1) -> float
 def time_run(net: Any, shapes: Sequence[Sequence[int]], input_shape: Sequence[int], batch: int, precision: str,
              accelerator: str, rank: int, bucket_mb: float, cores: int, meet_batches: dict[int, int],
              need_clock: bool = True) -> Timed:
-    """Time the terms of a run's model here. A CPU run: overhead and skew, each hook and DDP besides it, and the lag
-    meeting at `meet_batches` (processes -> each one's batch); a GPU run: what DDP of world size 1 adds, per hook.
-    `batch` is each process's, as the run computed it."""
+    """Time the terms of a run's model here at each process's `batch`. A CPU run: overhead, skew, each hook, DDP
+    besides it, the lag meeting at `meet_batches` (processes -> batch); a GPU run: what DDP of world size 1 adds."""
     if accelerator == "cuda":
         if not torch.cuda.is_available():
             return Timed(device="")  # a GPU run read where there is none: nothing measured, the defaults are assumed
@@ -116,7 +104,7 @@ def time_run(net: Any, shapes: Sequence[Sequence[int]], input_shape: Sequence[in
 
 
 def load(path: Path) -> dict[str, Timed]:
-    """The saved figures by `key`; none where the file is missing or unreadable (they are timed again when asked)."""
+    """The saved figures by `key`; none where the file is missing or unreadable."""
     if not path.is_file():
         return {}
     try:
@@ -129,4 +117,4 @@ def load(path: Path) -> dict[str, Timed]:
 
 
 def save(path: Path, figures: dict[str, Timed]) -> None:
-    path.write_text(json.dumps({name: dataclasses.asdict(timed) for name, timed in figures.items()}, indent=1) + "\n")
+    path.write_text(json.dumps({name: asdict(timed) for name, timed in figures.items()}, indent=1) + "\n")

@@ -1,10 +1,6 @@
-"""A what-if without a run: `python -m src.scaling --model <import path> | --params <count> ...` (README.md).
+"""A what-if without a run: `python -m src.scaling --model <import path> | --params <count> ...`. The step is stated
+(`--step-ms`, taken as a GPU's) or timed here on one thread (`stepclock`); see docs/scaling.md."""
 
-The step time is stated (`--step-ms`, taken as a GPU's, DDP's own work on it fitted to published GPU timings) or
-timed here on one thread (`stepclock`, which also gives overhead and skew); see docs/scaling.md.
-"""
-
-import functools
 import importlib
 import math
 import warnings
@@ -58,31 +54,21 @@ def refuse(args: Namespace) -> None:
 
 
 def check(args: Namespace) -> None:
-    """Every what-if option, before anything is built or timed."""
+    """The what-if options that `cli.parse`'s table of ranges does not check, before anything is built or timed."""
     if (args.model is None) == (args.params is None):
         raise UsageError("give one of --model (an import path) and --params (a parameter count), not both")
-    if args.params is not None and not (args.params >= 1 and args.params == int(args.params)):
-        raise UsageError(f"--params {args.params:g} is not allowed; it must be a whole number of 1 or more")
     if args.hook not in HOOKS:
         raise UsageError(f"--hook {args.hook} is not allowed; it must be one of {', '.join(HOOKS)}")
     if args.params is not None and args.hook.startswith("powersgd"):
         raise UsageError(f"--hook {args.hook} needs the gradients' shapes: give --model instead of --params")
     if args.step_ms is None and args.model is None:
         raise UsageError("--step-ms is needed with --params: only a model given by --model can be timed here")
-    if args.step_ms is not None and not args.step_ms > 0:
-        raise UsageError(f"--step-ms {args.step_ms:g} is not allowed; it must be above 0")
-    for name in ("batch", "samples"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            raise UsageError(f"--{name} {value} is not allowed; it must be a whole number of 1 or more")
     if args.link is None and (args.bandwidth is None or args.latency is None):
         raise UsageError(f"give a link: --link (one of {', '.join(sorted(PRESETS))}) or both --bandwidth and --latency")
     if args.link is not None and (args.bandwidth is not None or args.latency is not None):
         raise UsageError("--link names a preset: give it alone, or --bandwidth and --latency instead")
     if args.bandwidth is not None and not (args.bandwidth > 0 and args.latency >= 0):
         raise UsageError(f"--bandwidth {args.bandwidth:g} --latency {args.latency:g} is not allowed; bandwidth above 0 GB/s, latency 0 us or more")
-    if args.ddp_share is not None and not 0 <= args.ddp_share <= 1:
-        raise UsageError(f"--ddp-share {args.ddp_share:g} is not allowed; it must be a share of the step, from 0 to 1")
     if args.processes is not None and min(args.processes) < 1:
         raise UsageError(f"--processes {min(args.processes)} is not allowed; process counts are whole numbers of 1 or more")
     batch = args.batch or 256
@@ -123,14 +109,9 @@ def build(path: str, device: str | None = None) -> "torch.nn.Module":
     return model
 
 
-@functools.cache
-def model_shapes(path: str) -> tuple[tuple[int, ...], ...]:
-    return tuple(tuple(p.shape) for p in build(path, "meta").parameters() if p.requires_grad)
-
-
 def gradient_shapes(args: Namespace) -> list[tuple[int, ...]]:
     if args.model is not None:
-        return list(model_shapes(args.model))
+        return [tuple(p.shape) for p in build(args.model, "meta").parameters() if p.requires_grad]
     full, rest = divmod(int(args.params), CHUNK)
     return [(CHUNK,)] * full + ([(rest,)] if rest else [])
 
@@ -227,7 +208,7 @@ def report(args: Namespace) -> str:
 
 def ddp_cost(args: Namespace, step_1: float, stated_step: bool) -> tuple[float, str]:
     """Seconds per step DDP's own work adds on N > 1 processes, and how that was found. A stated step is taken as a
-    GPU's, with the fitted shares; one timed here is this CPU's, where only `--ddp-share` counts."""
+    GPU's, with the fitted shares; one timed here is this CPU's."""
     if not stated_step:
         share = args.ddp_share or 0.0
         return share * step_1, (f"{share:.1%} of the step, stated (--ddp-share)" if args.ddp_share is not None else

@@ -1,7 +1,5 @@
-"""DDP with a communication hook picked by name (none, fp16, bf16, PowerSGD) or import path (docs/extending.md).
-
-Lightning registers hooks only on CUDA; here they run on every device, on a process group of their own that counts
-what they send (`CommMeter`). `none` is torch's `allreduce_hook`, which reduces as DDP's built-in all-reduce does.
+"""DDP with a communication hook picked by name (none, fp16, bf16, PowerSGD) or import path (docs/extending.md),
+on every device (Lightning registers hooks only on CUDA), on a process group of its own that counts what it sends.
 """
 
 import importlib
@@ -38,7 +36,6 @@ POWERSGD_STATE = ("iter", "error_dict", "p_memory_dict", "q_memory_dict")
 
 
 def import_hook(path: str) -> Hook | None:
-    """The function `package.module.function` names, or None."""
     module_name, _, name = path.rpartition(".")
     if not module_name:
         return None
@@ -61,23 +58,21 @@ def attempt_store(host: str, port: int, rank: int, world_size: int, timeout: tim
 
 
 def one_bucket_cap_mb(model: nn.Module) -> float:
-    """A DDP bucket cap that holds every gradient of `model` in one bucket."""
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     return float(math.ceil(grad_bytes / MIB) + 1)
 
 
 class CommHookDDPStrategy(DDPStrategy):
-    """Lightning's DDP with a named, measured communication hook that also runs on CPU (gloo)."""
+    """Lightning's DDP with a named, measured hook on every device; `ddp_kwargs` (gradient_as_bucket_view, static_graph,
+    find_unused_parameters) go to DistributedDataParallel."""
 
     def __init__(self, hook: str = "none", hook_state: Callable[..., Any] | None = None, powersgd_rank: int = 1,
                  start_powersgd_iter: int = 10, timeout_s: float = 300, process_group_backend: str | None = None,
-                 bucket_cap_mb: float | None = None, gradient_as_bucket_view: bool = False, static_graph: bool = False,
-                 find_unused_parameters: bool = False) -> None:
+                 bucket_cap_mb: float | None = None, **ddp_kwargs: Any) -> None:
         super().__init__(process_group_backend=process_group_backend, timeout=timedelta(seconds=timeout_s))
         self.hook, self.hook_state, self.timeout_s = hook, hook_state, timeout_s
         self.powersgd_rank, self.start_powersgd_iter = powersgd_rank, start_powersgd_iter
-        self.bucket_cap_mb, self.gradient_as_bucket_view = bucket_cap_mb, gradient_as_bucket_view
-        self.static_graph, self.find_unused_parameters = static_graph, find_unused_parameters
+        self.bucket_cap_mb, self.ddp_kwargs = bucket_cap_mb, ddp_kwargs
         self.comm_meter: CommMeter | None = None
         self.powersgd: powerSGD_hook.PowerSGDState | None = None
         self._resumed_powersgd: list[dict[str, Any]] | None = None  # every rank's, from the checkpoint resumed
@@ -89,7 +84,6 @@ class CommHookDDPStrategy(DDPStrategy):
         super().set_world_ranks()
 
     def backend(self) -> str:
-        """As set, else the one torch picks for the device."""
         if dist.is_initialized():
             return dist.get_backend()
         return self.process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
@@ -113,11 +107,8 @@ class CommHookDDPStrategy(DDPStrategy):
         """Lightning's own registers a hook on CUDA only."""
         device_ids = self.determine_ddp_device_ids()
         with torch.cuda.stream(torch.cuda.Stream()) if device_ids is not None else nullcontext():  # as Lightning does
-            self.model = DistributedDataParallel(
-                self.model, device_ids=device_ids, bucket_cap_mb=self.ddp_bucket_cap_mb(self.model),
-                gradient_as_bucket_view=self.gradient_as_bucket_view, static_graph=self.static_graph,
-                find_unused_parameters=self.find_unused_parameters,
-            )
+            self.model = DistributedDataParallel(self.model, device_ids=device_ids,
+                                                 bucket_cap_mb=self.ddp_bucket_cap_mb(self.model), **self.ddp_kwargs)
         if self.hook.startswith("powersgd"):
             # PowerSGD's saved state is by bucket, and DDP re-lays buckets after step 1 by gradient order; laid out now
             # by parameter order, a resume finds the same layout. Private: no public API lays out DDP's buckets.
@@ -136,7 +127,6 @@ class CommHookDDPStrategy(DDPStrategy):
         return max(configured or 0.0, one_bucket_cap_mb(model))
 
     def build_hook(self, group: dist.ProcessGroup) -> tuple[Any, Hook]:
-        """The hook and the state it is called with."""
         if self.hook in ALL_REDUCE_HOOKS:
             return group, ALL_REDUCE_HOOKS[self.hook]
         if self.hook not in HOOKS:  # a hook of your own: with its state if it keeps one, else with the process group
@@ -153,7 +143,6 @@ class CommHookDDPStrategy(DDPStrategy):
     def register_hook(self) -> None:
         assert isinstance(self.model, DistributedDataParallel)
         self.comm_meter = CommMeter(device_timed=self.backend() == "nccl")
-        # new_group's own default timeout is 30 min.
         group = self.comm_meter.new_group(self.backend(), timeout=timedelta(seconds=self.timeout_s))
         state, hook = self.build_hook(group)
         if isinstance(state, powerSGD_hook.PowerSGDState):
@@ -171,6 +160,6 @@ class CommHookDDPStrategy(DDPStrategy):
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        """A resumed run's PowerSGD state waits for the hook, which DDP's setup registers after this."""
+        """A resumed run's PowerSGD state waits for the hook, registered after this."""
         self._resumed_powersgd = checkpoint.get("powersgd")
         super().load_model_state_dict(checkpoint, strict=strict)

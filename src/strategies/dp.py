@@ -1,9 +1,5 @@
 """`strategy=dp`: one process splits each batch over the node's GPUs with nn.DataParallel (gone from Lightning 2).
-
-Only the LightningModule's `net` is data-parallel (Lightning 1 wrapped the whole module, whose metrics then updated
-in replicas and vanished): the steps run once, on the first GPU, on the gathered logits, so loss, accuracy and
-logging see the whole batch, and backward adds every replica's gradient into the one set of parameters. BatchNorm
-normalises per GPU shard and keeps the first replica's statistics. Without CUDA, dp runs on one device.
+Only the module's `net` is wrapped (Lightning 1 wrapped it all, and metrics updated in replicas vanished).
 """
 
 from collections.abc import Callable, Sequence
@@ -53,6 +49,10 @@ class DataParallelStrategy(ParallelStrategy):
     """One process; the LightningModule's `net_attribute` module runs data-parallel over the CUDA devices."""
 
     strategy_name = "dp"
+    # One process, whatever a launcher's environment variables say (they would set the cluster environment's ranks).
+    global_rank = local_rank = node_rank = 0
+    world_size = 1
+    distributed_sampler_kwargs = {"num_replicas": 1, "rank": 0}
 
     def __init__(self, net_attribute: str = "net", **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -63,28 +63,7 @@ class DataParallelStrategy(ParallelStrategy):
         assert self.parallel_devices, "the Trainer sets parallel_devices before the strategy is used"
         return self.parallel_devices[0]
 
-    @property
-    def global_rank(self) -> int:
-        return 0
-
-    @property
-    def local_rank(self) -> int:
-        return 0
-
-    @property
-    def node_rank(self) -> int:
-        return 0
-
-    @property
-    def world_size(self) -> int:
-        return 1
-
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": 1, "rank": 0}
-
     def check_devices(self) -> None:
-        """Reject what nn.DataParallel cannot do, before the run sets anything up."""
         devices = self.parallel_devices or []
         if len(devices) > 1 and any(device.type != "cuda" for device in devices):
             raise UsageError(

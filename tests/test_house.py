@@ -1,0 +1,143 @@
+"""The house's measured goals: no import cycle, few private names of other libraries, one composition per Hydra pass."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import QUICK, REPO, user_env
+
+SOURCES = sorted([*(REPO / "src").rglob("*.py"), *(REPO / "hydra_plugins").rglob("*.py")])
+PROJECT = ("src", "hydra_plugins")
+# Names with a leading underscore that are public: Hydra's config keys and os._exit, which the docs offer for children.
+PUBLIC = {"_target_", "_partial_", "_args_", "_recursive_", "_convert_", "_exit"}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def project_imports(path: Path, modules: set[str]) -> set[str]:
+    """The project modules `path` imports, at its top or inside a function: both run in the end."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            submodules = {f"{node.module}.{alias.name}" for alias in node.names} & modules
+            found |= submodules or {node.module}
+    return {name for name in found if name in modules and name.split(".")[0] in PROJECT}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in graph[node]:
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in graph:
+        if node not in index:
+            visit(node)
+    return found
+
+
+def private_names(path: Path, modules: set[str]) -> list[str]:
+    """`x._name` where `x` is not the class's own object nor a project module, and `getattr(x, "_name")`."""
+    tree = ast.parse(path.read_text())
+    project_aliases = {alias.asname or alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                       and (node.module or "").split(".")[0] in PROJECT for alias in node.names}
+    found = []
+    for node in ast.walk(tree):
+        name, owner = None, None
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.endswith("__"):
+            name, owner = node.attr, node.value
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr")
+              and len(node.args) > 1 and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)
+              and node.args[1].value.startswith("_") and not node.args[1].value.endswith("__")):
+            name, owner = node.args[1].value, node.args[0]
+        if name is None or name in PUBLIC:
+            continue
+        if isinstance(owner, ast.Name) and (owner.id in ("self", "cls") or owner.id in project_aliases):
+            continue
+        found.append(f"{path.relative_to(REPO)}:{node.lineno} {ast.unparse(owner)}.{name}")
+    return found
+
+
+def test_no_import_cycle_among_the_project_modules():
+    modules = {module_name(path) for path in SOURCES}
+    graph = {module_name(path): project_imports(path, modules) - {module_name(path)} for path in SOURCES}
+    assert cycles(graph) == []
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_at_most_five_private_names_of_other_libraries_each_with_a_reason():
+    modules = {module_name(path) for path in SOURCES}
+    found = [use for path in SOURCES for use in private_names(path, modules)]
+    names = {use.rpartition(".")[2] for use in found}
+    assert len(names) <= 5, "\n".join(found)
+    for use in found:
+        path, line = use.split(" ")[0].split(":")
+        lines = (REPO / path).read_text().splitlines()
+        nearby = "\n".join(lines[max(0, int(line) - 4):int(line)])
+        assert "#" in nearby, f"{use}: no comment says why no public way exists"
+
+
+COUNTING = """
+import runpy, sys
+from hydra._internal.config_loader_impl import ConfigLoaderImpl
+
+load = ConfigLoaderImpl.load_configuration
+
+def counted(self, *args, **kwargs):
+    with open(COUNT, "a") as out:
+        out.write("composed\\n")
+    return load(self, *args, **kwargs)
+
+COUNT = sys.argv.pop(1)
+ConfigLoaderImpl.load_configuration = counted
+runpy.run_module("src.train", run_name="__main__", alter_sys=True)
+"""
+
+
+def compositions(tmp_path: Path, *args: str) -> int:
+    """How often `python -m src.train <args>` composes its config."""
+    count = tmp_path / "count.txt"
+    count.unlink(missing_ok=True)
+    result = subprocess.run([sys.executable, "-c", COUNTING, str(count), *args], cwd=REPO, env=user_env(),
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    return len(count.read_text().splitlines())
+
+
+@pytest.mark.slow
+def test_a_run_and_its_resume_compose_the_config_as_hydra_main_does_twice(tmp_path):
+    run = tmp_path / "run"
+    assert compositions(tmp_path, *QUICK, f"hydra.run.dir={run}") == 2
+    assert (run / "result.json").is_file()
+    assert compositions(tmp_path, "ckpt_path=last", f"hydra.run.dir={run}") == 2
