@@ -129,12 +129,18 @@ class RunLogger(TensorBoardLogger):
             if status != "success":
                 self.writer.close()
 
+    @rank_zero_only
+    @held()
     def close(self) -> None:
-        self.finalize("closed")
+        if self.writer is not None:
+            self.writer.close()
 
+    @rank_zero_only
+    @held()
     def save(self) -> None:
         """Flush. Not Lightning's save, which writes an `hparams.yaml` holding `{}` and opens a writer where none is."""
-        self.finalize("success")
+        if self.writer is not None:
+            self.writer.flush()
 
 
 class CSVRunLogger(CSVLogger):

@@ -52,7 +52,6 @@ class DataParallelStrategy(ParallelStrategy):
     # One process, whatever a launcher's environment variables say (they would set the cluster environment's ranks).
     global_rank = local_rank = node_rank = 0
     world_size = 1
-    distributed_sampler_kwargs = {"num_replicas": 1, "rank": 0}
 
     def __init__(self, net_attribute: str = "net", **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -62,6 +61,10 @@ class DataParallelStrategy(ParallelStrategy):
     def root_device(self) -> torch.device:
         assert self.parallel_devices, "the Trainer sets parallel_devices before the strategy is used"
         return self.parallel_devices[0]
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": 1, "rank": 0}  # a new dict each time, as Lightning's: its readers may change it
 
     def check_devices(self) -> None:
         devices = self.parallel_devices or []
