@@ -1,7 +1,5 @@
-"""How a run's checkpoints are written and read, and which one `ckpt_path` resumes: `checkpoints/` holds `last.ckpt`
-(the last finished epoch), `step.ckpt` (mid-epoch, with `checkpoint.every_n_train_steps=N`) and `best-epoch<k>.ckpt`
-(the best `val/acc`, which a run tests unless `test_weights=last`).
-"""
+"""A run's checkpoints: `last.ckpt` (the last finished epoch), `step.ckpt` (mid-epoch, with
+`checkpoint.every_n_train_steps=N`) and `best-epoch<k>.ckpt` (the best `val/acc`, tested unless `test_weights=last`)."""
 
 import io
 import logging
@@ -33,9 +31,8 @@ def read_checkpoint(path: str | Path, mmap: bool = False) -> Any:
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """Written beside its final name, then renamed: Lightning's save moves a file from /tmp, a copy a kill cuts short
-    where /tmp is another filesystem. Read with `weights_only=True`: torch's default is unsafe under
-    `TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1`."""
+    """Written beside its final name, then renamed: Lightning's moves it from /tmp, a copy a kill can cut short.
+    Read with `weights_only=True`: torch's default is unsafe under `TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1`."""
 
     def load_checkpoint(self, path: str | Path, map_location: Callable | None = lambda storage, location: storage,
                         weights_only: bool | None = None) -> dict[str, Any]:
@@ -84,7 +81,7 @@ class StepCheckpoint(ModelCheckpoint):
 
 @dataclass(frozen=True)
 class Saved:
-    """One safe read of a checkpoint file before a run starts, its contents or the error that stopped it."""
+    """One safe read of a checkpoint file, its contents or the error that stopped it."""
 
     path: Path
     contents: Any = None
@@ -98,21 +95,24 @@ class Saved:
 
 
 def open_checkpoint(path: Path) -> Saved:
-    """Mapped: the tensors' bytes are read only where they are used."""
-    try:
+    try:  # mapped: the tensors' bytes are read only where they are used
         return Saved(path, contents=read_checkpoint(path, mmap=True))
     except Exception as error:  # kept for the check that names what is wrong with the file
         return Saved(path, error=error)
 
 
-def newest(run_dir: Path) -> Saved | None:
-    """The resumable checkpoint saved at the latest step; `last.ckpt` on a tie."""
+def newest(run_dir: Path, given: object = None, hint: str = "") -> Saved | None:
+    """The resumable checkpoint saved at the latest step; `last.ckpt` on a tie. None, or an error for `ckpt_path=given`
+    ending in `hint`, where there is none."""
     found = [open_checkpoint(path) for name in RESUMABLE if (path := run_dir / "checkpoints" / name).is_file()]
+    if not found and given is not None:
+        raise UsageError(f"ckpt_path={given}: no checkpoint in {run_dir / 'checkpoints'} "
+                         f"(looked for {' and '.join(RESUMABLE)}){hint}")
     return max(found, key=lambda saved: saved.step, default=None)  # max keeps the first of equal steps
 
 
 def clean_partial(run_dir: Path) -> None:
-    """Remove the `.partial` files of an attempt killed while writing: the run holding the folder is its only writer."""
+    """The `.partial` files of an attempt killed while writing: the run holding the folder is its only writer."""
     for partial in [*(run_dir / "checkpoints").glob(".*.partial"), *run_dir.glob(".*.partial")]:
         partial.unlink(missing_ok=True)
 
@@ -132,12 +132,8 @@ def resolve_ckpt_path(ckpt_path: str | None, run_dir: Path) -> Saved | None:
         return None
     value = str(ckpt_path)
     if value in CKPT_WORDS:
-        found = newest(run_dir)
-        if found is None and value == "last":
-            raise UsageError(f"ckpt_path=last: no checkpoint in {run_dir / 'checkpoints'} "
-                             f"(looked for {' and '.join(RESUMABLE)}); "
-                             "name the run folder with hydra.run.dir=<run folder>")
-        return found
+        hint = "; name the run folder with hydra.run.dir=<run folder>"
+        return newest(run_dir, value if value == "last" else None, hint)  # `auto`: None where there is none
     path = Path(value)
     if not path.is_file():
         raise UsageError(f"ckpt_path={value}: no checkpoint at {path}; give a .ckpt file, `last` or `auto`")
@@ -152,19 +148,16 @@ def tested_weights(path: Path | None) -> str:
 
 
 def checkpoint_to_evaluate(ckpt_path: str | None, test_weights: str = "best") -> Saved:
-    """A checkpoint file, or a run folder's best checkpoint (`test_weights=best`, where it has one) or newest one."""
+    """A file, or a run folder's best checkpoint (`test_weights=best`, where it has one) or newest one."""
     if ckpt_path is None:
         raise UsageError("ckpt_path is required: give a .ckpt file or a run folder, e.g. ckpt_path=outputs/runs/<run>")
     path = Path(str(ckpt_path))
     if path.is_dir():
-        # The best-*.ckpt written last: each new best val/acc replaces the one before.
-        best = sorted((path / "checkpoints").glob("best-*.ckpt"), key=lambda file: file.stat().st_mtime)
+        # The one written last: each new best val/acc replaces the one before.
+        best = max((path / "checkpoints").glob("best-*.ckpt"), key=lambda file: file.stat().st_mtime, default=None)
         if best and test_weights == "best":
-            return open_checkpoint(best[-1])
-        found = newest(path)
-        if found is None:
-            raise UsageError(f"ckpt_path={ckpt_path}: no checkpoint in {path / 'checkpoints'} "
-                             f"(looked for {' and '.join(RESUMABLE)})")
+            return open_checkpoint(best)
+        found = newest(path, ckpt_path)
         if test_weights == "best":
             log.info(f"test_weights=best: {path} holds no best-*.ckpt (it ran without validation); "
                      f"scoring its last weights, {found.path.name}")

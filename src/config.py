@@ -24,7 +24,6 @@ CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
 
 def options(group: str) -> str:
-    """A config group's options, as `--help` lists them: `lenet, resnet18`."""
     return ", ".join(sorted(path.stem for path in (CONF_DIR / group).glob("*.yaml")))
 
 
@@ -35,8 +34,8 @@ class CheckpointConfig:
 
 @dataclass
 class TrainConfig:
-    """The top-level keys and their types. Switches stay `Any`: OmegaConf's bool also takes `yes` and `1`, which
-    `RULES` refuses; so do keys of two types (precision) and the config groups, whose keys are their classes' own."""
+    """Switches stay `Any`: OmegaConf's bool also takes `yes` and `1`, which `RULES` refuses; so do keys of two types
+    (precision) and the config groups, whose keys are their classes' own."""
 
     accelerator: str = MISSING
     devices: int = MISSING
@@ -79,7 +78,6 @@ def shown(value: Any) -> str:
 
 @dataclass(frozen=True)
 class Rule:
-    """A test of one value, and the words that say what passes it."""
     test: Callable[[Any], bool]
     allowed: str
 
@@ -123,7 +121,7 @@ def is_duration(value: Any) -> bool:
 
 
 def is_import_path(value: Any) -> bool:
-    """`package.module.name` whose top-level package is installed (finding it imports nothing)."""
+    """Whose top-level package is installed (finding it imports nothing)."""
     return isinstance(value, str) and bool(re.fullmatch(r"[A-Za-z_][\w.]*\.\w+", value)) and \
         importlib.util.find_spec(value.split(".")[0]) is not None
 
@@ -274,7 +272,7 @@ def not_allowed(key: str, value: Any, allowed: str) -> UsageError:
 
 
 def must_be(key: str, value: Any, rule: Rule) -> str:
-    """What `key` allows, after `did you mean ...?` where the value is another tool's name for an allowed one."""
+    """After `did you mean ...?` where the value is another tool's name for an allowed one."""
     alias = ALIASES.get(key, {}).get(str(value).lower())
     return (f"did you mean {key}={alias}? " if alias else "") + f"{key} must be {rule.allowed}"
 
@@ -290,8 +288,7 @@ def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def values(cfg: DictConfig, derived: bool = False) -> dict[str, Any]:
-    """Every key of the run's config (not Hydra's), flat and resolved; with `derived`, those of `DERIVED` too (their
-    resolvers ask the hardware)."""
+    """Flat and resolved; `DERIVED` keys only if asked for (their resolvers ask the hardware)."""
     try:
         return flatten({key: OmegaConf.to_container(cfg[key], resolve=True) if OmegaConf.is_config(cfg[key]) else cfg[key]
                         for key in cfg if key != "hydra" and (derived or key not in DERIVED)})

@@ -20,7 +20,6 @@ from src.train import build_run, record, scalar_metrics, shown, trainer_input_er
 
 
 def targets(node: Any, prefix: str) -> dict[str, Any]:
-    """Every `_target_` of a config (plain values) by its dotted key."""
     found: dict[str, Any] = {}
     if isinstance(node, dict):
         found |= {f"{prefix}._target_": node["_target_"]} if "_target_" in node else {}
@@ -33,8 +32,8 @@ def targets(node: Any, prefix: str) -> dict[str, Any]:
 
 
 def as_trained(cfg: DictConfig, overrides: list[str], group: str) -> DictConfig:
-    """A group's config to score with (`model`, `data`): the checkpoint's run's own (its `model.net.*`, `data.root`),
-    this command's `<group>.*` on top. Its values, never its `_target_`s: a copied folder could run any function."""
+    """The checkpoint's run's `model` or `data` with this command's `<group>.*` on top: its values, never its
+    `_target_`s (a copied folder could run any function)."""
     saved = None if OmegaConf.is_missing(cfg, "ckpt_path") else resolved_config(cfg.ckpt_path)
     choice = cfg.get(f"{group}_name")  # model_name; the data group has one option, and no name in the config
     if saved is None or saved.get(f"{group}_name") != choice or not isinstance(saved.get(group), DictConfig):
@@ -81,7 +80,6 @@ def main(cfg: DictConfig) -> Result:
 
 
 def with_checkpoint_model(args: list[str]) -> list[str]:
-    """`args` plus `model=<the checkpoint's run's model>` when no model is given and the run's config is there."""
     given = dict(arg.split("=", 1) for arg in args if "=" in arg and not arg.startswith(("-", "+", "~")))
     if "model" in given or "ckpt_path" not in given:
         return args

@@ -64,7 +64,7 @@ def one_channel_nchw_pays(accelerator: str, strategy: object) -> bool:
 
 
 def speed_up(net: nn.Module, channels_last: bool, compile: bool, one_channel_nchw: bool = False) -> nn.Module:
-    """In place, before any device or wrapper sees `net`. `one_channel_nchw`: see `one_channel_nchw_pays`."""
+    """In place, before any device or wrapper sees `net`."""
     if channels_last:
         net.to(memory_format=torch.channels_last)
         for conv in net.modules() if one_channel_nchw else ():
@@ -133,8 +133,8 @@ def resolve_fast_steps(cuda_graphs: bool | str, steps_per_execution: int | str, 
 
 
 class GraphedStep:
-    """Forward, loss and backward of one batch shape, captured once as a CUDA graph, then replayed; gradients must be
-    None at capture, so that the graph owns them. Run warm steps eagerly first (cuDNN autotuning, optimizer state)."""
+    """Forward, loss and backward of one batch shape, captured once, then replayed; gradients must be None at capture,
+    so that the graph owns them. Run warm steps eagerly first (cuDNN autotuning, optimizer state)."""
 
     def __init__(self, step: StepFunction, x: torch.Tensor, y: torch.Tensor, parameters: list[nn.Parameter]) -> None:
         self.x, self.y = x.clone(), y.clone()
@@ -174,7 +174,7 @@ class GraphedStep:
 
 def apply_fast_steps(cfg: DictConfig, trainer_args: dict[str, Any], module: nn.Module, datamodule: object, *,
                      accelerator: str, world_size: int, strategy: object, step_batch: int) -> FastSteps:
-    """Resolve the fast steps, and set the module, the data and the Trainer's batch counts (in place) up for them."""
+    """Set the module, the data and the Trainer's batch counts (in place) up for the fast steps."""
     batch_counts = {f"trainer.{key}": value for key in ("limit_train_batches", "val_check_interval")
                     if type(value := trainer_args.get(key)) is int}
     fast_steps = resolve_fast_steps(

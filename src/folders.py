@@ -4,7 +4,7 @@ from pathlib import Path
 
 
 def missing(path: Path) -> list[Path]:
-    """`path` and those of its parents that do not exist yet, deepest first: what creating `path` would create."""
+    """What creating `path` would create, deepest first."""
     path = Path(path).absolute()
     return [folder for folder in (path, *path.parents) if not folder.exists()]
 

@@ -14,7 +14,7 @@ from lightning.pytorch.loggers import Logger
 from omegaconf import DictConfig, OmegaConf
 from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 from tensorboard.compat.proto.summary_pb2 import Summary
-from tensorboard.plugins.hparams import api_pb2, metadata, plugin_data_pb2
+from tensorboard.plugins.hparams import api_pb2, metadata, plugin_data_pb2, summary_v2
 from torch.utils.tensorboard.writer import FileWriter
 
 from src import records
@@ -39,8 +39,7 @@ HPARAM_METRICS = tuple(tag for tag, _, _ in METRICS)
 
 IDENTITY = ("model", "strategy", "devices", "precision_used")
 SHOWN = 5  # hparams columns TensorBoard's HParams tab ticks by default
-# Settings recorded under another name than their config key, or following from others: marked as changed when any
-# of these config keys is.
+# Settings recorded under another name than their config key, or following from others, by the keys that change them.
 SOURCES = {
     "world_size": ("devices", "num_nodes", "strategy"),
     "precision_used": ("precision", "accelerator"),
@@ -59,8 +58,7 @@ def _plain(value: Any) -> bool | int | float | str:
 
 
 def run_hparams(cfg: DictConfig, trainer: Trainer, lr_used: float) -> dict[str, Any]:
-    """Every key a command line can set, flat: what the run is first, the optimizer's arguments after its class, then
-    the plain settings under `NESTED` (None, a library default, left out)."""
+    """Every key a command line can set, flat; the plain settings under `NESTED` leave None (a library default) out."""
     optim = {k: v for k, v in OmegaConf.to_container(cfg.optim, resolve=True).items() if not k.startswith("_")}
     choices = records.select(hydra_record(Path(cfg.output_dir)), "runtime.choices.experiment")
     parameters = list(trainer.lightning_module.parameters())
@@ -94,7 +92,7 @@ _TOP_LEVEL = {field.name for field in fields(TrainConfig)} | {"experiment"}
 
 
 def hydra_record(run_dir: Path) -> Any:
-    """Hydra's own settings of the run (`.hydra/hydra.yaml`), read from the folder: DDP workers have no Hydra."""
+    """Read from the folder: DDP workers have no Hydra."""
     saved = run_dir / ".hydra" / "hydra.yaml"
     return records.select(records.load(saved), "hydra") if saved.is_file() else None
 
@@ -103,7 +101,6 @@ STAMP = re.compile(r"^(\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d|torchrun-[^_]+|slurm-[^_]+
 
 
 def override_keys(overrides: Iterable[object]) -> list[str]:
-    """The key or config group of each override (`optim.lr=0.1`, `+callbacks.x._target_=...`, `model=resnet18`)."""
     return [re.sub(r"@.*$", "", str(override).split("=", 1)[0].lstrip("+~")) for override in overrides]
 
 
@@ -140,21 +137,14 @@ def in_order(text: str) -> tuple[bool, float, str]:
 
 
 def _summary(tag: str, data: plugin_data_pb2.HParamsPluginData) -> Summary:
-    """An HParams record, metadata only: torch's `hparams()` can neither mark a column nor name a trial, and
-    TensorBoard's `hparams.summary` needs TensorFlow."""
+    """By hand: neither torch's `hparams()` nor TensorBoard's `hparams_config_pb` can mark a column (`differs`)."""
     return Summary(value=[Summary.Value(tag=tag, metadata=metadata.create_summary_metadata(data))])
 
 
 def session_start(params: Mapping[str, Any], group_name: str) -> Summary:
-    info = plugin_data_pb2.SessionStartInfo(group_name=group_name, start_time_secs=time.time())
-    for name, value in params.items():
-        if isinstance(value, bool):
-            info.hparams[name].bool_value = value
-        elif isinstance(value, float):
-            info.hparams[name].number_value = value
-        else:  # TensorBoard shows every number with four decimals: `devices` 4 would read 4.0000
-            info.hparams[name].string_value = str(value)
-    return _summary(metadata.SESSION_START_INFO_TAG, plugin_data_pb2.HParamsPluginData(session_start_info=info))
+    """Whole numbers as text: TensorBoard shows every number with four decimals, `devices` 4 as 4.0000."""
+    return summary_v2.hparams_pb({name: value if isinstance(value, (bool, float)) else str(value)
+                                  for name, value in params.items()}, trial_id=group_name)
 
 
 def session_end() -> Summary:
@@ -163,11 +153,8 @@ def session_end() -> Summary:
 
 
 def experiment(runs: list[Mapping[str, Any]], marked: Iterable[str] = (), typed: Iterable[str] = ()) -> Summary:
-    """The experiment summary of `runs`' settings, `sweep_columns` marked as differing."""
-    names: dict[str, None] = {}
-    for params in runs:
-        names.update(dict.fromkeys(params))
-    differing = sweep_columns(runs, list(names), typed, set(marked))
+    names = list(dict.fromkeys(name for params in runs for name in params))
+    differing = sweep_columns(runs, names, typed, set(marked))
     infos = [hparam_info(name, [params[name] for params in runs if name in params], name in differing) for name in names]
     metrics = [api_pb2.MetricInfo(name=api_pb2.MetricName(tag=tag), display_name=title, description=description)
                for tag, title, description in METRICS]
@@ -214,8 +201,7 @@ def trial_id(run_dir: Path, overrides: list[str], params: Mapping[str, Any]) -> 
 
 @held()  # see RunLogger
 def log_hparams(loggers: list[Logger], params: dict[str, Any], run_dir: Path, step: int = 0) -> None:
-    """The run's settings in each logger: TensorBoard's HParams summaries (pointing at scalars already logged), at the
-    last step so no event goes back; a sweep job writes only its session (the sweep adds the experiment at its end)."""
+    """At the last step, so no event goes back; a sweep job writes only its session (the sweep adds the experiment)."""
     for logger in loggers:
         if not isinstance(logger, RunLogger):
             logger.log_hyperparams(params)
@@ -237,6 +223,5 @@ def write_experiment(runs: list[Mapping[str, Any]], log_dir: Path, typed: Iterab
 
 
 def has_hparams(run_dir: Path) -> bool:
-    """Whether an earlier part of this run (before a resume) wrote its HParams record: a run keeps its first."""
     return any(value.metadata.plugin_data.plugin_name == "hparams" for events in run_dir.glob("events.out.tfevents.*")
                for event in EventFileLoader(str(events)).Load() for value in event.summary.value)

@@ -78,9 +78,8 @@ LAYOUT = {
 
 
 class RunLogger(TensorBoardLogger):
-    """Lightning's TensorBoard logger, with `epoch` filed as `trainer/epoch` (not first among the scalars), each tag's
-    description and the Custom Scalars layout with its first point. A stop signal waits for a write to end (`held`):
-    raised inside the writer's queue, it would leave the flush on the way out waiting 120 s."""
+    """With `epoch` as `trainer/epoch` (not first among the scalars), descriptions and the Custom Scalars layout. A
+    stop signal waits for a write to end (`held`): raised inside the writer's queue, the final flush would wait 120 s."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -116,11 +115,6 @@ class RunLogger(TensorBoardLogger):
 
     @rank_zero_only
     @held()
-    def log_hyperparams(self, *args: Any, **kwargs: Any) -> None:
-        super().log_hyperparams(*args, **kwargs)
-
-    @rank_zero_only
-    @held()
     def finalize(self, status: str) -> None:
         """Flush, and keep the file open until `close` unless the stage failed: Lightning finalizes after fitting and
         after testing, and a writer opened again starts another file, which TensorBoard may read first (`.10`, `.9`)."""
@@ -144,8 +138,7 @@ class RunLogger(TensorBoardLogger):
 
 
 class CSVRunLogger(CSVLogger):
-    """Lightning's CSV logger, keeping the rows a resumed run logged before `purge_step` (Lightning's writer deletes
-    the metrics.csv it finds)."""
+    """Keeps the rows a resumed run logged before `purge_step` (Lightning's writer deletes the metrics.csv it finds)."""
 
     def __init__(self, *args: Any, purge_step: int | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -184,8 +177,7 @@ class MLflowRunLogger(MLFlowLogger):
 
 
 class WandbRunLogger(WandbLogger):
-    """Lightning's W&B logger, without the `anonymous=None` W&B warns about, whose run ends at `close` (Lightning's
-    `finalize` leaves it open)."""
+    """Without the `anonymous=None` W&B warns about; its run ends at `close` (Lightning's `finalize` leaves it open)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -1,6 +1,5 @@
 """The optimizer of a run (`conf/optim/`, a Hydra partial), its learning rate scaled to the global batch and scheduled.
-`optim.lr_scaling`, `base_batch_size`, `schedule` and `warmup` are read here and never reach the optimizer.
-"""
+`optim.lr_scaling`, `base_batch_size`, `schedule` and `warmup` are read here and never reach the optimizer."""
 
 import functools
 import inspect

@@ -1,7 +1,5 @@
-"""A run folder's records, read as data: a record may have been written by anyone who can write a shared folder, so
-it is parsed as plain YAML, never resolved (a resolver could act), and may build only classes this project's conf/
-names: a record never adds code to run in the account of whoever reads it.
-"""
+"""A run folder's records, read as data: anyone who can write a shared folder may have written one, so it is plain
+YAML, never resolved (a resolver could act), and may build only classes this project's conf/ names."""
 
 import functools
 import json
@@ -20,7 +18,6 @@ RESOLVER = re.compile(r"\$\{(?![\w.]+\})")
 
 
 def load(path: Path) -> Any:
-    """A file that is not YAML is a UsageError naming it."""
     try:
         return yaml.safe_load(Path(path).read_text())
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as error:
@@ -30,7 +27,6 @@ def load(path: Path) -> Any:
 
 @functools.cache
 def conf_targets() -> frozenset[str]:
-    """What a run folder's records may ask to build."""
     return frozenset(target for path in CONF_DIR.rglob("*.yaml")
                      for target in re.findall(r"^\s*_target_:\s*(\S+)", path.read_text(), flags=re.MULTILINE))
 
@@ -56,7 +52,6 @@ def check_data(node: Any, path: Path, allowed: frozenset[str] | None = None, key
 
 
 def select(data: Any, dotted: str) -> Any:
-    """None where a level is missing or is no mapping."""
     for key in dotted.split("."):
         data = data.get(key) if isinstance(data, dict) else None
     return data

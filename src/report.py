@@ -105,8 +105,7 @@ def read_run(run: RunFolder) -> Run:
 
 
 def add_speedups(runs: list[Run]) -> None:
-    """Median epoch time of the one-device runs alike but for devices / this run's; only where devices differ
-    (between repeats it would be seed noise, between runs differing in anything else no speed-up)."""
+    """Only where devices differ: between repeats it would be seed noise, between other settings no speed-up."""
     if not varies(runs, "total_devices"):
         return
     single: dict[tuple, list[float]] = defaultdict(list)
@@ -154,8 +153,7 @@ def _write_csv(path: Path, header: Iterable[str], rows: Iterable[Iterable[Any]])
 
 
 def markdown_table(runs: list[Run]) -> str:
-    """Seed only where seeds differ, speed-up only where devices do, a measured figure only where some run measured
-    it (MFU: on a GPU that Lightning's peak table lists)."""
+    """A measured figure only where some run measured it (MFU: on a GPU in Lightning's peak table)."""
     shown = {"seed": varies(runs, "seed"), "finished": any(run.finished != "yes" for run in runs),
              "speedup": varies(runs, "total_devices"),
              **{key: any(getattr(run, key) is not None for run in runs) for key in MEASURED}}
@@ -177,8 +175,7 @@ def t_975(df: int) -> float:
 
 
 def spread_cells(values: list[float], digits: int, low: float, high: float) -> list[str]:
-    """Mean, sample standard deviation and 95 % confidence interval of the mean (Student t), the interval cut to
-    `low`..`high`, where t over a few seeds would reach past what the quantity can take."""
+    """Mean, sd and 95 % interval of the mean, cut to `low`..`high`: t over a few seeds reaches past them."""
     if len(values) < 2:
         return ["", "", ""]
     mean, sd = statistics.mean(values), statistics.stdev(values)
@@ -205,8 +202,7 @@ def seed_rows(runs: list[Run]) -> list[list[str]]:
 
 
 def _labels(runs: list[Run], with_seed: bool = True) -> list[str]:
-    """Legend labels: the run, its seed where seeds differ, then the first setting that tells alike labels apart
-    (else the row)."""
+    """Alike labels get the first setting that tells them apart, else their row."""
     seeds = with_seed and varies(runs, "seed")
     labels = [f"{run.model} {run.strategy} {run.total_devices} dev {run.precision}"
               + (f" seed {run.seed}" if seeds else "") for run in runs]
@@ -237,10 +233,8 @@ def colour(index: int) -> Any:
 
 
 def _plot(path: Path, lines: list[tuple[Any, Any, dict[str, Any]]], **settings: Any) -> None:
-    """`lines`: x, y and the style of each; `settings`: of the axes, after whole-number x ticks."""
     # matplotlib, TensorBoard, Lightning and torch are imported where used: the command answers first.
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    from matplotlib.figure import Figure  # not pyplot: no GUI backend, no global figure state
 
     figure = Figure(figsize=(11, 5))
     axes = figure.add_subplot()
@@ -251,7 +245,6 @@ def _plot(path: Path, lines: list[tuple[Any, Any, dict[str, Any]]], **settings: 
     axes.grid(alpha=0.3)
     if axes.lines:
         axes.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0)  # off the data
-    FigureCanvasAgg(figure)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
 
@@ -272,7 +265,7 @@ def plot_val_acc(runs: list[Run], path: Path) -> None:
 
 
 def plot_epoch_time(runs: list[Run], path: Path) -> None:
-    """One line per setting but for devices, labelled as the runs of its first point are."""
+    """One line per setting but for devices."""
     points: dict[tuple, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
     first: dict[tuple, Run] = {}
     for run in runs:
@@ -291,29 +284,28 @@ def plot_epoch_time(runs: list[Run], path: Path) -> None:
 def markdown_report(runs: list[Run], root: Path, seeds: list[list[str]], scaling: str,
                     failed: dict[str, str] | None, evaluations: list[Run]) -> str:
     by_devices = varies(runs, "total_devices")
-    speedup = ("Speed-up is the median epoch time of the runs on one device (devices x num_nodes = 1) with the same "
-               "settings but for devices (model, strategy, precision, batches, epochs, ...), divided by this run's; "
-               "empty where there is no such run, and for those runs themselves where there are several. "
-               ) if by_devices else ""
-    return "\n".join([
-        f"# Report: {root}", "",
-        f"{counted(len(runs), 'run')}. Epoch times exclude validation. {speedup}".rstrip(), "",
-        markdown_table(runs), "",
-        *([f"{counted(len(failed), 'job')} failed:", "",
-           _table(["job", "error"], ([job.replace("|", "\\|"), line.replace("|", "\\|")]
-                                     for job, line in failed.items())), ""] if failed else []),
-        *(["## Evaluations", "", "Checkpoints scored by `python -m src.eval`, apart from the training runs above.", "",
-           _table(["evaluation", "checkpoint", "test acc"],
-                  ([run.run, run.checkpoint, _cell(run.test_acc, 4)] for run in evaluations), "|---|---|---:|"),
-           ""] if evaluations else []),
-        *(["## Seeds", "",
-           "Runs of one setting that differ only in their seed: mean, sample standard deviation and the 95 % "
-           "confidence interval of the mean (Student t, n - 1 degrees of freedom) over the seeds (`seeds.csv`).", "",
-           _table(SEED_COLUMNS, seeds), ""] if seeds else []),
-        "![validation accuracy per epoch](val_acc.png)", "",
-        *(["![median epoch time against devices](epoch_time.png)", ""] if by_devices else []),
-        *(["# Predicted scaling (scaling.md, `python -m src.scaling`)", "", scaling, ""] if scaling else []),
-    ])
+    speedup = ("Speed-up: the median epoch time of the one-device runs (devices x num_nodes = 1) alike but for devices "
+               "(model, strategy, precision, batches, epochs, ...) over this run's; empty where there is none, and for "
+               "those runs themselves where there are several. ") if by_devices else ""
+    parts = [f"# Report: {root}", f"{counted(len(runs), 'run')}. Epoch times exclude validation. {speedup}".rstrip(),
+             markdown_table(runs)]
+    if failed:
+        parts += [f"{counted(len(failed), 'job')} failed:", _table(["job", "error"], (
+            [job.replace("|", "\\|"), line.replace("|", "\\|")] for job, line in failed.items()))]
+    if evaluations:
+        parts += ["## Evaluations", "Checkpoints scored by `python -m src.eval`, apart from the training runs above.",
+                  _table(["evaluation", "checkpoint", "test acc"],
+                         ([run.run, run.checkpoint, _cell(run.test_acc, 4)] for run in evaluations), "|---|---|---:|")]
+    if seeds:
+        parts += ["## Seeds", "Runs of one setting that differ only in their seed: mean, sample standard deviation and "
+                  "the 95 % confidence interval of the mean (Student t, n - 1 degrees of freedom) over the seeds "
+                  "(`seeds.csv`).", _table(SEED_COLUMNS, seeds)]
+    parts.append("![validation accuracy per epoch](val_acc.png)")
+    if by_devices:
+        parts.append("![median epoch time against devices](epoch_time.png)")
+    if scaling:
+        parts += ["# Predicted scaling (scaling.md, `python -m src.scaling`)", scaling]
+    return "\n\n".join(parts) + "\n"
 
 
 def write_report(root: Path, out: Path | None = None, failed: dict[str, str] | None = None) -> list[Run]:
@@ -323,8 +315,7 @@ def write_report(root: Path, out: Path | None = None, failed: dict[str, str] | N
     out.mkdir(parents=True, exist_ok=True)
     scaling = ""
     if any(run.ddp for run in runs):  # without DDP, the runs asked nothing of communication
-        # It times nothing, so that a sweep's report follows its last job within seconds: it reads what
-        # `python -m src.scaling <folder> --probe` saved there.
+        # It reads what `python -m src.scaling <folder> --probe` saved: a sweep's report follows in seconds.
         from src.scaling.predict import load_probe, write_scaling
 
         try:

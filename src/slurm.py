@@ -14,21 +14,18 @@ def slurm_output(*command: str) -> str | None:
         return None
 
 
-def partition_has_gpus(partition: str | None) -> bool | None:
-    """Whether a node of `partition` (None: the default one) has GPUs; None when sinfo cannot tell."""
-    listing = slurm_output("sinfo", "--noheader", "--format=%P|%G") or ""
-    rows = [line.strip().partition("|") for line in listing.splitlines()]
-    gres = [node_gres for name, _, node_gres in rows
-            if (partition is None and name.endswith("*")) or name.rstrip("*") == partition]
-    if not gres:
-        return None  # no sinfo, or no such partition: sbatch will say so
-    return any("gpu" in g for g in gres)
-
-
 def gpus_per_node(accelerator: str, devices: int, partition: str | None = None) -> int | None:
-    """`--gpus-per-node` for a job of `devices` processes per node; None leaves the option out."""
-    if accelerator == "cpu" or (accelerator == "auto" and partition_has_gpus(partition) is False):
+    """`--gpus-per-node` for a job of `devices` processes per node (`partition` None: the default one); None leaves
+    the option out. Without sinfo or such a partition it asks for them, and sbatch says what is wrong."""
+    if accelerator == "cpu":
         return None
+    if accelerator == "auto":
+        listing = slurm_output("sinfo", "--noheader", "--format=%P|%G") or ""
+        rows = [line.strip().partition("|") for line in listing.splitlines()]
+        gres = [node_gres for name, _, node_gres in rows
+                if (partition is None and name.endswith("*")) or name.rstrip("*") == partition]
+        if gres and not any("gpu" in g for g in gres):
+            return None
     return devices
 
 

@@ -6,7 +6,6 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-HALF_PRECISIONS = ("16-mixed", "16", "16-true")
 # Link codes of `nvidia-smi topo -m` other than NV#, from its legend.
 PCIE_LINKS = {
     "PIX": "PCIe, at most one PCIe bridge", "PXB": "PCIe, several PCIe bridges", "PHB": "PCIe through a host bridge",
@@ -32,17 +31,13 @@ def _nvidia_smi_topology() -> str | None:
     return result.stdout if result.returncode == 0 else None
 
 
-def parse_topology(text: str) -> dict[tuple[int, int], str]:
-    """Link code (NV12, PIX, SYS, ...) of every GPU pair i < j."""
+def parse_topology(text: str) -> dict[str, str]:
+    """Link code (NV12, PIX, SYS, ...) of every GPU pair `GPUi-GPUj`, i < j."""
     rows = [[cell.strip() for cell in re.sub(r"\x1b\[[0-9;]*m", "", line).split("\t")] for line in text.splitlines()]
     header = next((cells for cells in rows if any(re.match(r"GPU\d+", cell) for cell in cells[1:])), [])
-    columns = {k: int(cell[3:]) for k, cell in enumerate(header) if re.fullmatch(r"GPU\d+", cell)}
-    links = {}
-    for cells in rows:
-        if re.fullmatch(r"GPU\d+", cells[0]):
-            row = int(cells[0][3:])
-            links.update({(row, col): cells[k] for k, col in columns.items() if row < col and k < len(cells)})
-    return links
+    columns = [(k, int(cell[3:])) for k, cell in enumerate(header) if re.fullmatch(r"GPU\d+", cell)]
+    return {f"{cells[0]}-GPU{col}": cells[k] for cells in rows if re.fullmatch(r"GPU\d+", cells[0])
+            for k, col in columns if int(cells[0][3:]) < col and k < len(cells)}
 
 
 def _interconnect(count: int) -> dict[str, Any]:
@@ -51,9 +46,8 @@ def _interconnect(count: int) -> dict[str, Any]:
 
     if count < 2:
         return {"summary": "none (fewer than 2 GPUs)", "source": None, "links": {}}
-    topology = parse_topology(_nvidia_smi_topology() or "")
-    if topology:
-        links = {f"GPU{i}-GPU{j}": code for (i, j), code in topology.items()}
+    links = parse_topology(_nvidia_smi_topology() or "")
+    if links:
         nvlink = [code.startswith("NV") for code in links.values()]
         summary = "NVLink" if all(nvlink) else "mixed NVLink and PCIe" if any(nvlink) else "PCIe"
         return {"summary": summary, "source": "nvidia-smi topo -m", "links": links}
@@ -75,10 +69,7 @@ def cpu_has_bf16() -> bool:
 
 
 def _cpu_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1  # Linux only
 
 
 def recommend_precision(gpus: list[dict[str, Any]], cpu_bf16: bool) -> tuple[str, str]:
@@ -125,38 +116,33 @@ def _yes(flag: bool) -> str:
 
 
 def cudnn_version(number: int | None) -> str:
-    """torch reports it as one number: 92400 is 9.24.0, 8902 is 8.9.2."""
+    """torch reports it as one number: 92400 is 9.24.0 (cuDNN 9 gave the minor version two digits), 8902 is 8.9.2."""
     if not number:
         return "none"
-    scale = 10000 if number >= 10000 else 1000  # cuDNN 9 gave the minor version two digits
-    major, rest = divmod(number, scale)
+    major, rest = divmod(number, 10000 if number >= 10000 else 1000)
     return f"{major}.{rest // 100}.{rest % 100}"
 
 
 def format_report(info: dict[str, Any]) -> str:
-    def line(label: str, text: str) -> str:
-        return f"{label + ':':<14}{text}"
-
-    gpus = info["gpus"]
-    lines = [line("GPUs", f"{len(gpus)}" if gpus else "none found by CUDA")]
-    lines += [f"  GPU{g['index']}  {g['name']}  {g['memory_gib']} GiB  compute capability {g['capability']}  "
-              f"fp16 tensor cores: {_yes(g['fp16_tensor_cores'])}  bf16: {_yes(g['bf16'])}" for g in gpus]
-    lines.append(line("Tensor cores", f"fp16 {_yes(info['fp16_tensor_cores'])}, bf16 {_yes(info['bf16'])}"))
-    interconnect = info["interconnect"]
+    gpus, interconnect, v = info["gpus"], info["interconnect"], info["versions"]
     source = f" (from {interconnect['source']})" if interconnect["source"] else ""
-    lines.append(line("Interconnect", f"{interconnect['summary']}{source}"))
-    lines += [f"  {pair}: " + (f"NVLink ({code[2:]} links)" if code.startswith("NV") else PCIE_LINKS.get(code, code))
-              for pair, code in interconnect["links"].items()]
-    lines.append(line("Backends", f"NCCL {_yes(info['nccl'])} (needs CUDA GPUs), gloo {_yes(info['gloo'])}"))
-    lines.append(line("CPU cores", f"{info['cpu_cores']} usable by this process; "
-                                   f"native bf16: {_yes(info['cpu_bf16'])}"))
-    lines.append(line("CPU threads", f"{info['threads']} for torch's operators in this process (a DDP worker's: its "
-                                     "share of the cores); OMP_NUM_THREADS=<n> sets them"))
-    v = info["versions"]
-    lines.append(line("Versions", f"torch {v['torch']}, lightning {v['lightning']}, "
-                                  f"CUDA {v['cuda'] or 'none (CPU build)'}, cuDNN {cudnn_version(v['cudnn'])}"))
-    lines.append(line("Precision", f"precision={info['recommended_precision']}: {info['precision_reason']}"))
-    return "\n".join(lines)
+    rows = {
+        "GPUs": (f"{len(gpus)}" if gpus else "none found by CUDA") + "".join(
+            f"\n  GPU{g['index']}  {g['name']}  {g['memory_gib']} GiB  compute capability {g['capability']}  "
+            f"fp16 tensor cores: {_yes(g['fp16_tensor_cores'])}  bf16: {_yes(g['bf16'])}" for g in gpus),
+        "Tensor cores": f"fp16 {_yes(info['fp16_tensor_cores'])}, bf16 {_yes(info['bf16'])}",
+        "Interconnect": f"{interconnect['summary']}{source}" + "".join(
+            f"\n  {pair}: " + (f"NVLink ({code[2:]} links)" if code.startswith("NV") else PCIE_LINKS.get(code, code))
+            for pair, code in interconnect["links"].items()),
+        "Backends": f"NCCL {_yes(info['nccl'])} (needs CUDA GPUs), gloo {_yes(info['gloo'])}",
+        "CPU cores": f"{info['cpu_cores']} usable by this process; native bf16: {_yes(info['cpu_bf16'])}",
+        "CPU threads": f"{info['threads']} for torch's operators in this process (a DDP worker's: its share of the "
+                       "cores); OMP_NUM_THREADS=<n> sets them",
+        "Versions": f"torch {v['torch']}, lightning {v['lightning']}, CUDA {v['cuda'] or 'none (CPU build)'}, "
+                    f"cuDNN {cudnn_version(v['cudnn'])}",
+        "Precision": f"precision={info['recommended_precision']}: {info['precision_reason']}",
+    }
+    return "\n".join(f"{label + ':':<14}{text}" for label, text in rows.items())
 
 
 def precision_warnings(info: dict[str, Any], precision: str, accelerator: str, processes: int) -> list[str]:
@@ -166,7 +152,7 @@ def precision_warnings(info: dict[str, Any], precision: str, accelerator: str, p
     if accelerator in ("gpu", "cuda"):
         for g in info["gpus"]:
             gpu = f"precision={precision} on GPU{g['index']} ({g['name']}, compute capability {g['capability']})"
-            if precision in HALF_PRECISIONS and not g["fp16_tensor_cores"]:
+            if precision in ("16-mixed", "16", "16-true") and not g["fp16_tensor_cores"]:
                 warnings.append(f"{gpu}: no fp16 tensor cores, so little or no speed-up; use precision=32")
             if precision.startswith("bf16") and not g["bf16"]:
                 better = "16-mixed" if g["fp16_tensor_cores"] else "32"

@@ -1,5 +1,5 @@
 """`python -m src.train [-m] key=value ...`: `src.launch.cli.run_job` checks the config and starts the run's processes,
-each of which builds the run, fits and tests it (`train`), e.g. `model=resnet18 strategy=ddp devices=4`."""
+each of which builds, fits and tests the run (`train`)."""
 
 import inspect
 import logging
@@ -71,7 +71,7 @@ def build(group: str, node: DictConfig, **kwargs: Any) -> Any:
 
 
 def check_model(model: object, target: object, sample_shape: tuple[int, ...] | None, num_classes: int | None) -> None:
-    """What `model=<option>` built is a LightningModule whose output on one sample has a score per class."""
+    """A LightningModule whose output on one sample has a score per class."""
     if not isinstance(model, LightningModule):
         raise UsageError(f"model._target_={target} is not allowed; it must name a LightningModule, "
                          "e.g. src.models.module.Classifier with the network under model.net")
@@ -153,8 +153,7 @@ def scalar_metrics(trainer: Trainer) -> dict[str, float]:
 
 
 def weights_to_test(test_weights: str, best: Callback | None) -> Path | None:
-    """The best checkpoint's file for `test_weights=best` (each process's ModelCheckpoint knows the file rank 0 wrote);
-    None for the weights training ended with."""
+    """None for the weights training ended with; each process's ModelCheckpoint knows the file rank 0 wrote."""
     if test_weights == "last":
         return None
     if isinstance(best, ModelCheckpoint) and best.best_model_path:

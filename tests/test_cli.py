@@ -137,7 +137,7 @@ def test_a_slow_command_says_what_it_is_doing_and_a_quick_one_says_nothing(capsy
 
     said = ""
     with saying("reading the runs below outputs", after_s=0.0):  # slower than 0 s: says it, from its timer's thread
-        deadline = time.monotonic() + 60  # a bound on a hang, not on the machine's speed
+        deadline = time.monotonic() + 300  # a bound on a hang, not on the machine's speed
         while "reading the runs below outputs ..." not in said and time.monotonic() < deadline:
             time.sleep(0.01)
             said += capsys.readouterr().err

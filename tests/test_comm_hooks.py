@@ -156,7 +156,7 @@ def test_half_precision_hooks_stay_close_to_fp32(train, hook: str) -> None:
 @pytest.mark.parametrize("override", ["strategy.hook=int8", "strategy.powersgd_rank=0", "strategy.process_group_backend=nccl"])
 def test_bad_option_fails_with_one_line(tmp_path: Path, data_root: Path, override: str) -> None:
     run_dir = tmp_path / "run"
-    result = run_train(f"data.root={data_root}", f"hydra.run.dir={run_dir}", "strategy=ddp", "devices=2", override, timeout=60)
+    result = run_train(f"data.root={data_root}", f"hydra.run.dir={run_dir}", "strategy=ddp", "devices=2", override, timeout=300)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [result.stderr.strip()]
     assert result.stderr.startswith(f"error: {override} ")

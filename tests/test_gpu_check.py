@@ -17,7 +17,7 @@ SCRIPT = REPO / "benchmarks" / "gpu_check.sh"
 ])
 def test_a_wrong_part_or_data_root_is_one_line_and_exit_2(tmp_path, data_root, part, data, error):
     result = subprocess.run(["bash", str(SCRIPT), part, str(data or data_root), str(tmp_path / "logs")], cwd=tmp_path,
-                            env=user_env(), capture_output=True, text=True, timeout=60)
+                            env=user_env(), capture_output=True, text=True, timeout=300)
     assert (result.returncode, result.stderr.strip()) == (2, error)
     assert not (tmp_path / "logs").exists()
 

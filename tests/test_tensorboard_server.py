@@ -25,7 +25,7 @@ READY_S = 90
 
 def get(base: str, path: str, **query: str):
     url = f"{base}{path}" + (f"?{urllib.parse.urlencode(query)}" if query else "")
-    with urllib.request.urlopen(url, timeout=10) as response:
+    with urllib.request.urlopen(url, timeout=60) as response:
         return json.loads(response.read())
 
 
@@ -67,7 +67,7 @@ def server(logdir):
     finally:
         os.killpg(process.pid, signal.SIGTERM)  # its own session: the server and any data server it started
         try:
-            process.wait(timeout=15)
+            process.wait(timeout=60)
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()

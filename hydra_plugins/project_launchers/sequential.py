@@ -1,5 +1,4 @@
-"""Where Hydra finds the sequential launcher (`hydra/launcher=sequential`, the project's default), in any Hydra app: one
-job after another in this process, with a line as each starts and ends, and a summary at the end."""
+"""Where Hydra finds the sequential launcher (`hydra/launcher=sequential`, the project's default), in any Hydra app."""
 
 from hydra.core.config_store import ConfigStore
 

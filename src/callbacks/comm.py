@@ -1,7 +1,5 @@
-"""Logs rank 0's gradient communication per optimizer step (`xfer/` scalars; docs/communication.md lists them): the
-strategy's CommMeter figures, and DDP's backward timings, which it records for a sample of steps. Each is also logged
-as its epoch mean, `xfer/<name>_epoch`, so a run shorter than `trainer.log_every_n_steps` still shows it.
-"""
+"""Rank 0's gradient communication per optimizer step (`xfer/`, docs/communication.md): the CommMeter's figures and
+DDP's backward timings for its sample of steps; also as epoch means, `xfer/<name>_epoch`, for the shortest runs."""
 
 from typing import Any
 
@@ -64,7 +62,6 @@ class CommLogger(Callback):
         })
 
     def _record(self, trainer: Trainer, values: dict[str, float]) -> None:
-        """Kept for the epoch's means; written at Lightning's logging steps."""
         for name, value in values.items():
             self._epoch_values.setdefault(name, []).append(value)
         if trainer.global_step % trainer.log_every_n_steps == 0:

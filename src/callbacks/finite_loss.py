@@ -15,12 +15,9 @@ ACROSS_PROCESSES_EVERY_N_STEPS = 50  # a read there is a collective, where every
 
 
 class FiniteLossCheck(Callback):
-    """Raises `TrainingDiverged` naming the first step whose `train/loss` was not finite, recorded on the device.
-
-    The record is read every `every_n_steps` (default: each step in one CPU process, every
-    `ACROSS_PROCESSES_EVERY_N_STEPS` across processes, and in one CUDA process from a pinned copy once it has landed,
-    never waiting), and before validation, at each epoch's end and before any checkpoint: none saves a diverged model.
-    """
+    """Names the first step whose `train/loss` was not finite, recorded on the device and read every `every_n_steps`
+    (default: each step on one CPU; in one CUDA process a pinned copy once it has landed, never waiting; across
+    processes every `ACROSS_PROCESSES_EVERY_N_STEPS`), and before validation, epoch ends and checkpoints."""
 
     def __init__(self, every_n_steps: int | None = None) -> None:
         self.every_n_steps = every_n_steps
@@ -53,20 +50,13 @@ class FiniteLossCheck(Callback):
         first[2] = torch.where(new, losses.gather(0, where.unsqueeze(0))[0].to(first.dtype), first[2])
         first[1].masked_fill_(new, trainer.current_epoch)
         first[0] = torch.where(new, where.to(first.dtype) + self._step, first[0])
-        if self._landing is not None:
-            self.check_landed(trainer)
+        if self._landing is not None and self._landing[1].query():  # the last pinned copy has landed: read, send the next
+            host, landed = self._landing
+            self.raise_if_bad(trainer, [host.tolist()])
+            host.copy_(first, non_blocking=True)
+            landed.record()
         if self._interval and (batch_idx + 1) % self._interval == 0:
             self.check(trainer)
-
-    def check_landed(self, trainer: Trainer) -> None:
-        """Read the last pinned copy if it has landed, then send the next."""
-        assert self._landing is not None and self._first is not None
-        host, landed = self._landing
-        if not landed.query():
-            return
-        self.raise_if_bad(trainer, [host.tolist()])
-        host.copy_(self._first, non_blocking=True)
-        landed.record()
 
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking:
@@ -76,22 +66,19 @@ class FiniteLossCheck(Callback):
         self.check(trainer)
 
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
-        """Every process builds each checkpoint: the all-gather meets in all of them."""
-        self.check(trainer)
+        self.check(trainer)  # every process builds each checkpoint: the all-gather meets in all of them
 
     def check(self, trainer: Trainer) -> None:
         if self._first is None:
             return
-        records = self._first
+        records = [self._first]
         if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
             # Not the strategy's all_gather: it calls torch.distributed.nn.functional's, which warns it is deprecated.
-            gathered = [torch.empty_like(self._first) for _ in range(trainer.world_size)]
-            dist.all_gather(gathered, self._first)
-            records = torch.stack(gathered)
-        self.raise_if_bad(trainer, records.reshape(-1, 3).tolist())
+            records = [torch.empty_like(self._first) for _ in range(trainer.world_size)]
+            dist.all_gather(records, self._first)
+        self.raise_if_bad(trainer, torch.stack(records).tolist())
 
     def raise_if_bad(self, trainer: Trainer, records: list[list[float]]) -> None:
-        """`records`: rows of [step, epoch, loss]."""
         bad = [row for row in records if row[0] >= 0]
         if not bad:
             return

@@ -74,25 +74,20 @@ class HardwareUse(Callback):
         self.tflops_per_s: list[float] = []
         self.mfu: list[float] = []
         self.peak_memory: float | None = None
-        self._devices = 1
-        self._epochs = 0
+        self._epochs = 0  # the timer's epochs already turned into figures
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         device = pl_module.device
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        self._devices = trainer.num_devices * trainer.num_nodes
-        timer = self._timer(trainer)
-        self._epochs = len(timer.samples_per_s) if timer is not None else 0
-        datamodule = trainer.datamodule
-        shape = getattr(datamodule, "sample_shape", None)
-        batch = getattr(datamodule, "batch_size", 0) // trainer.world_size
-        net = getattr(pl_module, "net", pl_module)
-        counted, why = None, "the data module names no sample_shape" if shape is None else "the data module names no batch_size"
+        self._epochs = len(self._timer(trainer).samples_per_s)
+        shape = getattr(trainer.datamodule, "sample_shape", None)
+        batch = getattr(trainer.datamodule, "batch_size", 0) // trainer.world_size
+        counted, why = 0, "the data module names no sample_shape" if shape is None else "the data module names no batch_size"
         if shape is not None and batch > 0:
             try:
-                counted = count_flops(net, shape, batch, trainer.precision_plugin)
-                why = "" if counted else "torch's FLOP counter found no matrix product or convolution"
+                counted = count_flops(getattr(pl_module, "net", pl_module), shape, batch, trainer.precision_plugin)
+                why = "torch's FLOP counter found no matrix product or convolution"
             except Exception as error:  # noqa: BLE001  a network the counter cannot run leaves the run untouched
                 why = f"counting on the meta device failed ({type(error).__name__}: {' '.join(str(error).split())[:200]})"
         self.flops_per_sample = counted / batch if counted else None
@@ -108,15 +103,16 @@ class HardwareUse(Callback):
             log.info(f"usage/mfu is not logged: {no_peak}")
 
     @staticmethod
-    def _timer(trainer: Trainer) -> EpochTimer | None:
-        return next((c for c in trainer.callbacks if isinstance(c, EpochTimer)), None)
+    def _timer(trainer: Trainer) -> EpochTimer:
+        """The run's EpochTimer, or an empty one where it has none."""
+        return next((c for c in trainer.callbacks if isinstance(c, EpochTimer)), EpochTimer())
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        timer = self._timer(trainer)
+        samples_per_s = self._timer(trainer).samples_per_s
         figures = {}
-        if timer is not None and len(timer.samples_per_s) > self._epochs and self.flops_per_sample:
-            self._epochs = len(timer.samples_per_s)
-            per_device = self.flops_per_sample * timer.samples_per_s[-1] / self._devices
+        if len(samples_per_s) > self._epochs and self.flops_per_sample:
+            self._epochs = len(samples_per_s)
+            per_device = self.flops_per_sample * samples_per_s[-1] / (trainer.num_devices * trainer.num_nodes)
             self.tflops_per_s.append(per_device / 1e12)
             figures["usage/tflops_per_s"] = self.tflops_per_s[-1]
             if self.peak:

@@ -30,7 +30,7 @@ class LossFalls(Callback):
         self.steps = self._counted + trainer.global_step - self._start
 
     def state_dict(self) -> dict[str, Any]:
-        """In checkpoints: a resumed run's verdict spans all its steps."""
+        """A resumed run's verdict spans all its steps."""
         return {"first": None if self.first is None else self.first.cpu(), "steps": self.steps}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

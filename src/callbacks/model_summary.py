@@ -43,8 +43,8 @@ class SummaryWithoutZeroFlops(ModelSummary):
 
 
 def without_zero_flops(callbacks: list[Callback]) -> list[Callback]:
-    """Swaps the class of the summary Lightning added: one passed to the Trainer makes Lightning say one is already
-    configured, and prints even with `trainer.enable_model_summary=false`. The subclass adds no state."""
+    """Swaps the class of Lightning's own summary (the subclass adds no state): one passed to the Trainer would print
+    even with `trainer.enable_model_summary=false`, and Lightning would say one is already configured."""
     for callback in callbacks:
         if type(callback) is ModelSummary:
             callback.__class__ = SummaryWithoutZeroFlops

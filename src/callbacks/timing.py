@@ -74,7 +74,7 @@ class EpochTimer(Callback):
                      f"{seconds:.2f} s {samples_per_s:.0f} samples/s")
 
     def state_dict(self) -> dict[str, list[float]]:
-        """In each checkpoint: a resumed run's medians cover all its epochs."""
+        """A resumed run's medians cover all its epochs."""
         return {"epoch_times": list(self.epoch_times), "samples_per_s": list(self.samples_per_s)}
 
     def load_state_dict(self, state: dict[str, list[float]]) -> None:

@@ -37,11 +37,8 @@ class TensorImages(Dataset):
 
 
 class DeviceLoader:
-    """Batches of one process's shard in `sampler`'s order, each one gather on the device where the split sits.
-
-    A batch holds `steps_per_batch` optimizer steps' images. Its position in the epoch is in every checkpoint, counted
-    in global batches of one step, so a mid-epoch resume sees the unbroken run's batches, under any world size too.
-    """
+    """One process's shard in `sampler`'s order, a gather on the split's device a batch of `steps_per_batch` steps.
+    Its checkpointed position counts global one-step batches: a mid-epoch resume on any world size sees the same."""
 
     batch_sampler = None  # Lightning looks for one beside `sampler`, as on a DataLoader
 
@@ -57,15 +54,13 @@ class DeviceLoader:
         return math.ceil(len(self.sampler) / (self.batch_size * self.steps_per_batch))
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        # A generator: nothing runs until the first batch, after Lightning has set the sampler's epoch.
-        epoch, skipped = getattr(self.sampler, "epoch", 0), 0
-        if self.resume_at is not None and self.resume_at[0] == epoch:
-            skipped = self.resume_at[1]
+        # A generator: runs from the first batch, after Lightning has set the sampler's epoch.
+        self.epoch = getattr(self.sampler, "epoch", 0)
+        self.batches_seen = self.resume_at[1] if self.resume_at is not None and self.resume_at[0] == self.epoch else 0
         self.resume_at = None
-        self.epoch, self.batches_seen = epoch, skipped
         indices = torch.tensor(list(self.sampler), dtype=torch.long).to(self.device, non_blocking=True)
         span = self.batch_size * self.steps_per_batch
-        for start in range(skipped * self.batch_size, len(indices), span):
+        for start in range(self.batches_seen * self.batch_size, len(indices), span):
             batch = indices[start : start + span]
             self.batches_seen += math.ceil(len(batch) / self.batch_size)
             yield self.images[batch], self.labels[batch]
@@ -102,8 +97,7 @@ def per_process_batch(batch_size: int, world_size: int) -> int:
 
 
 class FashionMNISTDataModule(LightningDataModule):
-    """Fashion-MNIST through torchvision, served from the training device in a distributed sampler's order, also on
-    one process: the union of N processes' shards of batch k is batch k of a one-process run."""
+    """Served in a distributed sampler's order also on one process: N processes' shards of batch k make batch k."""
 
     def __init__(self, root: str = "data", batch_size: int = 256, val_size: int = 5000, download: bool = True,
                  shuffle: bool = True, seed: int = 42, num_classes: int = 10, in_channels: int = 1,
@@ -112,17 +106,11 @@ class FashionMNISTDataModule(LightningDataModule):
         self.random_crop, self.hflip = random_crop, hflip  # training images only (`augment`)
         self.num_classes, self.in_channels = num_classes, in_channels  # given to the model too (conf/model)
         self.root, self.batch_size, self.val_size = Path(root), batch_size, val_size
+        self.raw_folder = self.root / "FashionMNIST" / "raw"
+        self.sample_shape = (in_channels, IMAGE_SIZE, IMAGE_SIZE)
         self.download, self.shuffle, self.seed = download, shuffle, seed
         self.steps_per_execution = 1  # optimizer steps per training batch: set by the run (src/fast_path.py)
         self.splits: dict[str, TensorImages] = {}
-
-    @property
-    def sample_shape(self) -> tuple[int, int, int]:
-        return (self.in_channels, IMAGE_SIZE, IMAGE_SIZE)
-
-    @property
-    def raw_folder(self) -> Path:
-        return self.root / "FashionMNIST" / "raw"
 
     def missing_files(self) -> list[str]:
         return [name for name in RAW_FILES if not (self.raw_folder / name).is_file()]
@@ -134,8 +122,7 @@ class FashionMNISTDataModule(LightningDataModule):
         if self.download:
             created = folders.missing(self.raw_folder)
             try:
-                FashionMNIST(str(self.root), train=True, download=True)
-                FashionMNIST(str(self.root), train=False, download=True)
+                FashionMNIST(str(self.root), download=True)  # fetches both splits' files
                 return
             except Exception as error:  # torchvision raises RuntimeError/URLError/OSError when offline
                 folders.remove_empty(created)  # torchvision made them before it tried
@@ -194,8 +181,7 @@ class FashionMNISTDataModule(LightningDataModule):
                              f"not 0 to {self.num_classes - 1} (data.num_classes={self.num_classes}); point data.root at a good copy")
 
     def _loader(self, split: str) -> DeviceLoader:
-        """Training shards are padded by torch's DistributedSampler (DDP needs the same number of steps on every
-        process); evaluation shards hold each image once, as Lightning's UnrepeatedDistributedSampler's."""
+        """Training shards padded (DDP needs equal steps on every process); evaluation shards hold each image once."""
         trainer, dataset, train = self.trainer, self.splits[split], split == "train"
         world_size, rank = (trainer.world_size, trainer.global_rank) if trainer else (1, 0)
         device = trainer.strategy.root_device if trainer else torch.device("cpu")

@@ -1,13 +1,11 @@
-"""Around every entry point (`src.train`, `src.eval`): the command line in, one line and an exit status out.
-
-Bad input is one `error:` line, exit status 2 (a diverged loss: 1), and no folder left; a stop or a failed rank is one
-line naming what is kept; a sweep prints a summary, writes its report, and fails with its jobs.
-"""
+"""Around every entry point (`src.train`, `src.eval`): the command line in, one line and an exit status out. Bad input
+is one `error:` line, exit status 2 (a diverged loss: 1), and no folder left; a stop or a failed rank is one line naming
+what is kept; a sweep prints a summary, writes its report, and fails with its jobs."""
 
 import os
 import sys
 from collections.abc import Callable
-from contextlib import nullcontext
+from contextlib import nullcontext, suppress
 from pathlib import Path
 from typing import NoReturn
 
@@ -36,10 +34,8 @@ def kept(output_dir: Path) -> str:
 
 def end_run(line: str, status: int) -> NoReturn:
     if ranks.is_rank_zero():
-        try:
+        with suppress(OSError, ValueError):  # SIGHUP: the terminal may be gone
             print_error(line)
-        except (OSError, ValueError):  # SIGHUP: the terminal may be gone
-            pass
     sys.exit(status)
 
 
@@ -99,26 +95,24 @@ def main(hydra_main: Callable[[], object], report: bool = False) -> None:
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises its refusals here, where they become one line
     stops.handle_stop_signals()
     args = sys.argv[1:]
-    status, sweep_dir, held = 0, None, None
+    status, sweep_dir, fresh = 0, None, False
     try:
         config.check_args(args)
         sweep_dir = typed_sweep_dir(args)
-        if sweep_dir is not None:  # one writer a sweep folder, for the command's life (a new folder is its own)
-            fresh = not sweep_dir.exists()
-            held = lock.acquire(sweep_dir, "sweep")
-        if report:
-            args = resume.with_record(args)
-        sweep = [arg for arg in args if arg in ("-m", "--multirun")]  # Hydra takes it before its overrides only
-        sys.argv = [sys.argv[0], *sweep, *ranks.rank_argv([arg for arg in args if arg not in sweep])]
-        hydra_main()
+        fresh = sweep_dir is not None and not sweep_dir.exists()
+        # one writer a sweep folder, for the command's life (a new folder is its own)
+        with lock.held(sweep_dir, "sweep") if sweep_dir is not None else nullcontext():
+            if report:
+                args = resume.with_record(args)
+            sweep = [arg for arg in args if arg in ("-m", "--multirun")]  # Hydra takes it before its overrides only
+            sys.argv = [sys.argv[0], *sweep, *ranks.rank_argv([arg for arg in args if arg not in sweep])]
+            hydra_main()
     except RunStopped as stop:  # outside a job: while Hydra starts, between sweep jobs
         end_run(f"run stopped by {signal_name(stop.signum)}{stop.where}", 128 + stop.signum)
     except Exception as error:
         status = failed(error, args)
-        if sweep_dir is not None and fresh and progress.tally is None:
+        if fresh and progress.tally is None:
             naming.unclaim_dir(sweep_dir)
-    if held is not None:
-        lock.release(held, sweep_dir)
     sweep = progress.tally
     if sweep is not None:
         written = write_report(sweep.sweep_dir, sweep.failures, sweep.appendix) if report and sweep.sweep_dir else None

@@ -5,7 +5,8 @@ import logging
 import sys
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
+from typing import TextIO
 
 from tqdm import tqdm
 
@@ -21,49 +22,43 @@ def open_progress_bars() -> list[tqdm]:
 def close_progress_bars() -> None:
     """A bar that stays keeps its last state and ends its line; later closes (Lightning's, at exit) draw nothing."""
     for bar in open_progress_bars():
-        try:
+        with suppress(Exception):  # the terminal may be gone (SIGHUP): the line that follows matters more
             bar.close()
-        except Exception:  # the terminal may be gone (SIGHUP): the line that follows matters more
-            pass
 
 
-def _may_take_the_bars_lock() -> bool:
-    """Another thread (the stop watcher) must not wait for the bars' lock, which a stuck main thread may hold."""
+def in_main_thread() -> bool:
+    """Only the main thread may take the bars' lock: another (the stop watcher) would wait on a stuck main thread."""
     return threading.current_thread() is threading.main_thread()
 
 
-def print_error(message: str) -> None:
-    """`error: <message>` on stderr, on a line of its own: after the bars close, or a newline from another thread."""
-    if _may_take_the_bars_lock():
-        close_progress_bars()
-        fresh = ""
+def write_line(text: str, stream: TextIO) -> None:
+    """`text` above the progress bars (tqdm clears them, writes it and draws them again), or after a newline from
+    another thread."""
+    bars = open_progress_bars()
+    if bars and in_main_thread():
+        tqdm.write(text, file=stream)
+        stream.flush()
     else:
-        fresh = "\n" if open_progress_bars() else ""
-    print(f"{fresh}error: {message}", file=sys.stderr, flush=True)
+        print(f"\n{text}" if bars else text, file=stream, flush=True)
+
+
+def print_error(message: str) -> None:
+    """`error: <message>` on stderr, on a line of its own: the main thread closes the bars first."""
+    if in_main_thread():
+        close_progress_bars()
+    write_line(f"error: {message}", sys.stderr)
 
 
 def print_line(message: str) -> None:
-    """A line on stdout above the progress bars (tqdm clears them, prints it and draws them again), or after a newline
-    from another thread."""
-    bars = open_progress_bars()
-    if bars and _may_take_the_bars_lock():
-        tqdm.write(message, file=sys.stdout)
-        sys.stdout.flush()
-        return
-    fresh = "\n" if bars else ""
-    print(f"{fresh}{message}", file=sys.stdout, flush=True)
+    write_line(message, sys.stdout)
 
 
 class ConsoleHandler(logging.StreamHandler):
     """Hydra's console log handler, printing above the progress bars, so that a line does not continue a bar's."""
 
     def emit(self, record: logging.LogRecord) -> None:
-        if not (open_progress_bars() and _may_take_the_bars_lock()):
-            super().emit(record)
-            return
         try:
-            tqdm.write(self.format(record), file=self.stream)
-            self.flush()
+            write_line(self.format(record), self.stream)
         except RecursionError:
             raise
         except Exception:

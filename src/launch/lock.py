@@ -19,7 +19,7 @@ NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 
 
 def acquire(folder: Path, what: str) -> int | None:
-    """The lock file's descriptor, held until `release`; a folder another process holds is one line naming it."""
+    """The lock file's descriptor; a folder another process holds is one line naming it."""
     folder.mkdir(parents=True, exist_ok=True)
     while True:
         fd = os.open(folder / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
@@ -50,18 +50,15 @@ def _same_file(fd: int, path: Path) -> bool:
         return False
 
 
-def release(fd: int | None, folder: Path) -> None:
-    """Unlock `folder` and remove its lock file (a writer that ended without this call leaves it, unlocked)."""
-    if fd is not None:
-        if _same_file(fd, folder / LOCK):
-            (folder / LOCK).unlink()
-        os.close(fd)
-
-
 @contextmanager
 def held(folder: Path, what: str = "run") -> Iterator[None]:
+    """`folder` locked while the block runs; then its lock file goes (a writer that ended otherwise leaves it,
+    unlocked)."""
     fd = acquire(folder, what)
     try:
         yield
     finally:
-        release(fd, folder)
+        if fd is not None:
+            if _same_file(fd, folder / LOCK):
+                (folder / LOCK).unlink()
+            os.close(fd)

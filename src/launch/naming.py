@@ -84,10 +84,9 @@ def job_folder_name(sweep_dir: Path, job_overrides: list[str], job_num: int) -> 
 def claim_dir(path: str, kind: str = "run") -> str:
     """`path`, or `path-2`, `path-3`, ... if taken, created atomically: two runs started in one second never share
     a folder. Processes under torchrun or SLURM share the folder their launcher's run id names (`run_stamp`)."""
-    if external_rank() is not None:
+    sweep_job = kind == "run" and HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+    if external_rank() is not None or sweep_job:  # a sweep job lives in its sweep folder; Lightning reads run.dir
         return path
-    if kind == "run" and HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
-        return path  # a sweep job lives in the sweep's folder; Lightning still reads hydra.run.dir
     if path in _claimed:
         return _claimed[path]
     candidate, number = Path(path), 1

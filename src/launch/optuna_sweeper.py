@@ -1,11 +1,6 @@
 """`hydra/sweeper=optuna`: a search of the space typed on the command line for the best `val/acc_best`, with Optuna.
-
-    python -m src.train -m hydra/sweeper=optuna 'optim.lr=tag(log, interval(0.001, 0.1))' hydra.sweeper.n_trials=12
-
-Each trial is a job of the sweep's launcher. The study, `<sweep>/optuna.db`, outlives the command (a resume goes on to
-`n_trials`); a job reaches its trial through that file (`TrialRecord`; in training `src.callbacks.optuna_trial`) to report and be
-pruned.
-"""
+Each trial is a job of the sweep's launcher; the study, `<sweep>/optuna.db`, outlives the command (a resume goes on to
+`n_trials`), and a job reaches its trial through that file (`TrialRecord`) to report and be pruned."""
 
 import logging
 from collections.abc import Sequence
@@ -52,11 +47,6 @@ def storage(db: Path | str) -> Any:
     return optuna_package().storages.RDBStorage(f"sqlite:///{db}", engine_kwargs={"connect_args": {"timeout": 60}})
 
 
-def make_pruner(name: str) -> Any:
-    pruners = optuna_package().pruners
-    return pruners.MedianPruner() if name == "median" else pruners.NopPruner()
-
-
 @dataclass(frozen=True)
 class TrialResult(Result):
     pruned: bool = False
@@ -66,9 +56,10 @@ class TrialRecord:
     """One trial of a sweep's study, reached through the study's file by its number."""
 
     def __init__(self, db: str, study: str, number: int) -> None:
-        self.storage, self.number = storage(db), number
-        self.study = optuna_package().load_study(study_name=study, storage=self.storage)
-        self.study.pruner = make_pruner(self.study.user_attrs.get("pruner", "none"))
+        optuna, self.storage, self.number = optuna_package(), storage(db), number
+        self.study = optuna.load_study(study_name=study, storage=self.storage)
+        median = self.study.user_attrs.get("pruner") == "median"
+        self.study.pruner = optuna.pruners.MedianPruner() if median else optuna.pruners.NopPruner()
         self.id = self.storage.get_trial_id_from_study_id_trial_number(self.storage.get_study_id_from_name(study), number)
 
     def report(self, epoch: int, value: float) -> bool:
@@ -193,9 +184,8 @@ class OptunaSweeper(Sweeper):
         progress.tally = progress.Tally(total=max(n_trials, len(study.trials)), before=ended, sweep_dir=sweep_dir,
                                         noun="trial", note=lambda: best(study, sweep_dir, note=True))
         while left or ended < n_trials:
-            batch = left[:1]  # a launch numbers its jobs one after another: trials left by number, new ones as asked
-            while len(batch) < min(at_once, len(left)) and left[len(batch)].number == batch[-1].number + 1:
-                batch.append(left[len(batch)])
+            # a launch numbers its jobs one after another: trials left whose numbers follow on, else new ones as asked
+            batch = [trial for k, trial in enumerate(left[:at_once]) if trial.number == left[0].number + k]
             left = left[len(batch):]
             batch = batch or [study.ask(space.distributions) for _ in range(min(at_once, n_trials - ended))]
             db, node = quoted(str(sweep_dir.absolute() / DB)), f"+callbacks.{CALLBACK}"
@@ -204,16 +194,15 @@ class OptunaSweeper(Sweeper):
                     for trial in batch]
             returns += self.launcher.launch(jobs, initial_job_idx=batch[0].number)
             for trial in batch:  # a job that ended without telling (killed, say) failed
-                if study.get_trials(deepcopy=False)[trial.number].state == TrialState.RUNNING:
-                    study.tell(trial.number, state=TrialState.FAIL)
+                study.tell(trial.number, state=TrialState.FAIL, skip_if_finished=True)
             ended += len(batch)
         progress.tally.appendix = trials_table(study, sweep_dir)
         print_line(best(study, sweep_dir))
         return returns
 
     def check(self, space: Space) -> None:
-        """The space's ends and choices composed and held to their keys' rules, before the study or any trial exists
-        (the rules across keys are the job's to check)."""
+        """The space's ends and choices composed and held to their keys' rules before any trial exists (the rules across
+        keys are the job's to check)."""
         assert self.hydra_context is not None and self.config is not None
         for point in space.corners():
             self.hydra_context.config_loader.load_sweep_config(self.config, space.overrides(point))
@@ -242,14 +231,11 @@ class OptunaSweeper(Sweeper):
 
     def trials_at_once(self) -> int:
         """`n_jobs`, else one under the sequential launcher, and as many as run at once under the parallel launcher."""
-        from src.launch import parallel_launcher as parallel
+        from src.launch.parallel_launcher import Job, ParallelLauncher, with_needs
 
-        if self.settings["n_jobs"] is not None or not isinstance(self.launcher, parallel.ParallelLauncher):
+        if self.settings["n_jobs"] is not None or not isinstance(self.launcher, ParallelLauncher):
             return self.settings["n_jobs"] or 1
-        gpu, devices = parallel.wants_gpu(self.config), self.config.get("devices", 1)
-        job = parallel.Job(0, [], self.config, "", devices if isinstance(devices, int) else 1, gpu)
-        return parallel.slots_that_fit(self.launcher.jobs, len(parallel.usable_cores()), len(parallel.machine_gpus() or ())
-                                       if gpu else 0, self.launcher.jobs_per_gpu, [job] * self.settings["n_trials"])
+        return len(self.launcher.places([with_needs(Job(0, [], self.config, ""))] * self.settings["n_trials"]).cores)
 
 
 def quoted(text: str) -> str:

@@ -1,12 +1,8 @@
 """`hydra/launcher=parallel`: up to K sweep jobs at once on this machine, each on devices no other running job has.
 
-    python -m src.train -m hydra/launcher=parallel seed=1,2,3,4 hydra.launcher.jobs_per_gpu=4  # 4 jobs share a GPU
-
-Each job runs Hydra's `run_job` in a new interpreter, in a process group of its own (out of the terminal's reach), on a
-slot of cores and its GPUs; its output goes to `<sweep>/.parallel/<job>.out`. A stop signal goes on to every running job
-once, and no job starts after it; a second kills what still runs. No launcher at hand does this: submitit's local
-executor starts every job on the same GPUs and kills a job 1 s after Ctrl-C; Hydra's joblib launcher gives no job its
-devices.
+Each job runs Hydra's `run_job` in a new interpreter and process group, on a slot of cores and its GPUs, its output in
+`<sweep>/.parallel/<job>.out`. A stop signal goes on to every running job once; a second kills what still runs. Why not
+submitit's local executor or Hydra's joblib launcher: docs/sweeps.md.
 """
 
 import logging
@@ -26,7 +22,6 @@ from typing import Any
 import cloudpickle
 from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, JobStatus, run_job, setup_globals
-from omegaconf import DictConfig
 
 from src.errors import UsageError
 from src.launch.console import counted
@@ -46,16 +41,6 @@ class Placement:
     cores: tuple[int, ...]
     gpus: tuple[str, ...] | None
 
-    def take(self) -> None:
-        if self.gpus is not None:
-            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(self.gpus)
-        if hasattr(os, "sched_setaffinity"):
-            os.sched_setaffinity(0, self.cores)
-        if "OMP_NUM_THREADS" not in os.environ:  # a user's setting wins, as under torchrun
-            os.environ["OMP_NUM_THREADS"] = str(len(self.cores))
-            if "torch" in sys.modules:  # imported with the entry module: it read the variable already
-                sys.modules["torch"].set_num_threads(len(self.cores))
-
 
 class Places:
     """The machine's cores cut into `slots` slots, and its GPUs with `jobs_per_gpu` places each."""
@@ -64,28 +49,26 @@ class Places:
         cores = sorted(cores)
         self.cores = [tuple(cores[k * len(cores) // slots:(k + 1) * len(cores) // slots]) for k in range(slots)]
         self.free = list(range(slots))
-        self.gpus = gpus
         self.load = {gpu: 0 for gpu in gpus or ()}
         self.jobs_per_gpu = jobs_per_gpu
 
     def take(self, gpus: int) -> Placement | None:
-        """A slot and `gpus` GPUs, the least shared first; None until free. A job asking for more GPUs than there are
-        gets all, once none is in use (its own checks refuse it)."""
+        """A slot and `gpus` GPUs, the least shared first; None until free. A job asking for more than there are gets
+        all, once none is in use (its own checks refuse it)."""
         if not self.free:
             return None
         if gpus > len(self.load):
             if any(self.load.values()):
                 return None
             gpus = len(self.load)
-        open_ = sorted((load, index) for index, load in enumerate(self.load.values()) if load < self.jobs_per_gpu)
+        open_ = sorted((gpu for gpu, load in self.load.items() if load < self.jobs_per_gpu), key=self.load.get)
         if len(open_) < gpus:
             return None
-        names = list(self.load)
-        chosen = tuple(names[index] for _, index in sorted(open_[:gpus], key=lambda place: place[1]))
+        chosen = tuple(gpu for gpu in self.load if gpu in open_[:gpus])  # in the machine's order
         for gpu in chosen:
             self.load[gpu] += 1
         slot = self.free.pop(0)
-        return Placement(slot, self.cores[slot], None if self.gpus is None else chosen)
+        return Placement(slot, self.cores[slot], chosen if self.load else None)  # None: CUDA_VISIBLE_DEVICES left alone
 
     def give_back(self, placement: Placement) -> None:
         self.free = sorted([*self.free, placement.slot])
@@ -104,14 +87,15 @@ def machine_gpus() -> list[str] | None:
     return visible.split(",")[:count] if visible else [str(index) for index in range(count)]
 
 
-def wants_gpu(config: DictConfig) -> bool:
-    """Its `accelerator` (gpu, cuda; auto where CUDA is); no GPU for an app without one."""
-    accelerator = str(config.get("accelerator", "cpu"))
+def with_needs(job: Job) -> Job:
+    """`job` with the processes it starts (`devices`) and whether they use GPUs (`accelerator` gpu or cuda, or auto
+    where CUDA is); one process on CPU for an app without these keys."""
+    devices, accelerator = job.config.get("devices", 1), str(job.config.get("accelerator", "cpu"))
     if accelerator == "auto":
         import torch
 
-        return torch.cuda.is_available()
-    return accelerator in ("gpu", "cuda")
+        accelerator = "gpu" if torch.cuda.is_available() else "cpu"
+    return replace(job, devices=devices if isinstance(devices, int) else 1, gpu=accelerator in ("gpu", "cuda"))
 
 
 def slots_that_fit(jobs: int | None, cores: int, gpus: int, jobs_per_gpu: int, needs: list["Job"]) -> int:
@@ -151,38 +135,48 @@ class ParallelLauncher(ProjectLauncher):
         self.jobs = checked_setting("jobs", jobs, allow_null=True, most=len(usable_cores()))
         self.jobs_per_gpu = checked_setting("jobs_per_gpu", jobs_per_gpu, allow_null=False)
 
-    def run(self, jobs: list[Job], progress: Progress, sweep_dir: Path) -> dict[int, JobReturn]:
+    def places(self, jobs: list[Job]) -> Places:
+        """This machine's cores and (where a job asks for them) GPUs, in as many slots as fit `jobs`."""
         cores = usable_cores()
         gpus = machine_gpus() if any(job.gpu for job in jobs) else None
         slots = slots_that_fit(self.jobs, len(cores), len(gpus or ()), self.jobs_per_gpu, jobs)
+        return Places(cores, slots, gpus, self.jobs_per_gpu)
+
+    def run(self, jobs: list[Job], progress: Progress, sweep_dir: Path) -> dict[int, JobReturn]:
+        places = self.places(jobs)
         (sweep_dir / ".parallel").mkdir(exist_ok=True)
-        log.info(f"{counted(len(jobs), 'job')}, {slots} at a time, in {sweep_dir}; each job's output in {sweep_dir / '.parallel'}")
-        places = Places(cores, slots, gpus, self.jobs_per_gpu)
-        waiting, running, returns = deque(jobs), {}, {}
+        log.info(f"{counted(len(jobs), 'job')}, {len(places.cores)} at a time, in {sweep_dir}; each job's output in "
+                 f"{sweep_dir / '.parallel'}")
+        waiting, running, returns, stopped = deque(jobs), {}, {}, 0
         with Stops() as stops:
             try:
-                while (waiting or running) and not stops.signals:
-                    while waiting and (placement := places.take(waiting[0].devices if waiting[0].gpu else 0)) is not None:
+                while running or (waiting and not stops.signals):
+                    while not stops.signals and waiting and (
+                            placement := places.take(waiting[0].devices if waiting[0].gpu else 0)) is not None:
                         job = waiting.popleft()
                         running[job.number] = self.start(job, placement, sweep_dir)
                         progress.started(job.number, job.name)
                     for ended in ended_jobs(running, stops.woken):
                         places.give_back(ended.placement)
-                        returns[ended.job.number] = returned(ended)
-                        progress.ended(ended.job.number, ended.job.name, returns[ended.job.number])
+                        if stopped:
+                            said = getattr(value(ended.returned), "line", "") if ended.returned else last_words(ended)
+                            progress.stopped(ended.job.number, ended.job.name, said or "ended")
+                        else:
+                            returns[ended.job.number] = returned(ended)
+                            progress.ended(ended.job.number, ended.job.name, returns[ended.job.number])
+                    if stops.signals and not stopped:  # the first goes on to each running job, once
+                        stopped = len(running)
+                        send(running, stops.signals[0])
+                    elif len(stops.signals) > 1:  # a second kills them
+                        send(running, signal.SIGKILL)
                 if stops.signals:
-                    stopped = len(running)
-                    stop_all(running, stops, progress)
                     raise RunStopped(stops.signals[0], f"; {counted(stopped, 'running job')} stopped, {len(waiting)} not started")
             finally:
-                for still in running.values():  # only after an error of this launcher's own
-                    kill(still.process.pid)
+                send(running, signal.SIGKILL)  # only after an error of this launcher's own
         return returns
 
     def job(self, number: int, overrides: list[str]) -> Job:
-        job = super().job(number, overrides)
-        devices = job.config.get("devices", 1)
-        return replace(job, devices=devices if isinstance(devices, int) else 1, gpu=wants_gpu(job.config))
+        return with_needs(super().job(number, overrides))
 
     def start(self, job: Job, placement: Placement, sweep_dir: Path) -> Running:
         assert self.hydra_context is not None and self.task_function is not None
@@ -199,50 +193,44 @@ class ParallelLauncher(ProjectLauncher):
 
 
 class Stops:
-    """Stop signals while the jobs run: noted and waking the wait, not raised wherever the launcher is (between starting
-    a job's process and holding on to it, say)."""
-
-    def __init__(self) -> None:
-        self.signals: list[int] = []
-        self.woken, self._wake = os.pipe()
-        os.set_blocking(self._wake, False)
+    """Stop signals while the jobs run: noted, and waking the wait through `signal.set_wakeup_fd`, not raised wherever
+    the launcher is (between starting a job's process and holding on to it, say)."""
 
     def __enter__(self) -> "Stops":
-        self._saved = {signum: signal.signal(signum, self._note) for signum in STOP_SIGNALS}
+        self.signals: list[int] = []
+        self.woken, wake = os.pipe()
+        os.set_blocking(wake, False)
+        self.saved = {signum: signal.signal(signum, lambda signum, frame: self.signals.append(signum))
+                      for signum in STOP_SIGNALS}
+        self.saved_fd = signal.set_wakeup_fd(wake, warn_on_full_buffer=False)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for signum, handler in self._saved.items():
+        os.close(signal.set_wakeup_fd(self.saved_fd))
+        for signum, handler in self.saved.items():
             signal.signal(signum, handler)
         os.close(self.woken)
-        os.close(self._wake)
-
-    def _note(self, signum: int, frame: Any) -> None:
-        self.signals.append(signum)
-        with suppress(BlockingIOError):  # a full pipe wakes the wait all the same
-            os.write(self._wake, b"!")
 
 
 def ended_jobs(running: dict[int, Running], woken: int) -> list[Running]:
     """The jobs that ended, taken out of `running`, once one has or a stop signal wakes the wait. A return is read as it
     comes: a job sending a large one waits until it is read."""
-    assert running, "a job can always start while none runs"
     while True:
         pipes = [job.results for job in running.values() if job.results is not None]
         ready = wait([*(job.process.sentinel for job in running.values()), *pipes, woken])
         if woken in ready:
             os.read(woken, 1024)
-        ended = [job for job in running.values() if job.process.sentinel in ready]
-        for job in running.values():
+        ended = []
+        for job in list(running.values()):
             # an ended job's return, if it sent one, is in the pipe, whose end it closed
             if job.results is not None and (job.results in ready or job.process.sentinel in ready):
                 with job.results:
                     with suppress(EOFError):  # else killed, or stopped by a signal
                         job.returned = pickle.loads(job.results.recv_bytes())
                 job.results = None
-        for job in ended:
-            job.process.join()
-            del running[job.job.number]
+            if job.process.sentinel in ready:
+                job.process.join()
+                ended.append(running.pop(job.job.number))
         if ended or woken in ready:
             return ended
 
@@ -266,36 +254,28 @@ def last_words(job: Running) -> str:
     return said or (f"killed by {signal_name(-code)}" if code < 0 else f"ended with exit status {code} and no result")
 
 
-def stop_all(running: dict[int, Running], stops: Stops, progress: Progress) -> None:
-    """The first stop signal to each running job, once, and a line as each ends; a second signal kills the rest."""
+def send(running: dict[int, Running], signum: int) -> None:
+    """`signum` to each running job; SIGKILL to its process group too (its DDP workers), or to the job alone while it
+    has none of its own yet."""
     for job in running.values():
-        with suppress(ProcessLookupError, PermissionError):
-            os.kill(job.process.pid, stops.signals[0])
-    killed = False
-    while running:
-        for ended in ended_jobs(running, stops.woken):
-            progress.stopped(ended.job.number, ended.job.name, last_words(ended) if ended.returned is None else
-                             getattr(value(ended.returned), "line", "") or "ended")
-        if len(stops.signals) > 1 and not killed:
-            killed = True
-            for job in running.values():
-                kill(job.process.pid)
-
-
-def kill(pid: int) -> None:
-    """SIGKILL to a job's process group (its DDP workers too), or to the job alone while it has none of its own yet."""
-    for send in (os.killpg, os.kill):
-        with suppress(ProcessLookupError, PermissionError):
-            send(pid, signal.SIGKILL)
+        for kill in (os.killpg, os.kill) if signum == signal.SIGKILL else (os.kill,):
+            with suppress(ProcessLookupError, PermissionError):
+                kill(job.process.pid, signum)
 
 
 def run_in_own_process(payload: bytes, placement: Placement, out: str, results: Connection) -> None:
-    """In the job's process: Hydra's `run_job` in its process group, on its devices, into its output file; the
-    JobReturn goes back on `results`."""
+    """In the job's process: Hydra's `run_job` on its devices, into its output file; the JobReturn back on `results`."""
     os.setpgid(0, 0)  # signals come from the sweep, once, not also from the terminal
     handle_stop_signals()
     die_with_launcher()
-    placement.take()
+    if placement.gpus is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(placement.gpus)
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, placement.cores)
+    if "OMP_NUM_THREADS" not in os.environ:  # a user's setting wins, as under torchrun
+        os.environ["OMP_NUM_THREADS"] = str(len(placement.cores))
+        if "torch" in sys.modules:  # imported with the entry module: it read the variable already
+            sys.modules["torch"].set_num_threads(len(placement.cores))
     with open(out, "ab", buffering=0) as file:
         sys.stdout.flush()
         sys.stderr.flush()

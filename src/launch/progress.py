@@ -1,12 +1,7 @@
-"""Where a sweep is: a line as each job starts and ends, and a summary when the sweep ends.
-
-    job 2/4 done: lenet_auto_1dev_32-true_seed=2: test/acc=0.7012 ... -> outputs/multirun/... (elapsed 1:22, about 0:41 left)
-    sweep of 4 jobs: 3 done, 0 resumed, 0 skipped, 1 failed; report: outputs/multirun/.../report.md
-
-Every launcher feeds `Progress` from Hydra's `JobReturn` alone, so it serves any Hydra app: a value's `line` is shown,
-its `resumed`, `skipped` and `pruned` counted. The time left: the ended jobs' mean length over the most jobs seen
-running at once. A sweeper that launches batch by batch (Optuna's) sets up the `Tally` itself.
-"""
+"""Where a sweep is: a line as each job starts and ends (`job 2/4 done: <name>: <its line> (elapsed 1:22, about 0:41
+left)`), and a summary. Fed from Hydra's `JobReturn` alone, so it serves any Hydra app: a value's `line` is shown, its
+`resumed`, `skipped` and `pruned` counted; the time left is the ended jobs' mean length over the most jobs seen running
+at once."""
 
 import contextlib
 import io
@@ -99,7 +94,7 @@ class Tally:
         return f"sweep of {self.total} {noun}: {counts}; report: {report or 'none written'}"
 
 
-# This command's sweep, once a launcher has started it.
+# This command's sweep, once a launcher has started it (a sweeper that launches batch by batch, Optuna's, sets it).
 tally: Tally | None = None
 
 

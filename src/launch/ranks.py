@@ -23,9 +23,7 @@ def is_rank_zero() -> bool:
 def rank_argv(argv: list[str]) -> list[str]:
     """Under torchrun or SLURM every process runs the command line: only rank 0 writes `train.log`."""
     rank = external_rank()
-    if rank in (None, "0"):
-        return argv
-    return [*argv, f"hydra.job.name=train_rank_{rank}"]
+    return argv if rank in (None, "0") else [*argv, f"hydra.job.name=train_rank_{rank}"]
 
 
 def run_stamp() -> str:

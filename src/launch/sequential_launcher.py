@@ -25,8 +25,7 @@ class Job:
 
 
 class ProjectLauncher(Launcher):
-    """What the sequential and parallel launchers share: Hydra's setup, each job's config and the progress lines;
-    each says in `run` how it runs the jobs."""
+    """What the sequential and parallel launchers share: Hydra's setup, each job's config and the progress lines."""
 
     config: DictConfig | None = None
     hydra_context: HydraContext | None = None

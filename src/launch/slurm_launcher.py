@@ -1,9 +1,6 @@
-"""`hydra/launcher=slurm`: hydra-submitit-launcher's SLURM launcher, with endings a user can trust.
-
-The submitter waits for the job array with a progress line as each job starts and ends: a failed job fails the sweep
-naming it, a stop signal cancels the array, a job SLURM can never start ends the sweep in one line. Each task runs as
-rank N (N>0 logs to `train_rank_N.log`), resumes when requeued (`ckpt_path=auto`), and exits non-zero when it fails.
-"""
+"""`hydra/launcher=slurm`: hydra-submitit-launcher's SLURM launcher, with a progress line as each job starts and ends;
+a failed job fails the sweep naming it, a stop signal cancels the array, a job SLURM can never start ends the sweep in
+one line. Each task runs as rank N, resumes when requeued (`ckpt_path=auto`), and exits non-zero when it fails."""
 
 import logging
 import subprocess
@@ -15,18 +12,16 @@ from typing import Any
 
 import submitit
 from hydra.core.singleton import Singleton
-from hydra.core.utils import JobReturn, JobStatus, filter_overrides, setup_globals
-from hydra.core.utils import run_job as run_hydra_job
+from hydra.core.utils import JobReturn, JobStatus, filter_overrides, run_job, setup_globals
 from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher as SubmititSlurmLauncher
 from omegaconf import OmegaConf, open_dict
 from submitit.core.utils import UncompletedJobError, cloudpickle_dump, temporary_save_path
 
 from src.errors import RunFailed, UsageError
-from src.launch import stops
 from src.launch.naming import job_folder_name
 from src.launch.progress import Progress, failure, last_error_line, value
-from src.launch.stops import RankFailed, RunStopped
+from src.launch.stops import RankFailed, RunStopped, ignore_stop_signals
 from src.slurm import slurm_output
 
 log = logging.getLogger(__name__)
@@ -56,8 +51,7 @@ class SlurmLauncher(SubmititSlurmLauncher):
         numbers = range(initial_job_idx, initial_job_idx + len(job_overrides))
         for number, overrides in zip(numbers, job_overrides):
             log.info(f"\t#{number} : {' '.join(filter_overrides(overrides))}")
-        for overrides in job_overrides:  # a value Hydra refuses stops the sweep before anything is submitted
-            self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
+            self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))  # refused before sbatch
         arguments = [(list(overrides), "hydra.sweep.dir", number, f"job_id_for_{number}", Singleton.get_state())
                      for number, overrides in zip(numbers, job_overrides)]
         try:
@@ -86,8 +80,8 @@ class SlurmLauncher(SubmititSlurmLauncher):
                 config.hydra.job.name = f"{config.hydra.job.name}_rank_{environment.global_rank}"
             if "ckpt_path" in config and not OmegaConf.is_missing(config, "ckpt_path") and config.ckpt_path is None:
                 config.ckpt_path = "auto"  # a requeued job runs again in its folder, and resumes there
-        job = run_hydra_job(hydra_context=self.hydra_context, task_function=self.task_function, config=config,
-                            job_dir_key=job_dir_key, job_subdir_key="hydra.sweep.subdir")
+        job = run_job(hydra_context=self.hydra_context, task_function=self.task_function, config=config,
+                      job_dir_key=job_dir_key, job_subdir_key="hydra.sweep.subdir")
         failed = failure(job, "")
         if failed is not None:
             # The JobReturn as submitit would write it, for the submitter; then the exit status submitit would make 0.
@@ -98,7 +92,7 @@ class SlurmLauncher(SubmititSlurmLauncher):
 
     def checkpoint(self, *args: Any, **kwargs: Any) -> Any:
         """submitit's timeout or preemption signal: requeue, deaf to the SIGTERM `scontrol requeue` sends next."""
-        stops.ignore_stop_signals()
+        ignore_stop_signals()
         log.info("requeued by SLURM: the next attempt resumes from this run's last checkpoint")
         return super().checkpoint(*args, **kwargs)
 
@@ -166,24 +160,19 @@ def cancel(jobs: list[submitit.Job]) -> None:
 
 
 def result(job: submitit.Job, overrides: Sequence[str]) -> JobReturn:
-    """Rank 0's JobReturn; for a job that left none, a failure with its last `error:` line."""
+    """Rank 0's JobReturn; for a job that left none, a failure with its last `error:` line (its stderr), else the last
+    line of what submitit says."""
     try:
         if not job.paths.result_pickle.exists():  # gone from the queue without one: submitit would wait for it
             raise UncompletedJobError("no result")
         returned: JobReturn = job.results()[0]
     except (UncompletedJobError, submitit.core.utils.FailedJobError) as error:
+        said = [line.strip() for line in str(error).splitlines() if line.strip()]
+        line = last_error_line(job.stderr() or "") or (
+            f"ended {job.state} without a result" + (f" ({said[-1][:200]})" if said else ""))
         returned = JobReturn(overrides=list(overrides), status=JobStatus.FAILED)
-        returned.return_value = RankFailed(f"{last_error(job, str(error))} (SLURM job {job.job_id})")
+        returned.return_value = RankFailed(f"{line} (SLURM job {job.job_id})")
     said = value(returned)
     if returned.status == JobStatus.FAILED and type(said) in (UsageError, RunFailed):  # the job's own line, with its id
         returned.return_value = type(said)(f"{said} (SLURM job {job.job_id})")
     return returned
-
-
-def last_error(job: submitit.Job, fallback: str) -> str:
-    """The job's last `error:` line (its stderr), else the last line of what submitit says."""
-    error = last_error_line(job.stderr() or "")
-    if error is not None:
-        return error
-    said = [line.strip() for line in fallback.splitlines() if line.strip()]
-    return f"ended {job.state} without a result" + (f" ({said[-1][:200]})" if said else "")

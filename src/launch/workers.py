@@ -1,6 +1,6 @@
-"""A run's processes: for local DDP one per device, started by torch's elastic agent (as `torchrun`), else the task in
-this process. Each spawned worker sees torchrun's environment, so Lightning starts none of its own; the agent forwards
-signals and stops the others when a worker dies: what is here covers what it leaves open."""
+"""A run's processes: for local DDP one per device, started by torch's elastic agent (as `torchrun`, so Lightning
+starts none of its own), else the task in this process. The agent forwards signals and stops the others when a worker
+dies: what is here covers what it leaves open."""
 
 import functools
 import importlib
@@ -33,6 +33,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, g
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from tqdm import tqdm
 
+from src.data.fashion_mnist import per_process_batch
 from src.errors import RunFailed, UsageError, said
 from src.fast_path import resolve_accelerator
 from src.launch import stops
@@ -53,25 +54,18 @@ def processes_per_node(cfg: DictConfig) -> int:
     return int(cfg.devices) if target != "builtins.str" and issubclass(get_class(target), DDPStrategy) else 1
 
 
-def check_machine(cfg: DictConfig, world_size: int) -> None:
-    """The devices asked for exist here, and the global batch splits over the processes."""
-    cuda, accelerator = torch.cuda.is_available(), str(cfg.accelerator)
+def launch(task: Callable[[DictConfig], Result], cfg: DictConfig) -> Result:
+    """`task(cfg)` in a worker per device where Lightning would start DDP processes, else in this process; first the
+    devices asked for must exist here, and the global batch split over the processes."""
+    per_node, cuda, accelerator = processes_per_node(cfg), torch.cuda.is_available(), str(cfg.accelerator)
     if accelerator in ("gpu", "cuda") and not cuda:
         raise UsageError(f"accelerator={accelerator} but this machine has no CUDA device; use accelerator=cpu")
     if cuda and accelerator != "cpu" and cfg.devices > torch.cuda.device_count():
         raise UsageError(f"devices={cfg.devices} but this machine has {counted(torch.cuda.device_count(), 'CUDA device')}")
     if str(cfg.precision).startswith("transformer-engine") and not cuda:
         raise UsageError(f"precision={cfg.precision} is not allowed here; it needs a CUDA GPU and the transformer_engine package")
-    batch = cfg.data.get("batch_size")
-    if isinstance(batch, int) and batch % world_size:
-        raise UsageError(f"data.batch_size={batch} is the global batch and must be a positive multiple of the "
-                         f"{world_size} processes (devices x num_nodes); try {max(world_size, batch // world_size * world_size)}")
-
-
-def launch(task: Callable[[DictConfig], Result], cfg: DictConfig) -> Result:
-    """`task(cfg)` in a worker per device where Lightning would start DDP processes, else in this process."""
-    per_node = processes_per_node(cfg)
-    check_machine(cfg, per_node * int(cfg.num_nodes))
+    if isinstance(batch := cfg.data.get("batch_size"), int):
+        per_process_batch(batch, per_node * int(cfg.num_nodes))
     if per_node == 1 or external_rank() is not None:
         with own_process_group():
             return task(cfg)
@@ -80,8 +74,8 @@ def launch(task: Callable[[DictConfig], Result], cfg: DictConfig) -> Result:
 
 @contextmanager
 def own_process_group() -> Iterator[None]:
-    """Lightning leaves its process group and environment behind (LOCAL_RANK would tell a sweep's next job that someone
-    else started its processes)."""
+    """Lightning leaves its process group and environment behind (LOCAL_RANK would tell a sweep's next job that
+    someone else started its processes)."""
     saved = {name: os.environ.get(name) for name in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")}
     try:
         yield
@@ -138,10 +132,11 @@ def start(task: Callable[[DictConfig], Result], cfg: DictConfig, nprocs: int) ->
         logging_config = OmegaConf.to_container(HydraConfig.get().job_logging, resolve=True) if HydraConfig.initialized() else None
         try:
             results = elastic_launch(config, _worker)(task, resolved, logging_config, str(position))
-        except SignalException as stop:  # the agent has stopped the workers with the same signal
-            raise RunStopped(int(stop.sigval), position.read_text() if position.is_file() else "") from None
-        except ChildFailedError as error:
-            raise _rank_failure(error, position.read_text() if position.is_file() else "", resolved) from None
+        except (SignalException, ChildFailedError) as error:
+            where = position.read_text() if position.is_file() else ""
+            if isinstance(error, SignalException):  # the agent has stopped the workers with the same signal
+                raise RunStopped(int(error.sigval), where) from None
+            raise _rank_failure(error, where, resolved) from None
         finally:
             for signum, handler in handlers.items():  # the agent leaves its own handlers in place
                 signal.signal(signum, handler)
@@ -183,7 +178,9 @@ def _rank_failure(error: ChildFailedError, where: str, cfg: DictConfig) -> BaseE
 
     rank, failure = min(error.failures.items(), key=order)
     who = f"rank {rank} (pid {failure.pid})"
-    if failure.exitcode == -signal.SIGABRT and _over_nccl(cfg):
+    backend = OmegaConf.select(cfg, "strategy.process_group_backend")
+    over_nccl = backend == "nccl" or (backend is None and resolve_accelerator(str(cfg.accelerator)) == "gpu")
+    if failure.exitcode == -signal.SIGABRT and over_nccl:
         return RankFailed(f"{who}: {timed_out(cfg).line}")
     if failure.exitcode < 0:
         return RankFailed(f"{who} died: killed by {signal_name(-failure.exitcode)}; run stopped")
@@ -196,15 +193,10 @@ def _rank_failure(error: ChildFailedError, where: str, cfg: DictConfig) -> BaseE
     return RankFailed(f"{who} failed ({message.splitlines()[0] if message else f'exit status {failure.exitcode}'}); run stopped")
 
 
-def _over_nccl(cfg: DictConfig) -> bool:
-    backend = OmegaConf.select(cfg, "strategy.process_group_backend")
-    return (backend or ("nccl" if resolve_accelerator(str(cfg.accelerator)) == "gpu" else "gloo")) == "nccl"
-
-
 def _worker(task: Callable[[DictConfig], Result], cfg: DictConfig, logging_config: dict[str, Any] | None,
             position: str) -> Any:
-    """One rank: what `task` returns, or a user's error for the launcher to say; stopped by a signal, it leaves where
-    training was in the file `position`."""
+    """One rank: what `task` returns, or a user's error for the launcher to say; a stopped one leaves where training
+    was in the file `position`."""
     die_with_launcher()
     # tqdm's default lock holds a named semaphore, which this process's immediate exit (`_exit`) would leave to the
     # resource tracker's "leaked semaphore" warning at the end of the run: the bars get a thread lock instead.
@@ -255,24 +247,20 @@ def _worker(task: Callable[[DictConfig], Result], cfg: DictConfig, logging_confi
 
 
 def stopped_peers(ranks: Path) -> str:
-    """The other stopped workers of this process group, as `rank N (pid P)` (each notes its pid's rank in `ranks`);
-    empty where none is, or without /proc."""
+    """The other stopped (SIGSTOP) workers, as `rank N (pid P)`, by the pids noted in `ranks` (none without /proc)."""
     found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    for noted in ranks.glob("pid*"):
+        pid = int(noted.name.removeprefix("pid"))
         try:
-            fields = stat.read_text().rpartition(")")[2].split()  # after the command's name, which may hold spaces
-            pid = int(stat.parent.name)
-            if fields[0] != "T" or int(fields[2]) != os.getpgrp() or pid == os.getpid():
-                continue
-            rank = (ranks / f"pid{pid}").read_text()
-        except (OSError, ValueError, IndexError):
+            state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]  # after the command's name
+        except (OSError, IndexError):
             continue
-        found.append(f"rank {rank} (pid {pid})")
+        if state == "T" and pid != os.getpid():
+            found.append(f"rank {noted.read_text()} (pid {pid})")
     return ", ".join(sorted(found))
 
 
 def _log_to_file(logging_config: dict[str, Any] | None, rank: int) -> None:
-    """Rank 0 writes the job's log (`train.log`), rank N `train_rank_N.log`."""
     if logging_config is None:
         return
     for handler in logging_config.get("handlers", {}).values():

@@ -12,10 +12,9 @@ class LeNet(nn.Sequential):
 
     def __init__(self, num_classes: int = 10, in_channels: int = 1, init_std: float = 0.01,
                  batch_norm: bool = False, pool: str = "avg", init: str = "normal") -> None:
-        if pool not in POOLS:
-            raise ValueError(f"pool={pool!r}; choose one of: {', '.join(POOLS)}")
-        if init not in INITS:
-            raise ValueError(f"init={init!r}; choose one of: {', '.join(INITS)}")
+        for name, value, allowed in (("pool", pool, POOLS), ("init", init, INITS)):
+            if value not in allowed:
+                raise ValueError(f"{name}={value!r}; choose one of: {', '.join(allowed)}")
 
         def block(layer: nn.Module, features: int, norm: type[nn.Module]) -> list[nn.Module]:
             return [layer, *([norm(features)] if batch_norm else []), nn.ReLU()]

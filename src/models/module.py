@@ -40,16 +40,14 @@ def plain(node: Any) -> Any:
 
 
 class Classifier(LightningModule):
-    """Trains any image classifier `net`; loss, accuracy and logging happen here, on the logits of the whole
-    per-process batch, so a strategy only has to make `net`'s forward pass parallel."""
+    """Loss, accuracy and logging on the logits of the whole per-process batch: a strategy only parallelises `net`."""
 
     def __init__(self, net: nn.Module | Mapping[str, Any],
                  optimizer: OptimizerFactory = partial(torch.optim.SGD, lr=0.1),  # the book's LeNet rate
                  num_classes: int = 10, loss: nn.Module | Mapping[str, Any] | None = None,
                  schedule: Schedule | None = None) -> None:
         super().__init__()
-        # Network and loss configs (conf/model: `_recursive_: false`) are built here and recorded as plain values, so
-        # that `load_from_checkpoint(path)` needs nothing else.
+        # Configs (conf/model: `_recursive_: false`) built here, recorded as plain values for `load_from_checkpoint`.
         self.save_hyperparameters({"net": plain(net), "loss": plain(loss), "num_classes": num_classes}, logger=False)
         self.net = instantiate(net) if isinstance(net, Mapping) else net
         self.optimizer = optimizer
@@ -81,7 +79,7 @@ class Classifier(LightningModule):
         return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)
 
     def use_fast_steps(self, fast_steps: FastSteps, step_batch_size: int) -> None:
-        """`steps_per_execution` optimizer steps a batch (each a CUDA graph replay with `cuda_graphs`), stepped here."""
+        """`steps_per_execution` optimizer steps a batch (CUDA graph replays with `cuda_graphs`), stepped here."""
         self.fast_steps = fast_steps
         self.step_batch_size = step_batch_size
         self.automatic_optimization = not fast_steps.manual
@@ -158,13 +156,12 @@ class Classifier(LightningModule):
                  f"(after {WARM_STEPS} eager steps; left out of time/epoch_s)")
 
     def on_train_start(self) -> None:
-        """A CUDA graph captured by an earlier fit serves this one while what it holds is the same."""
+        """An earlier fit's CUDA graph serves this one while what it holds is the same."""
         if self.graphed is not None and self._capture_key() != self._captured_with:
             self.graphed, self.warm_steps = None, 0
 
     def _capture_key(self) -> tuple:
-        """The parameters' memory, the precision, and its loss scaler (16-mixed multiplies the loss by the scaler's
-        tensor inside the graph; the object itself, kept alive, not its id)."""
+        """Parameters' memory, precision, and loss scaler (whose tensor the graph holds: the object, not its id)."""
         plugin = self.trainer.precision_plugin
         return (type(plugin), getattr(plugin, "precision", None), getattr(plugin, "scaler", None),
                 tuple(param.data_ptr() for param in self.parameters()))
@@ -222,8 +219,8 @@ class Classifier(LightningModule):
             self.log("val/acc_best", self.val_acc_best.compute(), sync_dist=True)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """The figures logged so far (a run resumed after its last epoch ends with them), and within an epoch
-        (`step.ckpt`) its training metrics' state, so that a resumed run's figures are the unbroken run's."""
+        """The figures logged so far, and mid-epoch (`step.ckpt`) the training metrics' state: a resumed run's figures
+        are the unbroken run's, also one resumed after its last epoch."""
         if self._trainer is None:
             return
         checkpoint["logged"] = {name: float(value) for name, value in self.trainer.callback_metrics.items() if value.numel() == 1}

@@ -37,11 +37,7 @@ class Interconnect:
 # Assumed, not measured: nccl-tests' bus bandwidth (algorithm bandwidth x 2(N-1)/N, NVIDIA/nccl-tests
 # doc/PERFORMANCE.md) reaches some 70-90 % of the line rate in well-tuned collectives.
 PRESET_BUS_SHARE = 0.8
-
-
-def _preset(name: str, bandwidth: float, latency: float, source: str) -> Interconnect:
-    return Interconnect(name, bandwidth, latency, source, bus_share=PRESET_BUS_SHARE)
-
+_preset = functools.partial(Interconnect, bus_share=PRESET_BUS_SHARE)  # (name, bandwidth, latency, source)
 
 # Nominal one-direction line rates from the standards, and the order of magnitude of one hop's latency as
 # collective libraries see it. `--link` names them by key.

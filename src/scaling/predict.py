@@ -6,12 +6,11 @@ import os
 import statistics
 from argparse import Namespace
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 from pathlib import Path
 
 from hydra.utils import instantiate
-from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from omegaconf import OmegaConf
 
@@ -74,9 +73,6 @@ def read_figures(run: RunFolder) -> RunFigures | None:
     def series(tag: str) -> list[tuple[int, float]]:
         return run.scalars(tag, f"{tag}_epoch")  # or its per-epoch mean, when only that was logged
 
-    def typical(tag: str) -> float | None:
-        return median(v for _, v in series(tag))
-
     epochs = series("time/epoch_s")
     if not epochs:
         return None
@@ -96,16 +92,14 @@ def read_figures(run: RunFolder) -> RunFigures | None:
         step_s=statistics.median(s / n for (_, s), n in zip(epochs, steps)),
     )
     if is_ddp:
-        comm, overlap = typical("xfer/backward_comm_ms"), typical("xfer/overlap_ms")
+        comm, overlap, backward, figures.overlap_frac = (median(v for _, v in series(f"xfer/{name}")) for name in (
+            "backward_comm_ms", "overlap_ms", "backward_compute_ms", "overlap_frac"))
         figures.exposed_comm_s = max(0.0, (comm or 0.0) - (overlap or 0.0)) / 1000
-        backward = typical("xfer/backward_compute_ms")
         figures.backward_s = None if backward is None else backward / 1000
-        figures.overlap_frac = typical("xfer/overlap_frac")
         sent = series("xfer/bytes_per_step")
         if sent:
-            smallest = min(v for _, v in sent)
-            figures.bytes_per_step = smallest
-            steady = {step for step, v in sent if v == smallest}
+            figures.bytes_per_step = min(v for _, v in sent)
+            steady = {step for step, v in sent if v == figures.bytes_per_step}
             hook_ms = median(v for s, v in series("xfer/hook_ms") if s in steady)
             figures.hook_s = None if hook_ms is None else hook_ms / 1000
     return figures
@@ -122,12 +116,10 @@ def merge_repeats(runs: list[RunFigures]) -> list[RunFigures]:
         settings.setdefault(run.setting(), []).append(run)
     merged = []
     for repeats in settings.values():
-        if len(repeats) == 1:
-            merged.append(repeats[0])
-            continue
         medians = {name: median(v for r in repeats if (v := getattr(r, name)) is not None) for name in TIMED}
-        merged.append(replace(repeats[0], run=f"{repeats[0].run}, median of {len(repeats)} runs",
-                              **{name: value for name, value in medians.items() if value is not None}))
+        merged.append(repeats[0] if len(repeats) == 1 else replace(
+            repeats[0], run=f"{repeats[0].run}, median of {len(repeats)} runs",
+            **{name: value for name, value in medians.items() if value is not None}))
     return merged
 
 
@@ -167,7 +159,6 @@ class Baseline:
         gpu = run.accelerator == "cuda"
         share = run.processes if gpu else min(run.processes, cores)
         compute_1 = (run.step_s - run.exposed_comm_s) * share
-        backward_1 = None if run.backward_s is None else run.backward_s * share
         timed = None if timed is None or timed.on_gpu != gpu else timed
         batch = max(1, run.batch_size // run.processes)  # each process's, as the run computed it
         untimed = ("assumed 0: not timed on a GPU; the run's step holds it" if gpu else
@@ -190,24 +181,36 @@ class Baseline:
         if run.overlap_frac is not None:
             overlap, origin["overlap"] = run.overlap_frac, f"`xfer/overlap_frac` of {run.run}"
         else:
-            overlap = 0.0 if options.overlap is None else options.overlap
-            origin["overlap"] = "a one-process run measures none: " + ("assumed 0 (--overlap)" if options.overlap is None else "stated (--overlap)")
-        backward_share = BACKWARD_SHARE if backward_1 is None else min(1.0, backward_1 / compute_1)
-        origin["backward"] = ("2/3 of the compute (assumed: backward about twice the forward pass)" if backward_1 is None
-                              else f"`xfer/backward_compute_ms` of {run.run}")
-        if gpu:
-            encode, reducer = dict.fromkeys(HOOKS, 0.0), gpu_ddp_cost(compute_1, timed, origin)
-        elif timed is not None:
-            encode, reducer = timed.hooks, timed.reducer or dict.fromkeys(HOOKS, 0.0)
-            origin["hook"] = ("the hook's arithmetic estimated on tensors of these shapes, one thread (the hooks could not be "
-                              "timed)" if timed.hooks_estimated else
-                              "torch's hook timed here in a DDP model of these shapes on a one-process gloo group, one thread")
-            origin["reducer"] = ("assumed 0 (DDP could not be timed)" if timed.hooks_estimated else
-                                 "that DDP model's forward and backward pass less a plain model's and less the hook, "
-                                 "median over the hooks")
-        else:
-            encode, reducer = dict.fromkeys(HOOKS, 0.0), dict.fromkeys(HOOKS, 0.0)
+            overlap, how = (0.0, "assumed 0") if options.overlap is None else (options.overlap, "stated")
+            origin["overlap"] = f"a one-process run measures none: {how} (--overlap)"
+        backward_share = BACKWARD_SHARE if run.backward_s is None else min(1.0, run.backward_s * share / compute_1)
+        origin["backward"] = (f"`xfer/backward_compute_ms` of {run.run}" if run.backward_s is not None else
+                              "2/3 of the compute (assumed: backward about twice the forward pass)")
+        encode = reducer = dict.fromkeys(HOOKS, 0.0)
+        if gpu:  # DDP's own work on each of N > 1 GPU processes, measured or assumed
+            origin["hook"] = "0 on its own: on a GPU the hook's work is part of DDP's, below"
+            if timed is not None and timed.reducer:
+                reducer = {hook: timed.reducer.get(hook, 0.0) + DDP_GPU_MULTI_SHARE * compute_1 for hook in HOOKS}
+                origin["reducer"] = (
+                    f"a DDP model of world size 1 against the plain model, the run's step measured on {timed.device} "
+                    "(copies into buckets, the hook, the reducer, the all-reduce call), plus "
+                    f"{DDP_GPU_MULTI_SHARE:.1%} of the step that more than one GPU adds (assumed: fitted to PyTorch's "
+                    "DDP benchmark, docs/scaling.md)")
+            else:
+                reducer = dict.fromkeys(HOOKS, (DDP_GPU_SHARE + DDP_GPU_MULTI_SHARE) * compute_1)
+                origin["reducer"] = (
+                    f"assumed {DDP_GPU_SHARE:.1%} + {DDP_GPU_MULTI_SHARE:.1%} of the step: one GPU under DDP against "
+                    "none, and what more than one GPU adds, both fitted to PyTorch's DDP benchmark on V100s "
+                    "(docs/scaling.md); `python -m src.scaling <folder>` on a GPU measures the first")
+        elif timed is None:
             origin["hook"] = origin["reducer"] = untimed
+        else:
+            encode, reducer = timed.hooks, timed.reducer or encode
+            origin["hook"], origin["reducer"] = (
+                ("the hook's arithmetic estimated on tensors of these shapes, one thread (hooks could not be timed)",
+                 "assumed 0 (DDP could not be timed)") if timed.hooks_estimated else
+                ("torch's hook timed here in a DDP model of these shapes on a one-process gloo group, one thread",
+                 "that DDP model's forward and backward pass less a plain model's and the hook's, median over hooks"))
         lags = timed.lags if timed is not None else {}
         origin["lag"] = ("the model's step timed on N processes at once, one thread each, meeting after each step, "
                          "against one of them stepping alone" if lags else "the probe's meeting of matrix products")
@@ -215,8 +218,8 @@ class Baseline:
         terms = Terms(overhead, skew, overlap, backward_share)
         return cls(run, compute_1, terms, origin, buckets, encode, lags, reducer)
 
-    def sizes(self, hook: str) -> list[int]:
-        return [b for bucket in self.buckets[hook] for b in bucket]
+    def sent(self, hook: str) -> int:
+        return sum(map(sum, self.buckets[hook]))
 
     def step(self, hook: str, processes: int, link: Interconnect, per_process_batch: int | None = None) -> Step:
         batch_share = None if per_process_batch is None else per_process_batch / self.run.batch_size
@@ -224,22 +227,6 @@ class Baseline:
             link = replace(link, lag=self.lags[link.timed_processes])
         terms = replace(self.terms, reducer=self.reducer[hook])
         return predict_step(self.compute_1, self.buckets[hook], self.encode[hook], processes, link, terms, batch_share)
-
-
-def gpu_ddp_cost(compute_1: float, timed: Timed | None, origin: dict[str, str]) -> dict[str, float]:
-    """Seconds per step DDP adds to each of N > 1 GPU processes, per hook, measured or assumed; how, into `origin`."""
-    multi = DDP_GPU_MULTI_SHARE * compute_1
-    origin["hook"] = "0 on its own: on a GPU the hook's work is part of DDP's, below"
-    if timed is not None and timed.reducer:
-        origin["reducer"] = (f"a DDP model of world size 1 against the plain model, the run's step measured on {timed.device} "
-                             f"(copies into buckets, the hook, the reducer, the all-reduce call), plus "
-                             f"{DDP_GPU_MULTI_SHARE:.1%} of the step that more than one GPU adds (assumed: fitted to "
-                             "PyTorch's DDP benchmark, docs/scaling.md)")
-        return {hook: timed.reducer.get(hook, 0.0) + multi for hook in HOOKS}
-    origin["reducer"] = (f"assumed {DDP_GPU_SHARE:.1%} + {DDP_GPU_MULTI_SHARE:.1%} of the step: one GPU under DDP against "
-                         "none, and what more than one GPU adds, both fitted to PyTorch's DDP benchmark on V100s "
-                         "(docs/scaling.md); not measured here: `python -m src.scaling <folder>` on a GPU measures the first")
-    return dict.fromkeys(HOOKS, (DDP_GPU_SHARE + DDP_GPU_MULTI_SHARE) * compute_1)
 
 
 def load_probe(path: Path) -> gloo_probe.Probe | None:
@@ -250,14 +237,6 @@ def load_probe(path: Path) -> gloo_probe.Probe | None:
         return gloo_probe.load(path)
     except ValueError as error:
         raise UsageError(f"--probe-file {error}") from error
-
-
-def measured_links(probe: gloo_probe.Probe | None) -> dict[int, Interconnect]:
-    if probe is None:
-        return {}
-    return {n: Interconnect(f"gloo here, {n} proc.", bandwidth, latency, "python -m src.scaling --probe", probe.cores,
-                            timed=probe.timed(n), timed_processes=n, lag=probe.lags.get(n, 0.0))
-            for n, (latency, bandwidth) in probe.fits().items()}
 
 
 def link_for(processes: int, measured: dict[int, Interconnect]) -> Interconnect:
@@ -274,7 +253,7 @@ def predictions(base: Baseline, links: list[Interconnect], per_process_batch: in
         for hook in HOOKS:
             for row in whatif.rows(lambda n: base.step(hook, n, link, per_process_batch), run.batch_size, counts,
                                    run.steps_per_epoch * run.batch_size, per_process_batch):
-                sent = sum(base.sizes(hook)) if row["processes"] > 1 else 0
+                sent = base.sent(hook) if row["processes"] > 1 else 0
                 rows.append({"model": run.model, "batch_size": run.batch_size, "interconnect": link.name, "hook": hook,
                              "mode": "strong" if per_process_batch is None else "weak", "bytes_per_step": sent, **row})
     return rows
@@ -307,7 +286,7 @@ def checks(base: Baseline, runs: list[RunFigures], measured: dict[int, Interconn
         epoch_s = run.steps_per_epoch * step.total
         hook_ms = None if run.hook_s is None else run.hook_s * 1e3
         rows.append(" | ".join([
-            "", run.run, run.hook, str(run.processes), link.name, f"{sum(base.sizes(run.hook)):,}",
+            "", run.run, run.hook, str(run.processes), link.name, f"{base.sent(run.hook):,}",
             "" if run.bytes_per_step is None else f"{run.bytes_per_step:,.0f}", f"{step.comm * 1e3:.1f}",
             "" if hook_ms is None else f"{hook_ms:.1f}", _pct_error(step.comm * 1e3, hook_ms),
             f"{step.compute * 1e3:.1f} + {step.overhead * 1e3:.1f} + {step.exposed * 1e3:.1f} + {step.skew * 1e3:.1f}",
@@ -329,21 +308,19 @@ def why_missed(epoch_s: float, measured_s: float | None, hook_ms: float, measure
         return (f"the run was {off} than predicted, and its all-reduces took {measured_hook_ms:.1f} ms where the probe "
                 f"gives {hook_ms:.1f}: the link or the machine's load was not what the probe met")
     return (f"the run was {off} than predicted while its all-reduces took what the probe gives: its compute or "
-            "overhead differed from the one-process run's the model scales (another load, or short epochs whose "
-            "start-up counts)")
+            "overhead differed from the one-process run's (another load, or short epochs whose start-up counts)")
 
 
 def terms_lines(base: Baseline, bucket_mb: float = 25.0) -> list[str]:
     """The model's terms for this baseline, each with how it was found."""
     terms, origin = base.terms, base.origin
     last = sum(base.buckets["none"][-1])
-    reducer = sorted(set(round(s * 1e3, 1) for s in base.reducer.values()))
-    reducer_ms = f"{reducer[0]:.1f} ms" if len(reducer) == 1 else ", ".join(
-        f"{hook} {base.reducer[hook] * 1e3:.1f}" for hook in HOOKS) + " ms"
+    ms = {hook: f"{base.reducer[hook] * 1e3:.1f}" for hook in HOOKS}
+    reducer_ms = ms["none"] if len(set(ms.values())) == 1 else ", ".join(f"{hook} {v}" for hook, v in ms.items())
     return [
         f"- per-step overhead, the same on any number of processes: {terms.overhead * 1e3:.1f} ms; {origin['overhead']}",
         f"- DDP's own work besides its hook, on more than one process (copying the gradients into its buckets and the "
-        f"averaged ones back): {reducer_ms} per step, part of the overhead; {origin['reducer']}",
+        f"averaged ones back): {reducer_ms} ms per step, part of the overhead; {origin['reducer']}",
         f"- the hook's own work: {origin['hook']}",
         f"- skew between ranks: {terms.skew:.3f} of the step per standard deviation, times the expected lag of the slowest of "
         f"N ranks (0.56 at 2, 1.03 at 4, 1.42 at 8 standard deviations); {origin['skew']}",
@@ -354,20 +331,16 @@ def terms_lines(base: Baseline, bucket_mb: float = 25.0) -> list[str]:
             "- lag of processes meeting on this machine's shared cores (the measured interconnect only): "
             + (", ".join(f"{share:.1%} at {n} processes" for n, share in sorted(base.lags.items())) + "; " if base.lags else "")
             + origin["lag"]]),
-        "- bus share: the share of each link's bandwidth an all-reduce reaches, in the interconnect table; each process "
-        "sends and receives 2(N-1)/N of the bytes",
     ]
 
 
-def section(base: Baseline, rows: list[dict], measured: dict[int, Interconnect], runs: list[RunFigures], plot: str | None,
-            links: list[Interconnect], per_process_batch: int | None = None, bucket_mb: float = 25.0,
-            no_links: str = "") -> str:
-    """The Markdown of one model, tables first, then the terms of the model. `no_links`: why there are no
-    predictions, where `links` is empty."""
-    run = base.run
+def section(base: Baseline, rows: list[dict], links: list[Interconnect], measured: dict[int, Interconnect],
+            runs: list[RunFigures], plot: str | None, options: Options, root: Path) -> str:
+    """The Markdown of one model, tables first, then the terms of the model; without `links`, why not."""
+    run, weak = base.run, options.per_process_batch
     counts = sorted({r["processes"] for r in rows})
-    mode = ("strong scaling: the global batch of the run split over the processes" if per_process_batch is None else
-            f"weak scaling: {per_process_batch} samples per process, the global batch {per_process_batch} x N")
+    mode = ("strong scaling: the global batch of the run split over the processes" if weak is None else
+            f"weak scaling: {weak} samples per process, the global batch {weak} x N")
     device = "a GPU" if base.on_gpu else "one process"
     lines = [
         f"## {run.model}, global batch {run.batch_size}", "",
@@ -397,16 +370,15 @@ def section(base: Baseline, rows: list[dict], measured: dict[int, Interconnect],
                       "|---|---|---:|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---|",
                       *compared, ""]
     else:
-        lines += [no_links, ""]
-    hook_ms = bool(links)  # the hook's own time only beside predictions that use it
-    lines += [
+        lines += [NO_PROBE.format(root=root), ""]
+    lines += [  # the hook's own time only beside predictions that use it
         "Bytes per step and process, bucket by bucket (the last one cannot overlap)"
-        + (f", and the hook's own time ({base.origin['hook']}):" if hook_ms else ":"), "",
-        "| hook | all-reduces (bytes) | bytes per step |" + (" hook ms |" if hook_ms else ""),
-        "|---|---|---:|" + ("---:|" if hook_ms else ""),
-        *[f"| {h} | {' / '.join(', '.join(f'{b:,}' for b in bucket) for bucket in base.buckets[h])} | {sum(base.sizes(h)):,} |"
-          + (f" {base.encode[h] * 1e3:.1f} |" if hook_ms else "") for h in HOOKS], "",
-        *(["Terms of the model:", "", *terms_lines(base, bucket_mb), ""] if links else []),
+        + (f", and the hook's own time ({base.origin['hook']}):" if links else ":"), "",
+        "| hook | all-reduces (bytes) | bytes per step |" + (" hook ms |" if links else ""),
+        "|---|---|---:|" + ("---:|" if links else ""),
+        *[f"| {h} | {' / '.join(', '.join(f'{b:,}' for b in bucket) for bucket in base.buckets[h])} "
+          f"| {base.sent(h):,} |" + (f" {base.encode[h] * 1e3:.1f} |" if links else "") for h in HOOKS], "",
+        *(["Terms of the model:", "", *terms_lines(base, options.bucket_mb), ""] if links else []),
     ]
     return "\n".join(lines)
 
@@ -427,33 +399,29 @@ def plot(base: Baseline, rows: list[dict], links: list[Interconnect], path: Path
         axes.grid(alpha=0.3)
     figure.axes[0].legend(fontsize="x-small")
     figure.suptitle(f"{base.run.model}, global batch {base.run.batch_size}: predicted speed-up")
-    FigureCanvasAgg(figure)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
 
 
-def assumptions(links: list[Interconnect], has_probe: bool, per_process_batch: int | None = None) -> str:
+def assumptions(links: list[Interconnect], has_probe: bool, weak: int | None = None) -> str:
     """How the tables above were predicted: the mode, the formula, and the interconnects."""
-    scaling = (
-        "Strong scaling: `data.batch_size` is the global batch, split over the processes, so the steps per epoch stay "
-        "fixed and each process computes 1/N of the batch. A process count that does not divide the batch is left out."
-        if per_process_batch is None else
-        f"Weak scaling (`--per-process-batch {per_process_batch}`): each process computes {per_process_batch} samples a "
-        f"step, the global batch grows as {per_process_batch} x N and an epoch of the run's samples takes fewer steps."
-    )
+    scaling = ("Strong scaling: `data.batch_size` is the global batch, split over the processes, so the steps per "
+               "epoch stay fixed and each process computes 1/N of the batch; a process count that does not divide it "
+               "is left out." if weak is None else
+               f"Weak scaling (`--per-process-batch {weak}`): each process computes {weak} samples a step, the "
+               f"global batch grows as {weak} x N and an epoch of the run's samples takes fewer steps.")
     lines = [
         "## How these are predicted", "",
-        f"{scaling} On the measured interconnect, processes beyond the cores take turns on them. Per step: compute = one "
-        "process's step, less the overhead, times its share of the batch; overhead = the per-step cost that no split "
-        "shrinks, with DDP's own work besides its hook on more than one process; comm = the hook itself + one ring "
-        "all-reduce per collective, 2(N-1) x latency + 2(N-1)/N x bytes / (bus share x bandwidth), on the measured "
-        "interconnect at a probed process count read between the all-reduces timed there; hidden = overlap x min(comm of "
-        "every bucket but the last, backward compute); skew = (the step's spread x the expected lag of the slowest of N "
-        "ranks + the lag of processes meeting on shared cores: the model's own where it was timed, else the probe's below) "
-        "x (compute + overhead); step = compute + overhead + comm "
-        "- hidden + skew. A CPU run's compute, DDP's own work and hook are this machine's, for every interconnect, and "
-        "take turns on shared cores alike; a GPU run's are its GPU's. Speed-up = one process's epoch / N processes'; "
-        "efficiency = speed-up / N.",
+        f"{scaling} On the measured interconnect, processes beyond the cores take turns on them. Per step: compute = "
+        "(one process's step - overhead) x its share of the batch; overhead = the per-step cost no split shrinks, "
+        "plus DDP's own work besides its hook on more than one process; comm = the hook + one ring all-reduce per "
+        "collective, 2(N-1) x latency + 2(N-1)/N x bytes / (bus share x bandwidth), on the measured interconnect at "
+        "a probed process count read between the all-reduces timed there; hidden = overlap x min(comm of every "
+        "bucket but the last, backward compute); skew = (the step's spread x the expected lag of the slowest of N "
+        "ranks + the lag of processes meeting on shared cores, the model's own where timed, else the probe's below) "
+        "x (compute + overhead); step = compute + overhead + comm - hidden + skew. A CPU run's compute, DDP's own "
+        "work and hook are this machine's for every interconnect, sharing cores alike; a GPU run's are its GPU's. "
+        "Speed-up = one process's epoch / N processes'; efficiency = speed-up / N.",
     ]
     if links:
         lines += ["",
@@ -466,10 +434,10 @@ def assumptions(links: list[Interconnect], has_probe: bool, per_process_batch: i
     return "\n".join(lines)
 
 
-NO_PROBE = ("No predictions here: the run ran on CPU, and the one interconnect this report can stand behind for it is "
-            "this machine's own, of which no probe is saved in the folder (`probe.json`). `python -m src.scaling {root} "
-            "--probe` times it and the model's terms (a minute or two on 2 cores) and saves both there; the report then "
-            "predicts from them. Predictions over GPU links need a GPU run's step time, not this CPU's.")
+NO_PROBE = ("No predictions here: the run ran on CPU, and the one interconnect this report can stand behind for "
+            "it, this machine's own, has no probe saved in the folder (`probe.json`). `python -m src.scaling {root} "
+            "--probe` times it and the model's terms (a minute or two on 2 cores) and saves both there for the report "
+            "to predict from. GPU links need a GPU run's step time, not this CPU's.")
 
 
 def write_scaling(root: Path, out: Path | None = None, probe: gloo_probe.Probe | None = None,
@@ -477,12 +445,14 @@ def write_scaling(root: Path, out: Path | None = None, probe: gloo_probe.Probe |
     """Write scaling.md, scaling.csv and one plot per model into `out` (default `root`); returns the Markdown sections.
     `report`, which must not wait, times nothing and predicts a CPU run only on a saved probe's interconnect."""
     out = output_folder(root if out is None else out)
-    runs = read_runs(root, read_figures)
+    runs = merge_repeats(read_runs(root, read_figures))
     if not runs:
         raise UsageError(f"{root}: no run below it has a timed training epoch (time/epoch_s) on one process or under DDP")
-    runs = merge_repeats(runs)
     cores = probe.cores if probe is not None else len(os.sched_getaffinity(0))
-    measured = measured_links(probe)
+    measured = {} if probe is None else {
+        n: Interconnect(f"gloo here, {n} proc.", bandwidth, latency, "python -m src.scaling --probe", probe.cores,
+                        timed=probe.timed(n), timed_processes=n, lag=probe.lags.get(n, 0.0))
+        for n, (latency, bandwidth) in probe.fits().items()}
     named = [link if options.bus_share is None else replace(link, bus_share=options.bus_share) for link in INTERCONNECTS]
     groups: dict[tuple[str, int], list[RunFigures]] = {}
     for run in sorted(runs, key=lambda r: (r.model, r.batch_size, r.processes, r.run)):
@@ -503,8 +473,7 @@ def write_scaling(root: Path, out: Path | None = None, probe: gloo_probe.Probe |
         if links:
             image = f"scaling_{model}_{batch}.png" if sum(m == model for m, _ in groups) > 1 else f"scaling_{model}.png"
             plot(base, rows, links, out / image)
-        sections.append(section(base, rows, measured, group, image, links, options.per_process_batch, options.bucket_mb,
-                                no_links=NO_PROBE.format(root=root)))
+        sections.append(section(base, rows, links, measured, group, image, options, root))
         all_rows += rows
         all_links.update((link.name, link) for link in links)
     if not report:
@@ -515,16 +484,14 @@ def write_scaling(root: Path, out: Path | None = None, probe: gloo_probe.Probe |
         writer.writerows(all_rows)
     on_cpu = any(run.accelerator != "cuda" for run in runs)  # only a CPU run is predicted on this machine's interconnect
     how = [assumptions(list(all_links.values()), probe is not None or not on_cpu, options.per_process_batch)] if all_links else []
-    body = "\n".join([*sections, *how])
+    body = "\n".join(sections + how)
     (out / "scaling.md").write_text(f"# Scaling: {root}\n\n{body}")
     return body
 
 
 def time_baseline(run: RunFigures, cores: int, options: Options, meet_at: Sequence[int]) -> Timed:
-    if options.per_process_batch is not None:
-        batches = {n: options.per_process_batch for n in meet_at}
-    else:  # strong scaling: the counts that split the run's batch evenly
-        batches = {n: run.batch_size // n for n in meet_at if run.batch_size % n == 0}
+    weak = options.per_process_batch  # strong scaling: only the counts that split the run's batch evenly
+    batches = {n: weak or run.batch_size // n for n in meet_at if weak is not None or run.batch_size % n == 0}
     return timing.time_run(run.net, run.shapes, run.input_shape, max(1, run.batch_size // run.processes), run.precision,
                            run.accelerator, run.powersgd_rank, options.bucket_mb, cores, batches,
                            need_clock=options.overhead_ms is None or options.skew is None)
@@ -537,29 +504,27 @@ def main(argv: list[str] | None = None) -> None:
 
 def run(args: Namespace) -> None:
     """What the parsed command line asks for: a what-if, a probe, or the predictions for a folder."""
-    with usage_errors_exit():
-        if args.model is not None or args.params is not None:
-            print(whatif.report(args))
-            return
-        out = args.out or args.folder or Path("outputs")
-        if args.folder is not None:
-            require_folder(args.folder)
-        if args.probe:
-            with saying("timing gloo all-reduces on this machine's cores for the probe (about a minute)"):
-                probe = gloo_probe.run_probe()
-            out.mkdir(parents=True, exist_ok=True)
-            gloo_probe.save(probe, out / "probe.json")
-            for n, (latency, bandwidth) in probe.fits().items():
-                print(f"gloo, {n} processes: latency {latency * 1e6:.1f} us per ring step, bandwidth {bandwidth / 1e9:.3f} GB/s, "
-                      f"meeting after equal work {probe.lags.get(n, 0.0):.1%} later than the work")
-        elif args.probe_file is not None and not args.probe_file.is_file():
-            raise UsageError(f"--probe-file {args.probe_file}: no such file; give a probe.json that --probe wrote")
-        else:
-            probe = load_probe(args.probe_file or args.folder / "probe.json")
-        if args.folder is not None:
-            with saying(f"reading the runs below {args.folder} and predicting their scaling (timing what no saved "
-                        "probe or terms hold)"):
-                options = Options(args.overlap, args.overhead_ms, args.skew, args.bus_share, args.per_process_batch,
-                                  args.bucket_mb)
-                write_scaling(args.folder, out, probe, options)
-            print(f"-> {out / 'scaling.md'}")
+    if args.model is not None or args.params is not None:
+        print(whatif.report(args))
+        return
+    out = args.out or args.folder or Path("outputs")
+    if args.folder is not None:
+        require_folder(args.folder)
+    if args.probe:
+        with saying("timing gloo all-reduces on this machine's cores for the probe (about a minute)"):
+            probe = gloo_probe.run_probe()
+        out.mkdir(parents=True, exist_ok=True)
+        gloo_probe.save(probe, out / "probe.json")
+        for n, (latency, bandwidth) in probe.fits().items():
+            print(f"gloo, {n} processes: latency {latency * 1e6:.1f} us per ring step, bandwidth {bandwidth / 1e9:.3f} "
+                  f"GB/s, meeting after equal work {probe.lags.get(n, 0.0):.1%} later than the work")
+    elif args.probe_file is not None and not args.probe_file.is_file():
+        raise UsageError(f"--probe-file {args.probe_file}: no such file; give a probe.json that --probe wrote")
+    else:
+        probe = load_probe(args.probe_file or args.folder / "probe.json")
+    if args.folder is not None:
+        with saying(f"reading the runs below {args.folder} and predicting their scaling (timing what no saved probe or "
+                    "terms hold)"):
+            options = Options(**{option.name: getattr(args, option.name) for option in fields(Options)})
+            write_scaling(args.folder, out, probe, options)
+        print(f"-> {out / 'scaling.md'}")

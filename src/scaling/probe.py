@@ -3,7 +3,6 @@ model fitted to them per process count, and the lag of processes meeting on shar
 
 import json
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -53,12 +52,6 @@ def fit_ring(points: Sequence[tuple[int, int, float]]) -> tuple[float, float]:
     return latency, 1 / per_byte
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextmanager
 def one_thread() -> Iterator[None]:
     """One torch thread, as each of 2 DDP processes gets on 2 cores, and steadier on a busy machine; restored after."""
@@ -70,6 +63,13 @@ def one_thread() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
+def median_s(work: Callable[[], object], repeats: int = 3) -> float:
+    """Median seconds of `work` on one thread, after a warm-up call (allocation, first-call dispatch)."""
+    with one_thread():
+        work()
+        return statistics.median(timeit.repeat(work, number=1, repeat=repeats))
+
+
 def _work(count: int) -> None:
     a, b = torch.ones(128, 128), torch.empty(128, 128)
     for _ in range(count):
@@ -78,17 +78,13 @@ def _work(count: int) -> None:
 
 def _work_count() -> tuple[int, float]:
     """Matrix products that take about MEETING_WORK_S on one thread here, and the seconds they take alone."""
-    with one_thread():
-        _work(20)
-        count = max(1, round(MEETING_WORK_S / (timeit.timeit(lambda: _work(200), number=1) / 200)))
-        return count, statistics.median(timeit.repeat(lambda: _work(count), number=1, repeat=5))
+    count = max(1, round(MEETING_WORK_S / (median_s(lambda: _work(200), repeats=1) / 200)))
+    return count, median_s(lambda: _work(count), repeats=5)
 
 
-def _worker(rank: int, processes: int, port: int, sizes: Sequence[int], work: int, result: str) -> None:
+def _worker(rank: int, processes: int, sizes: Sequence[int], work: int) -> dict[str, Any]:
     """One probe process: time every size, then the meetings (equal work, then a 4-byte all-reduce: the lag that
-    all-reduces started after a barrier do not show); rank 0 writes the medians to `result`."""
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=processes)
+    all-reduces started after a barrier do not show)."""
     timings = []
     for nbytes in sizes:
         tensor = torch.ones(max(1, nbytes // 4))
@@ -108,17 +104,29 @@ def _worker(rank: int, processes: int, port: int, sizes: Sequence[int], work: in
         dist.all_reduce(small)
         meetings.append(time.perf_counter() - start)
     dist.barrier()
-    if rank == 0:
-        Path(result).write_text(json.dumps({"timings": timings, "meeting_s": statistics.median(meetings)}))
-    dist.destroy_process_group()
+    return {"timings": timings, "meeting_s": statistics.median(meetings)}
 
 
-def start_ranks(worker: Callable[..., None], processes: int, *args: Any) -> Any:
-    """Run `worker(rank, processes, port, *args, result)` in local processes; what rank 0 wrote to `result`, as JSON."""
+def start_ranks(work: Callable[..., Any], processes: int, *args: Any, device: str = "cpu") -> Any:
+    """`work(rank, processes, *args)` in new local processes (spawn) of one torch thread, in a group of their own
+    (cuda: NCCL, else gloo); what rank 0's returns, through JSON. A rank that fails ends them all and raises here."""
     with tempfile.TemporaryDirectory() as folder:
-        result = os.path.join(folder, "result.json")
-        torch.multiprocessing.start_processes(worker, (processes, free_port(), *args, result), processes, start_method="spawn")
-        return json.loads(Path(result).read_text())
+        torch.multiprocessing.start_processes(_rank, (work, processes, folder, device, args), processes,
+                                              start_method="spawn")
+        return json.loads((Path(folder) / "result.json").read_text())
+
+
+def _rank(rank: int, work: Callable[..., Any], processes: int, folder: str, device: str, args: tuple[Any, ...]) -> None:
+    torch.set_num_threads(1)  # as on CPU everywhere here; a GPU's step does not depend on it
+    cuda = device == "cuda"
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{folder}/store", rank=rank,
+                            world_size=processes, device_id=torch.device("cuda", rank) if cuda else None)
+    try:
+        value = work(rank, processes, *args)
+        if rank == 0:
+            (Path(folder) / "result.json").write_text(json.dumps(value))
+    finally:
+        dist.destroy_process_group()
 
 
 def lag_share(alone: float, together: float, processes: int, cores: int) -> float:

@@ -2,22 +2,19 @@
 model (overhead, skew, hook, DDP's own work, lag) that one run's averages cannot give (docs/scaling.md)."""
 
 import copy
-import json
 import logging
-import multiprocessing
 import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 from hydra.utils import instantiate
 from torch import nn
+from torch.multiprocessing import ProcessRaisedException
 from torch.nn.parallel import DistributedDataParallel
 
 from src.scaling.probe import lag_share, one_thread, start_ranks
@@ -40,7 +37,9 @@ class StepClock:
 
 
 def reason(error: Exception, limit: int = 300) -> str:
-    """An exception in one short line, for a warning or a usage error."""
+    """An exception in one short line, for a warning or a usage error; a rank's by its traceback's last line."""
+    if isinstance(error, ProcessRaisedException):
+        return " ".join(str(error).strip().splitlines()[-1].split())[:limit]
     return f"{type(error).__name__}: {' '.join(str(error).split())[:limit]}"
 
 
@@ -96,37 +95,31 @@ def overhead_share(step: float, batch: int, small_step: float, small_batch: int)
     return min(max(intercept / step, 0.0), 0.99)
 
 
-def in_own_process(failed: str, instead: str, device: str, measure: Callable[..., T], net: Any, hooks: Sequence[str],
-                   *args: Any) -> dict[str, T] | None:
-    """`measure(model, hook, *args)` for each hook, in a new process (spawn) holding a one-process group (cuda: NCCL,
-    else gloo), so that the group, DDP's threads and any failure stay away from the caller's; None where it fails."""
+def in_processes(failed: str, instead: str, work: Callable[..., Any], processes: int, *args: Any,
+                 device: str = "cpu") -> Any:
+    """`start_ranks`, its group, DDP's threads and any failure away from the caller's; None, logged, where it fails."""
     try:
-        with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
-            return pool.submit(_per_hook_in_group, device, measure, net, tuple(hooks), *args).result()
+        return start_ranks(work, processes, *args, device=device)
     except Exception as error:  # noqa: BLE001  a figure that cannot be timed is estimated or assumed instead
         log.warning(f"{failed} ({reason(error)}); {instead}")
         return None
 
 
-def _per_hook_in_group(device: str, measure: Callable[..., T], net: Any, hooks: tuple[str, ...],
-                       *args: Any) -> dict[str, T]:
-    torch.set_num_threads(1)  # on CPU one thread, as every other timing here; a GPU's step does not depend on it
-    dist.init_process_group("nccl" if device == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1,
-                            **({"device_id": torch.device("cuda", 0)} if device == "cuda" else {}))
-    try:
-        model = instantiate(net)
-        return {hook: measure(model, hook, *args) for hook in hooks}
-    finally:
-        dist.destroy_process_group()
+def _each_hook(rank: int, processes: int, measure: Callable[..., T], net: Any, hooks: tuple[str, ...],
+               *args: Any) -> dict[str, T]:
+    model = instantiate(net)
+    return {hook: measure(model, hook, *args) for hook in hooks}
 
 
-def _ddp(net: nn.Module, hook: str, rank: int, bucket_cap_mb: float,
-         device: str = "cpu") -> tuple[CommHookDDPStrategy, DistributedDataParallel]:
-    """A DDP copy of `net` and the strategy that builds `hook`; PowerSGD in one bucket, as in this project's gloo runs."""
+def _ddp(net: nn.Module, hook: str, rank: int, bucket_cap_mb: float, device: str = "cpu",
+         meter: CommMeter | None = None) -> tuple[CommHookDDPStrategy, DistributedDataParallel]:
+    """A DDP copy of `net` with `hook` (timed by `meter`, if any); PowerSGD in one bucket, as in this project's runs."""
     strategy = CommHookDDPStrategy(hook=hook, powersgd_rank=rank, start_powersgd_iter=2)
     cap = max(bucket_cap_mb, one_bucket_cap_mb(net)) if hook.startswith("powersgd") else bucket_cap_mb
     model = DistributedDataParallel(copy.deepcopy(net).to(device).train(), bucket_cap_mb=cap,
                                     device_ids=[0] if device == "cuda" else None)
+    state, function = strategy.build_hook(dist.group.WORLD)
+    model.register_comm_hook(state, meter.wrap(function) if meter else function)
     return strategy, model
 
 
@@ -140,8 +133,8 @@ def ddp_times(net: Any, input_shape: Sequence[int], hooks: Sequence[str], rank: 
               bucket_cap_mb: float = 25.0, repeats: int = 5) -> DDPClock | None:
     """Seconds per step DDP and each hook take besides their transfer, on one thread: on a one-process gloo group
     every all-reduce is a local no-op. None where it fails: the caller then estimates the hooks (`timed.encode_s`)."""
-    timed = in_own_process("the DDP hooks could not be timed", "their arithmetic is estimated", "cpu",
-                           _hook_and_reducer_s, net, hooks, tuple(input_shape), rank, bucket_cap_mb, repeats)
+    timed = in_processes("the DDP hooks could not be timed", "their arithmetic is estimated", _each_hook, 1,
+                         _hook_and_reducer_s, net, tuple(hooks), tuple(input_shape), rank, bucket_cap_mb, repeats)
     if timed is None:
         return None
     # The difference of two timings can fall below zero where DDP's copies are tiny next to the pass.
@@ -152,10 +145,8 @@ def ddp_times(net: Any, input_shape: Sequence[int], hooks: Sequence[str], rank: 
 def _hook_and_reducer_s(net: nn.Module, hook: str, input_shape: Sequence[int], rank: int, bucket_cap_mb: float,
                         repeats: int) -> tuple[float, float]:
     """Medians of the hook's seconds per step and of what the rest of DDP adds to a forward and backward pass."""
-    strategy, model = _ddp(net, hook, rank, bucket_cap_mb)
     plain, meter = copy.deepcopy(net), CommMeter()
-    state, function = strategy.build_hook(dist.group.WORLD)
-    model.register_comm_hook(state, meter.wrap(function))
+    strategy, model = _ddp(net, hook, rank, bucket_cap_mb, meter=meter)
     image = torch.randn(1, *input_shape)  # one image: the gradients, all DDP and the hook see, do not depend on the batch
     hook_s, added = [], []
     for _ in range(strategy.start_powersgd_iter + 1 + repeats):  # PowerSGD's first steps are plain all-reduces
@@ -177,15 +168,15 @@ def ddp_step_costs(net: Any, input_shape: Sequence[int], batch: int, precision: 
                    bucket_cap_mb: float = 25.0, device: str = "cuda", repeats: int = 10) -> dict[str, float] | None:
     """Seconds a step of a DDP model of world size 1 takes beyond the plain model's, per hook, on `device`: what DDP
     costs a GPU's step besides the transfer. None where it fails, as `ddp_times`."""
-    return in_own_process(f"DDP's own cost could not be measured on {device}", "it is assumed", device, _added_by_ddp,
-                          net, hooks, tuple(input_shape), batch, precision, rank, bucket_cap_mb, device, repeats)
+    return in_processes(f"DDP's own cost could not be measured on {device}", "it is assumed", _each_hook, 1,
+                        _added_by_ddp, net, tuple(hooks), tuple(input_shape), batch, precision, rank, bucket_cap_mb,
+                        device, repeats, device=device)
 
 
 def _added_by_ddp(net: nn.Module, hook: str, input_shape: Sequence[int], batch: int, precision: str, rank: int,
                   bucket_cap_mb: float, device: str, repeats: int) -> float:
     """The two models' steps alternate, so that a device that speeds up or slows down moves both."""
     strategy, ddp = _ddp(net, hook, rank, bucket_cap_mb, device)
-    ddp.register_comm_hook(*strategy.build_hook(dist.group.WORLD))
     plain = copy.deepcopy(net).to(device).train()
     plain_step, ddp_step = stepper(plain, input_shape, batch, precision, device), stepper(ddp, input_shape, batch, precision, device)
     for _ in range(strategy.start_powersgd_iter + 2):  # warm-up: allocation, autotuning, PowerSGD's plain steps
@@ -201,40 +192,31 @@ def meeting_lags(net: Any, input_shape: Sequence[int], batches: dict[int, int], 
     cores = cores or len(os.sched_getaffinity(0))
     lags = {}
     for processes, batch in batches.items():
-        try:
-            alone, together = start_ranks(_meeting_worker, processes, net, tuple(input_shape), batch, precision, rounds)
-        except Exception as error:  # noqa: BLE001  the probe's lag stands in for a figure that cannot be timed
-            log.warning(f"the model's steps on {processes} processes could not be timed ({reason(error)}); "
-                        "the probe's lag is used instead")
-            continue
-        lags[processes] = lag_share(alone, together, processes, cores)
+        timed = in_processes(f"the model's steps on {processes} processes could not be timed",
+                             "the probe's lag is used instead", _meeting_worker, processes, net, tuple(input_shape),
+                             batch, precision, rounds)
+        if timed is not None:
+            lags[processes] = lag_share(*timed, processes, cores)
     return lags
 
 
-def _meeting_worker(rank: int, processes: int, port: int, net: Any, input_shape: tuple[int, ...], batch: int,
-                    precision: str, rounds: int, result: str) -> None:
+def _meeting_worker(rank: int, processes: int, net: Any, input_shape: tuple[int, ...], batch: int, precision: str,
+                    rounds: int) -> list[float]:
     """Each round one process steps alone (interleaved, so that a machine that changes speed moves both), then all
-    step together and meet; rank 0 writes both medians to `result`."""
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=processes)
-    try:
-        model = instantiate(net).train()
-        step, token = stepper(model, input_shape, batch, precision), torch.zeros(1)
-        step()  # warm-up: allocation, first-call dispatch
-        alone, together = [], []
-        for round_ in range(rounds):
-            dist.barrier()
-            if rank == round_ % processes:
-                alone.append(step())
-            dist.barrier()
-            start = time.perf_counter()
-            step()
-            dist.all_reduce(token)
-            together.append(time.perf_counter() - start)
-        everyone: list[list[float] | None] = [None] * processes
-        dist.all_gather_object(everyone, alone)
-        if rank == 0:
-            all_alone = [s for steps in everyone if steps for s in steps]
-            Path(result).write_text(json.dumps([statistics.median(all_alone), statistics.median(together)]))
-    finally:
-        dist.destroy_process_group()
+    step together and meet: the medians of both."""
+    model = instantiate(net).train()
+    step, token = stepper(model, input_shape, batch, precision), torch.zeros(1)
+    step()  # warm-up: allocation, first-call dispatch
+    alone, together = [], []
+    for round_ in range(rounds):
+        dist.barrier()
+        if rank == round_ % processes:
+            alone.append(step())
+        dist.barrier()
+        start = time.perf_counter()
+        step()
+        dist.all_reduce(token)
+        together.append(time.perf_counter() - start)
+    everyone: list[list[float] | None] = [None] * processes
+    dist.all_gather_object(everyone, alone)
+    return [statistics.median(s for steps in everyone if steps for s in steps), statistics.median(together)]

@@ -4,9 +4,7 @@ a report never times (seconds to a minute), it reads this file and says what it 
 import json
 import logging
 import math
-import statistics
-import timeit
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,7 +13,7 @@ import torch
 from hydra.utils import instantiate
 
 from src.scaling import stepclock
-from src.scaling.probe import one_thread
+from src.scaling.probe import median_s
 from src.strategies.ddp import HOOKS
 
 log = logging.getLogger(__name__)
@@ -45,22 +43,16 @@ def key(model: str, batch: int, processes: int, precision: str, per_process_batc
     return f"{model}|batch {batch}|{processes} proc|{precision}|per process {per_process_batch}|{bucket_mb:g} MiB|rank {rank}"
 
 
-def _median_s(work: Callable[[], object], repeats: int = 3) -> float:
-    with one_thread():
-        work()  # warm-up: allocation, first-call dispatch
-        return statistics.median(timeit.repeat(work, number=1, repeat=repeats))
-
-
 def encode_s(shapes: Sequence[Sequence[int]], hook: str, rank: int = 1) -> float:
     """Seconds one CPU thread spends per step on the hook's own arithmetic, on tensors of the model's shapes (PowerSGD:
     the error feedback, P = M Q, orthonormalised, Q = M^T P, M = P Q^T)."""
     numel = sum(math.prod(shape) for shape in shapes)
     flat = torch.randn(numel)
     if hook == "none":
-        return _median_s(lambda: flat.div_(2))
+        return median_s(lambda: flat.div_(2))
     if hook in ("fp16", "bf16"):
         dtype = torch.float16 if hook == "fp16" else torch.bfloat16
-        return _median_s(lambda: flat.copy_(flat.to(dtype).div_(2)))
+        return median_s(lambda: flat.copy_(flat.to(dtype).div_(2)))
     matrices = [torch.randn(s[0], math.prod(s) // s[0]) for s in shapes if len(s) > 1]
     matrices = [m for m in matrices if 2 * (m.shape[0] + m.shape[1]) * min(rank, *m.shape) < m.numel()]
     error = torch.zeros(numel)
@@ -77,7 +69,7 @@ def encode_s(shapes: Sequence[Sequence[int]], hook: str, rank: int = 1) -> float
             m.copy_(p @ q.T)
         error.copy_(kept).sub_(flat)
 
-    return _median_s(powersgd)
+    return median_s(powersgd)
 
 
 def time_run(net: Any, shapes: Sequence[Sequence[int]], input_shape: Sequence[int], batch: int, precision: str,

@@ -47,10 +47,10 @@ WHATIF_ONLY = ("params", "step_ms", "batch", "link", "bandwidth", "latency", "pr
 
 
 def refuse(args: Namespace) -> None:
-    given = [name for name in WHATIF_ONLY if getattr(args, name) is not None]
-    if given or args.hook != "none" or args.input != "1x28x28":
-        name = given[0] if given else ("hook" if args.hook != "none" else "input")
-        raise UsageError(f"--{name.replace('_', '-')} belongs to a what-if: give --model or --params with it")
+    defaults = {"hook": "none", "input": "1x28x28"}
+    given = [name for name in (*WHATIF_ONLY, *defaults) if getattr(args, name) != defaults.get(name)]
+    if given:
+        raise UsageError(f"--{given[0].replace('_', '-')} belongs to a what-if: give --model or --params with it")
 
 
 def check(args: Namespace) -> None:
@@ -72,10 +72,10 @@ def check(args: Namespace) -> None:
     if args.processes is not None and min(args.processes) < 1:
         raise UsageError(f"--processes {min(args.processes)} is not allowed; process counts are whole numbers of 1 or more")
     batch = args.batch or 256
-    if args.per_process_batch is None and args.processes and any(batch % n for n in args.processes):
-        bad = next(n for n in args.processes if batch % n)
-        raise UsageError(f"--processes {bad} does not divide the global batch {batch}; strong scaling needs counts that "
-                         "divide --batch (or give --per-process-batch for weak scaling)")
+    bad = [n for n in args.processes or () if batch % n and args.per_process_batch is None]
+    if bad:
+        raise UsageError(f"--processes {bad[0]} does not divide the global batch {batch}; strong scaling needs counts "
+                         "that divide --batch (or give --per-process-batch for weak scaling)")
     input_shape(args.input)
 
 
@@ -99,8 +99,7 @@ def build(path: str, device: str | None = None) -> "torch.nn.Module":
         raise UsageError(f"--model {path}: cannot import it ({type(error).__name__}: {error}); give an import path "
                          "such as torchvision.models.resnet50 or src.models.lenet.LeNet") from error
     try:
-        with warnings.catch_warnings(), torch.device(device or "cpu"):
-            warnings.simplefilter("ignore")
+        with warnings.catch_warnings(action="ignore"), torch.device(device or "cpu"):
             model = factory()
     except Exception as error:
         raise UsageError(f"--model {path}: building it with its defaults failed ({type(error).__name__}: {error})") from error
@@ -128,13 +127,14 @@ def the_link(args: Namespace) -> tuple[Interconnect, str]:
 
 def report(args: Namespace) -> str:
     """The what-if's Markdown: what it assumed, then one row per process count."""
-    batch = args.batch or 256
+    batch, weak = args.batch or 256, args.per_process_batch
     shapes = gradient_shapes(args)
     parameters = sum(math.prod(s) for s in shapes)
     buckets = bucketed(shapes, args.hook, cap=int(args.bucket_mb * MIB))
-    clock = None
     if args.step_ms is not None:
-        step_1, step_origin = args.step_ms / 1000, "stated (--step-ms)"
+        step_1, overhead, skew = args.step_ms / 1000, 0.0, 0.0
+        origin = {"step": "stated (--step-ms)", "overhead": "assumed 0: a stated step time holds its own",
+                  "skew": "assumed 0"}
     else:
         from src.scaling import stepclock  # torch and the model: only to time it
 
@@ -144,49 +144,42 @@ def report(args: Namespace) -> str:
             raise UsageError(f"--input {args.input}: timing --model {args.model} on it failed "
                              f"({stepclock.reason(error, 200)}); give one sample's shape as CxHxW, e.g. 3x224x224, "
                              "or --step-ms") from error
-        step_1, step_origin = clock.step_s, f"timed here: one thread, input {args.input}, fp32 SGD step"
+        step_1, overhead, skew = clock.step_s, clock.overhead_share * clock.step_s, clock.skew
+        origin = {"step": f"timed here: one thread, input {args.input}, fp32 SGD step",
+                  "overhead": f"timed here: the line through the step at batch {batch} and at a quarter of it",
+                  "skew": "timed here: standard deviation / mean of the timed steps"}
     if args.overhead_ms is not None:
-        overhead, overhead_origin = min(args.overhead_ms / 1000, step_1), "stated (--overhead-ms)"
-    elif clock is not None:
-        overhead = clock.overhead_share * step_1
-        overhead_origin = f"timed here: the line through the step at batch {batch} and at a quarter of it (--overhead-ms)"
-    else:
-        overhead, overhead_origin = 0.0, "assumed 0: a stated step time holds its own (--overhead-ms)"
+        overhead, origin["overhead"] = min(args.overhead_ms / 1000, step_1), "stated"
     if args.skew is not None:
-        skew, skew_origin = args.skew, "stated (--skew)"
-    elif clock is not None:
-        skew, skew_origin = clock.skew, "timed here: standard deviation / mean of the timed steps (--skew)"
-    else:
-        skew, skew_origin = 0.0, "assumed 0 (--skew)"
-    reducer, reducer_origin = ddp_cost(args, step_1, clock is None)
+        skew, origin["skew"] = args.skew, "stated"
+    origin["overlap"] = ("stated (--overlap)" if args.overlap is not None else
+                         "assumed: DDP, Horovod and Caffe2 start each bucket during the backward pass (--overlap)")
+    reducer, reducer_origin = ddp_cost(args, step_1, args.step_ms is not None)
     terms = Terms(overhead, skew, 1.0 if args.overlap is None else args.overlap, BACKWARD_SHARE, reducer)
     link, link_origin = the_link(args)
     counts = sorted(set(args.processes or DEFAULT_PROCESSES))
     samples = args.samples or TRAIN_SAMPLES
-    per_process = args.per_process_batch
-    mode = (f"strong scaling: the global batch {batch} split over the processes" if per_process is None else
-            f"weak scaling: {per_process} samples per process, the global batch {per_process} x N")
-    last = sum(buckets[-1])
+    mode = (f"strong scaling: the global batch {batch} split over the processes" if weak is None else
+            f"weak scaling: {weak} samples per process, the global batch {weak} x N")
     lines = [
         f"# What-if: {args.model or f'{parameters:,} parameters'}, hook {args.hook}", "",
         f"Mode: {mode}; {samples:,} samples per epoch.", "",
         f"- model: {parameters:,} parameters; {sum(sum(b) for b in buckets):,} bytes per step and process in "
         f"{len(buckets)} bucket(s): {' / '.join(f'{sum(b):,}' for b in buckets)}",
-        f"- one process's step: {step_1 * 1e3:.1f} ms at batch {batch}, {step_origin}",
+        f"- one process's step: {step_1 * 1e3:.1f} ms at batch {batch}, {origin['step']}",
         f"- link: {link.name} ({link_origin}): {link.bandwidth / 1e9:.4g} GB/s line rate x bus share {link.bus_share:.2f} "
         f"= {link.bus_bandwidth / 1e9:.4g} GB/s, {link.latency * 1e6:.3g} us per ring step"
         + (f"; {link.source}" if link.source != "stated" else ""),
         "- ring all-reduce: each process sends and receives 2(N-1)/N of the bytes, in 2(N-1) steps",
         f"- bus share {link.bus_share:.2f}: " + ("stated (--bus-share)" if args.bus_share is not None else
                                                   "assumed for every link (nccl-tests' bus bandwidth over the line rate; --bus-share)"),
-        f"- per-step overhead that does not shrink with more processes: {overhead * 1e3:.1f} ms, "
-        + overhead_origin,
-        f"- last bucket ({last:,} bytes; buckets of {args.bucket_mb:g} MiB after a first of 1, --bucket-mb) never overlaps; the other buckets' all-reduces overlap with the backward pass "
-        f"({BACKWARD_SHARE:.2f} of the compute, assumed) for a share {terms.overlap:.2f}, "
-        + ("stated (--overlap)" if args.overlap is not None else "assumed: DDP, Horovod and Caffe2 start each bucket during the backward pass (--overlap)"),
-        f"- skew between ranks: {terms.skew:.3f} of the step per standard deviation, "
-        + skew_origin
-        + f"; the slowest of N ranks lags by {expected_max_normal(2):.2f} (N=2) to {expected_max_normal(max(counts)):.2f} "
+        f"- per-step overhead that does not shrink with more processes: {overhead * 1e3:.1f} ms, {origin['overhead']} "
+        "(--overhead-ms)",
+        f"- last bucket ({sum(buckets[-1]):,} bytes; buckets of {args.bucket_mb:g} MiB after a first of 1, "
+        f"--bucket-mb) never overlaps; the other buckets' all-reduces overlap with the backward pass "
+        f"({BACKWARD_SHARE:.2f} of the compute, assumed) for a share {terms.overlap:.2f}, {origin['overlap']}",
+        f"- skew between ranks: {terms.skew:.3f} of the step per standard deviation, {origin['skew']} (--skew); the "
+        f"slowest of N ranks lags by {expected_max_normal(2):.2f} (N=2) to {expected_max_normal(max(counts)):.2f} "
         f"(N={max(counts)}) standard deviations",
         f"- DDP's own work on each of N > 1 processes (copies of the gradients into its buckets and back, the hook, the "
         f"reducer, the all-reduce call, and what more than one GPU adds besides the transfer): {reducer * 1e3:.1f} ms a step, "
@@ -196,9 +189,8 @@ def report(args: Namespace) -> str:
         "| epoch s | speed-up | efficiency |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    share = None if per_process is None else per_process / batch
-    table = rows(lambda n: predict_step(step_1, buckets, 0.0, n, link, terms, share), batch, counts, samples, per_process)
-    for row in table:
+    share = None if weak is None else weak / batch
+    for row in rows(lambda n: predict_step(step_1, buckets, 0.0, n, link, terms, share), batch, counts, samples, weak):
         lines.append(
             f"| {row['processes']} | {row['global_batch']} | {row['per_process']:g} | {row['compute_ms']:.1f} "
             f"| {row['overhead_ms']:.1f} | {row['comm_ms']:.1f} | {row['exposed_ms']:.1f} | {row['skew_ms']:.1f} "

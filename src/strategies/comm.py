@@ -1,7 +1,6 @@
-"""Measures what a DDP communication hook really sends, by counting the collectives on its own process group: a
-ProcessGroup written in Python (c10d dispatches to its methods), whoever issued them (PowerSGD does from the backend's
-threads: hence the lock). Collectives that name world ranks (`broadcast`, `barrier`) need the hook's `group.inner`.
-"""
+"""What a DDP hook really sends: its own group, a ProcessGroup written in Python (c10d dispatches to its methods),
+counts the collectives whoever issues them (PowerSGD from the backend's threads: hence the lock). Collectives that name
+world ranks (`broadcast`, `barrier`) need the hook's `group.inner`."""
 
 import logging
 import threading
@@ -35,9 +34,8 @@ class StepComm:
 
 
 class CommMeter:
-    """Counts the bytes and time of one DDP hook that owns its process group. With `device_timed` (NCCL, whose future
-    completes once its collectives are enqueued), buckets are timed by CUDA events, counted by the `take` that finds
-    them passed."""
+    """Bytes and time of one DDP hook that owns its group. `device_timed` (NCCL, whose future completes once its
+    collectives are enqueued): buckets timed by CUDA events, counted by the `take` that finds them passed."""
 
     def __init__(self, device_timed: bool = False) -> None:
         self._lock = threading.Lock()
@@ -48,7 +46,7 @@ class CommMeter:
 
     def new_group(self, backend: str, timeout: timedelta) -> dist.ProcessGroup:
         """Called by every rank. One all-reduce probes the counting group; where it fails (alike on every rank), the
-        plain group is returned, uncounted, and the run goes on."""
+        plain group, uncounted."""
         inner = dist.new_group(backend=backend, timeout=timeout)
         group = CountingGroup(inner, self)
         try:

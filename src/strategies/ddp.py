@@ -1,6 +1,5 @@
 """DDP with a communication hook picked by name (none, fp16, bf16, PowerSGD) or import path (docs/extending.md),
-on every device (Lightning registers hooks only on CUDA), on a process group of its own that counts what it sends.
-"""
+on every device (Lightning registers hooks only on CUDA), on a process group of its own that counts what it sends."""
 
 import importlib
 import math
@@ -103,8 +102,7 @@ class CommHookDDPStrategy(DDPStrategy):
                                     device_id=self.root_device if self.root_device.type == "cuda" else None)
         super().setup_distributed()
 
-    def configure_ddp(self) -> None:
-        """Lightning's own registers a hook on CUDA only."""
+    def configure_ddp(self) -> None:  # Lightning's own registers a hook on CUDA only
         device_ids = self.determine_ddp_device_ids()
         with torch.cuda.stream(torch.cuda.Stream()) if device_ids is not None else nullcontext():  # as Lightning does
             self.model = DistributedDataParallel(self.model, device_ids=device_ids,

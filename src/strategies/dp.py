@@ -1,6 +1,5 @@
 """`strategy=dp`: one process splits each batch over the node's GPUs with nn.DataParallel (gone from Lightning 2).
-Only the module's `net` is wrapped (Lightning 1 wrapped it all, and metrics updated in replicas vanished).
-"""
+Only the module's `net` is wrapped (Lightning 1 wrapped it all, and metrics updated in replicas vanished)."""
 
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -75,8 +74,7 @@ class DataParallelStrategy(ParallelStrategy):
             )
 
     def setup_environment(self) -> None:
-        """dp starts no process, so nothing ran before this."""
-        self.check_devices()
+        self.check_devices()  # dp starts no process, so nothing ran before this
         super().setup_environment()
 
     def model_to_device(self) -> None:
@@ -84,8 +82,7 @@ class DataParallelStrategy(ParallelStrategy):
         self.model.to(self.root_device)
 
     def setup(self, trainer: Trainer) -> None:
-        """The LightningModule stays the model Lightning drives."""
-        super().setup(trainer)
+        super().setup(trainer)  # the LightningModule stays the model Lightning drives
         model = self.model
         net = getattr(model, self.net_attribute, None)
         if not isinstance(net, nn.Module):

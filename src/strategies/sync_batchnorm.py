@@ -1,8 +1,6 @@
-"""`sync_batchnorm=true` on every device: BatchNorm statistics over the global batch, also on CPU.
-
-torch's nn.SyncBatchNorm refuses CPU input (and DDP a CPU model holding one), so `AllReduceBatchNorm1d/2d/3d` add
-their per-channel sums over the processes with a differentiable all-reduce. On CUDA the plugin keeps torch's.
-"""
+"""`sync_batchnorm=true` on every device: BatchNorm statistics over the global batch. torch's nn.SyncBatchNorm refuses
+CPU input (and DDP a CPU model holding one), so `AllReduceBatchNorm1d/2d/3d` add their per-channel sums over the
+processes with a differentiable all-reduce. On CUDA the plugin keeps torch's."""
 
 from typing import Any
 
@@ -46,8 +44,8 @@ def _layer_like(layer_class: type[BatchNorm], module: BatchNorm, **kwargs: Any) 
 
 
 class AllReduceBatchNorm:
-    """BatchNorm over the batch of all processes of `process_group` (default: all), in training; plain BatchNorm
-    otherwise, as torch's SyncBatchNorm. One class per input size, as torch's."""
+    """BatchNorm over the batch of all processes of `process_group` (default: all) in training, as torch's
+    SyncBatchNorm. One class per input size."""
 
     input_dims: tuple[int, ...]  # the input dimensions the torch class it extends accepts
 
