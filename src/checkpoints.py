@@ -101,14 +101,16 @@ def open_checkpoint(path: Path) -> Saved:
         return Saved(path, error=error)
 
 
-def newest(run_dir: Path, given: object = None, hint: str = "") -> Saved | None:
-    """The resumable checkpoint saved at the latest step; `last.ckpt` on a tie. None, or an error for `ckpt_path=given`
-    ending in `hint`, where there is none."""
+def newest(run_dir: Path) -> Saved | None:
+    """The resumable checkpoint saved at the latest step; `last.ckpt` on a tie."""
     found = [open_checkpoint(path) for name in RESUMABLE if (path := run_dir / "checkpoints" / name).is_file()]
-    if not found and given is not None:
-        raise UsageError(f"ckpt_path={given}: no checkpoint in {run_dir / 'checkpoints'} "
-                         f"(looked for {' and '.join(RESUMABLE)}){hint}")
     return max(found, key=lambda saved: saved.step, default=None)  # max keeps the first of equal steps
+
+
+def no_checkpoint(ckpt_path: object, run_dir: Path, hint: str = "") -> UsageError:
+    """`ckpt_path` names `run_dir`, which holds no resumable checkpoint."""
+    return UsageError(f"ckpt_path={ckpt_path}: no checkpoint in {run_dir / 'checkpoints'} "
+                      f"(looked for {' and '.join(RESUMABLE)}){hint}")
 
 
 def clean_partial(run_dir: Path) -> None:
@@ -132,8 +134,10 @@ def resolve_ckpt_path(ckpt_path: str | None, run_dir: Path) -> Saved | None:
         return None
     value = str(ckpt_path)
     if value in CKPT_WORDS:
-        hint = "; name the run folder with hydra.run.dir=<run folder>"
-        return newest(run_dir, value if value == "last" else None, hint)  # `auto`: None where there is none
+        found = newest(run_dir)
+        if found is None and value == "last":  # `auto`: a new run where there is none
+            raise no_checkpoint(value, run_dir, "; name the run folder with hydra.run.dir=<run folder>")
+        return found
     path = Path(value)
     if not path.is_file():
         raise UsageError(f"ckpt_path={value}: no checkpoint at {path}; give a .ckpt file, `last` or `auto`")
@@ -157,7 +161,9 @@ def checkpoint_to_evaluate(ckpt_path: str | None, test_weights: str = "best") ->
         best = max((path / "checkpoints").glob("best-*.ckpt"), key=lambda file: file.stat().st_mtime, default=None)
         if best and test_weights == "best":
             return open_checkpoint(best)
-        found = newest(path, ckpt_path)
+        found = newest(path)
+        if found is None:
+            raise no_checkpoint(ckpt_path, path)
         if test_weights == "best":
             log.info(f"test_weights=best: {path} holds no best-*.ckpt (it ran without validation); "
                      f"scoring its last weights, {found.path.name}")

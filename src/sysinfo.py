@@ -6,6 +6,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+HALF_PRECISIONS = ("16-mixed", "16", "16-true")
 # Link codes of `nvidia-smi topo -m` other than NV#, from its legend.
 PCIE_LINKS = {
     "PIX": "PCIe, at most one PCIe bridge", "PXB": "PCIe, several PCIe bridges", "PHB": "PCIe through a host bridge",
@@ -35,9 +36,13 @@ def parse_topology(text: str) -> dict[str, str]:
     """Link code (NV12, PIX, SYS, ...) of every GPU pair `GPUi-GPUj`, i < j."""
     rows = [[cell.strip() for cell in re.sub(r"\x1b\[[0-9;]*m", "", line).split("\t")] for line in text.splitlines()]
     header = next((cells for cells in rows if any(re.match(r"GPU\d+", cell) for cell in cells[1:])), [])
-    columns = [(k, int(cell[3:])) for k, cell in enumerate(header) if re.fullmatch(r"GPU\d+", cell)]
-    return {f"{cells[0]}-GPU{col}": cells[k] for cells in rows if re.fullmatch(r"GPU\d+", cells[0])
-            for k, col in columns if int(cells[0][3:]) < col and k < len(cells)}
+    columns = {k: int(cell[3:]) for k, cell in enumerate(header) if re.fullmatch(r"GPU\d+", cell)}
+    links = {}
+    for cells in rows:
+        if re.fullmatch(r"GPU\d+", cells[0]):
+            row = int(cells[0][3:])
+            links.update({f"GPU{row}-GPU{col}": cells[k] for k, col in columns.items() if row < col and k < len(cells)})
+    return links
 
 
 def _interconnect(count: int) -> dict[str, Any]:
@@ -69,7 +74,10 @@ def cpu_has_bf16() -> bool:
 
 
 def _cpu_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1  # Linux only
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
 def recommend_precision(gpus: list[dict[str, Any]], cpu_bf16: bool) -> tuple[str, str]:
@@ -116,33 +124,38 @@ def _yes(flag: bool) -> str:
 
 
 def cudnn_version(number: int | None) -> str:
-    """torch reports it as one number: 92400 is 9.24.0 (cuDNN 9 gave the minor version two digits), 8902 is 8.9.2."""
+    """torch reports it as one number: 92400 is 9.24.0, 8902 is 8.9.2."""
     if not number:
         return "none"
-    major, rest = divmod(number, 10000 if number >= 10000 else 1000)
+    scale = 10000 if number >= 10000 else 1000  # cuDNN 9 gave the minor version two digits
+    major, rest = divmod(number, scale)
     return f"{major}.{rest // 100}.{rest % 100}"
 
 
 def format_report(info: dict[str, Any]) -> str:
-    gpus, interconnect, v = info["gpus"], info["interconnect"], info["versions"]
+    def line(label: str, text: str) -> str:
+        return f"{label + ':':<14}{text}"
+
+    gpus = info["gpus"]
+    lines = [line("GPUs", f"{len(gpus)}" if gpus else "none found by CUDA")]
+    lines += [f"  GPU{g['index']}  {g['name']}  {g['memory_gib']} GiB  compute capability {g['capability']}  "
+              f"fp16 tensor cores: {_yes(g['fp16_tensor_cores'])}  bf16: {_yes(g['bf16'])}" for g in gpus]
+    lines.append(line("Tensor cores", f"fp16 {_yes(info['fp16_tensor_cores'])}, bf16 {_yes(info['bf16'])}"))
+    interconnect = info["interconnect"]
     source = f" (from {interconnect['source']})" if interconnect["source"] else ""
-    rows = {
-        "GPUs": (f"{len(gpus)}" if gpus else "none found by CUDA") + "".join(
-            f"\n  GPU{g['index']}  {g['name']}  {g['memory_gib']} GiB  compute capability {g['capability']}  "
-            f"fp16 tensor cores: {_yes(g['fp16_tensor_cores'])}  bf16: {_yes(g['bf16'])}" for g in gpus),
-        "Tensor cores": f"fp16 {_yes(info['fp16_tensor_cores'])}, bf16 {_yes(info['bf16'])}",
-        "Interconnect": f"{interconnect['summary']}{source}" + "".join(
-            f"\n  {pair}: " + (f"NVLink ({code[2:]} links)" if code.startswith("NV") else PCIE_LINKS.get(code, code))
-            for pair, code in interconnect["links"].items()),
-        "Backends": f"NCCL {_yes(info['nccl'])} (needs CUDA GPUs), gloo {_yes(info['gloo'])}",
-        "CPU cores": f"{info['cpu_cores']} usable by this process; native bf16: {_yes(info['cpu_bf16'])}",
-        "CPU threads": f"{info['threads']} for torch's operators in this process (a DDP worker's: its share of the "
-                       "cores); OMP_NUM_THREADS=<n> sets them",
-        "Versions": f"torch {v['torch']}, lightning {v['lightning']}, CUDA {v['cuda'] or 'none (CPU build)'}, "
-                    f"cuDNN {cudnn_version(v['cudnn'])}",
-        "Precision": f"precision={info['recommended_precision']}: {info['precision_reason']}",
-    }
-    return "\n".join(f"{label + ':':<14}{text}" for label, text in rows.items())
+    lines.append(line("Interconnect", f"{interconnect['summary']}{source}"))
+    lines += [f"  {pair}: " + (f"NVLink ({code[2:]} links)" if code.startswith("NV") else PCIE_LINKS.get(code, code))
+              for pair, code in interconnect["links"].items()]
+    lines.append(line("Backends", f"NCCL {_yes(info['nccl'])} (needs CUDA GPUs), gloo {_yes(info['gloo'])}"))
+    lines.append(line("CPU cores", f"{info['cpu_cores']} usable by this process; "
+                                   f"native bf16: {_yes(info['cpu_bf16'])}"))
+    lines.append(line("CPU threads", f"{info['threads']} for torch's operators in this process (a DDP worker's: its "
+                                     "share of the cores); OMP_NUM_THREADS=<n> sets them"))
+    v = info["versions"]
+    lines.append(line("Versions", f"torch {v['torch']}, lightning {v['lightning']}, "
+                                  f"CUDA {v['cuda'] or 'none (CPU build)'}, cuDNN {cudnn_version(v['cudnn'])}"))
+    lines.append(line("Precision", f"precision={info['recommended_precision']}: {info['precision_reason']}"))
+    return "\n".join(lines)
 
 
 def precision_warnings(info: dict[str, Any], precision: str, accelerator: str, processes: int) -> list[str]:
@@ -152,7 +165,7 @@ def precision_warnings(info: dict[str, Any], precision: str, accelerator: str, p
     if accelerator in ("gpu", "cuda"):
         for g in info["gpus"]:
             gpu = f"precision={precision} on GPU{g['index']} ({g['name']}, compute capability {g['capability']})"
-            if precision in ("16-mixed", "16", "16-true") and not g["fp16_tensor_cores"]:
+            if precision in HALF_PRECISIONS and not g["fp16_tensor_cores"]:
                 warnings.append(f"{gpu}: no fp16 tensor cores, so little or no speed-up; use precision=32")
             if precision.startswith("bf16") and not g["bf16"]:
                 better = "16-mixed" if g["fp16_tensor_cores"] else "32"

@@ -186,7 +186,7 @@ class Baseline:
         backward_share = BACKWARD_SHARE if run.backward_s is None else min(1.0, run.backward_s * share / compute_1)
         origin["backward"] = (f"`xfer/backward_compute_ms` of {run.run}" if run.backward_s is not None else
                               "2/3 of the compute (assumed: backward about twice the forward pass)")
-        encode = reducer = dict.fromkeys(HOOKS, 0.0)
+        encode, reducer = dict.fromkeys(HOOKS, 0.0), dict.fromkeys(HOOKS, 0.0)
         if gpu:  # DDP's own work on each of N > 1 GPU processes, measured or assumed
             origin["hook"] = "0 on its own: on a GPU the hook's work is part of DDP's, below"
             if timed is not None and timed.reducer:
@@ -205,7 +205,7 @@ class Baseline:
         elif timed is None:
             origin["hook"] = origin["reducer"] = untimed
         else:
-            encode, reducer = timed.hooks, timed.reducer or encode
+            encode, reducer = timed.hooks, timed.reducer or reducer
             origin["hook"], origin["reducer"] = (
                 ("the hook's arithmetic estimated on tensors of these shapes, one thread (hooks could not be timed)",
                  "assumed 0 (DDP could not be timed)") if timed.hooks_estimated else
@@ -490,8 +490,10 @@ def write_scaling(root: Path, out: Path | None = None, probe: gloo_probe.Probe |
 
 
 def time_baseline(run: RunFigures, cores: int, options: Options, meet_at: Sequence[int]) -> Timed:
-    weak = options.per_process_batch  # strong scaling: only the counts that split the run's batch evenly
-    batches = {n: weak or run.batch_size // n for n in meet_at if weak is not None or run.batch_size % n == 0}
+    if options.per_process_batch is not None:
+        batches = {n: options.per_process_batch for n in meet_at}
+    else:  # strong scaling: the counts that split the run's batch evenly
+        batches = {n: run.batch_size // n for n in meet_at if run.batch_size % n == 0}
     return timing.time_run(run.net, run.shapes, run.input_shape, max(1, run.batch_size // run.processes), run.precision,
                            run.accelerator, run.powersgd_rank, options.bucket_mb, cores, batches,
                            need_clock=options.overhead_ms is None or options.skew is None)
