@@ -63,6 +63,7 @@ def moved(checkpoint: dict[str, Any], folder: Path) -> dict[str, Any]:
         old = state.get("dirpath") if isinstance(state, dict) else None
         if not isinstance(old, str) or old == str(folder):
             continue
+
         def here(value: Any) -> Any:
             return str(folder) + value[len(old):] if isinstance(value, str) and value.startswith(old) else value
         state.update({key: {here(k): v for k, v in value.items()} if isinstance(value, dict) else here(value)
@@ -221,4 +222,3 @@ def check_checkpoint(saved: Saved | None, given: object, module: torch.nn.Module
     raise UsageError(f"ckpt_path={given} is not allowed; it holds another model than model={model_name} "
                      f"({len(differences)} weights differ, e.g. {sorted(differences)[0]}); "
                      "use the model it was trained with")
-

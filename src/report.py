@@ -89,7 +89,7 @@ def read_run(run: RunFolder) -> Run:
     params = run.hparams()
     seed = params.get("seed", run.value("seed"))
     return Run(
-        run=run.name, model=str(run.value("model_name", "model")), strategy=str(run.value("strategy_name", "strategy")),
+        run=run.name, model=str(run.value("model_name")), strategy=str(run.value("strategy_name")),
         devices=int(run.value("devices")), num_nodes=int(run.value("num_nodes")),
         precision=str(run.value("precision_used") or params.get("precision_used") or run.value("precision")),
         seed=None if seed is None else int(seed), test_acc=test_acc[-1] if test_acc else None,

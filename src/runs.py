@@ -49,7 +49,7 @@ class RunFolder:
         """A folder of `python -m src.eval`: it scored a checkpoint and trained nothing."""
         return records.select(self.hydra, "job.name") == "eval"
 
-    def value(self, key: str, group: str | None = None) -> Any:  # group: the config group whose option the key names
+    def value(self, key: str) -> Any:
         return OmegaConf.select(self.config, key)
 
     @cached_property

@@ -43,6 +43,8 @@ def cpu_precision() -> str:
     from src.fast_path import auto_precision
 
     return {"bf16-mixed": "bf16-mixed", "32": "32-true"}[auto_precision("cpu")]
+
+
 # The global batch and learning rate of the session's shared DDP run (conftest.py's `ddp_run`): linear
 # scaling from a base batch of 32, so that one run also shows the rate that scaling gives.
 LINEAR_LR = ["data.batch_size=128", "optim.lr=0.05", "optim.lr_scaling=linear", "optim.base_batch_size=32"]

@@ -775,4 +775,3 @@ def test_a_prediction_that_the_run_contradicts_says_which_part_of_the_model_miss
 def test_the_cost_model_prices_the_hooks_ddp_builds():
     """The cost model names its hooks without importing torch; they must be those `strategy.hook` takes."""
     assert costmodel.HOOKS == ddp.HOOKS and costmodel.MIB == ddp.MIB
-

@@ -177,5 +177,3 @@ def test_callback_warns_in_one_line_on_rank_zero_only(monkeypatch, caplog):
     assert texts == [("system", 6)]  # at the step training starts from: a resumed run's, here 6
     [record] = caplog.records
     assert record.levelno == logging.WARNING and record.getMessage().startswith("4 DDP processes on 2 CPU cores")
-
-

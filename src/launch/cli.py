@@ -20,6 +20,7 @@ from src.launch import lock, naming, progress, ranks, stops
 from src.launch.console import counted, print_error, print_line
 from src.launch.stops import RankFailed, RunStopped, signal_name
 
+
 def kept(output_dir: Path) -> str:
     """What a stopped run leaves to resume from, and the command that resumes it."""
     sweep = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN

@@ -58,4 +58,3 @@ def parse(argv: list[str] | None) -> Namespace:
     else:
         whatif.refuse(args)
     return args
-

@@ -81,7 +81,7 @@ def read_figures(run: RunFolder) -> RunFigures | None:
     ends = [-1] + [step for step, _ in epochs]  # Lightning files an epoch's time at its last step, global_step - 1
     steps = [max(1, b - a) for a, b in zip(ends, ends[1:])]
     figures = RunFigures(
-        run=run.name, model=str(run.value("model_name", "model")), batch_size=int(config.data.batch_size),
+        run=run.name, model=str(run.value("model_name")), batch_size=int(config.data.batch_size),
         processes=int(config.devices) * int(config.num_nodes) if is_ddp else 1, hook=str(strategy.hook) if is_ddp else None,
         powersgd_rank=int(OmegaConf.select(strategy, "powersgd_rank", default=1)),
         shapes=[tuple(p.shape) for p in instantiate(config.model.net).parameters() if p.requires_grad],
