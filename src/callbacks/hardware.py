@@ -80,14 +80,14 @@ class HardwareUse(Callback):
         device = pl_module.device
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        self._epochs = len(self._timer(trainer).samples_per_s)
+        self._epochs = len(self._samples_per_s(trainer))
         shape = getattr(trainer.datamodule, "sample_shape", None)
         batch = getattr(trainer.datamodule, "batch_size", 0) // trainer.world_size
         counted, why = 0, "the data module names no sample_shape" if shape is None else "the data module names no batch_size"
         if shape is not None and batch > 0:
             try:
                 counted = count_flops(getattr(pl_module, "net", pl_module), shape, batch, trainer.precision_plugin)
-                why = "torch's FLOP counter found no matrix product or convolution"
+                why = "" if counted else "torch's FLOP counter found no matrix product or convolution"
             except Exception as error:  # noqa: BLE001  a network the counter cannot run leaves the run untouched
                 why = f"counting on the meta device failed ({type(error).__name__}: {' '.join(str(error).split())[:200]})"
         self.flops_per_sample = counted / batch if counted else None
@@ -103,12 +103,13 @@ class HardwareUse(Callback):
             log.info(f"usage/mfu is not logged: {no_peak}")
 
     @staticmethod
-    def _timer(trainer: Trainer) -> EpochTimer:
-        """The run's EpochTimer, or an empty one where it has none."""
-        return next((c for c in trainer.callbacks if isinstance(c, EpochTimer)), EpochTimer())
+    def _samples_per_s(trainer: Trainer) -> list[float]:
+        """The EpochTimer's figures so far; none where the run has no EpochTimer."""
+        timer = next((c for c in trainer.callbacks if isinstance(c, EpochTimer)), None)
+        return timer.samples_per_s if timer is not None else []
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        samples_per_s = self._timer(trainer).samples_per_s
+        samples_per_s = self._samples_per_s(trainer)
         figures = {}
         if len(samples_per_s) > self._epochs and self.flops_per_sample:
             self._epochs = len(samples_per_s)

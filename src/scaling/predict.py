@@ -73,6 +73,9 @@ def read_figures(run: RunFolder) -> RunFigures | None:
     def series(tag: str) -> list[tuple[int, float]]:
         return run.scalars(tag, f"{tag}_epoch")  # or its per-epoch mean, when only that was logged
 
+    def typical(tag: str) -> float | None:
+        return median(v for _, v in series(tag))
+
     epochs = series("time/epoch_s")
     if not epochs:
         return None
@@ -92,8 +95,9 @@ def read_figures(run: RunFolder) -> RunFigures | None:
         step_s=statistics.median(s / n for (_, s), n in zip(epochs, steps)),
     )
     if is_ddp:
-        comm, overlap, backward, figures.overlap_frac = (median(v for _, v in series(f"xfer/{name}")) for name in (
-            "backward_comm_ms", "overlap_ms", "backward_compute_ms", "overlap_frac"))
+        comm, overlap = typical("xfer/backward_comm_ms"), typical("xfer/overlap_ms")
+        backward = typical("xfer/backward_compute_ms")
+        figures.overlap_frac = typical("xfer/overlap_frac")
         figures.exposed_comm_s = max(0.0, (comm or 0.0) - (overlap or 0.0)) / 1000
         figures.backward_s = None if backward is None else backward / 1000
         sent = series("xfer/bytes_per_step")
@@ -116,10 +120,12 @@ def merge_repeats(runs: list[RunFigures]) -> list[RunFigures]:
         settings.setdefault(run.setting(), []).append(run)
     merged = []
     for repeats in settings.values():
+        if len(repeats) == 1:
+            merged.append(repeats[0])
+            continue
         medians = {name: median(v for r in repeats if (v := getattr(r, name)) is not None) for name in TIMED}
-        merged.append(repeats[0] if len(repeats) == 1 else replace(
-            repeats[0], run=f"{repeats[0].run}, median of {len(repeats)} runs",
-            **{name: value for name, value in medians.items() if value is not None}))
+        merged.append(replace(repeats[0], run=f"{repeats[0].run}, median of {len(repeats)} runs",
+                              **{name: value for name, value in medians.items() if value is not None}))
     return merged
 
 
@@ -206,11 +212,15 @@ class Baseline:
             origin["hook"] = origin["reducer"] = untimed
         else:
             encode, reducer = timed.hooks, timed.reducer or reducer
-            origin["hook"], origin["reducer"] = (
-                ("the hook's arithmetic estimated on tensors of these shapes, one thread (hooks could not be timed)",
-                 "assumed 0 (DDP could not be timed)") if timed.hooks_estimated else
-                ("torch's hook timed here in a DDP model of these shapes on a one-process gloo group, one thread",
-                 "that DDP model's forward and backward pass less a plain model's and the hook's, median over hooks"))
+            if timed.hooks_estimated:
+                origin["hook"] = ("the hook's arithmetic estimated on tensors of these shapes, one thread (hooks could "
+                                  "not be timed)")
+                origin["reducer"] = "assumed 0 (DDP could not be timed)"
+            else:
+                origin["hook"] = ("torch's hook timed here in a DDP model of these shapes on a one-process gloo group, "
+                                  "one thread")
+                origin["reducer"] = ("that DDP model's forward and backward pass less a plain model's and the hook's, "
+                                     "median over hooks")
         lags = timed.lags if timed is not None else {}
         origin["lag"] = ("the model's step timed on N processes at once, one thread each, meeting after each step, "
                          "against one of them stepping alone" if lags else "the probe's meeting of matrix products")
