@@ -124,14 +124,19 @@ def has_checkpoints(run_dir: Path) -> bool:
     return any((run_dir / "checkpoints").glob("*.ckpt"))
 
 
+def check_new_run(run_dir: Path) -> None:
+    """A new run (no `ckpt_path`) in a folder that holds another run's checkpoints is refused: it would overwrite them."""
+    if has_checkpoints(run_dir):
+        raise UsageError(f"hydra.run.dir={run_dir} already holds a run's checkpoints; resume it with "
+                         "ckpt_path=last (or ckpt_path=auto), or leave hydra.run.dir out to start a new run in a "
+                         "new folder")
+
+
 def resolve_ckpt_path(ckpt_path: str | None, run_dir: Path) -> Saved | None:
     """The checkpoint a run starts from: none (in a folder without checkpoints), the newest resumable one (`last`; with
     `auto`, none where there is none, for launchers that restart a run), or a file."""
     if ckpt_path is None:
-        if has_checkpoints(run_dir):
-            raise UsageError(f"hydra.run.dir={run_dir} already holds a run's checkpoints; resume it with "
-                             "ckpt_path=last (or ckpt_path=auto), or leave hydra.run.dir out to start a new run in a "
-                             "new folder")
+        check_new_run(run_dir)
         return None
     value = str(ckpt_path)
     if value in CKPT_WORDS:

@@ -9,7 +9,7 @@ from hydra.core.override_parser.types import Override
 from omegaconf import DictConfig
 
 from src import config, records
-from src.checkpoints import CKPT_WORDS, check_readable, has_checkpoints, newest
+from src.checkpoints import CKPT_WORDS, check_new_run, check_readable, has_checkpoints, newest
 from src.errors import UsageError
 
 log = logging.getLogger("src.train")
@@ -96,6 +96,8 @@ def gradient_math(flat: dict[str, Any]) -> tuple[Any, ...]:
 def check(cfg: DictConfig) -> records.Result | None:
     """The recorded result of a run that finished, else None."""
     folder = Path(cfg.output_dir)
+    if cfg.ckpt_path is None:
+        check_new_run(folder)  # before the records are written: they are the other run's
     if str(cfg.ckpt_path) not in CKPT_WORDS or not has_checkpoints(folder):
         return None
     path = folder / "config.yaml"

@@ -59,27 +59,30 @@ def run_job(cfg: DictConfig, task: Callable[[DictConfig], Result],
     from src.launch import workers
 
     output_dir = Path(cfg.output_dir)
-    fresh = naming.holds_only_settings(output_dir)
     try:
-        if prepare is not None:
-            prepare(cfg)
-        config.check(cfg)
         with lock.held(output_dir) if ranks.is_rank_zero() else nullcontext():
-            if ranks.is_rank_zero():
-                clean_partial(output_dir)
-            finished = resume.check(cfg)
-            if finished is not None:
-                return finished
-            if ranks.is_rank_zero():
-                save_records(cfg)
-            return workers.launch(task, cfg)
+            ours = ranks.is_rank_zero() and naming.untouched(output_dir)  # decided under the lock: no race with a holder
+            try:
+                if prepare is not None:
+                    prepare(cfg)
+                config.check(cfg)
+                if ranks.is_rank_zero():
+                    clean_partial(output_dir)
+                finished = resume.check(cfg)
+                if finished is not None:
+                    return finished
+                if ranks.is_rank_zero():
+                    save_records(cfg)
+                return workers.launch(task, cfg)
+            except Exception as error:
+                if ours and said(error) is not None:
+                    naming.unclaim_dir(output_dir)  # still held: what this command made, and never a checkpoint
+                raise
     except RunStopped as stop:
         end_run(f"run stopped by {signal_name(stop.signum)}{stop.where}; {kept(output_dir)}", 128 + stop.signum)
     except Exception as error:
         line = said(error)  # the user's input, or the machine's refusal (a full disk)
         if line is not None:
-            if fresh:
-                naming.unclaim_dir(output_dir)
             if HydraConfig.get().mode == RunMode.MULTIRUN:
                 raise line from None  # the job fails alone: its launcher says so, and the sweep goes on
             end_run(str(line), 2 if isinstance(line, UsageError) else 1)  # one line: Hydra would add one of its own
@@ -96,24 +99,27 @@ def main(hydra_main: Callable[[], object], report: bool = False) -> None:
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises its refusals here, where they become one line
     stops.handle_stop_signals()
     args = sys.argv[1:]
-    status, sweep_dir, fresh = 0, None, False
+    status = 0
     try:
         config.check_args(args)
         sweep_dir = typed_sweep_dir(args)
         fresh = sweep_dir is not None and not sweep_dir.exists()
         # one writer a sweep folder, for the command's life (a new folder is its own)
         with lock.held(sweep_dir, "sweep") if sweep_dir is not None else nullcontext():
-            if report:
-                args = resume.with_record(args)
-            sweep = [arg for arg in args if arg in ("-m", "--multirun")]  # Hydra takes it before its overrides only
-            sys.argv = [sys.argv[0], *sweep, *ranks.rank_argv([arg for arg in args if arg not in sweep])]
-            hydra_main()
+            try:
+                if report:
+                    args = resume.with_record(args)
+                sweep = [arg for arg in args if arg in ("-m", "--multirun")]  # Hydra takes it before its overrides only
+                sys.argv = [sys.argv[0], *sweep, *ranks.rank_argv([arg for arg in args if arg not in sweep])]
+                hydra_main()
+            except Exception:
+                if fresh and progress.tally is None:
+                    naming.unclaim_dir(sweep_dir)  # still held, and made by this command
+                raise
     except RunStopped as stop:  # outside a job: while Hydra starts, between sweep jobs
         end_run(f"run stopped by {signal_name(stop.signum)}{stop.where}", 128 + stop.signum)
     except Exception as error:
         status = failed(error, args)
-        if fresh and progress.tally is None:
-            naming.unclaim_dir(sweep_dir)
     sweep = progress.tally
     if sweep is not None:
         written = write_report(sweep.sweep_dir, sweep.failures, sweep.appendix) if report and sweep.sweep_dir else None

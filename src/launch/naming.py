@@ -1,5 +1,6 @@
 """Names of run and sweep-job folders, so that TensorBoard's run list reads as the runs; the resolvers that make them."""
 
+import logging
 import shutil
 from pathlib import Path
 
@@ -108,9 +109,19 @@ def claim_dir(path: str, kind: str = "run") -> str:
 
 
 def unclaim_dir(folder: Path) -> None:
-    """Remove a failed run's folder and the parents its claim created, as far as they are empty."""
+    """Remove a failed command's own folder and the parents its claim created, as far as they are empty; never one
+    that holds a checkpoint (a run that failed later, on a full disk, resumes from it)."""
+    if any(Path(folder).glob("**/*.ckpt")):
+        return
     shutil.rmtree(folder, ignore_errors=True)
     remove_empty(_created.get(str(Path(folder).absolute()), [Path(folder)]))
+
+
+def untouched(folder: Path) -> bool:
+    """Whether a folder holds nothing but its lock and this process's own logs: a command made it, and may take it
+    back if it fails; a folder any other command wrote in stays."""
+    own_logs = {Path(h.baseFilename) for h in logging.root.handlers if isinstance(h, logging.FileHandler)}
+    return folder.is_dir() and all(p.name == LOCK or p.absolute() in own_logs for p in folder.iterdir())
 
 
 def holds_only_settings(folder: Path) -> bool:
@@ -120,7 +131,7 @@ def holds_only_settings(folder: Path) -> bool:
 
 
 def unclaim_unused() -> None:
-    """Take back every folder this process claimed that a run wrote nothing of its own in."""
+    """Take back every folder this process claimed (created itself) that a run wrote nothing of its own in."""
     for folder in map(Path, list(_claimed.values())):
         if holds_only_settings(folder):
             unclaim_dir(folder)

@@ -1,0 +1,97 @@
+"""A failing command deletes only what it made itself, while it holds the folder's lock, and never a checkpoint: a
+command that the lock turns away touches nothing, and a run on a full disk keeps its finished epochs to resume."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from src.launch import cli, lock
+from tests.helpers import QUICK, REPO, Run, composed, train, user_env
+
+
+def tree(folder: Path) -> dict[str, int]:
+    """Every file below `folder` with its size: what a command must leave as it was."""
+    return {p.relative_to(folder).as_posix(): p.stat().st_size for p in folder.rglob("*") if p.is_file()}
+
+
+def run_job_here(*overrides: str, run_dir: Path, capsys) -> tuple[int, str]:
+    """`src.train`'s job in this process, on the composed config: its exit status and last error line."""
+    from src.train import train as task
+
+    cfg = composed(*overrides, run_dir=run_dir)
+    with pytest.raises(SystemExit) as exit_:
+        cli.run_job(cfg, lambda cfg: task(cfg)[0])
+    return exit_.value.code, capsys.readouterr().err.strip().splitlines()[-1]
+
+
+@pytest.fixture
+def held_elsewhere(tmp_path):
+    """A run folder whose lock another process holds, as a running command holds it; released at the end."""
+    folder = tmp_path / "run"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from pathlib import Path; from src.launch import lock\n"
+                               "with lock.held(Path(sys.argv[1])):\n    print('held', flush=True); sys.stdin.read()",
+         str(folder)], cwd=REPO, env=user_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline() == "held\n"  # an event, not a sleep: the lock is taken
+    yield folder, holder.pid
+    holder.communicate("")
+    assert holder.returncode == 0
+
+
+@pytest.mark.slow  # the holder is a process of its own: that is what a lock keeps out
+@pytest.mark.parametrize("contents", ["nothing yet", "a run's records"])
+def test_a_command_the_lock_turns_away_touches_nothing(held_elsewhere, contents, capsys, data_root):
+    folder, pid = held_elsewhere
+    if contents == "a run's records":
+        (folder / ".hydra").mkdir()
+        (folder / ".hydra" / "overrides.yaml").write_text("[]\n")
+        (folder / "train.log").write_text("epoch 1/2 step 10: ...\n")
+    before = tree(folder)
+    status, line = run_job_here(*QUICK, run_dir=folder, capsys=capsys)
+    assert status == 2 and line.startswith(f"error: {folder} is in use: pid {pid} on ")
+    assert tree(folder) == before, "the holder's folder, its lock included, as it was"
+
+
+def test_a_command_refused_by_a_finished_run_keeps_it_whole(tmp_path, quick_run: Run, capsys):
+    """The holder ended before the second command took the lock: the folder is the finished run's, not the command's."""
+    folder = quick_run.copy(tmp_path)
+    before = tree(folder)
+    status, line = run_job_here(*QUICK, run_dir=folder, capsys=capsys)
+    assert status == 2 and line.startswith(f"error: hydra.run.dir={folder} already holds a run's checkpoints")
+    assert tree(folder) == before
+
+
+def test_bad_input_still_leaves_no_folder_it_made(tmp_path, capsys, data_root):
+    folder = tmp_path / "new" / "run"
+    folder.mkdir(parents=True)  # as Hydra makes a run's folder before its job starts
+    status, line = run_job_here(*QUICK, "data.batch_size=0", run_dir=folder, capsys=capsys)
+    assert status == 2 and line.startswith("error: data.batch_size=0")
+    assert not folder.exists()
+
+
+def can_mount() -> bool:
+    return subprocess.run(["unshare", "--mount", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /mnt"],
+                          capture_output=True).returncode == 0
+
+
+@pytest.mark.slow  # a filesystem of its own, in a mount namespace: only a process has one
+@pytest.mark.skipif(not can_mount(), reason="needs a mount namespace of its own (root and unshare)")
+def test_a_full_disk_keeps_the_finished_epochs_and_the_run_resumes(tmp_path, data_root):
+    """A disk of 2.6 MB holds epoch 1's two checkpoints (about 1.06 MB each) but not epoch 2's: the run ends in one
+    line, its folder and finished checkpoints stay; on a larger disk the printed resume completes the run."""
+    disk, run = tmp_path / "disk", tmp_path / "disk" / "run"
+    disk.mkdir()
+    first = " ".join([sys.executable, "-m", "src.train", *QUICK, "max_epochs=2", f"hydra.run.dir={run}"])
+    again = " ".join([sys.executable, "-m", "src.train", *QUICK, "max_epochs=2", "ckpt_path=last", f"hydra.run.dir={run}"])
+    script = (f"mount -t tmpfs -o size=2600k tmpfs {disk} && {first} 2>{tmp_path}/first.err; echo $? >{tmp_path}/first;"
+              f" ls {run}/checkpoints >{tmp_path}/kept; mount -o remount,size=16m {disk} && {again}")
+    result = subprocess.run(["unshare", "--mount", "sh", "-c", script], cwd=REPO, env=user_env(), capture_output=True,
+                            text=True, timeout=600)
+    failed = (tmp_path / "first.err").read_text()
+    assert (tmp_path / "first").read_text().strip() == "1", failed[-3000:]
+    assert "the disk is full" in failed.strip().splitlines()[-1] and "Traceback" not in failed
+    assert {"last.ckpt", "best-epoch0.ckpt"} <= set((tmp_path / "kept").read_text().split())
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "test/acc=" in result.stdout
