@@ -1,7 +1,8 @@
 """Names of run and sweep-job folders, so that TensorBoard's run list reads as the runs; the resolvers that make them."""
 
 import logging
-import shutil
+import os
+from contextlib import suppress
 from pathlib import Path
 
 from hydra.core.hydra_config import HydraConfig
@@ -113,15 +114,37 @@ def unclaim_dir(folder: Path) -> None:
     that holds a checkpoint (a run that failed later, on a full disk, resumes from it)."""
     if any(Path(folder).glob("**/*.ckpt")):
         return
-    shutil.rmtree(folder, ignore_errors=True)
+    for handler in own_logs(folder):  # its log goes with it; the descriptor freed (`ulimit -n` may be why it failed)
+        logging.root.removeHandler(handler)
+        handler.close()
+    remove_tree(Path(folder))
     remove_empty(_created.get(str(Path(folder).absolute()), [Path(folder)]))
+
+
+def remove_tree(folder: Path) -> None:
+    """`shutil.rmtree` holds a descriptor per level; this one holds one at a time, for a command that failed at the
+    limit of open files. A symlink is removed, never followed."""
+    with suppress(OSError):
+        for name in os.listdir(folder):
+            path = folder / name
+            if path.is_dir() and not path.is_symlink():
+                remove_tree(path)
+            else:
+                path.unlink()
+        folder.rmdir()
 
 
 def untouched(folder: Path) -> bool:
     """Whether a folder holds nothing but its lock and this process's own logs: a command made it, and may take it
     back if it fails; a folder any other command wrote in stays."""
-    own_logs = {Path(h.baseFilename) for h in logging.root.handlers if isinstance(h, logging.FileHandler)}
-    return folder.is_dir() and all(p.name == LOCK or p.absolute() in own_logs for p in folder.iterdir())
+    logs = {Path(handler.baseFilename) for handler in own_logs(folder)}
+    return folder.is_dir() and all(p.name == LOCK or p.absolute() in logs for p in folder.iterdir())
+
+
+def own_logs(folder: Path) -> list[logging.FileHandler]:
+    """This process's log files in `folder` (Hydra's `<job>.log`)."""
+    return [handler for handler in logging.root.handlers if isinstance(handler, logging.FileHandler)
+            and Path(handler.baseFilename).parent == Path(folder).absolute()]
 
 
 def holds_only_settings(folder: Path) -> bool:
