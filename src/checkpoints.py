@@ -46,7 +46,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         saved = io.BytesIO()  # serialized first: a full disk is then the OSError it is, not torch's zip writer's
         torch.save(checkpoint, saved)
         try:
-            with open(partial, "wb") as file:
+            partial.unlink(missing_ok=True)
+            with os.fdopen(os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644), "wb") as file:
                 file.write(saved.getbuffer())
                 file.flush()
                 os.fsync(file.fileno())
@@ -116,8 +117,9 @@ def no_checkpoint(ckpt_path: object, run_dir: Path, hint: str = "") -> UsageErro
 
 def clean_partial(run_dir: Path) -> None:
     """The `.partial` files of an attempt killed while writing: the run holding the folder is its only writer."""
-    for partial in [*(run_dir / "checkpoints").glob(".*.partial"), *run_dir.glob(".*.partial")]:
-        partial.unlink(missing_ok=True)
+    for partial in [*(run_dir / "checkpoints").glob(".*.ckpt.*.partial"), *run_dir.glob(".*.*.partial")]:
+        if re.fullmatch(r"\..+\.\d+\.partial", partial.name) and not partial.is_symlink():
+            partial.unlink(missing_ok=True)
 
 
 def has_checkpoints(run_dir: Path) -> bool:

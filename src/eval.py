@@ -1,7 +1,6 @@
 """`python -m src.eval ckpt_path=<file or run folder> [test_weights=last]`: test accuracy and loss of a saved model,
 under any strategy. The model is the one the checkpoint's run built (its `config.yaml`), this command's `model.*` on it."""
 
-import re
 import sys
 from typing import Any
 
@@ -19,10 +18,13 @@ from src.runs import resolved_config, resolved_config_file
 from src.train import build_run, record, scalar_metrics, shown, trainer_input_errors
 
 
+INSTANTIATE = ("_target_", "_partial_", "_args_", "_recursive_", "_convert_")  # what tells Hydra how to build a node
+
+
 def targets(node: Any, prefix: str) -> dict[str, Any]:
     found: dict[str, Any] = {}
     if isinstance(node, dict):
-        found |= {f"{prefix}._target_": node["_target_"]} if "_target_" in node else {}
+        found |= {f"{prefix}.{key}": node[key] for key in INSTANTIATE if key in node}
         for key, value in node.items():
             found |= targets(value, f"{prefix}.{key}")
     elif isinstance(node, list):
@@ -85,7 +87,7 @@ def with_checkpoint_model(args: list[str]) -> list[str]:
         return args
     config = resolved_config(given["ckpt_path"])
     model = config.get("model_name") if config is not None else None
-    if model is not None and not re.fullmatch(r"[\w-]+", str(model)):
+    if model is not None and str(model) not in records.group_options("model"):
         raise records.refused(resolved_config_file(given["ckpt_path"]), "model_name", model,
                               "it must name an option of the model group; give the model with model=<option>")
     return [*args, f"model={model}"] if model else args

@@ -1,9 +1,12 @@
 """A run folder's records, read as data: anyone who can write a shared folder may have written one, so it is plain
 YAML, never resolved (a resolver could act), and may build only classes this project's conf/ names."""
 
+import errno
 import functools
 import json
+import os
 import re
+import stat
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -11,44 +14,104 @@ from typing import Any
 import yaml
 
 from src.errors import UsageError
+from src.folders import write_file
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
-# `${a.b}` points at another key; any other `${...}` calls a resolver, which may act (create a folder, read a file).
-RESOLVER = re.compile(r"\$\{(?![\w.]+\})")
+
+
+LIMIT = 4 * 2**20  # bytes: the largest record read; a run's own are a few kB
+
+
+class NoAliases(yaml.SafeLoader):
+    """Plain YAML without anchors and aliases: nine nested aliases make a gigabyte, one that refers to itself a cycle."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent) or getattr(self.peek_event(), "anchor", None) is not None:
+            raise yaml.YAMLError("it holds a YAML anchor or alias, which a record never needs")
+        return super().compose_node(parent, index)
 
 
 def load(path: Path) -> Any:
+    """A record's data: plain YAML (JSON too), at most `LIMIT` bytes, no aliases, never through a link's target."""
     try:
-        return yaml.safe_load(Path(path).read_text())
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as error:
+        return yaml.load(read_bytes(Path(path), LIMIT), Loader=NoAliases)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, RecursionError) as error:
         reason = getattr(error, "strerror", None) or " ".join(str(error).split())[:200]
         raise UsageError(f"{path}: cannot be read as a record ({reason})") from None
 
 
+def read_bytes(path: Path, limit: int) -> bytes:
+    """A regular file's bytes, refused where it is larger than `limit` or is not a plain file (a FIFO would block)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as file:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        data = file.read(limit + 1)
+    if len(data) > limit:
+        raise OSError(errno.EFBIG, f"larger than {limit // 2**20} MiB", str(path))
+    return data
+
+
+def shown(value: Any) -> str:
+    """A value read from a record as one printable line: control characters (a newline, a terminal escape) escaped."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in str(value))
+
+
 @functools.cache
-def conf_targets() -> frozenset[str]:
-    return frozenset(target for path in CONF_DIR.rglob("*.yaml")
-                     for target in re.findall(r"^\s*_target_:\s*(\S+)", path.read_text(), flags=re.MULTILINE))
+def slot_targets() -> dict[str, frozenset[str]]:
+    """The classes conf/ names for each slot (`model`, `model.net`, `model.loss`, `callbacks.<name>`), by the key they
+    sit under: a record may put only a network where a network belongs."""
+    slots: dict[str, set[str]] = {}
+
+    def walk(node: Any, key: str) -> None:
+        if isinstance(node, dict):
+            for name, value in node.items():
+                if name == "_target_" and isinstance(value, str):
+                    slots.setdefault(key, set()).add(value)
+                walk(value, f"{key}.{name}" if key else str(name))
+
+    for path in CONF_DIR.rglob("*.yaml"):
+        group = path.parent.relative_to(CONF_DIR).as_posix()
+        if group.startswith("hydra"):
+            continue
+        text = path.read_text()
+        walk(yaml.safe_load(text), "" if group == "." or "@package _global_" in text else group)
+    return {key: frozenset(targets) for key, targets in slots.items()}
+
+
+def slot_of(key: str) -> str:
+    """`model.net` for `model.net._target_`; a named callback's slot is any callback's (`callbacks.*`)."""
+    slot = key.removesuffix("._target_").removesuffix("_target_").rstrip(".")
+    return re.sub(r"^(callbacks|logger)\.[^.]+$", r"\1.*", slot)
+
+
+def targets_for(slot: str) -> frozenset[str]:
+    if slot.endswith(".*"):
+        parent = slot[:-1]
+        return frozenset(t for key, ts in slot_targets().items() if key.startswith(parent) and key.count(".") == 1
+                         for t in ts)
+    return slot_targets().get(slot, frozenset())
 
 
 def refused(path: Path, key: str, value: Any, why: str) -> UsageError:
-    return UsageError(f"{path}: {key}={value} is not allowed in a run's records; {why}")
+    return UsageError(f"{path}: {shown(key)}={shown(value)} is not allowed in a run's records; {why}")
 
 
-def check_data(node: Any, path: Path, allowed: frozenset[str] | None = None, key: str = "") -> None:
-    """Refuse a resolver call anywhere in `node`, and (with `allowed`) a `_target_` outside `allowed`."""
+def check_data(node: Any, path: Path, key: str = "", targets: bool = True) -> None:
+    """Refuse a resolver call anywhere in `node`, and (with `targets`: it will be built) a `_target_` that conf/ does
+    not name for its slot."""
     if isinstance(node, dict):
         for name, value in node.items():
             inner = f"{key}.{name}" if key else str(name)
-            if name == "_target_" and allowed is not None and value not in allowed:
-                raise refused(path, inner, value, "it names no class of this project's conf/, and a record may not "
-                                                  "add code to run")
-            check_data(value, path, allowed, inner)
+            if targets and name == "_target_" and value not in targets_for(slot_of(inner)):
+                raise refused(path, inner, value, f"conf/ names no such class for {slot_of(inner)}, and a record may "
+                                                  "not add code to run")
+            check_data(value, path, inner, targets)
     elif isinstance(node, list):
         for index, value in enumerate(node):
-            check_data(value, path, allowed, f"{key}[{index}]")
-    elif isinstance(node, str) and RESOLVER.search(node):
-        raise refused(path, key, node, "a resolver could act when it is read")
+            check_data(value, path, f"{key}[{index}]", targets)
+    elif isinstance(node, str) and ("$" in node or "\\" in node):
+        raise refused(path, key, node, "a resolver or escape could act when it is read")
 
 
 def select(data: Any, dotted: str) -> Any:
@@ -61,7 +124,7 @@ def config(path: Path) -> dict[str, Any]:
     data = load(path)
     if not isinstance(data, dict):
         raise UsageError(f"{path}: holds no config (a mapping of keys)")
-    check_data(data, path)
+    check_data(data, path, targets=False)  # read, compared and shown; what builds from it checks its slots
     return data
 
 
@@ -71,25 +134,117 @@ def overrides(lines: Any, path: Path) -> list[str]:
     return list(lines)
 
 
-# A sweep's launcher and sweeper as its command chose them: plain option names and values, no resolver or interpolation.
-LAUNCH = re.compile(r"hydra(/(launcher|sweeper)=[\w-]+|\.(launcher|sweeper)\.[\w.]+=[^$]*)")
+# What a record's override line may hold, read here and never by Hydra's grammar: a key of plain names, and values
+# that are numbers, booleans, null, words or quoted one-line text without `$`, `\`, quotes or control characters.
+KEY = re.compile(r"[A-Za-z]\w*(\.[A-Za-z]\w*)*")
+BARE = r"[^\s,\[\](){}'\"\\$=\x00-\x1f\x7f]+"
+QUOTED = r"'[^'\"\\$\x00-\x1f\x7f]*'|\"[^'\"\\$\x00-\x1f\x7f]*\""
+SCALAR = re.compile(rf"{BARE}|{QUOTED}")
+NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
+SWEEP_FUNCTIONS = re.compile(r"(interval|range|choice)\((.*)\)|tag\(log,\s*interval\((.*)\)\)")
+# Keys a record never sets: where a run writes (its folder is the one typed), what code a strategy calls.
+WHERE = re.compile(r"(^|\.)(\w*dir|\w*dirpath|\w*path|\w*folder|\w*_uri|\w*file|filename|root)$")
+NOT_FROM_RECORDS = {"strategy.hook_state": "it names code to run"}
+LAUNCHERS, SWEEPERS = ("sequential", "parallel", "slurm"), ("optuna",)
 
 
-def launch_overrides(lines: Any, path: Path) -> list[str]:
-    """The launcher and sweeper overrides a sweep's resume takes, so that it runs where the sweep ran."""
-    return [line for line in overrides(lines, path) if LAUNCH.fullmatch(line) and "_target_" not in line]
+def scalar(token: str) -> Any:
+    """A token as Hydra types a bare value: null, a boolean, a whole number, a number, else text."""
+    if token[:1] in "'\"":
+        return token[1:-1]
+    if token in ("null", "true", "false", "True", "False"):
+        return None if token == "null" else token.lower() == "true"
+    if re.fullmatch(r"[+-]?\d+", token):
+        return int(token)
+    return float(token) if NUMBER.fullmatch(token) else token
 
 
-def check_override(line: str, path: Path) -> None:
-    """Stricter than typed input: no Hydra setting, no `_target_`, no resolver call."""
-    key, _, value = line.partition("=")
-    key = key.lstrip("+~")
-    if re.split(r"[./@]", key)[0] == "hydra":
-        raise refused(path, key, value, "a resume takes the run's settings, never Hydra's own")
-    if "_target_" in line:
-        raise refused(path, key, value, "a record may not name code to run; type the override again to resume with it")
-    if RESOLVER.search(line):
-        raise refused(path, key, value, "a resolver could act when it is read")
+def items(text: str) -> list[Any] | None:
+    """Comma-separated scalars; None where any is not one."""
+    parts = [part.strip() for part in text.split(",")] if text.strip() else []
+    return [scalar(p) for p in parts] if all(SCALAR.fullmatch(p) for p in parts) else None
+
+
+def plain(text: str, sweep: bool) -> bool:
+    """Whether an override's value is plain: a scalar, a list of scalars, or in a sweep scalars to sweep over and the
+    search spaces `interval`, `range`, `choice` and `tag(log, interval(...))` of numbers."""
+    if SCALAR.fullmatch(text):
+        return True
+    if text.startswith("[") and text.endswith("]"):
+        return items(text[1:-1]) is not None
+    if not sweep:
+        return False
+    function = SWEEP_FUNCTIONS.fullmatch(text)
+    if not function:
+        return (swept := items(text)) is not None and len(swept) > 1
+    name, args = function.group(1) or "log", items(function.group(2) or function.group(3))
+    if name == "choice":
+        return bool(args)
+    numbers = args is not None and all(isinstance(a, (int, float)) and not isinstance(a, bool) for a in args)
+    return numbers and (len(args) == 2 if name in ("interval", "log") else 2 <= len(args) <= 3)
+
+
+def group_options(group: str) -> set[str]:
+    return {path.stem for path in (CONF_DIR / group).glob("*.yaml")}
+
+
+def settings(lines: Any, path: Path, sweep: bool = False, typed: set[str] = frozenset()) -> list[str]:
+    """A run's (or a sweep's) recorded overrides, taken only as values: a group's option by its name in conf/, a key
+    of the config with a plain value; any other line is refused in one line naming the file and the key. A line
+    whose key is `typed` is the command's, and is not read."""
+    from src.config import DERIVED, GROUPS, TrainConfig  # the schema: its keys and groups
+
+    top_level = set(TrainConfig.__dataclass_fields__) - set(DERIVED)
+    kept = []
+    for line in overrides(lines, path):
+        prefix = re.match(r"\+\+|\+|~|", line).group()
+        key, has_value, text = line[len(prefix):].partition("=")
+        if key in typed or key == "ckpt_path":  # the command's own (a resume always gives ckpt_path)
+            continue
+        if not KEY.fullmatch(key):
+            raise refused(path, key, text, "its key must be a key of the config (plain names joined by dots); a "
+                                          "record may not name code, Hydra's settings or a package")
+        head = key.split(".")[0]
+        if head == "hydra" or head not in top_level | set(GROUPS):
+            raise refused(path, key, text, "a resume takes the run's own settings (keys of conf/train.yaml), never "
+                                          "Hydra's or those derived from others")
+        why = NOT_FROM_RECORDS.get(key) or NOT_FROM_RECORDS.get(".".join(key.split(".")[:2]))
+        if why or WHERE.search(key) and key != "data.root":
+            raise refused(path, key, text, f"{why or 'it says where a run writes'}; type it again to resume with it")
+        if key in GROUPS and not prefix:
+            options = group_options(key)
+            listed = re.fullmatch(r"\[([\w-]+(,[\w-]+)*)\]", text) if key == "logger" else None
+            names = (listed.group(1) if listed else text).split(",")
+            if not set(names) <= options | {"null"} or len(names) > 1 and not (listed or sweep):
+                raise refused(path, key, text, f"it must name an option of conf/{key}: {', '.join(sorted(options))}")
+            kept.append(f"{key}={text}")
+            continue
+        if prefix not in ("", "~") and not (prefix == "+" and head == "trainer"):
+            raise refused(path, key, text, "a record may add no key but a lightning.Trainer argument")
+        if has_value and not plain(text, sweep):
+            raise refused(path, key, text, "its value must be a number, true, false, null, a word or quoted text on "
+                                          "one line without $, \\, quotes or control characters")
+        if key == "strategy.hook" and scalar(text) not in ("none", "fp16", "bf16", "powersgd", "powersgd_fp16"):
+            raise refused(path, key, text, "a hook of one's own (an import path) is typed, never taken from a record")
+        kept.append(line)  # every part of it a plain value: Hydra reads it as those values alone
+    return kept
+
+
+def launch_settings(lines: Any, path: Path) -> list[str]:
+    """The launcher and sweeper a sweep ran with, by name, and their settings that are numbers, booleans or words:
+    never a `setup` line, a folder, a class or an argument list."""
+    kept = []
+    for line in overrides(lines, path):
+        key, _, text = line.partition("=")
+        group = re.fullmatch(r"hydra/(launcher|sweeper)", key)
+        setting = re.fullmatch(r"hydra\.(launcher|sweeper)\.[a-z]\w*", key)
+        value = scalar(text) if SCALAR.fullmatch(text) else None
+        if group and text in (LAUNCHERS if group.group(1) == "launcher" else SWEEPERS):
+            kept.append(f"{key}={text}")
+        elif setting and not WHERE.search(key) and key.rpartition(".")[2] != "setup" and (
+                isinstance(value, (int, float)) or isinstance(value, str) and re.fullmatch(r"[A-Za-z][\w-]*", value)):
+            kept.append(line)
+    return kept
 
 
 @dataclass(frozen=True)
@@ -104,9 +259,7 @@ class Result:
     skipped: bool = False
 
     def save(self, folder: Path) -> None:
-        partial = folder / ".result.json.partial"
-        partial.write_text(json.dumps(asdict(self), indent=1))
-        partial.replace(folder / RESULT)
+        write_file(folder / RESULT, json.dumps(asdict(self), indent=1))
 
 
 RESULT = "result.json"
@@ -122,4 +275,4 @@ def result(folder: Path) -> Result | None:
     if not (isinstance(metrics, dict) and isinstance(line, str) and isinstance(step, int)
             and all(isinstance(v, (int, float)) for v in metrics.values())):
         return None
-    return Result({str(k): float(v) for k, v in metrics.items()}, line, step)
+    return Result({str(k): float(v) for k, v in metrics.items()}, shown(line), step)  # printed as it was written

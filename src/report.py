@@ -4,6 +4,7 @@ Also written when a sweep ends. Where they apply: `epoch_time.png` (devices diff
 """
 
 import csv
+import io
 import logging
 import math
 import statistics
@@ -15,6 +16,7 @@ from typing import Any
 
 from src import records
 from src.errors import UsageError
+from src.folders import figure_bytes, write_file
 from src.launch.console import counted, saying
 from src.runs import ArgumentParser, RunFolder, median, output_folder, read_runs, usage_errors_exit
 
@@ -148,8 +150,9 @@ def _table(header: Sequence[str], rows: Iterable[list[str]], rule: str = "") -> 
 
 
 def _write_csv(path: Path, header: Iterable[str], rows: Iterable[Iterable[Any]]) -> None:
-    with path.open("w", newline="") as file:
-        csv.writer(file).writerows([header, *rows])
+    text = io.StringIO(newline="")
+    csv.writer(text).writerows([header, *rows])
+    write_file(path, text.getvalue())
 
 
 def markdown_table(runs: list[Run]) -> str:
@@ -246,7 +249,7 @@ def _plot(path: Path, lines: list[tuple[Any, Any, dict[str, Any]]], **settings: 
     if axes.lines:
         axes.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0)  # off the data
     figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    write_file(path, figure_bytes(figure, dpi=120))
 
 
 def plot_val_acc(runs: list[Run], path: Path) -> None:
@@ -323,7 +326,7 @@ def write_report(root: Path, out: Path | None = None, failed: dict[str, str] | N
         except UsageError as error:
             log.info(f"no scaling prediction: {error}")
     seeds = seed_rows(runs)
-    (out / "report.md").write_text(markdown_report(runs, root, seeds, scaling, failed, evaluations))
+    write_file(out / "report.md", markdown_report(runs, root, seeds, scaling, failed, evaluations))
     _write_csv(out / "report.csv", COLUMNS,
                (["" if getattr(run, key) is None else getattr(run, key) for key in COLUMNS] for run in runs))
     plot_val_acc(runs, out / "val_acc.png")

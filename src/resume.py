@@ -37,8 +37,9 @@ def with_record(args: list[str]) -> list[str]:
         if not path.is_file():
             return args
         data = records.load(path)
-        recorded = records.overrides(records.select(data, "hydra.overrides.task"), path)
-        launch = records.launch_overrides(records.select(data, "hydra.overrides.hydra") or [], path)
+        overrides = records.overrides(records.select(data, "hydra.overrides.task"), path)
+        recorded = records.settings([line for line in overrides if line not in args], path, sweep=True)
+        launch = records.launch_settings(records.select(data, "hydra.overrides.hydra") or [], path)
     elif not multirun and word in CKPT_WORDS and "hydra.run.dir" in typed:
         folder = Path(str(typed["hydra.run.dir"].value()))
         if word == "last" and not folder.is_dir():
@@ -50,15 +51,15 @@ def with_record(args: list[str]) -> list[str]:
         if not path.is_file():
             raise UsageError(f"{path} is missing: a resume takes the run's settings from it; resume a folder that a "
                              "run wrote, or start a new run elsewhere")
-        recorded, launch = records.overrides(records.load(path), path), []
+        recorded, launch = records.settings(records.load(path), path, typed=set(typed)), []
     else:
         return args
-    for line in recorded:
-        if line not in args:  # a line typed again is the command's own
-            records.check_override(line, path)
-    if multirun:
-        check_sweep(config.parse(recorded), typed, path.parent)
-    return [*(line for line in [*launch, *recorded] if line.partition("=")[0].lstrip("+~") not in typed), *args]
+    if multirun:  # the lines typed again as they were are the sweep's too
+        check_sweep(config.parse([*recorded, *(line for line in overrides if line in args)]), typed, path.parent)
+    taken = [line for line in [*launch, *recorded] if line.partition("=")[0].lstrip("+~") not in typed]
+    if not multirun and any(line.startswith("data.root=") for line in taken) and "data.download" not in typed:
+        taken.append("data.download=false")  # the data a record names is read, never downloaded into
+    return [*taken, *args]
 
 
 def check_sweep(recorded: list[Override], typed: dict[str, Override], folder: Path) -> None:

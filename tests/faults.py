@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 
 from lightning import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 
 class KillAtStep(Callback):
@@ -79,3 +80,20 @@ class KillIn(Callback):
         if trainer.current_epoch == self.epoch and trainer.global_rank == 0 and not self.mark.exists():
             self.mark.touch()
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+class TermAfterCheckpoints(ModelCheckpoint):
+    """SIGTERMs this process once, in epoch `epoch`, right after the epoch's checkpoints are written and before
+    Lightning logs its `train/*` points (a checkpoint callback runs last, after the others); it saves nothing."""
+
+    def __init__(self, epoch: int, mark: str) -> None:
+        super().__init__(save_top_k=0, every_n_epochs=0)
+        self.epoch, self.mark = epoch, Path(mark)
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.current_epoch == self.epoch and not self.mark.exists():
+            self.mark.touch()
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        pass

@@ -65,3 +65,16 @@ def test_a_run_stopped_anywhere_resumes_to_the_unbroken_runs_end(tmp_path, unbro
     for name, weights in ours[1].items():
         assert all(torch.equal(weights[k], theirs[1][name][k]) for k in weights), name
     assert ours[2] == theirs[2], "the TensorBoard scalars"
+
+
+@pytest.mark.slow
+def test_a_stop_signal_right_after_the_epochs_checkpoints_keeps_its_points_and_resumes_exactly(tmp_path, unbroken):
+    """The signal waits for the epoch's `train/*` points: the resume starts at the next epoch, and would never log them."""
+    run_dir, fault = tmp_path / "run", ["+callbacks.term._target_=tests.faults.TermAfterCheckpoints",
+                                        "+callbacks.term.epoch=1", f"+callbacks.term.mark={tmp_path / 'stopped'}"]
+    stopped = train(*RUN, *fault, f"hydra.run.dir={run_dir}", timeout=600)
+    assert stopped.returncode == 143, stopped.stderr[-3000:]
+    assert torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["epoch"] == 1
+    resumed = train(*RUN, *fault, "ckpt_path=last", f"hydra.run.dir={run_dir}", timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert record(run_dir)[2] == record(unbroken)[2], "the TensorBoard scalars"

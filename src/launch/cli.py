@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from src import config, resume
 from src.records import Result
 from src.errors import RunFailed, UsageError, interpreter, said
+from src.folders import no_link, write_file
 from src.launch import lock, naming, progress, ranks, stops
 from src.launch.console import counted, print_error, print_line
 from src.launch.stops import RankFailed, RunStopped, signal_name
@@ -45,10 +46,10 @@ def save_records(cfg: DictConfig) -> None:
     `hydra.output_subdir: null`, so that a refused resume rewrites nothing)."""
     folder = Path(cfg.output_dir)
     (folder / ".hydra").mkdir(parents=True, exist_ok=True)
-    OmegaConf.save(cfg, folder / ".hydra" / "config.yaml")
-    OmegaConf.save(HydraConfig.instance().cfg, folder / ".hydra" / "hydra.yaml")
-    OmegaConf.save(HydraConfig.get().overrides.task, folder / ".hydra" / "overrides.yaml")
-    OmegaConf.save(OmegaConf.to_container(cfg, resolve=True), folder / "config.yaml")
+    write_file(folder / ".hydra" / "config.yaml", OmegaConf.to_yaml(cfg))
+    write_file(folder / ".hydra" / "hydra.yaml", OmegaConf.to_yaml(HydraConfig.instance().cfg))
+    write_file(folder / ".hydra" / "overrides.yaml", OmegaConf.to_yaml(HydraConfig.get().overrides.task))
+    write_file(folder / "config.yaml", OmegaConf.to_yaml(OmegaConf.to_container(cfg, resolve=True)))
 
 
 def run_job(cfg: DictConfig, task: Callable[[DictConfig], Result],
@@ -63,6 +64,7 @@ def run_job(cfg: DictConfig, task: Callable[[DictConfig], Result],
         with lock.held(output_dir) if ranks.is_rank_zero() else nullcontext():
             ours = ranks.is_rank_zero() and naming.untouched(output_dir)  # decided under the lock: no race with a holder
             try:
+                naming.check_own_logs(output_dir)
                 if prepare is not None:
                     prepare(cfg)
                 config.check(cfg)
@@ -107,6 +109,8 @@ def main(hydra_main: Callable[[], object], report: bool = False) -> None:
         # one writer a sweep folder, for the command's life (a new folder is its own)
         with lock.held(sweep_dir, "sweep") if sweep_dir is not None else nullcontext():
             try:
+                if sweep_dir is not None:
+                    no_link(sweep_dir / "multirun.yaml")  # Hydra's sweeper writes it where it is
                 if report:
                     args = resume.with_record(args)
                 sweep = [arg for arg in args if arg in ("-m", "--multirun")]  # Hydra takes it before its overrides only
@@ -164,6 +168,5 @@ def write_report(sweep_dir: Path, failures: list[progress.Failure], appendix: st
 
     written = write_sweep_report(sweep_dir, {f.name: f.line for f in failures})
     if written is not None and appendix:
-        with open(written, "a") as report:
-            report.write(appendix)
+        write_file(written, written.read_text() + appendix)
     return written

@@ -6,6 +6,7 @@ import fcntl
 import logging
 import os
 import socket
+import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,7 +23,7 @@ def acquire(folder: Path, what: str) -> int | None:
     """The lock file's descriptor; a folder another process holds is one line naming it."""
     folder.mkdir(parents=True, exist_ok=True)
     while True:
-        fd = os.open(folder / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = open_lock(folder / LOCK)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as error:
@@ -40,6 +41,20 @@ def acquire(folder: Path, what: str) -> int | None:
         os.close(fd)
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+    return fd
+
+
+def open_lock(path: Path) -> int:
+    """The lock file, never through a link (its holder line would overwrite the link's target) nor a FIFO (it blocks)."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+    except OSError as error:
+        if error.errno != errno.ELOOP:
+            raise
+        raise UsageError(f"{path} is a symbolic link; a lock is a file of the folder's own: remove the link") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise UsageError(f"{path} is not a regular file; a lock is a file of the folder's own: remove it")
     return fd
 
 

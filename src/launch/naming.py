@@ -2,17 +2,17 @@
 
 import logging
 import os
+import re
 from contextlib import suppress
 from pathlib import Path
 
 from hydra.core.hydra_config import HydraConfig
-from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from src.config import options
 from src.errors import interpreter
-from src.folders import missing, remove_empty
+from src.folders import missing, no_link, remove_empty
 from src.records import load, overrides, select
 from src.launch.lock import LOCK
 from src.launch.ranks import external_rank, run_stamp
@@ -23,11 +23,28 @@ _created: dict[str, list[Path]] = {}
 
 
 def swept_keys(args: list[str]) -> list[str]:
-    try:
-        parsed = OverridesParser.create().parse_overrides([a for a in args if "=" in a and not a.startswith("-")])
-    except Exception:
-        return []
-    return [o.key_or_group for o in parsed if o.is_sweep_override()]
+    """The keys that overrides sweep (`seed=1,2`, `optim.lr=interval(...)`), read as text: no grammar runs on them."""
+    return [arg.partition("=")[0].lstrip("+~") for arg in args if "=" in arg and not arg.startswith("-")
+            and is_sweep(arg.partition("=")[2])]
+
+
+def is_sweep(value: str) -> bool:
+    """A comma outside brackets, parentheses and quotes, or one of Hydra's sweep functions."""
+    if re.match(r"(choice|range|interval|glob|tag)\(", value):
+        return True
+    depth, quote = 0, ""
+    for char in value:
+        if quote:
+            quote = "" if char == quote else quote
+        elif char in "'\"":
+            quote = char
+        elif char in "[(":
+            depth += 1
+        elif char in "])":
+            depth -= 1
+        elif char == "," and depth == 0:
+            return True
+    return False
 
 
 def sweep_args(sweep_dir: str) -> list[str]:
@@ -139,6 +156,15 @@ def untouched(folder: Path) -> bool:
     back if it fails; a folder any other command wrote in stays."""
     logs = {Path(handler.baseFilename) for handler in own_logs(folder)}
     return folder.is_dir() and all(p.name == LOCK or p.absolute() in logs for p in folder.iterdir())
+
+
+def check_own_logs(folder: Path) -> None:
+    """This process's log in the folder is a file of its own: a link there is closed unwritten, and refused."""
+    for handler in own_logs(folder):
+        if Path(handler.baseFilename).is_symlink():
+            logging.root.removeHandler(handler)
+            handler.close()
+            no_link(Path(handler.baseFilename))
 
 
 def own_logs(folder: Path) -> list[logging.FileHandler]:

@@ -17,7 +17,9 @@ from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf
 
 from src.config import NULL, must_be, not_allowed, one_of, rule_for, shown, whole
+from src import records
 from src.errors import UsageError, missing_package
+from src.folders import write_file
 from src.launch import progress
 from src.launch.console import print_line
 from src.records import Result
@@ -120,6 +122,16 @@ class Space:
         return [*self.fixed, *(f"{key}={self.typed[key][int(dist.to_internal_repr(params[key]))]}" if key in self.typed
                                else f"{key}={params[key]}" for key, dist in self.distributions.items())]
 
+    def holds(self, params: dict[str, Any]) -> bool:
+        """Whether a stored trial's point lies in this space: its keys, each a choice as typed or a number in range."""
+        def inside(value: Any, dist: Any) -> bool:
+            if hasattr(dist, "choices"):
+                return any(type(value) is type(choice) and value == choice for choice in dist.choices)
+            return type(value) in (int, float) and dist.low <= value <= dist.high
+
+        return params.keys() == self.distributions.keys() and all(
+            inside(value, self.distributions[key]) for key, value in params.items())
+
     def corners(self) -> list[dict[str, Any]]:
         """The space's lowest point, then each other end or choice of one key at a time."""
         ends = {key: list(getattr(dist, "choices", None) or (dist.low, dist.high)) for key, dist in self.distributions.items()}
@@ -178,7 +190,12 @@ class OptunaSweeper(Sweeper):
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         sweep_dir.mkdir(parents=True, exist_ok=True)
         study, n_trials, at_once, returns = self.open_study(sweep_dir), self.settings["n_trials"], self.trials_at_once(), []
-        OmegaConf.save(self.config, sweep_dir / "multirun.yaml")  # what job folders are named by, and a resume takes
+        for trial in study.trials:  # a study is a file of the folder: its stored points are values of this space alone
+            if trial.params and not space.holds(trial.params):
+                raise UsageError(f"{sweep_dir / DB}: trial {trial.number + 1} holds "
+                                 f"{records.shown(settings(trial))}, outside the space typed; continue the search "
+                                 "with the space it was started with, or start a new one in another folder")
+        write_file(sweep_dir / "multirun.yaml", OmegaConf.to_yaml(self.config))  # what job folders are named by, and a resume takes
         left = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))  # an earlier command's, stopped
         ended = len(study.trials) - len(left)
         progress.tally = progress.Tally(total=max(n_trials, len(study.trials)), before=ended, sweep_dir=sweep_dir,
@@ -218,8 +235,14 @@ class OptunaSweeper(Sweeper):
         if db.exists() and OmegaConf.select(self.config, "ckpt_path") != "auto":
             raise UsageError(f"hydra.sweep.dir={sweep_dir} holds the study of an earlier search ({db}); continue it with "
                              "ckpt_path=auto, or give another folder")
-        name = optuna.get_all_study_names(storage(db))[0] if db.exists() else sweep_dir.name
-        study = optuna.create_study(storage=storage(db), study_name=name, direction=direction, load_if_exists=True)
+        try:
+            names = optuna.get_all_study_names(storage(db)) if db.exists() else [sweep_dir.name]
+            study = optuna.create_study(storage=storage(db), study_name=names[0], direction=direction, load_if_exists=True)
+            _ = study.trials, study.direction  # read now: a damaged file fails here, not halfway through the search
+        except Exception as error:  # sqlite's and SQLAlchemy's, or a study without a name
+            reason = " ".join(str(error).split())[:160] or type(error).__name__
+            raise UsageError(f"{db}: cannot be read as an Optuna study ({reason}); move it away to start the search "
+                             "over, or give another hydra.sweep.dir") from None
         if study.direction.name.lower() != direction:
             raise UsageError(f"hydra.sweeper.direction={direction} is not allowed in a resume of {sweep_dir}: its study's "
                              f"direction is {study.direction.name.lower()}")

@@ -276,7 +276,7 @@ def run_in_own_process(payload: bytes, placement: Placement, out: str, results: 
         os.environ["OMP_NUM_THREADS"] = str(len(placement.cores))
         if "torch" in sys.modules:  # imported with the entry module: it read the variable already
             sys.modules["torch"].set_num_threads(len(placement.cores))
-    with open(out, "ab", buffering=0) as file:
+    with os.fdopen(os.open(out, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644), "ab", buffering=0) as file:
         sys.stdout.flush()
         sys.stderr.flush()
         os.dup2(file.fileno(), 1)

@@ -3,6 +3,8 @@ a failed job fails the sweep naming it, a stop signal cancels the array, a job S
 one line. Each task runs as rank N, resumes when requeued (`ckpt_path=auto`), and exits non-zero when it fails."""
 
 import logging
+import os
+import stat
 import subprocess
 import sys
 import time
@@ -39,8 +41,11 @@ class SlurmLauncher(SubmititSlurmLauncher):
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         assert self.config is not None
         params = dict(self.params)
-        executor = submitit.AutoExecutor(cluster="slurm", folder=params.pop("submitit_folder"),
-                                         slurm_max_num_timeout=params.pop("max_num_timeout"))
+        folder = str(params.pop("submitit_folder"))
+        base = Path(folder.split("%", 1)[0])  # `<sweep>/.submitit/%j`: the folder above the jobs' own
+        base.mkdir(mode=0o700, parents=True, exist_ok=True)
+        check_private(base)
+        executor = submitit.AutoExecutor(cluster="slurm", folder=folder, slurm_max_num_timeout=params.pop("max_num_timeout"))
         shared = set(OmegaConf.structured(BaseQueueConf).keys())  # the rest are slurm_-prefixed for submitit
         executor.update_parameters(**{name if name in shared else f"slurm_{name}": value for name, value in params.items()})
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
@@ -159,9 +164,21 @@ def cancel(jobs: list[submitit.Job]) -> None:
     log.info(f"cancelled SLURM job {array_id}")
 
 
+def check_private(folder: Path) -> None:
+    """submitit's folder, its folders and the one above it are the user's own and writable by no one else: submitit
+    unpickles what lies there, and whoever could replace a file could run code in this account."""
+    for path in [folder.parent, folder, *(p for p in folder.rglob("*") if p.is_dir() and not p.is_symlink())]:
+        info = path.lstat()
+        if info.st_uid != os.getuid() or info.st_mode & 0o022 or stat.S_ISLNK(info.st_mode):
+            raise UsageError(f"{path} is not private to this user (owner uid {info.st_uid}, mode "
+                             f"{stat.filemode(info.st_mode)}): submitit reads pickles from it, which could run code; "
+                             f"make it yours alone (chmod go-w), or give another hydra.sweep.dir")
+
+
 def result(job: submitit.Job, overrides: Sequence[str]) -> JobReturn:
     """Rank 0's JobReturn; for a job that left none, a failure with its last `error:` line (its stderr), else the last
     line of what submitit says."""
+    check_private(Path(job.paths.folder).parent)  # the job's folder is `<sweep>/.submitit/<job id>`
     try:
         if not job.paths.result_pickle.exists():  # gone from the queue without one: submitit would wait for it
             raise UncompletedJobError("no result")

@@ -64,20 +64,33 @@ def _raise_stop(signum: int, frame: Any) -> None:
     raise RunStopped(signum, position())
 
 
+def hold() -> None:
+    """Stop signals wait until as many `release`s."""
+    global _holding
+    _holding += 1
+
+
+def release(stop: bool = True) -> None:
+    """The last release raises a stop signal that came meanwhile (with `stop`; else it is dropped: an error ends the
+    run already)."""
+    global _holding
+    _holding -= 1
+    if not _holding and _held_signals:
+        signum = _held_signals[0]
+        _held_signals.clear()
+        if stop:
+            raise RunStopped(signum, position())
+
+
 @contextmanager
 def held() -> Iterator[None]:
     """Stop signals wait until the block ends. For code other threads wait on: raised inside `queue.Queue.put`, a stop
     loses the reader's wake-up, and TensorBoard's writer sleeps out its 120 s flush interval before the run ends."""
-    global _holding
-    _holding += 1
+    hold()
     try:
         yield
     finally:
-        _holding -= 1
-        if not _holding and _held_signals:
-            signum = _held_signals[0]
-            _held_signals.clear()
-            raise RunStopped(signum, position())
+        release()
 
 
 def handle_stop_signals() -> None:

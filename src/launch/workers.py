@@ -7,6 +7,7 @@ import importlib
 import logging
 import logging.config
 import os
+import resource
 import signal
 import sys
 import tempfile
@@ -102,14 +103,48 @@ class StopOnSignal(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.on_sanity_check_start(trainer, pl_module)
         stops.position = functools.partial(_position, weakref.ref(trainer))  # weak: a run's model outlives no run
+        self.holding = False
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """A stop waits from here, before the checkpoints (Lightning runs them last), until the epoch's `train/*`
+        points are logged after every callback: a resume starts at the next epoch and would never log them."""
+        stops.hold()
+        self.holding = True
+
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if getattr(self, "holding", False):
+            self.holding = False
+            stops.release()
+
+    on_train_end = on_train_epoch_start
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        if getattr(self, "holding", False):
+            self.holding = False
+            stops.release(stop=False)
 
 
 def _position(trainer: "weakref.ref[Trainer]") -> str:
     return "" if (alive := trainer()) is None else f" during epoch {alive.current_epoch + 1} (step {alive.global_step})"
 
 
+def open_files_for(nprocs: int) -> None:
+    """Enough open files for the agent and its workers, raised up to the hard limit where the soft one is lower: short
+    of them, the agent's store fails to start or its workers retry their connection until the rendezvous times out."""
+    need = 48 + 8 * nprocs  # measured: 40 start two CPU workers
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft >= need:
+        return
+    if hard == resource.RLIM_INFINITY or hard >= need:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+        return
+    raise RunFailed(f"{nprocs} DDP processes need {need} open files and `ulimit -n` allows {hard}: Too many "
+                    "open files: a limit of the system's (see `ulimit -n`, `ulimit -v`)")
+
+
 def start(task: Callable[[DictConfig], Result], cfg: DictConfig, nprocs: int) -> Result:
     """`task(cfg)` in `nprocs` workers; rank 0's result, else `RunStopped`, `RankFailed`, or the worker's own error."""
+    open_files_for(nprocs)
     handlers = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
     quiet = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.distributed.launcher")]
     for logger in quiet:  # the agent's own lines would say again, in many lines, what the one `error:` line says

@@ -72,9 +72,13 @@ class Classifier(LightningModule):
     @classmethod
     def load_from_checkpoint(cls, checkpoint_path: str | Path, *args: Any, **kwargs: Any) -> "Classifier":  # type: ignore[override]
         """Weights-only, building only classes the project's conf/ names: a checkpoint may come from anyone."""
-        recorded = read_checkpoint(checkpoint_path).get("hyper_parameters", {})
-        records.check_data({k: v for k, v in recorded.items() if k not in kwargs}, Path(checkpoint_path),
-                           records.conf_targets(), "hyper_parameters")
+        saved = read_checkpoint(checkpoint_path)
+        legacy = [key for key in ("hparams", "module_arguments") if key in saved]  # Lightning would merge them in
+        if legacy:
+            raise records.refused(Path(checkpoint_path), legacy[0], "...", "a checkpoint of this project keeps its "
+                                  "settings in hyper_parameters alone")
+        recorded = saved.get("hyper_parameters", {})
+        records.check_data({k: v for k, v in recorded.items() if k not in kwargs}, Path(checkpoint_path), "model")
         kwargs["weights_only"] = True
         return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)
 

@@ -2,6 +2,7 @@
 `src.scaling.costmodel` to every hook, interconnect and 1 to 1024 processes, and checked against the other runs."""
 
 import csv
+import io
 import os
 import statistics
 from argparse import Namespace
@@ -17,6 +18,7 @@ from omegaconf import OmegaConf
 from src.data.fashion_mnist import IMAGE_SIZE
 from src import records
 from src.errors import UsageError
+from src.folders import figure_bytes, write_file
 from src.launch.console import processes, saying
 from src.runs import RESOLVED_CONFIG, RunFolder, median, output_folder, read_runs, require_folder, usage_errors_exit
 from src.scaling import probe as gloo_probe
@@ -80,7 +82,7 @@ def read_figures(run: RunFolder) -> RunFigures | None:
     if not epochs:
         return None
     # The network is built here, and timed: only from a class this project's conf/ names.
-    records.check_data(OmegaConf.to_container(config.model), run.path / RESOLVED_CONFIG, records.conf_targets(), "model")
+    records.check_data(OmegaConf.to_container(config.model), run.path / RESOLVED_CONFIG, "model")
     ends = [-1] + [step for step, _ in epochs]  # Lightning files an epoch's time at its last step, global_step - 1
     steps = [max(1, b - a) for a, b in zip(ends, ends[1:])]
     figures = RunFigures(
@@ -410,7 +412,7 @@ def plot(base: Baseline, rows: list[dict], links: list[Interconnect], path: Path
     figure.axes[0].legend(fontsize="x-small")
     figure.suptitle(f"{base.run.model}, global batch {base.run.batch_size}: predicted speed-up")
     figure.tight_layout()
-    figure.savefig(path, dpi=110)
+    write_file(path, figure_bytes(figure, dpi=110))
 
 
 def assumptions(links: list[Interconnect], has_probe: bool, weak: int | None = None) -> str:
@@ -488,14 +490,15 @@ def write_scaling(root: Path, out: Path | None = None, probe: gloo_probe.Probe |
         all_links.update((link.name, link) for link in links)
     if not report:
         timing.save(out / timing.FILE, saved)
-    with (out / "scaling.csv").open("w", newline="") as file:
-        writer = csv.DictWriter(file, fieldnames=COLUMNS, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(all_rows)
+    table = io.StringIO(newline="")
+    writer = csv.DictWriter(table, fieldnames=COLUMNS, extrasaction="ignore")
+    writer.writeheader()
+    writer.writerows(all_rows)
+    write_file(out / "scaling.csv", table.getvalue())
     on_cpu = any(run.accelerator != "cuda" for run in runs)  # only a CPU run is predicted on this machine's interconnect
     how = [assumptions(list(all_links.values()), probe is not None or not on_cpu, options.per_process_batch)] if all_links else []
     body = "\n".join(sections + how)
-    (out / "scaling.md").write_text(f"# Scaling: {root}\n\n{body}")
+    write_file(out / "scaling.md", f"# Scaling: {root}\n\n{body}")
     return body
 
 

@@ -1,0 +1,314 @@
+"""Crafted folders: whoever can write a run folder, a sweep folder or a study cannot run code, read secrets or write
+outside the folder in the account of whoever resumes, scores, reports or searches from it (docs/security.md).
+
+Every case calls the entry point's own function in this process with a harmless payload that would leave a mark if
+it acted (a folder made, a file written, an environment variable read), and checks the one line it is refused with and
+that the mark never appears. tests/test_records.py keeps one command line per entry point."""
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from omegaconf import OmegaConf
+
+from src import records, resume
+from src.checkpoints import AtomicCheckpointIO, clean_partial
+from src.errors import UsageError
+from src.folders import write_file
+from src.launch import lock, naming
+from src.launch.optuna_sweeper import DB, OptunaSweeper, search_space
+from src.launch.slurm_launcher import check_private
+from src.models.module import Classifier
+from src.report import main as report_main
+from tests.helpers import call_main
+from tests.test_scaling import write_ddp_run
+
+SECRET = "CRAFTED_FOLDER_SECRET"
+
+
+def run_folder(tmp_path: Path, *lines: str) -> Path:
+    """A run folder as a resume reads it: its overrides (the run's own, then `lines`) and a checkpoint."""
+    folder = tmp_path / "run"
+    (folder / ".hydra").mkdir(parents=True)
+    (folder / "checkpoints").mkdir()
+    (folder / "checkpoints" / "last.ckpt").write_bytes(b"")
+    (folder / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(["model=lenet", "optim.lr=0.05", *lines]))
+    return folder
+
+
+def resume_run(folder: Path, *typed: str) -> list[str]:
+    return resume.with_record(["ckpt_path=last", f"hydra.run.dir={folder}", *typed])
+
+
+def refused_line(path: Path, key: str) -> str:
+    return rf"^{re.escape(f'{path}: {key}=')}.* is not allowed in a run's records; "
+
+
+# ------------------------------------------------------------------ a run's recorded overrides
+
+
+@pytest.mark.parametrize("line, key", [
+    (f"tags=[$\\{{oc.env:{SECRET}\\}}]", "tags"),  # an escaped interpolation: Hydra would unescape it
+    ("data.root=$\\{claim_dir:{made}\\}", "data.root"),
+    ("data.root=${claim_dir:{made}}", "data.root"),
+    ("+strategy@hydra.callbacks.x=auto", "strategy@hydra.callbacks.x"),  # a package: a config node placed anywhere
+    ("model=../{made}/evil", "model"),  # a config choice written as a path
+    ("strategy.hook=os.system", "strategy.hook"),  # a function named by import path
+    ("+callbacks.evil._target_=builtins.open", "callbacks.evil._target_"),
+    ("model.loss._target_=builtins.open", "model.loss._target_"),
+    ("strategy.hook_state.x=1", "strategy.hook_state.x"),
+    ("output_dir={made}", "output_dir"),  # where the run writes
+    ("callbacks.last_checkpoint.dirpath={made}", "callbacks.last_checkpoint.dirpath"),
+    ("logger.mlflow.tracking_uri=sqlite:///{made}/x.db", "logger.mlflow.tracking_uri"),
+    ("hydra.job.name={made}", "hydra.job.name"),
+    ("hydra.callbacks.evil._target_=builtins.open", "hydra.callbacks.evil._target_"),
+    ("tags=[one\nline]", "tags"),
+    ("tags=[\x1b]0;title\x07]", "tags"),  # a terminal escape
+    ("+optim.evil=1", "optim.evil"),  # a key added that no schema knows
+])
+def test_a_recorded_override_that_is_not_a_plain_value_is_refused_in_one_line(tmp_path, monkeypatch, line, key):
+    made = tmp_path / "made"
+    monkeypatch.setenv(SECRET, "leaked")
+    folder = run_folder(tmp_path, line.replace("{made}", str(made)))
+    with pytest.raises(UsageError) as refused:
+        resume_run(folder)
+    said = str(refused.value)
+    assert re.match(refused_line(folder / ".hydra" / "overrides.yaml", key), said), said
+    assert "\n" not in said and "\x1b" not in said and "leaked" not in said
+    assert not made.exists()
+
+
+def test_a_runs_plain_settings_are_taken_as_recorded_and_the_typed_ones_win(tmp_path):
+    folder = run_folder(tmp_path, "tags=[a,b]", "precision=bf16-mixed", "data.root='/data/a b'",
+                        "+trainer.overfit_batches=2", "~callbacks.step_checkpoint", "strategy.hook=powersgd",
+                        "trainer.max_time=00:01:00:00", "ckpt_path=/elsewhere/x.ckpt")
+    args = resume_run(folder, "optim.lr=0.1")
+    assert args == ["model=lenet", "tags=[a,b]", "precision=bf16-mixed", "data.root='/data/a b'",
+                    "+trainer.overfit_batches=2", "~callbacks.step_checkpoint", "strategy.hook=powersgd",
+                    "trainer.max_time=00:01:00:00", "data.download=false", "ckpt_path=last", f"hydra.run.dir={folder}",
+                    "optim.lr=0.1"]
+
+
+def test_a_recorded_hook_of_ones_own_is_refused_but_typed_again_it_is_the_commands(tmp_path):
+    folder = run_folder(tmp_path, "strategy.hook=tests.faults.hook")
+    with pytest.raises(UsageError, match="a hook of one's own"):
+        resume_run(folder)
+    assert resume_run(folder, "strategy.hook=tests.faults.hook")[-1] == "strategy.hook=tests.faults.hook"
+
+
+# ------------------------------------------------------------------ a sweep's record
+
+
+def sweep_folder(tmp_path: Path, task: list[str], hydra: list[str] = ()) -> Path:
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    (sweep / "multirun.yaml").write_text(yaml.safe_dump({"hydra": {"overrides": {"task": task, "hydra": list(hydra)}}}))
+    return sweep
+
+
+def test_a_sweeps_record_reaches_its_jobs_only_as_plain_values(tmp_path, monkeypatch):
+    monkeypatch.setenv(SECRET, "leaked")
+    sweep = sweep_folder(tmp_path, ["seed=1,2", f"tags=[$\\{{oc.env:{SECRET}\\}}]"])
+    with pytest.raises(UsageError, match=refused_line(sweep / "multirun.yaml", "tags")):
+        resume.with_record(["-m", "seed=1,2", f"hydra.sweep.dir={sweep}", "ckpt_path=auto"])
+
+
+def test_a_sweeps_launcher_and_sweeper_come_back_by_name_with_their_plain_settings_alone(tmp_path):
+    hydra = ["hydra/launcher=slurm", "hydra.launcher.timeout_min=30", "hydra.launcher.partition=gpu",
+             "hydra.launcher.setup=[touch /tmp/x]", "hydra.launcher.setup='touch /tmp/x'",
+             "hydra.launcher.submitit_folder=/tmp/x", "hydra.launcher._target_=os.system", "hydra/launcher=../x",
+             "hydra.launcher.comment=${oc.env:HOME}", "hydra/sweeper=optuna", "hydra.sweep.dir=/tmp/x",
+             "hydra.callbacks.evil._target_=os.system"]
+    sweep = sweep_folder(tmp_path, ["seed=1,2", "optim.lr=tag(log, interval(0.001, 1))"], hydra)
+    args = resume.with_record(["-m", f"hydra.sweep.dir={sweep}", "ckpt_path=auto"])
+    assert args == ["hydra/launcher=slurm", "hydra.launcher.timeout_min=30", "hydra.launcher.partition=gpu",
+                    "hydra/sweeper=optuna", "seed=1,2", "optim.lr=tag(log, interval(0.001, 1))", "-m",
+                    f"hydra.sweep.dir={sweep}", "ckpt_path=auto"]
+
+
+# ------------------------------------------------------------------ checkpoints, studies, submitit's folder
+
+
+def saved_checkpoint(path: Path, **extra) -> Path:
+    net = {"_target_": "src.models.lenet.LeNet", "in_channels": 1, "num_classes": 10}
+    torch.save({"state_dict": {}, "hyper_parameters": {"net": net, "num_classes": 10}, **extra}, path)
+    return path
+
+
+@pytest.mark.parametrize("change, key", [
+    (lambda c: c["hyper_parameters"]["net"].update(_target_="src.loggers.MLflowRunLogger"), "net._target_"),
+    (lambda c: c.update(hparams={"net": {"_target_": "builtins.open"}}), "hparams"),
+    (lambda c: c.update(module_arguments={"loss": {"_target_": "builtins.open"}}), "module_arguments"),
+])
+def test_a_checkpoint_builds_only_what_conf_names_for_each_slot_and_no_legacy_keys(tmp_path, change, key):
+    path = saved_checkpoint(tmp_path / "x.ckpt")
+    contents = torch.load(path, weights_only=True)
+    change(contents)
+    torch.save(contents, path)
+    with pytest.raises(UsageError, match=re.escape(f"{path}: ")):
+        Classifier.load_from_checkpoint(path)
+    assert not (tmp_path / "mlruns").exists()
+
+
+def test_a_study_point_outside_the_space_typed_is_never_run(tmp_path):
+    space = search_space(["optim.lr=tag(log, interval(0.001, 1))", "model=choice(lenet,resnet18)"])
+    assert space.holds({"optim.lr": 0.01, "model": "lenet"})
+    assert not space.holds({"optim.lr": f"${{oc.env:{SECRET}}}", "model": "lenet"})
+    assert not space.holds({"optim.lr": 0.01, "model": "${oc.env:HOME}"})
+    assert not space.holds({"optim.lr": 5.0, "model": "lenet"})
+    assert not space.holds({"optim.lr": 0.01})
+
+
+@pytest.mark.parametrize("contents", [b"", os.urandom(4096), b"SQLite format 3\x00" + b"\x00" * 200],
+                         ids=["empty", "random bytes", "half written"])
+def test_a_damaged_study_is_one_line_naming_the_file_and_how_to_start_over(tmp_path, contents):
+    (tmp_path / DB).write_bytes(contents)
+    sweeper = OptunaSweeper(n_trials=2, n_jobs=None, sampler="tpe", seed=0, direction="maximize", pruner="median")
+    sweeper.config = OmegaConf.create({"ckpt_path": "auto"})
+    with pytest.raises(UsageError, match=re.escape(f"{tmp_path / DB}: cannot be read as an Optuna study (")):
+        sweeper.open_study(tmp_path)
+
+
+def test_submitits_folder_must_be_the_users_alone(tmp_path):
+    base = tmp_path / "sweep" / ".submitit"
+    (base / "1_0").mkdir(parents=True, mode=0o700)
+    (tmp_path / "sweep").chmod(0o755)
+    check_private(base)
+    (base / "1_0").chmod(0o777)
+    with pytest.raises(UsageError, match=re.escape(f"{base / '1_0'} is not private to this user")):
+        check_private(base)
+    (base / "1_0").chmod(0o700)
+    (tmp_path / "sweep").chmod(0o775)
+    with pytest.raises(UsageError, match=re.escape(f"{tmp_path / 'sweep'} is not private")):
+        check_private(base)
+
+
+# ------------------------------------------------------------------ links, aliases, sizes, control characters
+
+
+def victim(tmp_path: Path) -> Path:
+    path = tmp_path / "start-up file"
+    path.write_text("as it was\n")
+    return path
+
+
+def test_a_record_written_through_a_link_is_refused_and_the_target_is_untouched(tmp_path):
+    target, folder = victim(tmp_path), tmp_path / "run"
+    folder.mkdir()
+    (folder / "config.yaml").symlink_to(target)
+    with pytest.raises(UsageError, match=re.escape(f"{folder / 'config.yaml'} is a symbolic link")):
+        write_file(folder / "config.yaml", "seed: 1\n")
+    write_file(folder / "result.json", "{}")  # a file of the folder's own is written as before
+    assert target.read_text() == "as it was\n" and (folder / "result.json").read_text() == "{}"
+    assert not list(folder.glob(".*.partial"))
+
+
+@pytest.mark.parametrize("kind", ["link", "fifo"])
+def test_a_lock_file_that_is_a_link_or_a_fifo_is_refused_in_one_line(tmp_path, kind):
+    target, folder = victim(tmp_path), tmp_path / "run"
+    folder.mkdir()
+    if kind == "link":
+        (folder / lock.LOCK).symlink_to(target)
+    else:
+        os.mkfifo(folder / lock.LOCK)
+    with pytest.raises(UsageError, match=re.escape(str(folder / lock.LOCK))):
+        with lock.held(folder):
+            pass
+    assert target.read_text() == "as it was\n"
+
+
+def test_a_log_that_is_a_link_is_closed_unwritten_and_refused(tmp_path):
+    import logging
+
+    target, folder = victim(tmp_path), tmp_path / "run"
+    folder.mkdir()
+    (folder / "train.log").symlink_to(target)
+    handler = logging.FileHandler(folder / "train.log", delay=True)  # as conf/hydra/default.yaml has Hydra open it
+    logging.root.addHandler(handler)
+    try:
+        with pytest.raises(UsageError, match="train.log is a symbolic link"):
+            naming.check_own_logs(folder)
+        logging.getLogger("src.train").warning("a line after the refusal")
+    finally:
+        logging.root.removeHandler(handler)
+        handler.close()
+    assert target.read_text() == "as it was\n"
+
+
+def test_a_checkpoint_never_writes_through_a_link_planted_at_its_partial_name(tmp_path):
+    target, folder = victim(tmp_path), tmp_path / "checkpoints"
+    folder.mkdir()
+    (folder / f".last.ckpt.{os.getpid()}.partial").symlink_to(target)
+    AtomicCheckpointIO().save_checkpoint({"epoch": 0}, folder / "last.ckpt")
+    assert target.read_text() == "as it was\n"
+    assert torch.load(folder / "last.ckpt", weights_only=True) == {"epoch": 0}
+
+
+def test_a_linked_checkpoints_folder_keeps_working_and_only_its_own_partial_files_go(tmp_path):
+    scratch, run = tmp_path / "scratch", tmp_path / "run"
+    scratch.mkdir()
+    run.mkdir()
+    (run / "checkpoints").symlink_to(scratch, target_is_directory=True)
+    (scratch / ".notes.partial").write_text("someone's")
+    (scratch / ".last.ckpt.123.partial").write_text("cut short")
+    clean_partial(run)
+    assert (scratch / ".notes.partial").exists() and not (scratch / ".last.ckpt.123.partial").exists()
+    AtomicCheckpointIO().save_checkpoint({"epoch": 1}, run / "checkpoints" / "last.ckpt")
+    assert (scratch / "last.ckpt").is_file()
+
+
+def test_a_report_is_never_written_through_a_link(tmp_path):
+    root = tmp_path / "outputs"
+    write_ddp_run(root / "run")
+    target = victim(tmp_path)
+    (root / "report.md").symlink_to(target)
+    result = call_main(report_main, str(root))
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith(f"error: {root / 'report.md'} is a symbolic link")
+    assert target.read_text() == "as it was\n"
+
+
+@pytest.mark.parametrize("text, why", [
+    ("a: &a [x, x]\nb: [*a, *a]\n", "anchor or alias"),  # nine levels of these are a gigabyte
+    ("a: &a [*a]\n", "anchor or alias"),  # one that refers to itself
+    ("a: " + "[" * 5000 + "]" * 5000 + "\n", "recursion"),
+    ("a: " + "x" * (records.LIMIT + 1) + "\n", "larger than"),
+])
+def test_a_record_that_would_hang_or_crash_is_refused_in_one_line(tmp_path, text, why):
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    with pytest.raises(UsageError, match=re.escape(f"{path}: cannot be read as a record (")) as refused:
+        records.load(path)
+    assert "\n" not in str(refused.value)
+
+
+def test_a_record_that_is_a_fifo_is_refused_without_waiting(tmp_path):
+    os.mkfifo(tmp_path / "overrides.yaml")
+    with pytest.raises(UsageError, match="not a regular file"):
+        records.load(tmp_path / "overrides.yaml")
+
+
+def test_a_results_line_is_read_with_its_control_characters_escaped(tmp_path):
+    (tmp_path / records.RESULT).write_text(
+        '{"metrics": {"test/acc": 0.5}, "line": "done\\necho owned >> ~/.bashrc\\u001b]0;t\\u0007", "step": 3}')
+    line = records.result(tmp_path).line
+    assert line == "done\\necho owned >> ~/.bashrc\\x1b]0;t\\x07" and line.isprintable()
+
+
+def test_eval_builds_nothing_a_runs_config_would_build_otherwise(tmp_path):
+    """`data: {_partial_: true}` in a run's config.yaml: src.eval would build a function instead of the data."""
+    from src.eval import as_trained
+    from tests.helpers import composed
+
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    cfg = composed("ckpt_path=" + str(run / "checkpoints" / "last.ckpt"), run_dir=tmp_path / "eval",
+                   config_name="eval")
+    saved = OmegaConf.to_container(cfg.data, resolve=True)  # as a run's config.yaml holds it
+    saved["_partial_"] = True
+    (run / "config.yaml").write_text(yaml.safe_dump({"model_name": "lenet", "data": saved}))
+    with pytest.raises(UsageError, match=re.escape("builds the data with data._partial_=True")):
+        as_trained(cfg, [], "data")
