@@ -87,15 +87,20 @@ def with_checkpoint_model(args: list[str]) -> list[str]:
         return args
     config = resolved_config(given["ckpt_path"])
     model = config.get("model_name") if config is not None else None
-    if model is not None and str(model) not in records.group_options("model"):
+    if model is not None and not records.OPTION.fullmatch(str(model)):
         raise records.refused(resolved_config_file(given["ckpt_path"]), "model_name", model,
                               "it must name an option of the model group; give the model with model=<option>")
     return [*args, f"model={model}"] if model else args
 
 
-if __name__ == "__main__":
+def command() -> None:
+    """`python -m src.eval`: the run's model chosen from its checkpoint's folder, then the Hydra entry."""
     try:
         sys.argv = [sys.argv[0], *with_checkpoint_model(sys.argv[1:])]
     except UsageError as error:
         cli.end_run(str(error), 2)
     cli.main(main)
+
+
+if __name__ == "__main__":
+    command()

@@ -146,6 +146,9 @@ SWEEP_FUNCTIONS = re.compile(r"(interval|range|choice)\((.*)\)|tag\(log,\s*inter
 WHERE = re.compile(r"(^|\.)(\w*dir|\w*dirpath|\w*path|\w*folder|\w*_uri|\w*file|filename|root)$")
 NOT_FROM_RECORDS = {"strategy.hook_state": "it names code to run"}
 LAUNCHERS, SWEEPERS = ("sequential", "parallel", "slurm"), ("optuna",)
+# A config group's option by its name, found where Hydra looks (conf/ and a search path the command types), never a
+# path to another file.
+OPTION = re.compile(r"[A-Za-z0-9][\w-]*")
 
 
 def scalar(token: str) -> Any:
@@ -212,11 +215,11 @@ def settings(lines: Any, path: Path, sweep: bool = False, typed: set[str] = froz
         if why or WHERE.search(key) and key != "data.root":
             raise refused(path, key, text, f"{why or 'it says where a run writes'}; type it again to resume with it")
         if key in GROUPS and not prefix:
-            options = group_options(key)
-            listed = re.fullmatch(r"\[([\w-]+(,[\w-]+)*)\]", text) if key == "logger" else None
+            listed = re.fullmatch(r"\[(.*)\]", text) if key == "logger" else None
             names = (listed.group(1) if listed else text).split(",")
-            if not set(names) <= options | {"null"} or len(names) > 1 and not (listed or sweep):
-                raise refused(path, key, text, f"it must name an option of conf/{key}: {', '.join(sorted(options))}")
+            if not all(OPTION.fullmatch(name) for name in names) or len(names) > 1 and not (listed or sweep):
+                raise refused(path, key, text, f"it must name an option of the {key} group (conf/{key}: "
+                                               f"{', '.join(sorted(group_options(key)))}), never a path")
             kept.append(f"{key}={text}")
             continue
         if prefix not in ("", "~") and not (prefix == "+" and head == "trainer"):

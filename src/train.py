@@ -230,5 +230,10 @@ def main(cfg: DictConfig) -> Result:
     return cli.run_job(cfg, fit_and_test)
 
 
-if __name__ == "__main__":
+def command() -> None:
+    """`python -m src.train`: a run, or a sweep and its report."""
     cli.main(main, report=True)
+
+
+if __name__ == "__main__":
+    command()

@@ -1,5 +1,8 @@
 """Session fixtures: the data copy, runs trained once for the tests that read them, and checks every test passes."""
 
+import multiprocessing.process
+import subprocess
+
 import pytest
 import torch
 from hydra.core.hydra_config import HydraConfig
@@ -8,7 +11,7 @@ from hydra.core.hydra_config import HydraConfig
 # saves Hydra's singletons to put them back after it (`hydra_restore_singletons`, the launcher kit's fixture).
 import hydra_plugins.project_launchers.parallel  # noqa: F401
 import hydra_plugins.project_launchers.sequential  # noqa: F401
-from tests.helpers import DATA_ROOT, LINEAR_LR, QUICK, REPO, Run, train
+from tests.helpers import DATA_ROOT, LINEAR_LR, QUICK, REPO, Run, command_here, train
 
 OUTPUTS = REPO / "outputs"
 
@@ -59,9 +62,11 @@ def exact_cuda_math():
     torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
 
 
-def _trained(tmp_path_factory: pytest.TempPathFactory, name: str, *args: str) -> Run:
+def _trained(tmp_path_factory: pytest.TempPathFactory, name: str, *args: str, here: bool = False) -> Run:
+    """A run trained once for the tests that read it: in this process where one process trains it."""
     run_dir = tmp_path_factory.mktemp(name) / "run"
-    result = train(*args, f"hydra.run.dir={run_dir}")
+    result = (command_here("src.train", *args, f"hydra.run.dir={run_dir}") if here
+              else train(*args, f"hydra.run.dir={run_dir}"))
     assert result.returncode == 0, result.stderr[-3000:]
     return Run(result, run_dir)
 
@@ -70,7 +75,7 @@ def _trained(tmp_path_factory: pytest.TempPathFactory, name: str, *args: str) ->
 def quick_run(tmp_path_factory, data_root) -> Run:
     """`python -m src.train debug=quick` (LeNet, one process), trained once for every test that reads such a run; a
     test that changes the folder works in a `Run.copy` of it."""
-    return _trained(tmp_path_factory, "quick_run", *QUICK)
+    return _trained(tmp_path_factory, "quick_run", *QUICK, here=True)
 
 
 @pytest.fixture(scope="session")
@@ -78,3 +83,64 @@ def ddp_run(tmp_path_factory, data_root) -> Run:
     """The same on 2 DDP processes, with a global batch of 128 and linear learning-rate scaling (`LINEAR_LR`), trained
     once for every test that reads such a run."""
     return _trained(tmp_path_factory, "ddp_run", *QUICK, "strategy=ddp", "devices=2", *LINEAR_LR)
+
+
+# Interpreters a test starts (`python -m ...`, a DDP worker, a sweep job), each of which imports torch and Lightning
+# (about 5 s of a core): only a test marked `slow` may, so that `-m "not slow"` starts none. The fixtures seen to
+# start one make every test that uses them slow as well.
+_started: list[str] = []
+_process_fixtures: set[str] = set()
+_popen_init, _process_start = subprocess.Popen.__init__, multiprocessing.process.BaseProcess.start
+_refusing = [False]  # in a test not marked slow: the interpreter is refused as it starts, so the test ends at once
+
+
+def _started_here(what: str) -> None:
+    _started.append(what[:120])
+    if _refusing[0]:
+        raise RuntimeError(f"an interpreter started outside a slow test: {what[:120]}")
+
+
+def _watched_popen(self, args, *rest, **kwargs):
+    command = " ".join(map(str, args)) if isinstance(args, (list, tuple)) else str(args)
+    if "python" in command:
+        _started_here(command)
+    _popen_init(self, args, *rest, **kwargs)
+
+
+def _watched_start(self):
+    _started_here(f"multiprocessing: {self.name}")
+    _process_start(self)
+
+
+subprocess.Popen.__init__ = _watched_popen
+multiprocessing.process.BaseProcess.start = _watched_start
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_fixture_setup(fixturedef, request):
+    before = len(_started)
+    result = yield
+    if len(_started) > before:
+        _process_fixtures.add(fixturedef.argname)
+    return result
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    _started.clear()  # a fixture that starts one is only noted: a session fixture that failed would fail slow tests too
+    return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    _refusing[0] = "slow" not in item.keywords
+    try:
+        result = yield
+    finally:
+        _refusing[0] = False
+    fixtures = sorted(set(item.fixturenames) & _process_fixtures)
+    if "slow" not in item.keywords and (_started or fixtures):
+        what = _started[0] if _started else f"the fixture {fixtures[0]}"
+        pytest.fail(f"starts an interpreter ({what}) but is not marked slow: test the logic in this process, or "
+                    "mark it @pytest.mark.slow where the process is the point")
+    return result

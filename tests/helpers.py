@@ -139,6 +139,56 @@ def call_main(main: Callable[[list[str]], object], *args: str) -> subprocess.Com
     return subprocess.CompletedProcess(list(args), status, stdout.getvalue(), stderr.getvalue())
 
 
+def command_here(module: str, *args: str) -> subprocess.CompletedProcess:
+    """`python -m <module> <args>` (src.train, src.eval) through its own entry in this process, for what a command says
+    and leaves rather than what only a process shows (signals, ranks, a new interpreter's environment): its exit
+    status and output as `run_cli` returns them. Hydra's, logging's and the signal handlers' state is put back."""
+    import importlib
+    import logging
+
+    from hydra.core.global_hydra import GlobalHydra
+
+    from src.launch import naming, progress
+    from src.launch.stops import STOP_SIGNALS
+
+    entry = importlib.import_module(module)
+    HydraConfig.instance().cfg = None  # a config a test composed before would be resolved again, and claim its folders
+    GlobalHydra.instance().clear()
+    saved = sys.argv, {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}, logging.root.handlers[:], \
+        logging.root.level, os.environ.get("HYDRA_FULL_ERROR")
+    stdout, stderr, status = io.StringIO(), io.StringIO(), 0
+    sys.argv = [f"{module.replace('.', '/')}.py", *args]
+    os.environ["HYDRA_MAIN_MODULE"] = "__main__"  # Hydra then finds conf/ beside the entry's file, as `python -m` does
+    try:
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            entry.command()
+    except SystemExit as exit_:
+        status = exit_.code if isinstance(exit_.code, int) else 1
+    finally:
+        sys.argv = saved[0]
+        for signum, handler in saved[1].items():
+            signal.signal(signum, handler)
+        for handler in logging.root.handlers[:]:
+            if handler not in saved[2]:
+                logging.root.removeHandler(handler)
+                handler.close()
+        logging.root.handlers[:] = saved[2]
+        logging.root.setLevel(saved[3])
+        if saved[4] is None:
+            os.environ.pop("HYDRA_FULL_ERROR", None)
+        os.environ.pop("HYDRA_MAIN_MODULE", None)
+        GlobalHydra.instance().clear()
+        HydraConfig.instance().cfg = None
+        progress.tally = None
+        naming._claimed.clear()
+    return subprocess.CompletedProcess([module, *args], status, stdout.getvalue(), stderr.getvalue())
+
+
+def train_here(*args: str) -> subprocess.CompletedProcess:
+    """`python -m src.train <args>` in this process (`command_here`)."""
+    return command_here("src.train", *args)
+
+
 def on_a_trainer(module):
     """`module` attached to a CPU Trainer, as Lightning attaches it before it asks for the optimizers."""
     from lightning.pytorch import Trainer

@@ -25,7 +25,12 @@ from src.checkpoints import check_checkpoint, open_checkpoint, resolve_ckpt_path
 from src.errors import TrainingDiverged, UsageError
 from src.models.module import Classifier
 from src.train import build, check_model
-from tests.helpers import QUICK, composed, hparams, train
+from tests.helpers import QUICK, command_here, composed, hparams, train
+
+
+def here(*args: str):
+    """`python -m src.train <args>` in this process: what it says and leaves, not a process's behaviour."""
+    return command_here("src.train", *args)
 
 
 def refused(check, *args) -> str:
@@ -308,7 +313,7 @@ def test_a_checkpoint_must_be_one_of_this_model(tmp_path):
     check_checkpoint(open_checkpoint(ckpt), str(ckpt), lenet, "lenet")
 
 
-# --- the command line, one subprocess per way a run fails ----------------------------------------------------
+# --- the command line, through its own entry in this process, once per way a run fails ----------------------------------------------------
 
 BAD_INPUTS = {
     "unknown model": (["model=vgg"], "model=vgg is not an option; choose one of: lenet, resnet18"),
@@ -328,7 +333,7 @@ BAD_INPUTS = {
 def test_bad_input_fails_with_one_line_and_no_run_folder(tmp_path, data_root, case):
     args, message = BAD_INPUTS[case]
     run_dir = tmp_path / "run"
-    result = train(*QUICK, f"hydra.run.dir={run_dir}", f"hydra.sweep.dir={tmp_path / 'sweep'}", *args)
+    result = here(*QUICK, f"hydra.run.dir={run_dir}", f"hydra.sweep.dir={tmp_path / 'sweep'}", *args)
     assert result.returncode == 2, result.stderr[-3000:]
     lines = result.stderr.strip().splitlines()
     assert lines[-1].startswith("error: ") and message in lines[-1]
@@ -345,13 +350,13 @@ def test_auto_strategy_on_two_devices_and_a_missing_checkpoint_are_refused(tmp_p
 def test_a_resumed_run_keeps_its_folder_when_its_input_is_bad(tmp_path, quick_run):
     run_dir = quick_run.copy(tmp_path)
     before = sorted(p.relative_to(run_dir) for p in run_dir.rglob("*"))
-    result = train(*QUICK, f"hydra.run.dir={run_dir}", "ckpt_path=last", "model=resnet18")
+    result = here(*QUICK, f"hydra.run.dir={run_dir}", "ckpt_path=last", "model=resnet18")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1].startswith(
         f"error: model=resnet18 is not allowed in a resume of {run_dir}: the run used model=lenet")
     assert sorted(p.relative_to(run_dir) for p in run_dir.rglob("*")) == before
     checkpoint = lenet_checkpoint(tmp_path / "alone" / "checkpoints" / "last.ckpt")
-    result = train(*QUICK, f"hydra.run.dir={tmp_path / 'alone'}", "ckpt_path=last")
+    result = here(*QUICK, f"hydra.run.dir={tmp_path / 'alone'}", "ckpt_path=last")
     assert result.returncode == 2 and checkpoint.is_file()
     assert result.stderr.strip().splitlines()[-1] == (
         f"error: {tmp_path / 'alone' / '.hydra' / 'overrides.yaml'} is missing: a resume takes the run's settings from "
@@ -375,7 +380,7 @@ def test_lightning_refusals_inside_ddp_fit_give_one_line(tmp_path, data_root):
 
 def test_a_diverging_loss_stops_the_run_naming_step_and_rate(tmp_path, data_root):
     run_dir = tmp_path / "run"
-    result = train(*QUICK, "optim.lr=1e30", f"hydra.run.dir={run_dir}")
+    result = here(*QUICK, "optim.lr=1e30", f"hydra.run.dir={run_dir}")
     assert result.returncode == 1, result.stderr[-3000:]
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("error: train/loss is nan at step ") and "(epoch 1) with learning rate 1e+30; lower optim.lr" in last
@@ -395,7 +400,7 @@ def test_a_diverging_loss_under_ddp_stops_every_process_with_one_line(tmp_path, 
 
 def test_precision_64_trains_end_to_end(tmp_path, data_root):
     run_dir = tmp_path / "run"
-    result = train(*QUICK, "precision=64", "data.batch_size=32", "trainer.limit_train_batches=2", f"hydra.run.dir={run_dir}")
+    result = here(*QUICK, "precision=64", "data.batch_size=32", "trainer.limit_train_batches=2", f"hydra.run.dir={run_dir}")
     assert result.returncode == 0, result.stderr[-3000:]
     assert hparams(run_dir)["precision_used"] == "64-true"
     weights = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
@@ -477,7 +482,7 @@ def test_across_processes_the_record_is_read_every_50_steps_whatever_the_logging
     (["precision=fp16"], "precision=fp16 is not allowed; did you mean precision=16-mixed? precision must be one of auto"),
 ])
 def test_a_near_miss_gets_what_was_meant(args, message):
-    result = train(*args)
+    result = here(*args)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1].startswith(f"error: {message}"), result.stderr
 

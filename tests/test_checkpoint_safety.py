@@ -22,7 +22,7 @@ from src.errors import UsageError
 from src.eval import as_trained
 from src.loggers import purge_step
 from src.models.module import Classifier
-from tests.helpers import DATA_ROOT, QUICK, run_cli, train
+from tests.helpers import DATA_ROOT, QUICK, run_cli, train, train_here, command_here
 from tests.helpers import composed
 
 UNSAFE = "is not a safe checkpoint: it holds objects that cannot be loaded safely"
@@ -122,7 +122,7 @@ def refused_in_one_line(result, message: str) -> None:
 def test_train_refuses_a_malicious_checkpoint(tmp_path, data_root, unsafe_default):
     marker, run_dir = tmp_path / "marker", tmp_path / "run"
     bad = malicious_checkpoint(tmp_path / "given" / "bad.ckpt", marker)
-    result = train(*QUICK, f"ckpt_path={bad}", f"hydra.run.dir={run_dir}")
+    result = train_here(*QUICK, f"ckpt_path={bad}", f"hydra.run.dir={run_dir}")
     refused_in_one_line(result, f"error: ckpt_path={bad} is not allowed; {bad} {UNSAFE} (getattr)")
     assert not marker.exists() and not run_dir.exists()
 
@@ -133,7 +133,7 @@ def test_resume_refuses_a_malicious_last_checkpoint_and_keeps_the_folder(tmp_pat
         old.unlink()
     bad = malicious_checkpoint(run_dir / "checkpoints" / "last.ckpt", marker)
     before = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*") if p.is_file() and p.name != ".lock"}
-    result = train(*QUICK, "ckpt_path=last", f"hydra.run.dir={run_dir}")
+    result = train_here(*QUICK, "ckpt_path=last", f"hydra.run.dir={run_dir}")
     refused_in_one_line(result, f"error: ckpt_path=last is not allowed; {bad} {UNSAFE} (getattr)")
     assert not marker.exists()
     assert {p: p.stat().st_mtime_ns for p in run_dir.rglob("*") if p.is_file() and p.name != ".lock"} == before
@@ -142,7 +142,7 @@ def test_resume_refuses_a_malicious_last_checkpoint_and_keeps_the_folder(tmp_pat
 def test_eval_refuses_a_malicious_checkpoint(tmp_path, data_root, unsafe_default):
     marker, eval_dir = tmp_path / "marker", tmp_path / "eval"
     bad = malicious_checkpoint(tmp_path / "given" / "bad.ckpt", marker)
-    result = run_cli("src.eval", f"data.root={DATA_ROOT}", "debug=quick", f"ckpt_path={bad}", f"hydra.run.dir={eval_dir}")
+    result = command_here("src.eval", f"data.root={DATA_ROOT}", "debug=quick", f"ckpt_path={bad}", f"hydra.run.dir={eval_dir}")
     refused_in_one_line(result, f"error: ckpt_path={bad} is not allowed; {bad} {UNSAFE} (getattr)")
     assert not marker.exists() and not eval_dir.exists()
 

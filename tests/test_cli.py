@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 from src.errors import UsageError
 from src.launch import cli
 from tests.helpers import (QUICK, REPO, Run, assert_finished_run, composed, cpu_precision, hparams, hparams_order, scalars,
-                           train, user_env, write_tiny_fashion_mnist)
+                           train, train_here, user_env, write_tiny_fashion_mnist)
 
 
 def test_single_device_run_logs_every_interface_scalar(quick_run: Run):
@@ -25,6 +25,7 @@ def test_single_device_run_logs_every_interface_scalar(quick_run: Run):
     assert "epoch" not in scalars(run_dir) and "trainer/epoch" in scalars(run_dir), "the epoch counter has a group of its own"
 
 
+@pytest.mark.slow
 def test_ddp_on_two_cpu_processes_writes_one_run_folder(ddp_run: Run):
     run_dir = ddp_run.dir
     assert_finished_run(ddp_run.result, run_dir)
@@ -41,6 +42,7 @@ def test_ddp_on_two_cpu_processes_writes_one_run_folder(ddp_run: Run):
 # Four processes: tests/test_readme.py, whose README command trains ResNet-18 under strategy=ddp devices=4.
 
 
+@pytest.mark.slow
 def test_linear_lr_scaling_grows_the_rate_with_the_global_batch(ddp_run: Run):
     """The shared DDP run: data.batch_size=128 optim.lr=0.05 optim.lr_scaling=linear optim.base_batch_size=32."""
     params = hparams(ddp_run.dir)
@@ -51,7 +53,7 @@ def test_linear_lr_scaling_grows_the_rate_with_the_global_batch(ddp_run: Run):
 
 def test_16_mixed_on_cpu_says_so_and_records_bf16(tmp_path, data_root):
     run_dir = tmp_path / "run"
-    result = train(*QUICK, "precision=16-mixed", f"hydra.run.dir={run_dir}")
+    result = train_here(*QUICK, "precision=16-mixed", f"hydra.run.dir={run_dir}")
     assert result.returncode == 0, result.stderr[-3000:]
     notes = [line for line in result.stdout.splitlines() if "needs a CUDA GPU" in line]
     assert len(notes) == 1 and "uses bf16-mixed" in notes[0]
@@ -63,7 +65,7 @@ def test_16_mixed_on_cpu_says_so_and_records_bf16(tmp_path, data_root):
 def test_resume_from_last_checkpoint_continues_where_it_stopped(tmp_path, quick_run: Run):
     run_dir = quick_run.copy(tmp_path)
     steps_first = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)["global_step"]
-    second = train(*QUICK, "max_epochs=2", "ckpt_path=last", f"hydra.run.dir={run_dir}")
+    second = train_here(*QUICK, "max_epochs=2", "ckpt_path=last", f"hydra.run.dir={run_dir}")
     assert second.returncode == 0, second.stderr[-3000:]
     state = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)
     assert state["epoch"] == 1 and state["global_step"] == 2 * steps_first
@@ -77,7 +79,7 @@ def test_bad_data_fails_with_one_line_and_no_run_folder(tmp_path, damage):
     images = root / "FashionMNIST" / "raw" / "train-images-idx3-ubyte"
     images.unlink() if damage == "missing" else images.write_bytes(b"\0\0\x08\x03" + b"\1" * 64)
     run_dir = tmp_path / "run"
-    result = train(*QUICK, f"data.root={root}", "data.download=false", "data.val_size=8", f"hydra.run.dir={run_dir}")
+    result = train_here(*QUICK, f"data.root={root}", "data.download=false", "data.val_size=8", f"hydra.run.dir={run_dir}")
     assert result.returncode == 2
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("error: data.root=") and ("not found" if damage == "missing" else "corrupt") in last
@@ -98,13 +100,13 @@ def test_debug_quick_says_whether_the_loss_fell_in_its_steps(tmp_path, quick_run
     says it cannot tell."""
     fell = re.search(r"; train/loss fell from (\d\.\d{4}) to (\d\.\d{4}) in 4 steps\) -> ", quick_run.result.stdout)
     assert fell and float(fell.group(2)) < float(fell.group(1)), quick_run.result.stdout[-2000:]
-    book = train(*QUICK, "experiment=d2l_lenet", "max_epochs=1", f"hydra.run.dir={tmp_path / 'book'}")
+    book = train_here(*QUICK, "experiment=d2l_lenet", "max_epochs=1", f"hydra.run.dir={tmp_path / 'book'}")
     assert book.returncode == 0, book.stderr[-3000:]
     flat = re.search(r"; train/loss (did not fall|rose) in its 4 steps \((\d\.\d{4}) to (\d\.\d{4})\): these are too few",
                      book.stdout)
     assert flat, book.stdout[-2000:]
     # Two batches a step: the 4 batches are 2 optimizer steps.
-    accumulated = train(*QUICK, "trainer.accumulate_grad_batches=2", f"hydra.run.dir={tmp_path / 'accumulated'}")
+    accumulated = train_here(*QUICK, "trainer.accumulate_grad_batches=2", f"hydra.run.dir={tmp_path / 'accumulated'}")
     assert accumulated.returncode == 0, accumulated.stderr[-3000:]
     assert re.search(r"; train/loss (fell from \S+ to \S+ in 2 steps|\S+( \S+)? in its 2 steps )", accumulated.stdout), \
         accumulated.stdout[-2000:]
@@ -118,6 +120,7 @@ def test_the_default_run_learns_in_its_first_epoch(tmp_path, data_root):
     assert json.loads((tmp_path / "run" / "result.json").read_text())["metrics"]["test/acc"] >= 0.80
 
 
+@pytest.mark.slow
 def test_one_name_for_the_precision_and_the_logger_under_ddp(ddp_run):
     """The folder, config.yaml (beside the precision asked for), the result line and HParams name the precision
     used alike; the result line's logger is `src.train`, not the worker's `__mp_main__`; the epoch line says samples/s."""
@@ -147,6 +150,7 @@ def test_a_slow_command_says_what_it_is_doing_and_a_quick_one_says_nothing(capsy
     assert "never said" not in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_the_rules_import_no_torch():
     """The rules (src/config.py) run on the composed config before anything is built, and need neither torch nor
     Lightning: only Hydra's composition and the rules' own tables."""
@@ -158,6 +162,7 @@ def test_the_rules_import_no_torch():
     assert result.stdout.strip() == "[]"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["train", "eval"])
 def test_help_lists_each_groups_options(name):
     result = subprocess.run([sys.executable, "-m", f"src.{name}", "--help"], cwd=REPO, env=user_env(),

@@ -87,6 +87,7 @@ def final_params(run_dir: Path) -> dict[str, torch.Tensor]:
     return torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["state_dict"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("hook", HOOKS)
 def test_hook_runs_on_cpu_and_its_bytes_are_counted(train, hook: str) -> None:
     logged = scalars(train(hook))
@@ -114,6 +115,7 @@ DDP_TIMINGS = ("xfer/backward_compute_ms", "xfer/backward_comm_ms", "xfer/overla
 HOOK_FIGURES = ("xfer/bytes_per_step", "xfer/compression_ratio", "xfer/hook_ms", "xfer/buckets_per_step")
 
 
+@pytest.mark.slow
 def test_ddp_backward_timings_and_epoch_means_are_logged(train) -> None:
     logged = scalars(train("none"))
     for name in DDP_TIMINGS:  # every step but the last: DDP files a step's timings in the next forward pass
@@ -132,6 +134,7 @@ def test_ddp_backward_timings_and_epoch_means_are_logged(train) -> None:
         assert [e.step for e in events.Scalars(name)] == list(range(BATCHES - 1)), name
 
 
+@pytest.mark.slow
 def test_accumulation_skips_the_all_reduce(train) -> None:
     plain, accumulated = scalars(train("none")), scalars(train("none", accumulate=2))
     # The same batches make half as many optimizer steps, each sending the full gradients once.
@@ -153,6 +156,7 @@ def test_half_precision_hooks_stay_close_to_fp32(train, hook: str) -> None:
     assert 0 < worst <= TOLERANCE[hook]  # different, so the gradients did travel in half precision
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("override", ["strategy.hook=int8", "strategy.powersgd_rank=0", "strategy.process_group_backend=nccl"])
 def test_bad_option_fails_with_one_line(tmp_path: Path, data_root: Path, override: str) -> None:
     run_dir = tmp_path / "run"
@@ -266,6 +270,7 @@ def _every_api_worker(rank: int, store: str, results: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_every_collective_on_the_hooks_group_is_counted_whatever_issued_it(tmp_path: Path) -> None:
     start_ranks(_every_api_worker, str(tmp_path / "store"), str(tmp_path / "result"), nprocs=WORLD)
     for rank in range(WORLD):
@@ -344,6 +349,7 @@ def _training_worker(rank: int, port: int, results: str) -> None:
     torch.save({"steps": record.steps, "untouched": record.untouched}, f"{results}.{rank}")
 
 
+@pytest.mark.slow
 def test_training_counts_collectives_a_wrapper_of_all_reduce_missed_and_leaves_it_alone(tmp_path: Path) -> None:
     start_ranks(_training_worker, free_port(), str(tmp_path / "result"), nprocs=WORLD)
     params = sum(p.numel() for p in TinyModel().parameters())
@@ -424,6 +430,7 @@ def _sampling_worker(rank: int, port: int, results: str) -> None:
                 "hook_ms": comm._epoch_values["xfer/hook_ms"]}, f"{results}.{rank}")
 
 
+@pytest.mark.slow
 def test_ddp_keeps_its_own_sample_of_timed_steps_and_they_are_logged(tmp_path: Path) -> None:
     start_ranks(_sampling_worker, free_port(), str(tmp_path / "result"), nprocs=WORLD)
     result = torch.load(tmp_path / "result.0", weights_only=False)

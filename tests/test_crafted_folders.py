@@ -39,8 +39,8 @@ def run_folder(tmp_path: Path, *lines: str) -> Path:
     return folder
 
 
-def resume_run(folder: Path, *typed: str) -> list[str]:
-    return resume.with_record(["ckpt_path=last", f"hydra.run.dir={folder}", *typed])
+def resume_run(folder: Path, *typed: str, word: str = "last") -> list[str]:
+    return resume.with_record([f"ckpt_path={word}", f"hydra.run.dir={folder}", *typed])
 
 
 def refused_line(path: Path, key: str) -> str:
@@ -69,12 +69,13 @@ def refused_line(path: Path, key: str) -> str:
     ("tags=[\x1b]0;title\x07]", "tags"),  # a terminal escape
     ("+optim.evil=1", "optim.evil"),  # a key added that no schema knows
 ])
-def test_a_recorded_override_that_is_not_a_plain_value_is_refused_in_one_line(tmp_path, monkeypatch, line, key):
+@pytest.mark.parametrize("word", ["last", "auto"])
+def test_a_recorded_override_that_is_not_a_plain_value_is_refused_in_one_line(tmp_path, monkeypatch, line, key, word):
     made = tmp_path / "made"
     monkeypatch.setenv(SECRET, "leaked")
     folder = run_folder(tmp_path, line.replace("{made}", str(made)))
     with pytest.raises(UsageError) as refused:
-        resume_run(folder)
+        resume_run(folder, word=word)
     said = str(refused.value)
     assert re.match(refused_line(folder / ".hydra" / "overrides.yaml", key), said), said
     assert "\n" not in said and "\x1b" not in said and "leaked" not in said
@@ -312,3 +313,29 @@ def test_eval_builds_nothing_a_runs_config_would_build_otherwise(tmp_path):
     (run / "config.yaml").write_text(yaml.safe_dump({"model_name": "lenet", "data": saved}))
     with pytest.raises(UsageError, match=re.escape("builds the data with data._partial_=True")):
         as_trained(cfg, [], "data")
+
+
+def test_a_report_leaves_out_a_run_whose_hydra_record_would_hang_it(tmp_path):
+    root = tmp_path / "outputs"
+    good, bomb = write_ddp_run(root / "good"), write_ddp_run(root / "bomb")
+    (bomb / ".hydra").mkdir()
+    (bomb / ".hydra" / "hydra.yaml").write_text("a: &a [x, x, x, x, x, x, x, x, x]\nb: &b [*a, *a, *a, *a, *a, *a]\n"
+                                                "hydra: {job: {name: train}, c: [*b, *b, *b, *b, *b, *b]}\n")
+    result = call_main(report_main, str(root))
+    assert result.returncode == 0, result.stderr
+    assert f"warning: {bomb}: left out ({bomb / '.hydra' / 'hydra.yaml'}: cannot be read as a record (" in result.stderr
+    assert "| good |" in (root / "report.md").read_text()
+
+
+def test_a_runs_hydra_folder_that_is_a_link_is_refused(tmp_path, capsys, data_root):
+    from tests.helpers import QUICK
+    from tests.test_data_kept import run_job_here
+
+    elsewhere, folder = tmp_path / "elsewhere", tmp_path / "run"
+    elsewhere.mkdir()
+    folder.mkdir()
+    (folder / ".hydra").symlink_to(elsewhere, target_is_directory=True)
+    status, line = run_job_here(*QUICK, run_dir=folder, capsys=capsys)
+    assert status == 2 and line == (f"error: {folder / '.hydra'} is a symbolic link; a run writes only files of its own "
+                                    "folder, never through a link: remove the link, or use another folder")
+    assert not list(elsewhere.iterdir())

@@ -21,7 +21,7 @@ from src.models.resnet import resnet18
 from src.strategies.dp import DataParallelNet, DataParallelStrategy
 from src.launch.workers import processes_per_node
 from tests.equivalence import checkpoint, deviation
-from tests.helpers import QUICK, REPO, composed, hparams, train
+from tests.helpers import QUICK, REPO, composed, hparams, train, train_here
 
 GPUS = torch.cuda.device_count()
 needs_two_gpus = pytest.mark.skipif(GPUS < 2, reason="needs two CUDA GPUs")
@@ -52,13 +52,14 @@ def test_several_cpu_devices_are_a_usage_error():
 
 def test_cli_dp_on_one_cpu_device_trains_and_logs(tmp_path, data_root):
     run_dir = tmp_path / "run"
-    result = train(*QUICK, "strategy=dp", "devices=1", f"hydra.run.dir={run_dir}")
+    result = train_here(*QUICK, "strategy=dp", "devices=1", f"hydra.run.dir={run_dir}")
     assert result.returncode == 0, result.stderr[-3000:]
     params = hparams(run_dir)
     assert (params["strategy"], params["world_size"]) == ("dp", 1)
     assert (run_dir / "checkpoints" / "last.ckpt").is_file()
 
 
+@pytest.mark.slow
 def test_cli_dp_on_two_cpu_devices_fails_with_one_line(tmp_path, data_root):
     run_dir = tmp_path / "run"
     result = train(*QUICK, "strategy=dp", "devices=2", "accelerator=cpu", f"hydra.run.dir={run_dir}")

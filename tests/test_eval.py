@@ -6,7 +6,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from src.eval import as_trained, with_checkpoint_model
-from tests.helpers import DATA_ROOT, QUICK, hparams, run_cli, scalars, train
+from tests.helpers import DATA_ROOT, QUICK, hparams, run_cli, scalars, train, command_here
 
 SCORE = [f"data.root={DATA_ROOT}", "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false"]
 
@@ -27,6 +27,7 @@ def evaluate(tmp_path, *args: str):
     return result, run_dir
 
 
+@pytest.mark.slow
 def test_eval_scores_a_checkpoint_as_the_training_run_did_without_training(tmp_path, trained):
     result, run_dir = evaluate(tmp_path, f"ckpt_path={trained / 'checkpoints' / 'last.ckpt'}")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -50,6 +51,7 @@ def test_eval_on_two_ddp_processes_gives_the_same_score_from_a_run_folder(tmp_pa
     assert "2 processes" in result.stdout
 
 
+@pytest.mark.slow
 def test_eval_into_the_training_folder_hides_none_of_its_points(tmp_path, trained):
     run_dir = tmp_path / "copy"
     shutil.copytree(trained, run_dir)
@@ -60,6 +62,7 @@ def test_eval_into_the_training_folder_hides_none_of_its_points(tmp_path, traine
     assert all(after[tag][: len(values)] == values for tag, values in before.items())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, message", [
     ([], "error: ckpt_path is required"),
     (["ckpt_path=/nonexistent.ckpt"], "error: ckpt_path=/nonexistent.ckpt: no checkpoint at /nonexistent.ckpt"),
@@ -95,6 +98,7 @@ def test_eval_builds_the_model_the_run_built_with_this_commands_model_overrides_
     assert as_trained(cfg, [], "model") is cfg.model
 
 
+@pytest.mark.slow
 def test_eval_as_the_readme_writes_it_scores_offline_with_the_runs_data(tmp_path, trained):
     """No data.root given, in a folder without data: the run's own data settings, not the default `data/`."""
     result = run_cli("src.eval", f"ckpt_path={trained}", "trainer.enable_progress_bar=false", cwd=tmp_path, timeout=600)
@@ -103,6 +107,7 @@ def test_eval_as_the_readme_writes_it_scores_offline_with_the_runs_data(tmp_path
     assert not (tmp_path / "data").exists()
 
 
+@pytest.mark.slow
 def test_a_failed_eval_leaves_no_folder_behind(tmp_path, trained):
     """The data cannot be found (and may not be downloaded): no eval folder, no `outputs/eval/` made for it. Run in a
     folder of its own: a folder made and removed in the checkout's outputs/ would also be seen there by a test that
@@ -114,6 +119,7 @@ def test_a_failed_eval_leaves_no_folder_behind(tmp_path, trained):
     assert not nodata.exists() and not (tmp_path / "outputs").exists()
 
 
+@pytest.mark.slow
 def test_eval_help_lists_the_groups_a_test_uses_only():
     result = run_cli("src.eval", "--help", timeout=120)
     assert result.returncode == 0, result.stderr

@@ -13,7 +13,7 @@ import torch
 from omegaconf import OmegaConf
 
 from src import config
-from tests.helpers import DATA_ROOT, QUICK, REPO, composed, hparams, run_cli, scalars, train
+from tests.helpers import DATA_ROOT, QUICK, REPO, composed, hparams, run_cli, scalars, train, train_here, command_here
 from tests.test_bad_input import hydra_refusal
 
 DOC = REPO / "docs" / "extending.md"
@@ -55,6 +55,7 @@ def test_searchpath_options_are_known_to_the_checks(searchpath):
     assert hydra_refusal("model=mlp").startswith("model=mlp is not an option")
 
 
+@pytest.mark.slow
 def test_a_new_model_trains_and_its_checkpoint_is_scored_by_eval(tmp_path, data_root, searchpath):
     run_dir = tmp_path / "run"
     config, checkpoint = finished(train(*QUICK, searchpath, "model=mlp", "model.net.hidden=32", f"hydra.run.dir={run_dir}"), run_dir)
@@ -71,13 +72,14 @@ def test_a_new_model_trains_and_its_checkpoint_is_scored_by_eval(tmp_path, data_
 
 def test_a_new_optimizer_is_a_config_file(tmp_path, data_root, searchpath):
     run_dir = tmp_path / "run"
-    config, checkpoint = finished(train(*QUICK, searchpath, "optim=rmsprop", "optim.lr=0.002", f"hydra.run.dir={run_dir}"), run_dir)
+    config, checkpoint = finished(train_here(*QUICK, searchpath, "optim=rmsprop", "optim.lr=0.002", f"hydra.run.dir={run_dir}"), run_dir)
     group = checkpoint["optimizer_states"][0]["param_groups"][0]
     assert (group["alpha"], group["lr"]) == (0.9, 0.002), "RMSprop's own argument, from the file"
     assert config.optim._target_ == "torch.optim.RMSprop"
     assert hparams(run_dir)["optimizer"] == "RMSprop" and hparams(run_dir)["alpha"] == 0.9
 
 
+@pytest.mark.slow
 def test_a_new_comm_hook_is_a_function_and_a_strategy_file(tmp_path, data_root, searchpath):
     run_dir = tmp_path / "run"
     config, _ = finished(train(*QUICK, searchpath, "strategy=ddp_fp16_example", "devices=2", f"hydra.run.dir={run_dir}",
@@ -89,6 +91,7 @@ def test_a_new_comm_hook_is_a_function_and_a_strategy_file(tmp_path, data_root, 
     assert hparams(run_dir)["world_size"] == 2
 
 
+@pytest.mark.slow
 def test_a_hook_with_state_gets_it_built_from_the_strategy_file(tmp_path, data_root, searchpath):
     run_dir = tmp_path / "run"
     config, _ = finished(train(*QUICK, searchpath, "strategy=ddp_fp16_warmup_example", "devices=2", "trainer.log_every_n_steps=1",
@@ -98,6 +101,7 @@ def test_a_hook_with_state_gets_it_built_from_the_strategy_file(tmp_path, data_r
     assert scalars(run_dir)["xfer/compression_ratio"] == [pytest.approx(r) for r in (1.0, 1.0, 2.0, 2.0)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, message", [
     (["strategy.hook=fp16", "strategy.hook_state={_target_:tests.examples.hooks.WarmupState,_partial_:true}"],
      "error: strategy.hook_state is not allowed with strategy.hook=fp16"),
@@ -116,6 +120,7 @@ def test_a_bad_hook_state_is_one_line(tmp_path, args, message):
     assert "Traceback" not in result.stderr and not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_an_unknown_hook_path_is_one_line(tmp_path):
     result = train(*QUICK, "strategy=ddp", "devices=2", "strategy.hook=tests.examples.hooks.nothing_here",
                    f"hydra.run.dir={tmp_path / 'run'}")
@@ -127,7 +132,7 @@ def test_an_unknown_hook_path_is_one_line(tmp_path):
 
 def test_a_new_strategy_is_a_lightning_strategy_class_and_a_file(tmp_path, data_root, searchpath):
     run_dir = tmp_path / "run"
-    config, _ = finished(train(*QUICK, searchpath, "strategy=announced", "accelerator=cpu", f"hydra.run.dir={run_dir}"), run_dir)
+    config, _ = finished(train_here(*QUICK, searchpath, "strategy=announced", "accelerator=cpu", f"hydra.run.dir={run_dir}"), run_dir)
     assert config.strategy._target_ == "tests.examples.strategies.AnnouncedSingleDevice"
     assert "AnnouncedSingleDevice: training on cpu" in (run_dir / "train.log").read_text()
     assert hparams(run_dir)["strategy"] == "announced"
@@ -136,7 +141,7 @@ def test_a_new_strategy_is_a_lightning_strategy_class_and_a_file(tmp_path, data_
 def test_a_new_data_set_is_a_data_module_and_a_file(tmp_path, searchpath):
     """No Fashion-MNIST here: data.root is a key of fashion_mnist only."""
     run_dir = tmp_path / "run"
-    config, checkpoint = finished(train("debug=quick", searchpath, "data=random_images", "model=lenet", f"hydra.run.dir={run_dir}"), run_dir)
+    config, checkpoint = finished(train_here("debug=quick", searchpath, "data=random_images", "model=lenet", f"hydra.run.dir={run_dir}"), run_dir)
     assert config.data._target_ == "tests.examples.random_images.RandomImagesDataModule"
     weights = checkpoint["state_dict"]
     assert weights["net.0.weight"].shape[1] == 3 and weights["net.9.weight"].shape[0] == 3, "3 channels in, 3 classes out"

@@ -11,7 +11,7 @@ from src import fast_path
 from src.fast_path import cudnn_benchmark, keep_freed_memory, one_channel_nchw_pays, resolve_precision, speed_up
 from src.models.lenet import LeNet
 from src.models.resnet import resnet18
-from tests.helpers import QUICK, Run, hparams, train
+from tests.helpers import QUICK, Run, hparams, train, train_here
 
 
 @pytest.mark.parametrize(("cpu_bf16", "expected"), [(True, "bf16-mixed"), (False, "32-true")])
@@ -57,6 +57,7 @@ def test_only_ddp_on_cuda_keeps_one_channel_convolutions_in_nchw(accelerator, st
     assert one_channel_nchw_pays(accelerator, strategy) is expected
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fixture", ["quick_run", "ddp_run"])
 def test_a_cpu_run_convolves_every_layer_in_channels_last(request, fixture):
     """The checkpoint keeps each weight's strides: the first convolution's are NHWC's, on one process and under DDP,
@@ -104,7 +105,7 @@ def test_compile_trains_and_keeps_the_checkpoint_keys(tmp_path):
 
 
 def test_compile_with_dp_is_refused_in_one_line(tmp_path):
-    result = train(*QUICK, "compile=true", "strategy=dp", f"hydra.run.dir={tmp_path / 'run'}")
+    result = train_here(*QUICK, "compile=true", "strategy=dp", f"hydra.run.dir={tmp_path / 'run'}")
     assert result.returncode == 2
     [line] = result.stderr.strip().splitlines()
     assert line.startswith("error: compile=true is not allowed") and "strategy=dp" in line

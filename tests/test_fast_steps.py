@@ -18,7 +18,7 @@ from src.fast_path import STEPS_PER_EXECUTION, FastSteps, GraphedStep, resolve_f
 from src.models import module
 from src.models.lenet import LeNet
 from tests.equivalence import checkpoint, deviation
-from tests.helpers import DATA_ROOT, scalar_steps, scalars, train
+from tests.helpers import DATA_ROOT, scalar_steps, scalars, train, train_here
 
 SMALL = [f"data.root={DATA_ROOT}", "precision=32", "data.batch_size=64", "trainer.limit_train_batches=4",
          "trainer.limit_val_batches=2", "trainer.limit_test_batches=2", "trainer.enable_progress_bar=false",
@@ -79,6 +79,7 @@ def runs(tmp_path_factory, data_root):
     return dirs
 
 
+@pytest.mark.slow
 def test_two_steps_a_batch_train_what_one_step_a_batch_trains(runs):
     one, two = checkpoint(runs["one"]), checkpoint(runs["two"])
     assert one["global_step"] == two["global_step"] == 8  # limit_train_batches counts optimizer steps either way
@@ -86,6 +87,7 @@ def test_two_steps_a_batch_train_what_one_step_a_batch_trains(runs):
     assert scalars(runs["two"])["train/loss"] == pytest.approx(scalars(runs["one"])["train/loss"], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_every_point_sits_at_its_optimizer_step_as_with_one_step_a_batch(runs):
     """Lightning logs at the training batches it took; TensorBoard shows every series at the same steps either way,
     also in a run that resumed a checkpoint of one step a batch (its folder holds the second epoch only)."""
@@ -96,6 +98,7 @@ def test_every_point_sits_at_its_optimizer_step_as_with_one_step_a_batch(runs):
     assert scalar_steps(runs["resumed"]) == second_epoch
 
 
+@pytest.mark.slow
 def test_a_checkpoint_resumes_across_steps_per_execution(runs):
     resumed, one = checkpoint(runs["resumed"]), checkpoint(runs["one"])
     assert resumed["global_step"] == 8  # the 4 steps taken before the checkpoint count
@@ -104,7 +107,7 @@ def test_a_checkpoint_resumes_across_steps_per_execution(runs):
 
 def test_a_count_that_the_steps_do_not_divide_is_one_line(tmp_path, data_root):
     run_dir = tmp_path / "run"
-    result = train(*SMALL, "steps_per_execution=3", f"hydra.run.dir={run_dir}")
+    result = train_here(*SMALL, "steps_per_execution=3", f"hydra.run.dir={run_dir}")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1] == (
         "error: steps_per_execution=3 does not divide trainer.limit_train_batches=4; use a divisor of it, "

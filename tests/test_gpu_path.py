@@ -70,6 +70,7 @@ print(workers.start(nccl_environment, OmegaConf.create({"devices": 1}), 1))
 """
 
 
+@pytest.mark.slow
 def test_workers_get_nccls_watchdog_that_ends_a_timed_out_rank():
     env = {name: value for name, value in user_env().items() if name != "TORCH_NCCL_ASYNC_ERROR_HANDLING"}
     result = subprocess.run([sys.executable, "-c", SPAWNED_WORKER], cwd=REPO, env=env, capture_output=True, text=True,

@@ -1,14 +1,14 @@
 """Hydra's own test kit for launcher plugins (`hydra.test_utils.launcher_common_tests`), run against the project's
-launchers as Hydra's joblib and submitit plugins run it against theirs; Hydra's basic launcher is the control. Passing
-it, a launcher works in any Hydra app: the kit's apps have none of the project's keys, return their own values, and
-expect a failed job to fail the sweep."""
+launchers as Hydra's joblib and submitit plugins run it against theirs (Hydra's basic launcher passes it in Hydra's
+own suite, not here). Passing it, a launcher works in any Hydra app: the kit's apps have none of the project's keys,
+return their own values, and expect a failed job to fail the sweep."""
 
 import pytest
 from hydra.core.plugins import Plugins
 from hydra.plugins.launcher import Launcher
 from hydra.test_utils.launcher_common_tests import BatchedSweeperTestSuite, IntegrationTestSuite, LauncherTestSuite
 
-LAUNCHERS = ["basic", "sequential", "parallel"]
+LAUNCHERS = ["sequential", "parallel"]
 
 
 @pytest.fixture(autouse=True)
@@ -27,16 +27,23 @@ def test_hydra_discovers_the_launchers():
     assert {"SequentialLauncher", "ParallelLauncher"} <= {plugin.__name__ for plugin in Plugins.instance().discover(Launcher)}
 
 
-@pytest.mark.parametrize(("launcher_name", "overrides"), [(name, []) for name in LAUNCHERS])
+def launchers(*extra: object) -> list:
+    """Each launcher's case; the parallel launcher's starts its jobs' interpreters."""
+    return [pytest.param(name, *extra, marks=[pytest.mark.slow] if name == "parallel" else [], id=name)
+            for name in LAUNCHERS]
+
+
+@pytest.mark.parametrize(("launcher_name", "overrides"), launchers([]))
 class TestLauncher(LauncherTestSuite):
     pass
 
 
-@pytest.mark.parametrize(("launcher_name", "overrides"), [(name, ["hydra.sweeper.max_batch_size=2"]) for name in LAUNCHERS])
+@pytest.mark.parametrize(("launcher_name", "overrides"), launchers(["hydra.sweeper.max_batch_size=2"]))
 class TestBatchedSweeper(BatchedSweeperTestSuite):
     pass
 
 
+@pytest.mark.slow  # the kit starts each app in an interpreter of its own
 @pytest.mark.parametrize(("task_launcher_cfg", "extra_flags"),
                          [({"defaults": [{"override hydra/launcher": name}, "_self_"]}, ["-m"]) for name in LAUNCHERS])
 class TestIntegration(IntegrationTestSuite):

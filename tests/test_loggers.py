@@ -177,6 +177,7 @@ def test_a_run_logged_only_to_mlflow_uses_the_default_store_and_the_report_says_
     assert line.startswith(f"error: {run_dir}: left out (") and "MLflow or W&B" in line, line
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("package", ["mlflow", "wandb"])
 def test_a_logger_whose_package_is_missing_is_one_line_naming_the_extra(tmp_path, package):
     """The command as it runs where the package is not installed: here it is hidden from the interpreter's imports."""
@@ -205,6 +206,7 @@ def test_a_resumed_csv_logger_keeps_the_rows_before_its_checkpoint(tmp_path, rec
     assert not [w for w in recwarn if "Experiment logs directory" in str(w.message)]
 
 
+@pytest.mark.slow
 def test_a_wandb_run_ends_when_its_logger_is_closed(tmp_path, monkeypatch):
     import wandb
 
@@ -219,6 +221,7 @@ def test_a_wandb_run_ends_when_its_logger_is_closed(tmp_path, monkeypatch):
     assert any(record.HasField("exit") for record in records) and wandb_points(records) == {"train/loss": [(0, 1.0)]}
 
 
+@pytest.mark.slow
 def test_the_mlflow_logger_turns_off_mlflows_usage_reports(tmp_path):
     """MLflow sends reports of its use to its makers' servers, unless told not to or where it sees CI or pytest: so the
     logger is built in an interpreter whose environment has none of their variables."""

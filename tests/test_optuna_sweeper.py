@@ -83,23 +83,6 @@ def test_a_sweeper_setting_out_of_range_is_one_line(name, value):
         OptunaSweeper(**{**SETTINGS, name: value})
 
 
-def asked(seed: int) -> list[dict]:
-    """The points a seeded TPE search asks for over 12 trials (10 at random, then 2 modelled on the results), each
-    told a value that follows from its point, as the sweeper seeds its study's sampler."""
-    space = search_space([LR, "data.batch_size=choice(64,128,256)"])
-    study = optuna.create_study(direction="maximize", sampler=optuna.samplers.TPESampler(seed=seed))
-    for _ in range(12):
-        trial = study.ask(space.distributions)
-        study.tell(trial, 1 - abs(trial.params["optim.lr"] - 0.1) - trial.params["data.batch_size"] / 1000)
-    return [trial.params for trial in study.trials]
-
-
-def test_a_seeded_search_asks_for_the_same_points_again_and_another_seed_for_others():
-    first = asked(0)
-    assert asked(0) == first
-    assert asked(1)[0] != first[0]
-
-
 def trial_of_job(tmp_path: Path) -> tuple[optuna.Study, object]:
     """A study with one trial asked for, and the config its job gets (`callbacks.optuna_trial` names the trial)."""
     study = optuna.create_study(storage=storage(tmp_path / DB), study_name="s", direction="maximize")

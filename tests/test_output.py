@@ -22,7 +22,7 @@ from src.callbacks.model_summary import SummaryWithoutZeroFlops, without_zero_fl
 from src.config import CONF_DIR
 from src.checkpoints import unreadable as unreadable_checkpoint
 from src.launch.console import ConsoleHandler, counted, open_progress_bars, print_error, processes
-from tests.helpers import INTERPRETER, QUICK, REPO, run_cli, train, user_env
+from tests.helpers import INTERPRETER, QUICK, REPO, run_cli, train, user_env, train_here
 
 
 def screen(text: str) -> list[str]:
@@ -166,7 +166,7 @@ def test_counts_are_said_in_words():
 
 def test_a_quick_run_reads_cleanly(tmp_path, data_root):
     run_dir = tmp_path / "run"
-    result = train(*QUICK, "trainer.enable_model_summary=true", f"hydra.run.dir={run_dir}")
+    result = train_here(*QUICK, "trainer.enable_model_summary=true", f"hydra.run.dir={run_dir}")
     assert result.returncode == 0, result.stderr[-3000:]
     [line] = [line for line in result.stdout.splitlines() if "test/acc=" in line]
     assert re.search(r"\(precision \S+, 1 process, tested (best-epoch\d+\.ckpt|the last weights)(; train/loss [^()]*(\([^)]*\)[^)]*)?)?\) -> ", line), line
@@ -177,6 +177,7 @@ def test_a_quick_run_reads_cleanly(tmp_path, data_root):
     assert "Tip" not in result.stdout and "was configured so" not in result.stdout
 
 
+@pytest.mark.slow
 def test_a_ddp_run_reads_cleanly(ddp_run):
     """No line of torch's own C++ log in a healthy run: rank 0 once tried to serve the store that the
     elastic agent already serves and torch logged `[E1124 ...] ... has failed to bind`."""
@@ -200,6 +201,7 @@ def test_help_says_what_the_command_does_and_how_to_call_it(name):
     assert "powered by Hydra" not in text and "_target_" not in text
 
 
+@pytest.mark.slow
 def test_train_help_on_the_command_line():
     result = run_cli("src.train", "--help", timeout=120)
     assert result.returncode == 0, result.stderr

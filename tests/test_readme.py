@@ -137,6 +137,7 @@ def test_the_setup_and_test_commands_are_what_ci_runs():
             assert command in ci, f"README's {title} command is not a line of .ci/run: {command}"
 
 
+@pytest.mark.slow
 def test_the_commands_run_in_a_shell_without_the_virtualenv(checkout):
     """The shell the commands run in has no virtualenv, and may have no `python`: each README command names
     `python3` (to make the virtualenv) or the virtualenv's own interpreter."""
@@ -184,6 +185,7 @@ def ran(checkout) -> Callable[[str], Ran]:
     return run
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", [pytest.param(c, marks=pytest.mark.slow) if re.search(SLOW, c) else c for c in TRAIN])
 def test_a_readme_train_command_runs_as_written(ran, command):
     result, new = ran(command).result, ran(command).new
@@ -232,6 +234,7 @@ def test_the_readme_sweep_runs_each_job_in_its_own_folder(ran, checkout, command
     assert (sweep / "report.md").is_file() and len((sweep / "report.csv").read_text().splitlines()) == len(jobs) + 1
 
 
+@pytest.mark.slow
 def test_the_readme_eval_commands_score_the_newest_run(ran, checkout):
     """After a README train command, the eval block runs as one script: its lines share the shell."""
     if not any((checkout / "outputs" / "runs").glob("*")):

@@ -1,3 +1,4 @@
+import pytest
 """A run folder's records are data: whoever can write a folder cannot run code in the account of whoever resumes,
 scores, reports or predicts from it.
 
@@ -14,7 +15,7 @@ import yaml
 
 from src.report import main as report_main
 from src.scaling.predict import main as scaling_main
-from tests.helpers import DATA_ROOT, QUICK, Run, call_main, run_cli, train
+from tests.helpers import DATA_ROOT, QUICK, Run, call_main, run_cli, train, command_here
 from tests.test_scaling import write_ddp_run
 
 OPEN_MARKER = ["._target_=builtins.open", ".file={marker}", ".mode=w"]
@@ -42,6 +43,7 @@ def resume(run_dir: Path, *args: str):
     return train(*QUICK, *args, "ckpt_path=last", f"hydra.run.dir={run_dir}")
 
 
+@pytest.mark.slow
 def test_a_target_in_the_recorded_overrides_is_refused_and_never_built(tmp_path, quick_run: Run):
     run_dir, marker = quick_run.copy(tmp_path), tmp_path / "marker"
     overrides = run_dir / ".hydra" / "overrides.yaml"
@@ -51,6 +53,7 @@ def test_a_target_in_the_recorded_overrides_is_refused_and_never_built(tmp_path,
     assert {p: p.stat().st_mtime_ns for p in run_dir.rglob("*") if p.is_file()} == before, "nothing is rewritten"
 
 
+@pytest.mark.slow
 def test_hydra_settings_in_the_records_are_never_taken(tmp_path, quick_run: Run):
     """A Hydra callback and another run folder recorded in `.hydra/hydra.yaml` (or in the overrides) are not taken: the
     resume writes only into the folder typed, and no callback of the record runs."""
@@ -64,6 +67,7 @@ def test_hydra_settings_in_the_records_are_never_taken(tmp_path, quick_run: Run)
     assert f"-> {run_dir}" in result.stdout
 
 
+@pytest.mark.slow
 def test_a_target_in_a_sweeps_record_is_refused_and_never_built(tmp_path, data_root):
     sweep, marker = tmp_path / "sweep", tmp_path / "marker"
     sweep.mkdir()
@@ -74,6 +78,7 @@ def test_a_target_in_a_sweeps_record_is_refused_and_never_built(tmp_path, data_r
     assert sorted(p.name for p in sweep.iterdir()) == ["multirun.yaml"]
 
 
+@pytest.mark.slow
 def test_eval_refuses_a_config_yaml_that_builds_other_code_or_calls_a_resolver(tmp_path, quick_run: Run):
     run_dir, marker, made = quick_run.copy(tmp_path), tmp_path / "marker", tmp_path / "made_by_a_resolver"
     config = run_dir / "config.yaml"
@@ -97,6 +102,7 @@ def test_eval_refuses_a_config_yaml_that_builds_other_code_or_calls_a_resolver(t
     assert not (tmp_path / "eval").exists() and not marker.exists()
 
 
+@pytest.mark.slow
 def test_report_and_scaling_leave_a_crafted_run_out_and_never_build_or_resolve_it(tmp_path):
     root, marker, made = tmp_path / "outputs", tmp_path / "marker", tmp_path / "made_by_a_resolver"
     good, crafted, resolving = (write_ddp_run(root / name) for name in ("good", "crafted", "resolving"))

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import QUICK, REPO, Run, start_cli, train, user_env
+from tests.helpers import QUICK, REPO, Run, start_cli, train, user_env, train_here
 
 HOLD = ["+callbacks.hold._target_=tests.faults.HoldAfterEpoch", "max_epochs=2"]  # waits after epoch 1 for a file
 
@@ -27,6 +27,7 @@ def last_line(result) -> str:
     return result.stderr.strip().splitlines()[-1]
 
 
+@pytest.mark.slow
 def test_a_second_writer_of_a_run_folder_is_refused_naming_the_first(tmp_path, data_root):
     run_dir, released = tmp_path / "run", tmp_path / "released"
     first = start_cli("src.train", *QUICK, *HOLD, "+callbacks.hold.epoch=0", f"+callbacks.hold.until={released}",
@@ -47,6 +48,7 @@ def test_a_second_writer_of_a_run_folder_is_refused_naming_the_first(tmp_path, d
     assert not (run_dir / ".lock").exists(), "released at the end"
 
 
+@pytest.mark.slow
 def test_a_second_resume_of_a_sweep_is_refused_while_the_first_runs(tmp_path, data_root):
     sweep, released = tmp_path / "sweep", tmp_path / "released"
     args = [*QUICK, "-m", "seed=1,2", *HOLD, "+callbacks.hold.epoch=0", f"+callbacks.hold.until={released}",
@@ -69,6 +71,7 @@ def can_mount() -> bool:
         ["unshare", "--mount", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /mnt"], capture_output=True).returncode == 0
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not can_mount(), reason="needs a mount namespace of its own (root and unshare)")
 @pytest.mark.parametrize("size", ["12k", "800k"], ids=["at the start", "during the run"])
 def test_a_full_disk_is_named_and_leaves_nothing_that_looks_like_a_result(tmp_path, data_root, size):
@@ -85,6 +88,7 @@ def test_a_full_disk_is_named_and_leaves_nothing_that_looks_like_a_result(tmp_pa
     assert "Traceback" not in result.stderr and "result.json" not in result.stdout and ".partial" not in result.stdout
 
 
+@pytest.mark.slow
 def test_too_few_file_descriptors_under_ddp_are_one_line(tmp_path, data_root):
     run_dir = tmp_path / "run"
     result = subprocess.run(["bash", "-c", f"ulimit -n 32; exec {sys.executable} -m src.train "
@@ -98,7 +102,7 @@ def test_too_few_file_descriptors_under_ddp_are_one_line(tmp_path, data_root):
 @pytest.mark.parametrize("args", [["hydra.run.dir="], [f"hydra.run.dir=/tmp/{'x' * 300}/run"],
                                   [f"data.root=/tmp/{'d' * 5000}"]], ids=["empty", "a long folder", "a long data root"])
 def test_a_path_that_cannot_be_a_folder_is_one_line(tmp_path, args):
-    result = train(*QUICK[1:], *args, f"hydra.sweep.dir={tmp_path}/sweep")
+    result = train_here(*QUICK[1:], *args, f"hydra.sweep.dir={tmp_path}/sweep")
     assert result.returncode == 2, result.stderr[-3000:]
     assert last_line(result).startswith("error: ") and "Traceback" not in result.stderr
     assert not (REPO / ".hydra").exists() and not list(REPO.glob("events.out.*"))
@@ -108,6 +112,26 @@ def test_what_a_killed_write_left_half_written_goes_at_the_next_start(tmp_path, 
     run_dir = quick_run.copy(tmp_path)
     partial = run_dir / "checkpoints" / f".last.ckpt.{os.getpid()}.partial"
     partial.write_bytes(b"cut short")
-    result = train(*QUICK, "max_epochs=2", "ckpt_path=last", f"hydra.run.dir={run_dir}")
+    result = train_here(*QUICK, "max_epochs=2", "ckpt_path=last", f"hydra.run.dir={run_dir}")
     assert result.returncode == 0, result.stderr[-3000:]
     assert not partial.exists() and not list(Path(run_dir).rglob("*.partial"))
+
+
+@pytest.mark.parametrize("soft, hard, raised", [(20, 20, None), (32, 4096, 64), (4096, 4096, 4096)])
+def test_ddp_ranks_start_only_with_the_open_files_they_need(monkeypatch, soft, hard, raised):
+    """Short of them the agent's store fails to start (`ulimit -n 20`) or its workers retry until the rendezvous times
+    out (24): one line before any rank starts; a soft limit below the hard one is raised."""
+    import resource
+
+    from src.errors import RunFailed
+    from src.launch import workers
+
+    limits = {"now": (soft, hard)}
+    monkeypatch.setattr(resource, "getrlimit", lambda which: limits["now"])
+    monkeypatch.setattr(resource, "setrlimit", lambda which, value: limits.update(now=value))
+    if raised is None:
+        with pytest.raises(RunFailed, match=r"^2 DDP processes need 64 open files and `ulimit -n` allows 20: Too many"):
+            workers.open_files_for(2)
+    else:
+        workers.open_files_for(2)
+        assert limits["now"] == (raised, hard)

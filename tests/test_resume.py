@@ -15,7 +15,8 @@ from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 
 from src.data.fashion_mnist import augment
-from tests.helpers import QUICK, REPO, Run, free_port, scalar_steps, scalars, steps_going_back, train, user_env
+from tests.helpers import (QUICK, REPO, Run, free_port, scalar_steps, scalars, steps_going_back, train, train_here,
+                           user_env)
 
 # Ten batches an epoch, three epochs; the fault callback kills a process after a given step.
 LONGER = [*QUICK, "max_epochs=3", "trainer.limit_train_batches=10", "data.batch_size=128", "optim.momentum=0.9"]
@@ -77,7 +78,7 @@ def unbroken(tmp_path_factory, data_root):
 def test_last_checkpoint_is_the_last_finished_epoch_even_without_improvement(tmp_path, data_root):
     run_dir = tmp_path / "run"
     # lr 1e-12: val/acc never improves after the first epoch, which used to freeze last.ckpt at epoch 0.
-    result = train(*QUICK, "max_epochs=3", "optim.lr=1e-12", f"hydra.run.dir={run_dir}")
+    result = train_here(*QUICK, "max_epochs=3", "optim.lr=1e-12", f"hydra.run.dir={run_dir}")
     assert result.returncode == 0, result.stderr[-3000:]
     state = load(run_dir / "checkpoints" / "last.ckpt")
     assert (state["epoch"], state["global_step"]) == (2, 12)
@@ -175,7 +176,7 @@ def test_resume_under_another_world_size_says_so_and_keeps_one_hparams_record(tm
 def test_a_new_run_does_not_write_into_a_folder_that_holds_a_run(tmp_path, quick_run: Run):
     run_dir = quick_run.copy(tmp_path)
     before = {p.name: p.stat().st_mtime_ns for p in (run_dir / "checkpoints").iterdir()}
-    again = train(*QUICK, f"hydra.run.dir={run_dir}")
+    again = train_here(*QUICK, f"hydra.run.dir={run_dir}")
     assert again.returncode == 2
     assert again.stderr.strip().splitlines()[-1].startswith(f"error: hydra.run.dir={run_dir} already holds")
     assert {p.name: p.stat().st_mtime_ns for p in (run_dir / "checkpoints").iterdir()} == before
@@ -183,7 +184,7 @@ def test_a_new_run_does_not_write_into_a_folder_that_holds_a_run(tmp_path, quick
 
 def test_ckpt_path_auto_starts_fresh_in_an_empty_folder(tmp_path, data_root):
     run_dir = tmp_path / "run"
-    result = train(*QUICK, "ckpt_path=auto", f"hydra.run.dir={run_dir}")
+    result = train_here(*QUICK, "ckpt_path=auto", f"hydra.run.dir={run_dir}")
     assert result.returncode == 0, result.stderr[-3000:]
     assert load(run_dir / "checkpoints" / "last.ckpt")["epoch"] == 0
 
@@ -200,7 +201,7 @@ def test_ckpt_path_auto_starting_over_hides_the_points_of_an_attempt_that_left_n
     shutil.rmtree(run_dir / "checkpoints")
     earlier = scalar_steps(run_dir)
     assert earlier["train/loss"]
-    result = train(*QUICK, "ckpt_path=auto", f"hydra.run.dir={run_dir}")
+    result = train_here(*QUICK, "ckpt_path=auto", f"hydra.run.dir={run_dir}")
     assert result.returncode == 0, result.stderr[-3000:]
     assert len(list(run_dir.glob("events.out.tfevents.*"))) > 1
     assert not steps_going_back(run_dir)
@@ -211,7 +212,7 @@ def test_ckpt_path_auto_starting_over_hides_the_points_of_an_attempt_that_left_n
 def small_run(tmp_path_factory, data_root) -> Path:
     """A finished run of 2 epochs of 6 batches of 64, settings that are no default."""
     run_dir = tmp_path_factory.mktemp("small") / "run"
-    result = train(*SMALL, f"hydra.run.dir={run_dir}")
+    result = train_here(*SMALL, f"hydra.run.dir={run_dir}")
     assert result.returncode == 0, result.stderr[-3000:]
     return run_dir
 
@@ -225,7 +226,7 @@ def test_a_resume_named_by_its_folder_alone_trains_on_with_the_runs_settings(tmp
     run_dir = Path(shutil.copytree(small_run, tmp_path / "run"))
     data_link = tmp_path / "data"
     data_link.symlink_to(QUICK[0].split("=", 1)[1])  # the same files, found at another path
-    result = train("ckpt_path=last", "max_epochs=3", f"data.root={data_link}", "trainer.enable_progress_bar=true",
+    result = train_here("ckpt_path=last", "max_epochs=3", f"data.root={data_link}", "trainer.enable_progress_bar=true",
                    f"hydra.run.dir={run_dir}")
     assert result.returncode == 0, result.stderr[-3000:]
     state = load(run_dir / "checkpoints" / "last.ckpt")
@@ -248,7 +249,7 @@ def test_a_resume_named_by_its_folder_alone_trains_on_with_the_runs_settings(tmp
 def test_a_resume_that_would_change_what_the_run_computes_is_refused_and_touches_nothing(tmp_path, small_run, change, message):
     run_dir = Path(shutil.copytree(small_run, tmp_path / "run"))
     before = records(run_dir)
-    result = train("ckpt_path=last", change, f"hydra.run.dir={run_dir}")
+    result = train_here("ckpt_path=last", change, f"hydra.run.dir={run_dir}")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1].startswith("error: " + message.format(run=run_dir)), result.stderr
     assert records(run_dir) == before
@@ -260,7 +261,7 @@ def test_a_run_on_a_schedule_cannot_be_made_longer_and_its_precision_is_kept_by_
     overrides.write_text(overrides.read_text() + "- optim.schedule=cosine\n")
     config = run_dir / "config.yaml"  # its record of what it computed says so too, as the run would have written it
     config.write_text(config.read_text().replace("schedule: none", "schedule: cosine"))
-    longer = train("ckpt_path=last", "max_epochs=3", f"hydra.run.dir={run_dir}")
+    longer = train_here("ckpt_path=last", "max_epochs=3", f"hydra.run.dir={run_dir}")
     assert longer.returncode == 2
     assert ("error: max_epochs=3 is not allowed in a resume of {run}: the run used max_epochs=2, over which its "
             "learning rate follows optim.schedule=cosine").format(run=run_dir) in longer.stderr
@@ -268,14 +269,14 @@ def test_a_run_on_a_schedule_cannot_be_made_longer_and_its_precision_is_kept_by_
     # as if the run had been made where precision=auto meant true fp16
     used_here = OmegaConf.load(small_run / "config.yaml").precision_used
     config.write_text(config.read_text().replace(f"precision_used: {used_here}", "precision_used: 16-mixed"))
-    elsewhere = train("ckpt_path=last", f"hydra.run.dir={run_dir}")
+    elsewhere = train_here("ckpt_path=last", f"hydra.run.dir={run_dir}")
     assert elsewhere.returncode == 2
     assert (f"error: precision=auto is not allowed in a resume of {run_dir}: on this machine it means {used_here}, "
             "where the run used 16-mixed") in elsewhere.stderr
 
 
 def test_a_resume_of_a_folder_that_does_not_exist_says_so(tmp_path):
-    result = train("ckpt_path=last", f"hydra.run.dir={tmp_path / 'nowhere'}")
+    result = train_here("ckpt_path=last", f"hydra.run.dir={tmp_path / 'nowhere'}")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1] == (
         f"error: ckpt_path=last: hydra.run.dir={tmp_path / 'nowhere'} does not exist; name the folder of the run to resume")
@@ -296,7 +297,7 @@ def test_a_record_that_is_empty_or_disagrees_with_config_yaml_is_refused_and_not
             (run_dir / ".hydra" / "overrides.yaml").write_text(damage)
         (run_dir / ".hydra" / "hydra.yaml").write_text("")  # Hydra's own record is never read by a resume
         before = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*") if p.is_file() and p.name != ".lock"}
-        result = train(QUICK[0], "max_epochs=2", "ckpt_path=last", f"hydra.run.dir={run_dir}")  # the rest from the record
+        result = train_here(QUICK[0], "max_epochs=2", "ckpt_path=last", f"hydra.run.dir={run_dir}")  # the rest from the record
         assert result.returncode == 2, result.stderr[-3000:]
         [line] = result.stderr.strip().splitlines()
         assert said.format(run=run_dir) in line and "Traceback" not in result.stderr, line
@@ -307,11 +308,11 @@ def test_a_finished_run_resumed_says_so_and_a_longer_one_trains_on(tmp_path, qui
     run_dir = quick_run.copy(tmp_path)
     recorded = json.loads((run_dir / "result.json").read_text())["line"]
     events = sorted(run_dir.glob("events.out.tfevents.*"))
-    again = train(*QUICK, "ckpt_path=last", f"hydra.run.dir={run_dir}")
+    again = train_here(*QUICK, "ckpt_path=last", f"hydra.run.dir={run_dir}")
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"finished before, not run again: {recorded}" in again.stdout and "nan" not in again.stdout
     assert sorted(run_dir.glob("events.out.tfevents.*")) == events, "nothing logged again"
-    longer = train(*QUICK, "max_epochs=2", "ckpt_path=last", f"hydra.run.dir={run_dir}")
+    longer = train_here(*QUICK, "max_epochs=2", "ckpt_path=last", f"hydra.run.dir={run_dir}")
     assert longer.returncode == 0, longer.stderr[-3000:]
     assert load(run_dir / "checkpoints" / "last.ckpt")["epoch"] == 1
     result = json.loads((run_dir / "result.json").read_text())
@@ -325,7 +326,7 @@ def test_a_damaged_last_checkpoint_is_one_line_naming_the_checkpoints_beside_it(
     run_dir = quick_run.copy(tmp_path)
     last = run_dir / "checkpoints" / "last.ckpt"
     last.write_bytes(last.read_bytes()[:1000])
-    result = train(*QUICK, "ckpt_path=last", f"hydra.run.dir={run_dir}")
+    result = train_here(*QUICK, "ckpt_path=last", f"hydra.run.dir={run_dir}")
     assert result.returncode == 2, result.stderr[-3000:]
     line = result.stderr.strip().splitlines()[-1]
     assert line.startswith(f"error: ckpt_path=last is not allowed; {last} is not a checkpoint file (")

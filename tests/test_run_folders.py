@@ -1,3 +1,4 @@
+import pytest
 """Every run gets a folder of its own, also when two start in the same second."""
 
 from omegaconf import OmegaConf
@@ -26,6 +27,7 @@ def test_torchrun_ranks_share_the_folder_named_after_the_run_id(tmp_path, monkey
     assert naming.claim_dir(base) == base and not (tmp_path / "torchrun-job7_lenet_ddp_2dev_32").exists()
 
 
+@pytest.mark.slow
 def test_two_runs_started_at_once_write_two_folders(tmp_path, data_root):
     runs = [start_cli("src.train", *QUICK, cwd=tmp_path, env=user_env()) for _ in range(2)]
     outputs = [run.communicate(timeout=300) for run in runs]

@@ -34,7 +34,7 @@ def test_values_come_from_the_resolved_config_and_hydra_yaml_is_plain_data(tmp_p
 def test_a_resolver_in_a_record_is_refused_and_never_run(tmp_path):
     made = tmp_path / "made_by_a_resolver"
     run = write_run(tmp_path / "run", {"model_name": f"${{claim_dir:{made}}}"}, {"x": [1.0]})
-    with pytest.raises(UsageError, match=r"config.yaml: model_name=\$\{claim_dir:.*a resolver could act"):
+    with pytest.raises(UsageError, match=r"config.yaml: model_name=\$\{claim_dir:.*a resolver or escape could act"):
         RunFolder(run, tmp_path)
     assert not made.exists()
 

@@ -203,6 +203,7 @@ def test_hook_arithmetic_is_timed_and_grows_with_the_work():
 LENET = OmegaConf.create({"_target_": "src.models.lenet.LeNet"})
 
 
+@pytest.mark.slow
 def test_each_hook_is_timed_as_torch_runs_it_in_a_process_of_its_own(monkeypatch, tmp_path):
     notes = tmp_path / "notes"
     monkeypatch.setenv(HOOK_NOTES, str(notes))  # the timing's process is a new one: it sees this environment
@@ -224,6 +225,7 @@ def test_each_hook_is_timed_as_torch_runs_it_in_a_process_of_its_own(monkeypatch
     assert notes.read_text().split() == [str(sum(math.prod(s) for s in LENET_SHAPES))] * (2 + 1 + 5)
 
 
+@pytest.mark.slow
 def test_ddps_copies_of_a_large_gradient_are_timed_besides_the_hook():
     # 16 MiB of gradients in one layer: DDP copies them into its bucket and back, work a plain pass of one sample lacks.
     wide = OmegaConf.create({"_target_": "torch.nn.Linear", "in_features": 2048, "out_features": 2048})
@@ -237,6 +239,7 @@ def test_the_lag_is_what_processes_together_take_beyond_their_turns():
     assert lag_share(0.1, 0.19, 4, cores=2) == 0.0  # faster than its turns: noise, not a gain
 
 
+@pytest.mark.slow
 def test_the_models_own_steps_give_its_lag_and_a_model_that_fails_gives_none(caplog):
     assert set(stepclock.meeting_lags(LENET, (1, 28, 28), {2: 16}, rounds=4)) == {2}
     broken = OmegaConf.create({"_target_": "nowhere.Model"})
@@ -244,6 +247,7 @@ def test_the_models_own_steps_give_its_lag_and_a_model_that_fails_gives_none(cap
     assert "the model's steps on 2 processes could not be timed" in caplog.text and "probe's lag" in caplog.text
 
 
+@pytest.mark.slow
 def test_hooks_that_cannot_be_timed_are_estimated(caplog):
     broken = OmegaConf.create({"_target_": "nowhere.Model"})
     assert stepclock.ddp_times(broken, (1, 28, 28), HOOKS, repeats=1) is None
@@ -297,6 +301,7 @@ def test_strong_and_weak_scaling_from_one_run():
     assert weak[4]["efficiency"] == pytest.approx(one_epoch / weak[4]["epoch_s"] / 4)
 
 
+@pytest.mark.slow
 def test_unstated_terms_are_timed_and_say_so(monkeypatch):
     monkeypatch.setattr(stepclock, "BUDGET_S", 0.01)  # the fewest repeats: 3 steps at each batch size
     run = dataclasses.replace(lenet_figures(), batch_size=16)
@@ -598,6 +603,7 @@ def test_a_report_of_gpu_runs_predicts_gpu_links_with_ddps_own_work_assumed_or_m
     assert float(rows["NVLink 4", "none", 8]["overhead_ms"]) == pytest.approx(4 + DDP_GPU_MULTI_SHARE * step_ms)
 
 
+@pytest.mark.slow
 def test_ddps_own_cost_is_a_ddp_step_of_world_size_one_against_the_plain_step(caplog):
     costs = stepclock.ddp_step_costs(LENET, (1, 28, 28), 16, "32-true", ("none", "fp16"), device="cpu", repeats=3)
     assert set(costs) == {"none", "fp16"} and all(cost >= 0 for cost in costs.values())

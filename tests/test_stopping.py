@@ -142,6 +142,7 @@ def assert_resumes(error_line: str, run_dir: Path) -> None:
     assert checkpointed_epoch(last) == epoch + 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["SIGTERM", "SIGINT", "SIGHUP"])
 def test_signal_stops_one_process(tmp_path, data_root, name):
     signum = getattr(signal, name)
@@ -223,6 +224,7 @@ def test_killing_the_launcher_leaves_no_worker_behind(tmp_path, data_root):
         assert all(not proc_stat(pid) or proc_stat(pid)[0] == "Z" for pid in workers)
 
 
+@pytest.mark.slow
 def test_signal_stops_the_whole_sweep(tmp_path, data_root):
     sweep = tmp_path / "sweep"
     job = f"lenet_auto_1dev_{cpu_precision()}_seed="  # + the job's seed

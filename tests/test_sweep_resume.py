@@ -69,6 +69,7 @@ def test_a_sweep_killed_mid_job_resumes_and_its_interrupted_job_ends_with_the_un
     assert all(job.name in (sweep / "report.md").read_text() for job in (first, second, third))
 
 
+@pytest.mark.slow
 def test_a_sweep_resume_with_another_sweep_is_refused_in_one_line(tmp_path, data_root):
     sweep = tmp_path / "sweep"
     (sweep).mkdir()

@@ -95,6 +95,7 @@ def two_processes(tmp_path_factory) -> list[dict[str, object]]:
     return [torch.load(folder / f"result.{rank}", weights_only=False) for rank in range(WORLD)]
 
 
+@pytest.mark.slow
 def test_forward_and_input_gradients_equal_batchnorm_on_the_whole_batch(two_processes):
     one = train(bn_net(), None)
     for step in range(STEPS):
@@ -102,6 +103,7 @@ def test_forward_and_input_gradients_equal_batchnorm_on_the_whole_batch(two_proc
         torch.testing.assert_close(torch.cat([r["input_grads"][step] for r in two_processes]), one["input_grads"][step], **TOL)
 
 
+@pytest.mark.slow
 def test_parameters_and_running_statistics_after_training_equal_one_process(two_processes):
     one = train(bn_net(), None)
     for result in two_processes:
@@ -111,16 +113,19 @@ def test_parameters_and_running_statistics_after_training_equal_one_process(two_
     assert one["state"]["5.num_batches_tracked"] == STEPS
 
 
+@pytest.mark.slow
 def test_eval_uses_the_synchronised_running_statistics(two_processes):
     one = train(bn_net(), None)
     torch.testing.assert_close(torch.cat([r["eval"] for r in two_processes]), one["eval"], **TOL)
 
 
+@pytest.mark.slow
 def test_float32_statistics_keep_their_digits_far_from_zero(two_processes):
     exact = nn.functional.batch_norm(far_from_zero().double(), None, None, training=True, eps=1e-5)
     torch.testing.assert_close(torch.cat([r["float32"] for r in two_processes]).double(), exact, rtol=0, atol=1e-3)
 
 
+@pytest.mark.slow
 def test_synchronised_input_of_the_wrong_size_is_refused_as_by_batchnorm(two_processes):
     assert all(r["wrong_size"] == "expected 4D input (got 2D input)" for r in two_processes)
 

@@ -135,6 +135,7 @@ def test_peer_access_without_a_usable_nvidia_smi(monkeypatch, topology):
     assert interconnect["links"] == {"GPU0-GPU1": "no peer"} and "host memory" in interconnect["summary"]
 
 
+@pytest.mark.slow
 def test_cli_on_this_machine():
     result = run_cli("src.sysinfo", timeout=120)
     assert result.returncode == 0, result.stderr

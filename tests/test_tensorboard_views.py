@@ -89,12 +89,14 @@ def served_sweep(sweep) -> Served:
     return Served(sweep)
 
 
+@pytest.mark.slow
 def test_sweep_jobs_are_named_by_what_they_run_and_their_seed(served_sweep, sweep):
     jobs = [f"{LABEL}_seed=1", f"{LABEL}_seed=2"]
     assert sorted(p.name for p in sweep.iterdir() if p.is_dir() and p.name != "report") == jobs
     assert set(served_sweep.get("/data/runs")) == {*jobs, "report"}
 
 
+@pytest.mark.slow
 def test_hparams_opens_on_what_differs_and_the_metrics_that_answer(served_sweep):
     experiment = served_sweep.experiment()
     hparams, metrics = default_columns(experiment)
@@ -108,6 +110,7 @@ def test_hparams_opens_on_what_differs_and_the_metrics_that_answer(served_sweep)
     assert infos["tags"]["domainDiscrete"] == ["smoke"]
 
 
+@pytest.mark.slow
 def test_hparams_figures_are_those_of_the_run_and_the_report(served_sweep, sweep):
     groups = served_sweep.session_groups(served_sweep.experiment())
     assert len(groups) == 2
@@ -128,6 +131,7 @@ def test_hparams_figures_are_those_of_the_run_and_the_report(served_sweep, sweep
         assert float(report[run]["epoch_s"]) == pytest.approx(metrics["time/epoch_s_median"])  # the report's epoch s (median)
 
 
+@pytest.mark.slow
 def test_scalars_have_descriptions_and_no_comm_bytes_on_one_process(served_sweep, sweep):
     tags = served_sweep.get("/data/plugin/scalars/tags")[f"{LABEL}_seed=1"]
     for tag in ("test/acc", "val/acc", "time/epoch_s", "time/epoch_s_median", "train/loss"):
@@ -137,6 +141,7 @@ def test_scalars_have_descriptions_and_no_comm_bytes_on_one_process(served_sweep
     assert [category["title"] for category in layout["category"]][:3] == ["accuracy", "loss", "time"]
 
 
+@pytest.mark.slow
 def test_sweep_report_groups_the_seeds(sweep):
     markdown = (sweep / "report.md").read_text()
     assert "## Seeds" in markdown and "speed-up" not in markdown.lower()
@@ -148,6 +153,7 @@ def test_sweep_report_groups_the_seeds(sweep):
     assert low <= float(row["test acc mean"]) <= high
 
 
+@pytest.mark.slow
 def test_single_run_is_named_by_the_precision_used_and_opens_on_what_was_typed(single):
     [run] = (single / "runs").iterdir()
     assert run.name.endswith(f"_{LABEL}")
@@ -159,6 +165,7 @@ def test_single_run_is_named_by_the_precision_used_and_opens_on_what_was_typed(s
     assert group["name"].startswith(f"debug=quick optim.lr=0.05 data.val_size=1000 {LABEL} #"), group["name"]
 
 
+@pytest.mark.slow
 def test_the_default_loader_agrees(sweep):
     """`tensorboard --logdir` as a user starts it, with its Rust loader where it has one."""
     port = free_port()

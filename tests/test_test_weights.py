@@ -4,7 +4,7 @@
 import json
 import pytest
 
-from tests.helpers import QUICK, hparams, run_cli, scalars, train
+from tests.helpers import QUICK, hparams, run_cli, scalars, train, train_here
 
 # The best checkpoint watches val/acc with mode=min here, so that the "best" epoch is the first one
 # and its weights differ from the last: a run that tested its last weights could not pass for one
@@ -46,6 +46,7 @@ def scores(runs, tmp_path_factory):
             "last": evaluate(folder / "last", f"ckpt_path={run_dir / 'checkpoints' / 'last.ckpt'}")}
 
 
+@pytest.mark.slow
 def test_a_run_tests_its_best_checkpoint_by_default(runs, scores):
     run_dir, line, _ = runs["best"]
     assert scores["best"] != scores["last"], "the two checkpoints must differ for this test to tell them apart"
@@ -54,6 +55,7 @@ def test_a_run_tests_its_best_checkpoint_by_default(runs, scores):
     assert hparams(run_dir)["tested_weights"] == "best"
 
 
+@pytest.mark.slow
 def test_test_weights_last_tests_the_weights_training_ended_with(runs, scores):
     run_dir, line, _ = runs["last"]
     assert score_of(run_dir) == scores["last"]  # the same seed and settings: the same last weights
@@ -61,6 +63,7 @@ def test_test_weights_last_tests_the_weights_training_ended_with(runs, scores):
     assert hparams(run_dir)["tested_weights"] == "last"
 
 
+@pytest.mark.slow
 def test_eval_of_a_run_folder_scores_its_best_checkpoint_unless_told_last(runs, scores, tmp_path):
     run_dir = runs["best"][0]
     assert evaluate(tmp_path / "best", f"ckpt_path={run_dir}") == scores["best"]
@@ -69,6 +72,7 @@ def test_eval_of_a_run_folder_scores_its_best_checkpoint_unless_told_last(runs, 
     assert "/last.ckpt -> " in json.loads((tmp_path / "last" / "result.json").read_text())["line"]
 
 
+@pytest.mark.slow
 def test_a_run_without_validation_tests_its_last_weights_and_says_so(runs):
     run_dir, line, output = runs["no_val"]
     assert "no best checkpoint was saved" in output
@@ -77,7 +81,7 @@ def test_a_run_without_validation_tests_its_last_weights_and_says_so(runs):
 
 
 def test_an_unknown_test_weights_is_one_error_line(tmp_path):
-    result = train(*QUICK, "test_weights=newest", f"hydra.run.dir={tmp_path / 'run'}")
+    result = train_here(*QUICK, "test_weights=newest", f"hydra.run.dir={tmp_path / 'run'}")
     assert result.returncode != 0
     assert "error: test_weights=newest is not allowed; test_weights must be one of: best, last" in result.stderr
     assert not (tmp_path / "run").exists()

@@ -6,6 +6,7 @@ import pytest
 from tests.helpers import QUICK, train
 
 
+@pytest.mark.slow
 def test_workers_take_the_environment_and_output_of_their_own_launch(tmp_path, data_root, monkeypatch):
     probe = ["+callbacks.probe._target_=tests.probes.ShowVariable", "+callbacks.probe.name=LAUNCH_PROBE"]
     seen = {}
@@ -17,6 +18,7 @@ def test_workers_take_the_environment_and_output_of_their_own_launch(tmp_path, d
     assert seen == {value: [f"LAUNCH_PROBE={value} rank 0", f"LAUNCH_PROBE={value} rank 1"] for value in seen}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["RANK", "WORLD_SIZE"])
 def test_the_agents_variables_stay_over_the_launchers(tmp_path, data_root, monkeypatch, name):
     """A value the launcher has for one of the agent's variables does not hide the agent's per-worker one."""

@@ -178,7 +178,7 @@ def check_private(folder: Path) -> None:
 def result(job: submitit.Job, overrides: Sequence[str]) -> JobReturn:
     """Rank 0's JobReturn; for a job that left none, a failure with its last `error:` line (its stderr), else the last
     line of what submitit says."""
-    check_private(Path(job.paths.folder).parent)  # the job's folder is `<sweep>/.submitit/<job id>`
+    check_private(Path(job.paths.result_pickle).parent)  # `<sweep>/.submitit/<job id>`, and submitit's folder above it
     try:
         if not job.paths.result_pickle.exists():  # gone from the queue without one: submitit would wait for it
             raise UncompletedJobError("no result")

@@ -137,23 +137,26 @@ def ddp_times(net: Any, input_shape: Sequence[int], hooks: Sequence[str], rank: 
                          _hook_and_reducer_s, net, tuple(hooks), tuple(input_shape), rank, bucket_cap_mb, repeats)
     if timed is None:
         return None
-    # The difference of two timings can fall below zero where DDP's copies are tiny next to the pass.
+    # Still a difference of timings: below zero where DDP's copies are tiny next to the pass.
     reducer = max(0.0, statistics.median(added for _, added in timed.values()))
     return DDPClock({hook: hook_s for hook, (hook_s, _) in timed.items()}, reducer)
 
 
 def _hook_and_reducer_s(net: nn.Module, hook: str, input_shape: Sequence[int], rank: int, bucket_cap_mb: float,
                         repeats: int) -> tuple[float, float]:
-    """Medians of the hook's seconds per step and of what the rest of DDP adds to a forward and backward pass."""
+    """The median of the hook's seconds per step, and what the rest of DDP adds to a forward and backward pass: the
+    least DDP pass less the least hook and plain pass (load only ever adds to a timing, and a difference of medians
+    of a loaded machine can fall below zero)."""
     plain, meter = copy.deepcopy(net), CommMeter()
     strategy, model = _ddp(net, hook, rank, bucket_cap_mb, meter=meter)
     image = torch.randn(1, *input_shape)  # one image: the gradients, all DDP and the hook see, do not depend on the batch
-    hook_s, added = [], []
+    ddp_s, hook_s, plain_s = [], [], []
     for _ in range(strategy.start_powersgd_iter + 1 + repeats):  # PowerSGD's first steps are plain all-reduces
-        ddp = _pass_s(model, image)
+        ddp_s.append(_pass_s(model, image))
         hook_s.append(meter.take().hook_s)
-        added.append(ddp - hook_s[-1] - _pass_s(plain, image))
-    return statistics.median(hook_s[-repeats:]), statistics.median(added[-repeats:])
+        plain_s.append(_pass_s(plain, image))
+    timed = slice(-repeats, None)
+    return statistics.median(hook_s[timed]), min(ddp_s[timed]) - min(hook_s[timed]) - min(plain_s[timed])
 
 
 def _pass_s(model: nn.Module, image: torch.Tensor) -> float:
