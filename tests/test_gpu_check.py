@@ -100,3 +100,51 @@ def test_the_quick_record_holds_each_parts_end_and_the_recipes_against_the_books
     assert "| d2l_resnet18 | missing | 0.9 |" in text
     assert "`graphs`: 1 passed, 1 failed" in text and "`nccl`: missing" in text
     assert "framework ddp without comm callback" in text.split("### resnet18", 1)[1]
+
+
+JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" tests="3">
+<testcase classname="tests.test_gpu" name="test_16_mixed_on_one_gpu[auto-lenet]" time="0.5"><skipped message="needs a CUDA GPU"/></testcase>
+<testcase classname="tests.test_sample" name="test_prints_a_figure" time="1.25"><system-out>----- Captured stdout -----
+two ranks end 1.2e-03 of a step from one process</system-out></testcase>
+<testcase classname="tests.test_sample" name="test_fails" time="0.1"><failure message="assert 1 == 2"/></testcase>
+</testsuite></testsuites>
+"""
+SPEED_LOG = "loading...\nlenet, batch 256, 8 steps; torch 2.14.1, 2 timed rounds\n| variant | ms a step |\n| plain fp32 | 1.5 |\n"
+
+
+def gpu_summary_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_summary", REPO / "benchmarks" / "gpu_summary.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_summary_of_fixture_logs_holds_each_result_the_speed_table_and_the_seed_statistics(tmp_path):
+    """What each part leaves, written here with known figures: the record reads them, and says what is missing."""
+    from tests.test_report import write_run
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "environment.log").write_text("NVIDIA H100 80GB HBM3, 570.86.15, 81559 MiB\ntorch 2.11.0\n")
+    (logs / "tests.status").write_text("0 61\n")
+    (logs / "ddp2.status").write_text("1 30\n")
+    (logs / "ddp2.xml").write_text(JUNIT)
+    (logs / "speed-lenet.log").write_text(SPEED_LOG)
+    for seed, accuracy in ((1, 0.84), (2, 0.86)):
+        write_run(logs / "accuracy" / "d2l_lenet" / f"seed={seed}", {"model_name": "lenet", "strategy_name": "auto",
+                                                                   "devices": 1, "num_nodes": 1, "seed": seed},
+                  {"test/acc": [accuracy], "time/epoch_s": [2.0, 3.0], "usage/tflops_per_s": [0.5]},
+                  {"precision_used": "bf16-mixed"})
+    text, passed = gpu_summary_module().summary(logs)
+    assert passed and "NVIDIA H100 80GB HBM3" in text
+    assert "| tests | passed | 61 |" in text and "| ddp2 | failed (exit status 1) | 30 |" in text
+    assert "`tests`: missing" in text and "`ddp2`: 1 passed, 1 failed" in text
+    assert "| test_gpu::test_16_mixed_on_one_gpu[auto-lenet] | skipped | 0.5 |" in text
+    assert "| test_sample::test_prints_a_figure | passed | 1.2 | two ranks end 1.2e-03 of a step from one process |" in text
+    assert "| test_sample::test_fails | failure | 0.1 |" in text
+    assert "| plain fp32 | 1.5 |" in text.split("### lenet", 1)[1].split("### resnet18", 1)[0]
+    assert "### resnet18\n\nmissing" in text
+    assert "| d2l_lenet | 1: 0.8400, 2: 0.8600 | 0.8500 ± 0.0141 | 2.500 | bf16-mixed | 0.5 |  |" in text  # no MFU on a CPU run
+    assert "| d2l_resnet18 | missing |" in text

@@ -612,6 +612,7 @@ def test_ddps_own_cost_is_a_ddp_step_of_world_size_one_against_the_plain_step(ca
     assert "DDP's own cost could not be measured on cpu" in caplog.text
 
 
+@pytest.mark.slow
 @pytest.mark.gpu
 @pytest.mark.parametrize("model", ["src.models.lenet.LeNet", "src.models.resnet.resnet18"])
 def test_ddps_own_cost_on_a_gpu_is_measured_over_nccl(model):

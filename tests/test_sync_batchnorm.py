@@ -205,6 +205,7 @@ def two_gpu_ranks(tmp_path_factory) -> list[dict[str, dict[str, object]]]:
     return [torch.load(folder / f"result.{rank}", weights_only=False) for rank in range(WORLD)]
 
 
+@pytest.mark.slow
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_torch_syncbatchnorm_over_nccl_equals_batchnorm_on_the_whole_batch(two_gpu_ranks, layout):
