@@ -27,9 +27,10 @@ def test_hydra_discovers_the_launchers():
     assert {"SequentialLauncher", "ParallelLauncher"} <= {plugin.__name__ for plugin in Plugins.instance().discover(Launcher)}
 
 
-def launchers(*extra: object) -> list:
-    """Each launcher's case; the parallel launcher's starts its jobs' interpreters."""
-    return [pytest.param(name, *extra, marks=[pytest.mark.slow] if name == "parallel" else [], id=name)
+def launchers(overrides: list[str]) -> list:
+    """Each launcher's case, with a list of overrides of its own (the kit extends it); the parallel launcher's case
+    starts its jobs' interpreters."""
+    return [pytest.param(name, list(overrides), marks=[pytest.mark.slow] if name == "parallel" else [], id=name)
             for name in LAUNCHERS]
 
 
