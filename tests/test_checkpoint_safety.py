@@ -22,7 +22,7 @@ from src.errors import UsageError
 from src.eval import as_trained
 from src.loggers import purge_step
 from src.models.module import Classifier
-from tests.helpers import DATA_ROOT, QUICK, run_cli, train, train_here, command_here
+from tests.helpers import DATA_ROOT, QUICK, command_here, run_cli, train, train_here
 from tests.helpers import composed
 
 UNSAFE = "is not a safe checkpoint: it holds objects that cannot be loaded safely"

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from src.launch import cli, lock
-from tests.helpers import QUICK, REPO, Run, composed, train, user_env
+from src.launch import cli
+from tests.helpers import QUICK, REPO, Run, composed, user_env
 
 
 def tree(folder: Path) -> dict[str, int]:

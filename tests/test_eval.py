@@ -6,7 +6,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from src.eval import as_trained, with_checkpoint_model
-from tests.helpers import DATA_ROOT, QUICK, hparams, run_cli, scalars, train, command_here
+from tests.helpers import DATA_ROOT, QUICK, hparams, run_cli, scalars, train
 
 SCORE = [f"data.root={DATA_ROOT}", "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false"]
 

@@ -13,7 +13,7 @@ import torch
 from omegaconf import OmegaConf
 
 from src import config
-from tests.helpers import DATA_ROOT, QUICK, REPO, composed, hparams, run_cli, scalars, train, train_here, command_here
+from tests.helpers import DATA_ROOT, QUICK, REPO, composed, hparams, run_cli, scalars, train, train_here
 from tests.test_bad_input import hydra_refusal
 
 DOC = REPO / "docs" / "extending.md"

@@ -22,7 +22,7 @@ from src.callbacks.model_summary import SummaryWithoutZeroFlops, without_zero_fl
 from src.config import CONF_DIR
 from src.checkpoints import unreadable as unreadable_checkpoint
 from src.launch.console import ConsoleHandler, counted, open_progress_bars, print_error, processes
-from tests.helpers import INTERPRETER, QUICK, REPO, run_cli, train, user_env, train_here
+from tests.helpers import INTERPRETER, QUICK, REPO, run_cli, train_here, user_env
 
 
 def screen(text: str) -> list[str]:

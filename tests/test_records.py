@@ -15,7 +15,7 @@ import yaml
 
 from src.report import main as report_main
 from src.scaling.predict import main as scaling_main
-from tests.helpers import DATA_ROOT, QUICK, Run, call_main, run_cli, train, command_here
+from tests.helpers import DATA_ROOT, QUICK, Run, call_main, run_cli, train
 from tests.test_scaling import write_ddp_run
 
 OPEN_MARKER = ["._target_=builtins.open", ".file={marker}", ".mode=w"]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import QUICK, REPO, Run, start_cli, train, user_env, train_here
+from tests.helpers import QUICK, REPO, Run, start_cli, train, train_here, user_env
 
 HOLD = ["+callbacks.hold._target_=tests.faults.HoldAfterEpoch", "max_epochs=2"]  # waits after epoch 1 for a file
 
