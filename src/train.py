@@ -141,7 +141,7 @@ def build_run(cfg: DictConfig, checkpoint: Saved | None, fit: bool) -> dict[str,
     plugins: list[Any] = [AtomicCheckpointIO()] + ([SyncBatchNormPlugin(cuda=accelerator == "gpu")] if cfg.sync_batchnorm else [])
     trainer = Trainer(accelerator=accelerator, devices=cfg.devices, num_nodes=cfg.num_nodes, strategy=strategy,
                       precision=cfg.precision_used, max_epochs=cfg.max_epochs, logger=loggers,
-                      callbacks=[*callbacks, StopOnSignal()], plugins=plugins, default_root_dir=str(output_dir),
+                      callbacks=[StopOnSignal(), *callbacks], plugins=plugins, default_root_dir=str(output_dir),
                       use_distributed_sampler=False, **trainer_args)
     trainer.callbacks = without_zero_flops(trainer.callbacks)
     return {"datamodule": datamodule, "model": model, "optimizer": optimizer, "callbacks": dict(zip(cfg.callbacks, callbacks)),

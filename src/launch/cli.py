@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from src import config, resume
 from src.records import Result
 from src.errors import RunFailed, UsageError, interpreter, said
-from src.folders import no_link, write_file
+from src.folders import no_link, remove_empty, write_file
 from src.launch import lock, naming, progress, ranks, stops
 from src.launch.console import counted, print_error, print_line
 from src.launch.stops import RankFailed, RunStopped, signal_name
@@ -79,6 +79,8 @@ def run_job(cfg: DictConfig, task: Callable[[DictConfig], Result],
             except Exception as error:
                 if ours and said(error) is not None:
                     naming.unclaim_dir(output_dir)  # still held: what this command made, and never a checkpoint
+                elif not ranks.is_rank_zero() and said(error) is not None:
+                    remove_empty([output_dir])  # the folder Hydra made again for this rank, if it holds nothing
                 raise
     except RunStopped as stop:
         end_run(f"run stopped by {signal_name(stop.signum)}{stop.where}; {kept(output_dir)}", 128 + stop.signum)

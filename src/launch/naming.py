@@ -152,10 +152,12 @@ def remove_tree(folder: Path) -> None:
 
 
 def untouched(folder: Path) -> bool:
-    """Whether a folder holds nothing but its lock and this process's own logs: a command made it, and may take it
-    back if it fails; a folder any other command wrote in stays."""
-    logs = {Path(handler.baseFilename) for handler in own_logs(folder)}
-    return folder.is_dir() and all(p.name == LOCK or p.absolute() in logs for p in folder.iterdir())
+    """Whether a folder holds nothing but its lock and this run's logs (this process's, and its other ranks' under
+    torchrun or SLURM: `train_rank_1.log`): a command made it, and may take it back if it fails; a folder any other
+    command wrote in stays."""
+    stems = [Path(handler.baseFilename).stem for handler in own_logs(folder)]
+    ours = [re.compile(rf"{re.escape(stem)}(_rank_\d+)?\.log") for stem in stems]
+    return folder.is_dir() and all(p.name == LOCK or any(log.fullmatch(p.name) for log in ours) for p in folder.iterdir())
 
 
 def check_own_logs(folder: Path) -> None:

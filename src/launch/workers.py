@@ -107,7 +107,8 @@ class StopOnSignal(Callback):
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """A stop waits from here, before the checkpoints (Lightning runs them last), until the epoch's `train/*`
-        points are logged after every callback: a resume starts at the next epoch and would never log them."""
+        points are logged after every callback: a resume starts at the next epoch and would never log them. First
+        of the callbacks, this one lets it go before another's next hook, which may wait (for a file, a peer)."""
         stops.hold()
         self.holding = True
 
