@@ -481,8 +481,8 @@ def test_across_processes_the_record_is_read_every_50_steps_whatever_the_logging
                               "(a top-level key: max_epochs=...)"),
     (["precision=fp16"], "precision=fp16 is not allowed; did you mean precision=16-mixed? precision must be one of auto"),
 ])
-def test_a_near_miss_gets_what_was_meant(args, message):
-    result = here(*args)
+def test_a_near_miss_gets_what_was_meant(tmp_path, args, message):
+    result = here(f"hydra.run.dir={tmp_path / 'run'}", *args)  # in this test's folder: outputs/ is every test's
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1].startswith(f"error: {message}"), result.stderr
 

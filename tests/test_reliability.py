@@ -102,7 +102,7 @@ def test_too_few_file_descriptors_under_ddp_are_one_line(tmp_path, data_root):
 @pytest.mark.parametrize("args", [["hydra.run.dir="], [f"hydra.run.dir=/tmp/{'x' * 300}/run"],
                                   [f"data.root=/tmp/{'d' * 5000}"]], ids=["empty", "a long folder", "a long data root"])
 def test_a_path_that_cannot_be_a_folder_is_one_line(tmp_path, args):
-    result = train_here(*QUICK[1:], *args, f"hydra.sweep.dir={tmp_path}/sweep")
+    result = train_here(*QUICK[1:], f"hydra.run.dir={tmp_path}/run", *args, f"hydra.sweep.dir={tmp_path}/sweep")
     assert result.returncode == 2, result.stderr[-3000:]
     assert last_line(result).startswith("error: ") and "Traceback" not in result.stderr
     assert not (REPO / ".hydra").exists() and not list(REPO.glob("events.out.*"))
