@@ -187,15 +187,11 @@ def plain(text: str, sweep: bool) -> bool:
     return numbers and (len(args) == 2 if name in ("interval", "log") else 2 <= len(args) <= 3)
 
 
-def group_options(group: str) -> set[str]:
-    return {path.stem for path in (CONF_DIR / group).glob("*.yaml")}
-
-
 def settings(lines: Any, path: Path, sweep: bool = False, typed: set[str] = frozenset()) -> list[str]:
     """A run's (or a sweep's) recorded overrides, taken only as values: a group's option by its name in conf/, a key
     of the config with a plain value; any other line is refused in one line naming the file and the key. A line
     whose key is `typed` is the command's, and is not read."""
-    from src.config import DERIVED, GROUPS, TrainConfig  # the schema: its keys and groups
+    from src.config import DERIVED, GROUPS, TrainConfig, options  # the schema: its keys and groups
 
     top_level = set(TrainConfig.__dataclass_fields__) - set(DERIVED)
     kept = []
@@ -219,7 +215,7 @@ def settings(lines: Any, path: Path, sweep: bool = False, typed: set[str] = froz
             names = (listed.group(1) if listed else text).split(",")
             if not all(OPTION.fullmatch(name) for name in names) or len(names) > 1 and not (listed or sweep):
                 raise refused(path, key, text, f"it must name an option of the {key} group (conf/{key}: "
-                                               f"{', '.join(sorted(group_options(key)))}), never a path")
+                                               f"{options(key)}), never a path")
             kept.append(f"{key}={text}")
             continue
         if prefix not in ("", "~") and not (prefix == "+" and head == "trainer"):
