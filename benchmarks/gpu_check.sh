@@ -6,8 +6,10 @@
 #                        hydra/launcher=parallel: test acc >= 0.83 and >= 0.90, val/acc above the first epoch's by the
 #                        last), the float64 SyncBatchNorm oracle, CUDA graphs against eager steps (uneven last batch,
 #                        validation, cosine warm-up, 16-mixed), the host waits of 16-mixed steps, two NCCL ranks (one
-#                        hook; SIGTERM and resume); then alone, ResNet-18's speed rows with DDP's step with and without
-#                        the callback that logs xfer/*
+#                        hook; SIGTERM and resume), one run as src.train starts a DDP rank (spawned by torch's elastic
+#                        agent; the launching process must hold no GPU memory); then alone, ResNet-18's speed rows
+#                        (eager and graphed) with DDP's step with and without the callback that logs xfer/*. No pass
+#                        where a selected test was skipped or none ran.
 #        tests           pytest -m gpu, the two-rank module left out
 #        ddp2            tests/test_gpu_ddp.py: two NCCL ranks on one GPU, each a torchrun node of its own
 #        speed-lenet     benchmarks/speed.py: the rows of docs/results.md (GPU), side by side
@@ -19,8 +21,9 @@
 # cloudpickle, made here with `pip wheel --no-deps -w <folder> <name>==<version>`) onto PYTHONPATH first, for a machine
 # whose Python has torch and Lightning but not these. Each part writes <log folder>/<part>.log and <part>.status (its
 # exit status, 124 when it ran out of time, and its seconds; tests also <part>.xml); every call ends by writing
-# <log folder>/summary.md from whatever the folder holds (benchmarks/gpu_summary.py). Exit status 1 if a part failed
-# or quick's recipes missed a bar, 2 for a wrong command line.
+# <log folder>/summary.md from whatever the folder holds (benchmarks/gpu_summary.py). Run folders go to a temporary
+# folder; the log folder keeps their records without checkpoints. Exit status 1 without a CUDA GPU, if a part failed,
+# a test part ran no test (or, in quick, skipped one) or quick's recipes missed a bar; 2 for a wrong command line.
 set -uo pipefail
 parts=(quick tests ddp2 speed-lenet speed-resnet18 accuracy)
 usage="usage: benchmarks/gpu_check.sh <${parts[*]// /|}|all> <data root> <log folder>"
@@ -35,12 +38,18 @@ fi
 if [[ -n ${WHEELS:-} && -z $(compgen -G "$WHEELS/*.whl") ]]; then
     echo "error: WHEELS=$WHEELS: no .whl files in it" >&2; exit 2
 fi
+py=${PYTHON:-python3}
+# Without a GPU every check would be skipped, and pytest counts skipped tests a success.
+if ! "$py" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then
+    echo "error: no CUDA GPU here ($py: torch.cuda.is_available() is false or torch is missing); these checks need one" >&2
+    exit 1
+fi
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # benchmarks/ import src where the project is not installed
 data=$(cd "$OLDPWD" && cd "$data" && pwd)
 mkdir -p "$logs" && logs=$(cd "$logs" && pwd)
+runs=$(mktemp -d)  # run folders, checkpoints and all; the log folder keeps their records alone (keep_records)
 export PYTHONUNBUFFERED=1 FASHION_MNIST_ROOT="$data"
-py=${PYTHON:-python3}
 status=0
 
 if [[ -n ${WHEELS:-} ]]; then  # a wheel is a zip of the package as it is installed
@@ -65,6 +74,32 @@ run() {  # [-t seconds] name command...: the command's output to <log folder>/<n
 
 wanted() { [[ $part == "$1" || ($part == all && $1 != quick) ]]; }
 
+keep_records() {  # from to: a sweep's or run's folder without its checkpoints, small enough for a caller to fetch
+    [[ -d $1 ]] || return 0
+    "$py" -c 'import shutil, sys
+shutil.copytree(sys.argv[1], sys.argv[2], ignore=shutil.ignore_patterns("*.ckpt", "*.partial"), dirs_exist_ok=True)' "$@"
+}
+
+spawned() {  # seconds: one run as src.train starts a DDP rank (torch's elastic agent, spawn); the launching process
+             # must hold no GPU memory: it must not be among the GPU's processes while its rank trains
+    "$py" -m src.train debug=quick strategy=ddp devices=1 accelerator=gpu "data.root=$data" "hydra.run.dir=$runs/spawned" &
+    local launcher=$! seen=" " code=0 deadline=$((SECONDS + $1))
+    while kill -0 "$launcher" 2>/dev/null; do
+        if ((SECONDS > deadline)); then kill -INT "$launcher"; echo "out of time"; deadline=$((SECONDS + 60)); fi
+        seen+="$(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | tr '\n' ' ')"
+        sleep 0.5
+    done
+    wait "$launcher" || code=$?
+    keep_records "$runs/spawned" "$logs/spawned"
+    local pids
+    pids=$(tr ' ' '\n' <<<"$seen" | sort -un | xargs)
+    echo "launching process: $launcher; processes on the GPU meanwhile: ${pids:-none}"
+    if ((code)); then return "$code"; fi
+    if [[ -z $pids ]]; then echo "cannot tell: nvidia-smi listed no process on the GPU, not even the rank"; return 1; fi
+    if [[ " $pids " == *" $launcher "* ]]; then echo "the launching process held GPU memory"; return 1; fi
+    echo "the launching process held no GPU memory"
+}
+
 {
     if command -v nvidia-smi >/dev/null; then
         nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
@@ -82,12 +117,15 @@ cat "$logs/environment.log"
 
 pytest=("$py" -m pytest -v --tb=short --durations=20 -p no:cacheprovider -o junit_logging=system-out)
 # ResNet-18's speed rows of quick; the last two time DDP's step (one process) with and without the xfer/ callback.
-quick_speed="framework default,framework compile=true cuda_graphs=true,plain reduce-overhead,framework ddp,framework ddp without comm callback"
+quick_speed="framework default,framework cuda_graphs=auto,framework compile=true cuda_graphs=true,plain reduce-overhead,framework ddp,framework ddp without comm callback"
 checks=()
 if wanted quick; then  # each part a few percent of the GPU; they share it, and the 16 cores
     q=180  # seconds each part of the first stage may take; the speed rows then take at most 100, alone
     (run -t $q recipes "$py" -m src.train -m experiment=d2l_lenet,d2l_resnet18 seed=1 "data.root=$data" \
-        hydra/launcher=parallel hydra.launcher.jobs_per_gpu=2 "hydra.sweep.dir=$logs/recipes"; exit $status) &
+        hydra/launcher=parallel hydra.launcher.jobs_per_gpu=2 "hydra.sweep.dir=$runs/recipes"
+     keep_records "$runs/recipes" "$logs/recipes"; exit $status) &
+    checks+=($!)
+    (run spawned spawned $q; exit $status) &
     checks+=($!)
     (run -t $q syncbn "${pytest[@]}" -m gpu --junitxml="$logs/syncbn.xml" tests/test_sync_batchnorm.py tests/test_gpu_ddp.py \
         -k "torch_syncbatchnorm or (two_ranks_end and lenet_bn_sync)"; exit $status) &
@@ -122,7 +160,7 @@ if wanted quick; then
         --only "$quick_speed"
 fi
 # The rows docs/results.md reports; speed.py --ablation without --only times every setting and precision.
-common="book (torchvision + 4 workers),plain reduce-overhead,framework fp32 (old default),framework default,framework one step a batch,framework compile=true cuda_graphs=true"
+common="book (torchvision + 4 workers),plain reduce-overhead,framework fp32 (old default),framework default,framework cuda_graphs=auto,framework one step a batch,framework compile=true cuda_graphs=true"
 rows_lenet="$common,plain fp32,framework 32,framework 32 channels_last,framework bf16-mixed"
 rows_resnet18="$common,plain fast,framework compile=true,framework 32 channels_last,framework 16-mixed channels_last,framework bf16-mixed"
 for model in lenet resnet18; do
@@ -135,7 +173,8 @@ done
 if wanted accuracy; then
     for experiment in d2l_lenet d2l_resnet18; do
         run "accuracy-$experiment" "$py" -m src.train -m "experiment=$experiment" seed=1,2,3 "data.root=$data" \
-            "hydra.sweep.dir=$logs/accuracy/$experiment"
+            "hydra.sweep.dir=$runs/accuracy/$experiment"
+        keep_records "$runs/accuracy/$experiment" "$logs/accuracy/$experiment"
     done
 fi
 summary=("$py" benchmarks/gpu_summary.py "$logs")

@@ -1,8 +1,10 @@
 """One record of `benchmarks/gpu_check.sh`: the machine, each test's result, and every figure, from its log folder.
 
     python benchmarks/gpu_summary.py <log folder>            # writes <log folder>/summary.md and prints it
-    python benchmarks/gpu_summary.py <log folder> --quick    # the record of `gpu_check.sh quick`; exit status 1 when
-                                                             # a recipe missed its bar
+    python benchmarks/gpu_summary.py <log folder> --quick    # the record of `gpu_check.sh quick`
+
+Exit status 1 when the record is no pass: a recipe missed its bar, a test part is missing, ran no test or had one
+fail, or (quick) skipped one.
 
 Reads what the parts left there: `environment.log` (device, driver, versions), `<part>.status` (exit status and
 seconds), `<part>.xml` (pytest's JUnit report, with what each test printed), `speed-<model>.log`
@@ -32,18 +34,27 @@ QUICK_TEST_PARTS = ("syncbn", "syncbn-resnet18", "graphs", "nccl")
 RECIPE_BARS = {"lenet": ("d2l_lenet", 0.83), "resnet18": ("d2l_resnet18", 0.90)}
 
 
-def test_results(report: Path) -> tuple[list[str], int, int]:
-    """Markdown rows of a JUnit report (test, result, seconds, what it printed); passed and failed counts."""
-    rows, passed, failed = [], 0, 0
+def test_results(report: Path) -> tuple[list[str], dict[str, int]]:
+    """Markdown rows of a JUnit report (test, result, seconds, what it printed); how many passed, failed, skipped."""
+    rows, counts = [], {"passed": 0, "failed": 0, "skipped": 0}
     for case in ElementTree.parse(report).iter("testcase"):
         outcome = next((child.tag for child in case if child.tag in ("failure", "error", "skipped")), "passed")
-        passed += outcome == "passed"
-        failed += outcome in ("failure", "error")
+        counts["failed" if outcome == "error" else outcome.replace("failure", "failed")] += 1
         lines = (line.strip() for line in (case.findtext("system-out") or "").splitlines())
         printed = " ".join(line for line in lines if line and not line.startswith("---"))  # not pytest's banner
         name = f"{case.get('classname', '').rsplit('.', 1)[-1]}::{case.get('name')}"
         rows.append(f"| {name} | {outcome} | {float(case.get('time', 0)):.1f} | {printed} |")
-    return rows, passed, failed
+    return rows, counts
+
+
+def tests_verdict(counts: dict[str, int], quick: bool) -> str | None:
+    """Why a test part is no pass although pytest exited 0: no test ran, or a test of quick was skipped (without a GPU
+    every one is, and pytest counts that a success)."""
+    if counts["passed"] + counts["failed"] == 0:
+        return "no test ran"
+    if quick and counts["skipped"]:
+        return f"{counts['skipped']} skipped, and quick skips nothing"
+    return None
 
 
 def speed_table(log: Path) -> list[str]:
@@ -107,7 +118,8 @@ def recipe_rows(folder: Path) -> tuple[list[str], bool]:
 
 
 def summary(logs: Path, quick: bool = False) -> tuple[str, bool]:
-    """The record as markdown, and whether quick's recipes met their bars (True for the other parts)."""
+    """The record as markdown, and whether it is a pass: every test part ran tests and none failed (nor, in quick, was
+    skipped), and quick's recipes met their bars."""
     out = ["# GPU check" + (" (quick)" if quick else ""), ""]
     environment = logs / "environment.log"
     out += ["## Machine", "", *(f"    {line}" for line in environment.read_text().splitlines()), ""] if environment.is_file() \
@@ -124,10 +136,14 @@ def summary(logs: Path, quick: bool = False) -> tuple[str, bool]:
         report = logs / f"{part}.xml"
         if not report.is_file():
             out += [f"`{part}`: missing (not run, or it ended before its report)", ""]
+            passed = False
             continue
-        rows, passes, failures = test_results(report)
-        out += [f"`{part}`: {passes} passed, {failures} failed", "", "| test | result | s | printed |", "|---|---|---:|---|",
-                *rows, ""]
+        rows, counts = test_results(report)
+        verdict = tests_verdict(counts, quick)
+        passed &= verdict is None and counts["failed"] == 0
+        out += [f"`{part}`: {', '.join(f'{n} {outcome}' for outcome, n in counts.items())}"
+                + (f": NOT A PASS, {verdict}" if verdict else ""), "",
+                "| test | result | s | printed |", "|---|---|---:|---|", *rows, ""]
 
     out += ["## Speed (benchmarks/speed.py" + ("; framework ddp: one DDP process, with and without the xfer/ callback)"
                                              if quick else " --ablation)"), ""]

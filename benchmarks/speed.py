@@ -12,7 +12,8 @@ same Fashion-MNIST images for the same number of optimizer steps at the same bat
                        graphs on a GPU): the best a user writes by hand
 - framework fp32 (old default): `python -m src.train precision=32 channels_last=false cuda_graphs=false
                        steps_per_execution=1`, the default before the fast path
-- framework default:   `python -m src.train` with today's defaults (every `auto`)
+- framework default:   `python -m src.train` with today's defaults (eager steps: `cuda_graphs=false`)
+- framework cuda_graphs=auto: the defaults with each step a CUDA graph replay on a GPU (on CPU: the default)
 - framework one step a batch: the defaults with `steps_per_execution=1`, so that Lightning's loop
                        runs once per optimizer step (the default on CPU before 2026-11-25)
 - framework compile=true: the defaults with `compile=true` (no CUDA graphs then)
@@ -72,7 +73,8 @@ from torchvision.transforms import ToTensor
 from src.callbacks.comm import CommLogger
 from src.callbacks.timing import EpochTimer
 from src.data.fashion_mnist import MEAN, STD, FashionMNISTDataModule
-from src.fast_path import FastSteps, auto_precision, keep_freed_memory, one_channel_nchw_pays, resolve_fast_steps, speed_up
+from src.fast_path import (TORCH_FP32_MATH, FastSteps, auto_precision, float32_math, keep_freed_memory,
+                           one_channel_nchw_pays, resolve_fast_steps, resolve_precision, speed_up)
 from src.models.lenet import LeNet
 from src.models.module import Classifier
 from src.models.resnet import resnet18
@@ -149,10 +151,16 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def torch_float32_math() -> None:
+    """The plain loops compute float32 as torch does by default (TF32 convolutions on CUDA): what a user's loop does."""
+    torch.backends.cudnn.conv.fp32_precision, torch.backends.cuda.matmul.fp32_precision = TORCH_FP32_MATH
+
+
 def plain_epoch(net: nn.Module, optimizer: torch.optim.Optimizer, images: torch.Tensor, labels: torch.Tensor,
                 settings: Settings, batch_size: int, steps: int, generator: torch.Generator) -> float:
     """The book's training loop on tensors already on the device: shuffle, gather, normalise, step, count hits."""
     device = images.device
+    torch_float32_math()
     order = torch.randperm(len(labels), generator=generator).to(device)
     dtype = settings.autocast_dtype
     hits = torch.zeros((), device=device, dtype=torch.long)
@@ -174,6 +182,7 @@ def plain_epoch(net: nn.Module, optimizer: torch.optim.Optimizer, images: torch.
 
 def book_epoch(net: nn.Module, optimizer: torch.optim.Optimizer, loader: DataLoader, steps: int, device: torch.device) -> float:
     """Dive into Deep Learning's `train_ch6` loop: batches from the DataLoader's workers, moved to the device."""
+    torch_float32_math()
     sync(device)
     start = time.perf_counter()
     correct = 0.0
@@ -220,6 +229,7 @@ def framework(datamodule: FashionMNISTDataModule, model: str, settings: Settings
 def framework_epoch(datamodule: FashionMNISTDataModule, module: Classifier, settings: Settings, steps: int,
                     accelerator: str, lightning_only: bool, fast: FastSteps) -> Usage:
     datamodule.steps_per_execution = fast.steps_per_execution  # the data module serves every contender in turn
+    float32_math(resolve_precision(settings.precision, accelerator), accelerator)  # as a run sets it
     with tempfile.TemporaryDirectory() as tmp:
         usage = EpochUsage()
         callbacks = [EpochTimer(), usage] if lightning_only else [*project_callbacks(tmp), usage]
@@ -254,8 +264,8 @@ def matmul_peak(device: torch.device, dtype: torch.dtype, tf32: bool) -> float:
     """
     n = 8192 if device.type == "cuda" else 2048
     a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
-    was = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = tf32
+    was = torch.backends.cuda.matmul.fp32_precision
+    torch.backends.cuda.matmul.fp32_precision = "tf32" if tf32 else "ieee"
     try:
         a @ b
         sync(device)
@@ -265,7 +275,7 @@ def matmul_peak(device: torch.device, dtype: torch.dtype, tf32: bool) -> float:
             repeats += 1
             sync(device)
     finally:
-        torch.backends.cuda.matmul.allow_tf32 = was
+        torch.backends.cuda.matmul.fp32_precision = was
     return 2 * n**3 * repeats / (time.perf_counter() - start)
 
 
@@ -308,8 +318,9 @@ def main() -> None:
 
     fp32 = Settings("32", channels_last=False)
     fast = Settings(auto_precision(accelerator), channels_last=True)
-    default = Settings(fast.precision, fast.channels_last, cuda_graphs="auto", steps_per_execution="auto")
-    one_step = Settings(fast.precision, fast.channels_last, cuda_graphs="auto", steps_per_execution=1)
+    default = Settings(fast.precision, fast.channels_last, cuda_graphs=False, steps_per_execution="auto")
+    graphed = Settings(fast.precision, fast.channels_last, cuda_graphs="auto", steps_per_execution="auto")
+    one_step = Settings(fast.precision, fast.channels_last, cuda_graphs=False, steps_per_execution=1)
     book_data = FashionMNIST(args.data_root, train=True, transform=ToTensor(), download=False)
     book_loader = DataLoader(book_data, args.batch_size, shuffle=True, num_workers=4, persistent_workers=True)
 
@@ -339,6 +350,7 @@ def main() -> None:
         "plain reduce-overhead": (reduce_overhead, lambda: plain(reduce_overhead)),
         "framework fp32 (old default)": (fp32, lambda: run_framework(fp32)),
         "framework default": (default, lambda: run_framework(default)),
+        "framework cuda_graphs=auto": (graphed, lambda: run_framework(graphed)),
         "framework one step a batch": (one_step, lambda: run_framework(one_step)),
         "framework compile=true": (compiled, lambda: run_framework(compiled)),
         "framework compile=true cuda_graphs=true": (compiled_graphs, lambda: run_framework(compiled_graphs)),
@@ -375,7 +387,7 @@ def main() -> None:
     cpu_per_step = {name: statistics.median(u.cpu_s for u in used) / args.steps for name, used in usages.items()}
 
     flops = flops_per_step(args.model, args.batch_size, device)
-    tf32 = device.type == "cuda" and torch.backends.cudnn.allow_tf32
+    tf32 = device.type == "cuda" and TORCH_FP32_MATH[0] == "tf32"  # the plain loops' convolutions
     peaks = {dtype: matmul_peak(device, dtype, tf32)
              for dtype in {torch.float32, *(s.autocast_dtype or torch.float32 for s, _ in contenders.values())}}
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from lightning import Callback, LightningModule
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from omegaconf import DictConfig
 from torch import nn
@@ -26,6 +27,13 @@ LIGHTNING_SPELLING = {"16": "16-mixed", "bf16": "bf16-mixed", "32": "32-true", "
 
 # glibc's mallopt parameters (malloc.h) and the value that turns trimming off.
 M_TRIM_THRESHOLD, M_MMAP_MAX, NEVER = -1, -4, -1
+
+# Lightning calls these from inside `manual_backward`, which a CUDA graph captures once and then replays without them.
+STEP_HOOKS = {LightningModule: ("on_before_backward", "backward", "on_after_backward"),
+              Callback: ("on_before_backward", "on_after_backward")}
+
+# torch's own float32 math on CUDA: cuDNN convolves float32 in TF32 (10 mantissa bits) on Ampere and later.
+TORCH_FP32_MATH = (torch.backends.cudnn.conv.fp32_precision, torch.backends.cuda.matmul.fp32_precision)
 
 StepFunction = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
@@ -50,6 +58,27 @@ def resolve_precision(requested: object, accelerator: str) -> str:
     elif accelerator == "cpu" and precision in ("16", "16-mixed"):
         precision = "bf16-mixed"
     return LIGHTNING_SPELLING.get(precision, precision)
+
+
+def float32_math(precision: str, accelerator: str) -> bool:
+    """Whether float32 computes in full: `precision=32` (Lightning's `32-true`) on CUDA does, in cuDNN and matmuls
+    alike; the other precisions keep torch's defaults. Set at every run: a sequential sweep's runs share the process."""
+    exact = accelerator == "gpu" and precision == "32-true"
+    torch.backends.cudnn.conv.fp32_precision, torch.backends.cuda.matmul.fp32_precision = (
+        ("ieee", "ieee") if exact else TORCH_FP32_MATH)
+    return exact
+
+
+def hooks_in_step(module: object, callbacks: list[object]) -> list[str]:
+    """The hooks a CUDA graph replay of the training step would skip: those the module or a callback overrides among
+    the ones Lightning calls inside the step."""
+    found = []
+    for owner in [module, *callbacks]:
+        for base, hooks in STEP_HOOKS.items():
+            if isinstance(owner, base):
+                found += [f"{type(owner).__name__}.{hook}" for hook in hooks
+                          if getattr(type(owner), hook) is not getattr(base, hook)]
+    return found
 
 
 def cudnn_benchmark(benchmark: bool | None, deterministic: object) -> bool:
@@ -103,9 +132,10 @@ class FastSteps:
 
 def resolve_fast_steps(cuda_graphs: bool | str, steps_per_execution: int | str, *, accelerator: str, world_size: int,
                        strategy: object, compile: bool, trainer_args: dict[str, Any], supported: bool,
-                       step_counts: dict[str, int] | None = None) -> FastSteps:
-    """`auto` takes them where they work (one process stepping its own optimizer; graphs: CUDA, no `compile`), and the
-    most steps per batch that divide `step_counts`: Lightning checks those counts only after each batch."""
+                       step_counts: dict[str, int] | None = None, hooks: list[str] | None = None) -> FastSteps:
+    """`auto` takes them where they work (one process stepping its own optimizer; graphs: CUDA, no `compile`, no
+    `hooks` that a replay would skip), and the most steps per batch that divide `step_counts`: Lightning checks those
+    counts only after each batch."""
     blockers = [need for need, missing in (
         ("a strategy of one process on one device (strategy=auto)",
          world_size > 1 or not (strategy == "auto" or isinstance(strategy, SingleDeviceStrategy))),
@@ -113,10 +143,12 @@ def resolve_fast_steps(cuda_graphs: bool | str, steps_per_execution: int | str, 
         ("trainer.gradient_clip_val=null", trainer_args.get("gradient_clip_val") is not None),
         ("the Classifier and a data module with steps_per_execution (the built-in ones)", not supported),
     ) if missing]
-    graph_blockers = blockers + (["a CUDA device"] if accelerator != "gpu" else [])
+    graph_blockers = blockers + (["a CUDA device"] if accelerator != "gpu" else []) + (
+        [f"no hook that runs inside the training step, where a replay skips it (here: {', '.join(hooks)})"]
+        if hooks else [])
     graphs = cuda_graphs == "auto" and not graph_blockers and not compile or cuda_graphs is True
     if cuda_graphs is True and graph_blockers:
-        raise UsageError(f"cuda_graphs=true needs {', '.join(graph_blockers)}; use cuda_graphs=auto or false")
+        raise UsageError(f"cuda_graphs=true needs {', '.join(graph_blockers)}; use cuda_graphs=false")
     counts = {key: n for key, n in (step_counts or {}).items() if n > 0}
     if steps_per_execution == "auto":
         steps = 1 if blockers else math.gcd(STEPS_PER_EXECUTION, *counts.values())
@@ -173,7 +205,8 @@ class GraphedStep:
 
 
 def apply_fast_steps(cfg: DictConfig, trainer_args: dict[str, Any], module: nn.Module, datamodule: object, *,
-                     accelerator: str, world_size: int, strategy: object, step_batch: int) -> FastSteps:
+                     accelerator: str, world_size: int, strategy: object, step_batch: int,
+                     callbacks: list[object]) -> FastSteps:
     """Set the module, the data and the Trainer's batch counts (in place) up for the fast steps."""
     batch_counts = {f"trainer.{key}": value for key in ("limit_train_batches", "val_check_interval")
                     if type(value := trainer_args.get(key)) is int}
@@ -183,6 +216,7 @@ def apply_fast_steps(cfg: DictConfig, trainer_args: dict[str, Any], module: nn.M
         step_counts={"checkpoint.every_n_train_steps": cfg.checkpoint.every_n_train_steps,
                      "trainer.max_steps": trainer_args["max_steps"], **batch_counts},
         supported=hasattr(module, "use_fast_steps") and hasattr(datamodule, "steps_per_execution"),
+        hooks=hooks_in_step(module, callbacks),
     )
     for key in batch_counts:  # counted in optimizer steps: Lightning counts batches of steps_per_execution steps
         trainer_args[key.removeprefix("trainer.")] //= fast_steps.steps_per_execution

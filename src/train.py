@@ -26,8 +26,8 @@ from src.callbacks.model_summary import without_zero_flops
 from src.callbacks.progress import progress_bar
 from src.checkpoints import AtomicCheckpointIO, Saved, check_checkpoint, resolve_ckpt_path, tested_weights
 from src.errors import UsageError
-from src.fast_path import (LIGHTNING_SPELLING, apply_fast_steps, cudnn_benchmark, keep_freed_memory,
-                           one_channel_nchw_pays, resolve_accelerator, speed_up)
+from src.fast_path import (LIGHTNING_SPELLING, apply_fast_steps, cudnn_benchmark, float32_math,
+                           keep_freed_memory, one_channel_nchw_pays, resolve_accelerator, speed_up)
 from src.hparams import log_hparams, run_hparams
 from src.launch import cli
 from src.launch.console import processes
@@ -112,6 +112,8 @@ def build_run(cfg: DictConfig, checkpoint: Saved | None, fit: bool) -> dict[str,
     typed = LIGHTNING_SPELLING.get(str(cfg.precision), str(cfg.precision))
     if fit and typed not in ("auto", cfg.precision_used) and is_rank_zero():
         log.warning(f"precision={cfg.precision} needs a CUDA GPU; this CPU run uses {cfg.precision_used} instead")
+    if float32_math(cfg.precision_used, accelerator) and fit and is_rank_zero():
+        log.info("precision=32 on CUDA: float32 throughout, TF32 off in cuDNN convolutions and matmuls")
 
     datamodule = build("data", cfg.data)
     strategy = build("strategy", cfg.strategy, _convert_="all")
@@ -128,9 +130,9 @@ def build_run(cfg: DictConfig, checkpoint: Saved | None, fit: bool) -> dict[str,
     trainer_args = OmegaConf.to_container(cfg.trainer, resolve=True)
     trainer_args["benchmark"] = cudnn_benchmark(trainer_args["benchmark"], trainer_args["deterministic"])
     world_size = processes_per_node(cfg) * int(cfg.num_nodes)
-    fast_steps = apply_fast_steps(cfg, trainer_args, model, datamodule, accelerator=accelerator, world_size=world_size,
-                                  strategy=strategy, step_batch=cfg.data.batch_size // world_size)
     callbacks: list[Callback] = [build(f"callbacks.{name}", node) for name, node in cfg.callbacks.items()]
+    fast_steps = apply_fast_steps(cfg, trainer_args, model, datamodule, accelerator=accelerator, world_size=world_size,
+                                  strategy=strategy, step_batch=cfg.data.batch_size // world_size, callbacks=callbacks)
     if not any(isinstance(c, ProgressBar) for c in callbacks):
         bar = progress_bar(trainer_args.get("enable_progress_bar"))
         trainer_args["enable_progress_bar"] = bar is not None

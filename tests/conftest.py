@@ -11,6 +11,7 @@ from hydra.core.hydra_config import HydraConfig
 # saves Hydra's singletons to put them back after it (`hydra_restore_singletons`, the launcher kit's fixture).
 import hydra_plugins.project_launchers.parallel  # noqa: F401
 import hydra_plugins.project_launchers.sequential  # noqa: F401
+from src.fast_path import float32_math
 from tests.helpers import DATA_ROOT, LINEAR_LR, QUICK, REPO, Run, command_here, train
 
 OUTPUTS = REPO / "outputs"
@@ -56,10 +57,10 @@ def no_hydra_config_left_behind():
 @pytest.fixture
 def exact_cuda_math():
     """TF32 rounds convolutions and matmuls to 10 mantissa bits; compare in full float32."""
-    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    saved = torch.backends.cudnn.conv.fp32_precision, torch.backends.cuda.matmul.fp32_precision
+    float32_math("32-true", "gpu")
     yield
-    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+    torch.backends.cudnn.conv.fp32_precision, torch.backends.cuda.matmul.fp32_precision = saved
 
 
 def _trained(tmp_path_factory: pytest.TempPathFactory, name: str, *args: str, here: bool = False) -> Run:

@@ -150,6 +150,21 @@ def test_a_slow_command_says_what_it_is_doing_and_a_quick_one_says_nothing(capsy
     assert "never said" not in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("overrides", "ranks"), [
+    (["strategy=ddp", "devices=1"], [1]),  # a world of one: the launching process leaves the device to its rank
+    (["strategy=ddp", "devices=2"], [2]),
+    (["strategy=dp", "devices=2"], []),
+    (["strategy=auto"], []),
+])
+def test_ddp_trains_in_spawned_ranks_one_device_too_and_the_rest_here(monkeypatch, overrides, ranks):
+    from src.launch import workers
+
+    started: list[int] = []
+    monkeypatch.setattr(workers, "start", lambda task, cfg, nprocs: started.append(nprocs) or "in the ranks")
+    result = workers.launch(lambda cfg: "in this process", composed(*overrides, "accelerator=cpu"))
+    assert (result, started) == ("in the ranks" if ranks else "in this process", ranks)
+
+
 @pytest.mark.slow
 def test_the_rules_import_no_torch():
     """The rules (src/config.py) run on the composed config before anything is built, and need neither torch nor

@@ -439,6 +439,44 @@ def test_ddp_keeps_its_own_sample_of_timed_steps_and_they_are_logged(tmp_path: P
     assert len(result["hook_ms"]) == SAMPLED_STEPS  # the hook's own figures, every step
 
 
+class StandInDDP(DistributedDataParallel):
+    """DDP's logging data as DDP keeps it: it times iterations 1-10 and every 100th, and files each as the next
+    iteration's forward begins; each read is counted (on CUDA a read of the timers waits for the device)."""
+
+    def __init__(self) -> None:
+        nn.Module.__init__(self)
+        self.forwards = self.reads = 0
+        self.data: dict[str, int] = {}
+
+    def forward_with_grad(self) -> None:
+        timed = self.forwards  # the iteration the reducer has finished
+        if 1 <= timed <= 10 or timed > 0 and timed % 100 == 0:
+            self.data = {"iteration": timed, "backward_compute_time": 2_000_000, "backward_comm_time": 1_000_000,
+                         "backward_compute_comm_overlap_time": 500_000}
+        self.forwards += 1
+
+    def _get_ddp_logging_data(self) -> dict[str, int]:
+        self.reads += 1
+        return dict(self.data)
+
+
+def test_ddps_timings_are_read_only_on_the_steps_ddp_timed_and_none_is_lost():
+    """300 optimizer steps of a resumed fit (global steps 1000-1299): DDP timed 12 of them; the callback reads those
+    12 and no other, on the batch's end, outside the step a CUDA graph would replay."""
+    ddp = StandInDDP()
+    trainer = SimpleNamespace(strategy=SimpleNamespace(model=ddp), global_step=1000, log_every_n_steps=10**6,
+                              world_size=2, is_global_zero=True, loggers=[])
+    comm = CommLogger()
+    comm.on_train_start(trainer, None)
+    for _ in range(300):
+        ddp.forward_with_grad()
+        trainer.global_step += 1
+        comm.on_train_batch_end(trainer, None, None, None, 0)
+    assert ddp.reads == 12
+    assert len(comm._epoch_values["xfer/backward_compute_ms"]) == 12
+    assert comm._epoch_values["xfer/overlap_frac"][0] == 0.5
+
+
 class StandInStream:
     """What a CUDA stream does with an NCCL collective: the host goes on at once, the device ends it later."""
 

@@ -9,16 +9,18 @@ import copy
 
 import pytest
 import torch
-from lightning import Trainer
+from hydra.utils import instantiate
+from lightning import Callback, Trainer
 from lightning.pytorch.strategies import SingleDeviceStrategy
 
 from src.data.fashion_mnist import FashionMNISTDataModule
 from src.errors import UsageError
-from src.fast_path import STEPS_PER_EXECUTION, FastSteps, GraphedStep, resolve_fast_steps
+from src.fast_path import (STEPS_PER_EXECUTION, TORCH_FP32_MATH, FastSteps, GraphedStep, float32_math, hooks_in_step,
+                           resolve_fast_steps)
 from src.models import module
 from src.models.lenet import LeNet
 from tests.equivalence import checkpoint, deviation
-from tests.helpers import DATA_ROOT, scalar_steps, scalars, train, train_here
+from tests.helpers import DATA_ROOT, composed, scalar_steps, scalars, train, train_here
 
 SMALL = [f"data.root={DATA_ROOT}", "precision=32", "data.batch_size=64", "trainer.limit_train_batches=4",
          "trainer.limit_val_batches=2", "trainer.limit_test_batches=2", "trainer.enable_progress_bar=false",
@@ -51,7 +53,7 @@ def test_auto_takes_the_largest_number_of_steps_that_divides_every_step_count():
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
-    (dict(cuda_graphs=True, accelerator="cpu"), "cuda_graphs=true needs a CUDA device; use cuda_graphs=auto or false"),
+    (dict(cuda_graphs=True, accelerator="cpu"), "cuda_graphs=true needs a CUDA device; use cuda_graphs=false"),
     (dict(steps=4, world_size=2), "steps_per_execution=4 needs a strategy of one process on one device (strategy=auto)"),
     (dict(steps=4, trainer_args={"accumulate_grad_batches": 2}), "steps_per_execution=4 needs trainer.accumulate_grad_batches=1"),
     (dict(steps=3, step_counts={"trainer.limit_train_batches": 4}),
@@ -60,6 +62,58 @@ def test_auto_takes_the_largest_number_of_steps_that_divides_every_step_count():
 def test_what_cannot_work_is_refused_naming_the_option(kwargs, message):
     with pytest.raises(UsageError, match=message.replace("(", r"\(").replace(")", r"\)")):
         resolve(**{"cuda_graphs": kwargs.pop("cuda_graphs", "auto"), "steps": kwargs.pop("steps", "auto"), **kwargs})
+
+
+def test_cuda_graphs_are_off_by_default_until_a_gpu_has_measured_them():
+    cfg = composed()
+    assert cfg.cuda_graphs is False
+    assert resolve(cfg.cuda_graphs) == FastSteps(STEPS_PER_EXECUTION, cuda_graphs=False)  # on one CUDA device too
+
+
+class GradientNorms(Callback):
+    """A user's callback that reads gradients as they are made: inside the step a CUDA graph replays."""
+
+    def on_after_backward(self, trainer, pl_module) -> None:
+        pass
+
+
+class NormedClassifier(module.Classifier):
+    def on_before_backward(self, loss) -> None:
+        pass
+
+
+def test_a_hook_a_replay_would_skip_refuses_cuda_graphs_true_in_one_line_and_leaves_auto_eager():
+    hooks = hooks_in_step(lenet(), [GradientNorms()])
+    assert hooks == ["GradientNorms.on_after_backward"]
+    with pytest.raises(UsageError) as refused:
+        resolve(True, hooks=hooks)
+    assert str(refused.value) == ("cuda_graphs=true needs no hook that runs inside the training step, where a replay "
+                                  "skips it (here: GradientNorms.on_after_backward); use cuda_graphs=false")
+    assert resolve("auto", hooks=hooks) == FastSteps(STEPS_PER_EXECUTION, cuda_graphs=False)
+    torch.manual_seed(0)
+    assert hooks_in_step(NormedClassifier(LeNet(), torch.optim.SGD), []) == ["NormedClassifier.on_before_backward"]
+
+
+def test_the_projects_own_callbacks_and_module_leave_the_step_whole_for_a_replay(tmp_path):
+    callbacks = [instantiate(node) for node in composed(f"output_dir={tmp_path}").callbacks.values()]
+    assert len(callbacks) > 3 and hooks_in_step(lenet(), callbacks) == []
+
+
+@pytest.fixture
+def torch_float32_math():
+    yield
+    torch.backends.cudnn.conv.fp32_precision, torch.backends.cuda.matmul.fp32_precision = TORCH_FP32_MATH
+
+
+def math() -> tuple[str, str]:
+    return torch.backends.cudnn.conv.fp32_precision, torch.backends.cuda.matmul.fp32_precision
+
+
+def test_precision_32_on_cuda_computes_in_float32_and_the_other_runs_keep_torchs_defaults(torch_float32_math):
+    assert TORCH_FP32_MATH[0] == "tf32"  # what torch does unless told: cuDNN convolves float32 in TF32
+    assert float32_math(composed("precision=32", "accelerator=cpu").precision_used, "gpu") and math() == ("ieee", "ieee")
+    assert not float32_math("bf16-mixed", "gpu") and math() == TORCH_FP32_MATH  # a sequential sweep's next run
+    assert not float32_math("32-true", "cpu") and math() == TORCH_FP32_MATH
 
 
 @pytest.fixture(scope="module")

@@ -10,21 +10,30 @@ from src.callbacks import log_scalars
 from src.strategies.comm import CommMeter
 
 DDP_TIMERS = ("backward_compute_time", "backward_comm_time", "backward_compute_comm_overlap_time")
+DDP_SAMPLE_RATE = 100  # torch's kDDPRuntimeLoggingSampleRate: DDP times iterations 1-10, then every 100th
+
+
+def ddp_sampled(step: int) -> bool:
+    """Whether DDP timed the backward pass before this fit's optimizer step `step` (1 is the first): it files an
+    iteration's timings as the next one's forward begins, so reading them on other steps costs a call and finds none."""
+    timed = step - 1
+    return 1 <= timed <= 10 or timed > 0 and timed % DDP_SAMPLE_RATE == 0
 
 
 class CommLogger(Callback):
-    """Does nothing when the strategy has no CommMeter."""
+    """Does nothing when the strategy has no CommMeter and is not DDP. It reads on batch ends, outside the step: a
+    CUDA graph replays the step without its hooks (`src.fast_path.hooks_in_step`)."""
 
     def __init__(self) -> None:
         self._meter: CommMeter | None = None
-        self._last_step = 0
+        self._last_step = self._first_step = 0
         self._ddp: DistributedDataParallel | None = None
         self._ddp_iteration = -1
         self._epoch_values: dict[str, list[float]] = {}
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._meter = getattr(trainer.strategy, "comm_meter", None)
-        self._last_step = trainer.global_step
+        self._last_step = self._first_step = trainer.global_step
         if self._meter is not None:
             self._meter.take()  # drop anything sent before training
         # Private to DDP: no public API gives its backward timings. A torch without it logs none.
@@ -35,21 +44,26 @@ class CommLogger(Callback):
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        if self._meter is None or trainer.global_step == self._last_step:
+        if trainer.global_step == self._last_step:  # no optimizer step in this batch (gradient accumulation)
             return
         self._last_step = trainer.global_step
-        step = self._meter.take()
+        if self._meter is not None:
+            self._record_meter(trainer, self._meter)
+        if self._ddp is not None and ddp_sampled(trainer.global_step - self._first_step):
+            self._record_ddp_timings(trainer)
+
+    def _record_meter(self, trainer: Trainer, meter: CommMeter) -> None:
+        step = meter.take()
         if step.buckets == 0:
             return
         sent = {} if trainer.world_size == 1 else {  # one process: the all-reduces send nothing
             "xfer/bytes_per_step": float(step.bytes_sent), "xfer/compression_ratio": step.compression_ratio}
-        self._record(trainer, {**sent, "xfer/hook_ms": step.hook_s * 1000, "xfer/buckets_per_step": float(step.buckets)})
+        self._record(trainer, {**sent, "xfer/hook_ms": step.hook_s * 1000, "xfer/buckets_per_step": float(step.buckets)},
+                     step=trainer.global_step - 1)
 
-    def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: Any) -> None:
-        """DDP has just filed the previous step's timings: recorded unless DDP recorded no new step."""
-        if self._ddp is None:
-            return
-        data = self._ddp._get_ddp_logging_data()  # private: see on_train_start
+    def _record_ddp_timings(self, trainer: Trainer) -> None:
+        """What DDP filed as this step's forward began: the previous step's backward timings."""
+        data = self._ddp._get_ddp_logging_data()  # type: ignore[union-attr]  # private: see on_train_start
         if any(key not in data for key in ("iteration", *DDP_TIMERS)) or data["iteration"] == self._ddp_iteration:
             return
         self._ddp_iteration = data["iteration"]
@@ -59,13 +73,14 @@ class CommLogger(Callback):
             "xfer/backward_comm_ms": comm,
             "xfer/overlap_ms": overlap,
             "xfer/overlap_frac": overlap / comm if comm > 0 else 0.0,
-        })
+        }, step=trainer.global_step - 2)
 
-    def _record(self, trainer: Trainer, values: dict[str, float]) -> None:
+    def _record(self, trainer: Trainer, values: dict[str, float], step: int) -> None:
+        """Figures of optimizer step `step` (from 0), logged at it on the steps Lightning logs its own."""
         for name, value in values.items():
             self._epoch_values.setdefault(name, []).append(value)
-        if trainer.global_step % trainer.log_every_n_steps == 0:
-            log_scalars(trainer, values)
+        if (step + 1) % trainer.log_every_n_steps == 0:
+            log_scalars(trainer, values, step=step)
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._epoch_values = {}

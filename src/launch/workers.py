@@ -49,15 +49,19 @@ from src.records import Result
 PEER_GONE_GRACE_S = 10.0
 
 
+def is_ddp(cfg: DictConfig) -> bool:
+    target = str(OmegaConf.select(cfg, "strategy._target_") or "")
+    return target != "builtins.str" and issubclass(get_class(target), DDPStrategy)
+
+
 def processes_per_node(cfg: DictConfig) -> int:
     """DDP runs one process per device; Lightning's `auto` (a strategy passed by name) and dp run one."""
-    target = str(OmegaConf.select(cfg, "strategy._target_") or "")
-    return int(cfg.devices) if target != "builtins.str" and issubclass(get_class(target), DDPStrategy) else 1
+    return int(cfg.devices) if is_ddp(cfg) else 1
 
 
 def launch(task: Callable[[DictConfig], Result], cfg: DictConfig) -> Result:
-    """`task(cfg)` in a worker per device where Lightning would start DDP processes, else in this process; first the
-    devices asked for must exist here, and the global batch split over the processes."""
+    """`task(cfg)` in a worker per device under DDP, one device too, so that this process leaves the GPUs to its ranks;
+    else in this process. First the devices asked for must exist here, and the global batch split over the processes."""
     per_node, cuda, accelerator = processes_per_node(cfg), torch.cuda.is_available(), str(cfg.accelerator)
     if accelerator in ("gpu", "cuda") and not cuda:
         raise UsageError(f"accelerator={accelerator} but this machine has no CUDA device; use accelerator=cpu")
@@ -67,7 +71,7 @@ def launch(task: Callable[[DictConfig], Result], cfg: DictConfig) -> Result:
         raise UsageError(f"precision={cfg.precision} is not allowed here; it needs a CUDA GPU and the transformer_engine package")
     if isinstance(batch := cfg.data.get("batch_size"), int):
         per_process_batch(batch, per_node * int(cfg.num_nodes))
-    if per_node == 1 or external_rank() is not None:
+    if not is_ddp(cfg) or external_rank() is not None:
         with own_process_group():
             return task(cfg)
     return start(task, cfg, per_node)
