@@ -139,10 +139,11 @@ def call_main(main: Callable[[list[str]], object], *args: str) -> subprocess.Com
     return subprocess.CompletedProcess(list(args), status, stdout.getvalue(), stderr.getvalue())
 
 
-def command_here(module: str, *args: str) -> subprocess.CompletedProcess:
+def command_here(module: str, *args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
     """`python -m <module> <args>` (src.train, src.eval) through its own entry in this process, for what a command says
     and leaves rather than what only a process shows (signals, ranks, a new interpreter's environment): its exit
-    status and output as `run_cli` returns them. Hydra's, logging's and the signal handlers' state is put back."""
+    status and output as `run_cli` returns them, run from `cwd` where one is given. Hydra's, logging's and the signal
+    handlers' state is put back, and so is the working directory."""
     import importlib
     import logging
 
@@ -159,12 +160,16 @@ def command_here(module: str, *args: str) -> subprocess.CompletedProcess:
     stdout, stderr, status = io.StringIO(), io.StringIO(), 0
     sys.argv = [f"{module.replace('.', '/')}.py", *args]
     os.environ["HYDRA_MAIN_MODULE"] = "__main__"  # Hydra then finds conf/ beside the entry's file, as `python -m` does
+    here = os.getcwd()
     try:
+        if cwd is not None:
+            os.chdir(cwd)
         with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
             entry.command()
     except SystemExit as exit_:
         status = exit_.code if isinstance(exit_.code, int) else 1
     finally:
+        os.chdir(here)
         sys.argv = saved[0]
         for signum, handler in saved[1].items():
             signal.signal(signum, handler)

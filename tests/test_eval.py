@@ -6,7 +6,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from src.eval import as_trained, with_checkpoint_model
-from tests.helpers import DATA_ROOT, QUICK, hparams, run_cli, scalars, train
+from tests.helpers import DATA_ROOT, QUICK, command_here, hparams, run_cli, scalars
 
 SCORE = [f"data.root={DATA_ROOT}", "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false"]
 
@@ -15,19 +15,18 @@ SCORE = [f"data.root={DATA_ROOT}", "trainer.enable_progress_bar=false", "trainer
 def trained(tmp_path_factory, data_root):
     run_dir = tmp_path_factory.mktemp("trained") / "run"
     # Label smoothing changes the loss: an eval that dropped the run's model overrides would report another test/loss.
-    result = train(*QUICK, "trainer.limit_train_batches=20", "trainer.limit_test_batches=1.0", "model.loss.label_smoothing=0.1",
-                   f"hydra.run.dir={run_dir}")
+    result = command_here("src.train", *QUICK, "trainer.limit_train_batches=20", "trainer.limit_test_batches=1.0",
+                          "model.loss.label_smoothing=0.1", f"hydra.run.dir={run_dir}")
     assert result.returncode == 0, result.stderr[-3000:]
     return run_dir
 
 
 def evaluate(tmp_path, *args: str):
+    """`python -m src.eval` of one process, in this process."""
     run_dir = tmp_path / "eval"
-    result = run_cli("src.eval", *SCORE, *args, f"hydra.run.dir={run_dir}", timeout=600)
-    return result, run_dir
+    return command_here("src.eval", *SCORE, *args, f"hydra.run.dir={run_dir}"), run_dir
 
 
-@pytest.mark.slow
 def test_eval_scores_a_checkpoint_as_the_training_run_did_without_training(tmp_path, trained):
     result, run_dir = evaluate(tmp_path, f"ckpt_path={trained / 'checkpoints' / 'last.ckpt'}")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -45,24 +44,24 @@ def test_eval_scores_a_checkpoint_as_the_training_run_did_without_training(tmp_p
 
 @pytest.mark.slow
 def test_eval_on_two_ddp_processes_gives_the_same_score_from_a_run_folder(tmp_path, trained):
-    result, run_dir = evaluate(tmp_path, f"ckpt_path={trained}", "strategy=ddp", "devices=2")
+    run_dir = tmp_path / "eval"
+    result = run_cli("src.eval", *SCORE, f"ckpt_path={trained}", "strategy=ddp", "devices=2", f"hydra.run.dir={run_dir}",
+                     timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert scalars(run_dir)["test/acc"] == scalars(trained)["test/acc"]
     assert "2 processes" in result.stdout
 
 
-@pytest.mark.slow
 def test_eval_into_the_training_folder_hides_none_of_its_points(tmp_path, trained):
     run_dir = tmp_path / "copy"
     shutil.copytree(trained, run_dir)
     before = scalars(run_dir)
-    result = run_cli("src.eval", *SCORE, f"ckpt_path={run_dir / 'checkpoints' / 'last.ckpt'}", f"hydra.run.dir={run_dir}")
+    result = command_here("src.eval", *SCORE, f"ckpt_path={run_dir / 'checkpoints' / 'last.ckpt'}", f"hydra.run.dir={run_dir}")
     assert result.returncode == 0, result.stderr[-3000:]
     after = scalars(run_dir)
     assert all(after[tag][: len(values)] == values for tag, values in before.items())
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("args, message", [
     ([], "error: ckpt_path is required"),
     (["ckpt_path=/nonexistent.ckpt"], "error: ckpt_path=/nonexistent.ckpt: no checkpoint at /nonexistent.ckpt"),
@@ -98,30 +97,28 @@ def test_eval_builds_the_model_the_run_built_with_this_commands_model_overrides_
     assert as_trained(cfg, [], "model") is cfg.model
 
 
-@pytest.mark.slow
 def test_eval_as_the_readme_writes_it_scores_offline_with_the_runs_data(tmp_path, trained):
     """No data.root given, in a folder without data: the run's own data settings, not the default `data/`."""
-    result = run_cli("src.eval", f"ckpt_path={trained}", "trainer.enable_progress_bar=false", cwd=tmp_path, timeout=600)
+    result = command_here("src.eval", f"ckpt_path={trained}", "trainer.enable_progress_bar=false", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert scalars(next((tmp_path / "outputs" / "eval").iterdir()))["test/acc"] == scalars(trained)["test/acc"]
     assert not (tmp_path / "data").exists()
 
 
-@pytest.mark.slow
 def test_a_failed_eval_leaves_no_folder_behind(tmp_path, trained):
     """The data cannot be found (and may not be downloaded): no eval folder, no `outputs/eval/` made for it. Run in a
     folder of its own: a folder made and removed in the checkout's outputs/ would also be seen there by a test that
     ends meanwhile in another test process (tests/conftest.py). A failed download's own cleanup: tests/test_data.py."""
     nodata = tmp_path / "nodata"
-    result = run_cli("src.eval", f"ckpt_path={trained}", f"data.root={nodata}", "data.download=false", cwd=tmp_path)
+    result = command_here("src.eval", f"ckpt_path={trained}", f"data.root={nodata}", "data.download=false", cwd=tmp_path)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1].startswith(f"error: data.root={nodata}: Fashion-MNIST not found")
     assert not nodata.exists() and not (tmp_path / "outputs").exists()
 
 
-@pytest.mark.slow
 def test_eval_help_lists_the_groups_a_test_uses_only():
-    result = run_cli("src.eval", "--help", timeout=120)
+    """The help's text, in this process: tests/test_cli.py runs `--help` as a command line."""
+    result = command_here("src.eval", "--help")
     assert result.returncode == 0, result.stderr
     choices = result.stdout.split("Choices (group=option):")[1].split("Every key")[0]
     assert [line.split(":")[0] for line in choices.split("\n") if line.strip()] == ["model", "strategy", "logger"]

@@ -1,4 +1,3 @@
-import pytest
 """A run folder's records are data: whoever can write a folder cannot run code in the account of whoever resumes,
 scores, reports or predicts from it.
 
@@ -6,16 +5,18 @@ Each crafted folder below carries a harmless payload that would leave a mark if 
 file in write mode (created when it is built), or a `${claim_dir:...}` resolver (which creates the folder it names).
 Every entry point that reads a run folder refuses the payload in one line naming the file and the key, or leaves
 the record unread, and the mark never appears. One command line per entry point is here, where the exit status and the
-files left are the point; tests/test_crafted_folders.py holds every kind of payload, in the test process.
+files left are the point, each through the command's own entry in the test process (`command_here`, `call_main`);
+tests/test_crafted_folders.py holds every kind of payload.
 """
 
 from pathlib import Path
 
+import pytest
 import yaml
 
 from src.report import main as report_main
 from src.scaling.predict import main as scaling_main
-from tests.helpers import DATA_ROOT, QUICK, Run, call_main, run_cli, train
+from tests.helpers import DATA_ROOT, QUICK, Run, call_main, command_here, train_here
 from tests.test_scaling import write_ddp_run
 
 OPEN_MARKER = ["._target_=builtins.open", ".file={marker}", ".mode=w"]
@@ -40,10 +41,10 @@ def assert_refused(result, path: Path, key: str, *marks: Path) -> None:
 
 
 def resume(run_dir: Path, *args: str):
-    return train(*QUICK, *args, "ckpt_path=last", f"hydra.run.dir={run_dir}")
+    """`python -m src.train ... ckpt_path=last` of one process, in this process."""
+    return train_here(*QUICK, *args, "ckpt_path=last", f"hydra.run.dir={run_dir}")
 
 
-@pytest.mark.slow
 def test_a_target_in_the_recorded_overrides_is_refused_and_never_built(tmp_path, quick_run: Run):
     run_dir, marker = quick_run.copy(tmp_path), tmp_path / "marker"
     overrides = run_dir / ".hydra" / "overrides.yaml"
@@ -53,7 +54,6 @@ def test_a_target_in_the_recorded_overrides_is_refused_and_never_built(tmp_path,
     assert {p: p.stat().st_mtime_ns for p in run_dir.rglob("*") if p.is_file()} == before, "nothing is rewritten"
 
 
-@pytest.mark.slow
 def test_hydra_settings_in_the_records_are_never_taken(tmp_path, quick_run: Run):
     """A Hydra callback and another run folder recorded in `.hydra/hydra.yaml` (or in the overrides) are not taken: the
     resume writes only into the folder typed, and no callback of the record runs."""
@@ -67,18 +67,16 @@ def test_hydra_settings_in_the_records_are_never_taken(tmp_path, quick_run: Run)
     assert f"-> {run_dir}" in result.stdout
 
 
-@pytest.mark.slow
 def test_a_target_in_a_sweeps_record_is_refused_and_never_built(tmp_path, data_root):
     sweep, marker = tmp_path / "sweep", tmp_path / "marker"
     sweep.mkdir()
     record = {"hydra": {"overrides": {"hydra": [], "task": ["seed=1,2", *payload("callbacks.evil", marker, add=True)]}}}
     (sweep / "multirun.yaml").write_text(yaml.safe_dump(record))
-    result = train(*QUICK, "-m", "seed=1,2", f"hydra.sweep.dir={sweep}", "ckpt_path=auto")
+    result = train_here(*QUICK, "-m", "seed=1,2", f"hydra.sweep.dir={sweep}", "ckpt_path=auto")  # the sequential launcher
     assert_refused(result, sweep / "multirun.yaml", "callbacks.evil._target_", marker)
     assert sorted(p.name for p in sweep.iterdir()) == ["multirun.yaml"]
 
 
-@pytest.mark.slow
 def test_eval_refuses_a_config_yaml_that_builds_other_code_or_calls_a_resolver(tmp_path, quick_run: Run):
     run_dir, marker, made = quick_run.copy(tmp_path), tmp_path / "marker", tmp_path / "made_by_a_resolver"
     config = run_dir / "config.yaml"
@@ -86,15 +84,15 @@ def test_eval_refuses_a_config_yaml_that_builds_other_code_or_calls_a_resolver(t
              f"hydra.run.dir={tmp_path / 'eval'}"]
 
     edit(config, lambda data: data["model"]["net"].update(pool=f"${{claim_dir:{made}}}"))
-    assert_refused(run_cli("src.eval", *score), config, "model.net.pool", made)
+    assert_refused(command_here("src.eval", *score), config, "model.net.pool", made)
 
     edit(config, lambda data: data["model"]["net"].update(pool="avg", _target_="builtins.open", file=str(marker), mode="w"))
-    result = run_cli("src.eval", *score)
+    result = command_here("src.eval", *score)
     assert result.returncode == 2 and "builds the model with model.net._target_=builtins.open" in result.stderr
     assert not marker.exists()
 
     edit(config, lambda data: data.update(model_name="lenet,resnet18"))
-    result = run_cli("src.eval", *score)
+    result = command_here("src.eval", *score)
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines()[-1] == (
         f"error: {config}: model_name=lenet,resnet18 is not allowed in a run's records; it must name an option of the model "
@@ -102,7 +100,7 @@ def test_eval_refuses_a_config_yaml_that_builds_other_code_or_calls_a_resolver(t
     assert not (tmp_path / "eval").exists() and not marker.exists()
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # src.scaling times the DDP hooks on spawned processes
 def test_report_and_scaling_leave_a_crafted_run_out_and_never_build_or_resolve_it(tmp_path):
     root, marker, made = tmp_path / "outputs", tmp_path / "marker", tmp_path / "made_by_a_resolver"
     good, crafted, resolving = (write_ddp_run(root / name) for name in ("good", "crafted", "resolving"))

@@ -18,7 +18,7 @@ from tensorboard import default, program
 from tensorboard.backend import application
 from werkzeug.test import Client
 
-from tests.helpers import QUICK, cpu_precision, free_port, scalars, train
+from tests.helpers import QUICK, cpu_precision, free_port, scalars, train_here
 
 PRECISION = cpu_precision()  # what precision=auto uses here
 LABEL = f"lenet_auto_1dev_{PRECISION}"
@@ -28,18 +28,18 @@ SHOWN = 5  # hparams and metric columns the HParams tab ticks by default
 
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory, data_root) -> Path:
-    """Two runs that differ only in their seed, as one sweep with its report."""
+    """Two runs that differ only in their seed, as one sweep with its report (the sequential launcher: in this process)."""
     folder = tmp_path_factory.mktemp("sweep")
-    result = train("-m", *QUICK, "seed=1,2", "tags=[smoke]", f"hydra.sweep.dir={folder}")
+    result = train_here("-m", *QUICK, "seed=1,2", "tags=[smoke]", f"hydra.sweep.dir={folder}")
     assert result.returncode == 0, result.stderr[-3000:]
     return folder
 
 
 @pytest.fixture(scope="module")
 def single(tmp_path_factory, data_root) -> Path:
-    """A run with two settings typed, in a folder named as by default, under a log folder of its own."""
+    """A run with two settings typed, in a folder named as by default, under a log folder of its own (in this process)."""
     logdir = tmp_path_factory.mktemp("single")
-    result = train(*QUICK, "optim.lr=0.05", "data.val_size=1000",
+    result = train_here(*QUICK, "optim.lr=0.05", "data.val_size=1000",
                         f"hydra.run.dir={logdir}/runs/${{run_stamp:}}_${{run_name}}")
     assert result.returncode == 0, result.stderr[-3000:]
     return logdir
@@ -89,14 +89,12 @@ def served_sweep(sweep) -> Served:
     return Served(sweep)
 
 
-@pytest.mark.slow
 def test_sweep_jobs_are_named_by_what_they_run_and_their_seed(served_sweep, sweep):
     jobs = [f"{LABEL}_seed=1", f"{LABEL}_seed=2"]
     assert sorted(p.name for p in sweep.iterdir() if p.is_dir() and p.name != "report") == jobs
     assert set(served_sweep.get("/data/runs")) == {*jobs, "report"}
 
 
-@pytest.mark.slow
 def test_hparams_opens_on_what_differs_and_the_metrics_that_answer(served_sweep):
     experiment = served_sweep.experiment()
     hparams, metrics = default_columns(experiment)
@@ -110,7 +108,6 @@ def test_hparams_opens_on_what_differs_and_the_metrics_that_answer(served_sweep)
     assert infos["tags"]["domainDiscrete"] == ["smoke"]
 
 
-@pytest.mark.slow
 def test_hparams_figures_are_those_of_the_run_and_the_report(served_sweep, sweep):
     groups = served_sweep.session_groups(served_sweep.experiment())
     assert len(groups) == 2
@@ -131,7 +128,6 @@ def test_hparams_figures_are_those_of_the_run_and_the_report(served_sweep, sweep
         assert float(report[run]["epoch_s"]) == pytest.approx(metrics["time/epoch_s_median"])  # the report's epoch s (median)
 
 
-@pytest.mark.slow
 def test_scalars_have_descriptions_and_no_comm_bytes_on_one_process(served_sweep, sweep):
     tags = served_sweep.get("/data/plugin/scalars/tags")[f"{LABEL}_seed=1"]
     for tag in ("test/acc", "val/acc", "time/epoch_s", "time/epoch_s_median", "train/loss"):
@@ -141,7 +137,6 @@ def test_scalars_have_descriptions_and_no_comm_bytes_on_one_process(served_sweep
     assert [category["title"] for category in layout["category"]][:3] == ["accuracy", "loss", "time"]
 
 
-@pytest.mark.slow
 def test_sweep_report_groups_the_seeds(sweep):
     markdown = (sweep / "report.md").read_text()
     assert "## Seeds" in markdown and "speed-up" not in markdown.lower()
@@ -153,7 +148,6 @@ def test_sweep_report_groups_the_seeds(sweep):
     assert low <= float(row["test acc mean"]) <= high
 
 
-@pytest.mark.slow
 def test_single_run_is_named_by_the_precision_used_and_opens_on_what_was_typed(single):
     [run] = (single / "runs").iterdir()
     assert run.name.endswith(f"_{LABEL}")
@@ -165,7 +159,7 @@ def test_single_run_is_named_by_the_precision_used_and_opens_on_what_was_typed(s
     assert group["name"].startswith(f"debug=quick optim.lr=0.05 data.val_size=1000 {LABEL} #"), group["name"]
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # `tensorboard --logdir`: a process of its own
 def test_the_default_loader_agrees(sweep):
     """`tensorboard --logdir` as a user starts it, with its Rust loader where it has one."""
     port = free_port()
@@ -208,13 +202,12 @@ def test_a_swept_precision_is_shown_as_typed_where_the_name_does_not(tmp_path):
     assert named == {"lenet_auto_1dev_32-true_precision=32,seed=1", "lenet_auto_1dev_bf16-mixed_seed=1"}
 
 
-@pytest.mark.slow
 def test_a_sweep_over_models_opens_on_the_swept_keys_not_on_what_follows_from_the_model(tmp_path, data_root):
     """`model=lenet,resnet18 seed=1,2`: LeNet's own keys and the parameter counts differ only because the models
     do; the columns ticked by default are the swept keys and what the runs are."""
     tiny = ["trainer.limit_train_batches=1", "trainer.limit_val_batches=1", "trainer.limit_test_batches=1",
             "data.batch_size=16"]
-    result = train("-m", *QUICK, *tiny, "model=lenet,resnet18", "seed=1,2", f"hydra.sweep.dir={tmp_path}")
+    result = train_here("-m", *QUICK, *tiny, "model=lenet,resnet18", "seed=1,2", f"hydra.sweep.dir={tmp_path}")
     assert result.returncode == 0, result.stderr[-3000:]
     experiment = Served(tmp_path).experiment()
     hparams, _ = default_columns(experiment)

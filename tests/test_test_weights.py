@@ -4,7 +4,7 @@
 import json
 import pytest
 
-from tests.helpers import QUICK, hparams, run_cli, scalars, train, train_here
+from tests.helpers import QUICK, command_here, hparams, scalars, train_here
 
 # The best checkpoint watches val/acc with mode=min here, so that the "best" epoch is the first one
 # and its weights differ from the last: a run that tested its last weights could not pass for one
@@ -17,18 +17,19 @@ def score_of(run_dir) -> float:
 
 
 def evaluate(run_dir, *args: str) -> float:
-    result = run_cli("src.eval", *QUICK, *args, f"hydra.run.dir={run_dir}")
+    """`python -m src.eval` of one process, in this process: the test/acc it logged."""
+    result = command_here("src.eval", *QUICK, *args, f"hydra.run.dir={run_dir}")
     assert result.returncode == 0, result.stderr[-3000:]
     return score_of(run_dir)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, data_root):
-    """One run of each setting, and its result line."""
+    """One run of each setting (one process each, trained in this process), and its result line."""
     folder = tmp_path_factory.mktemp("test_weights")
     done = {}
     for name, args in {"best": [], "last": ["test_weights=last"], "no_val": ["max_epochs=1", "trainer.limit_val_batches=0"]}.items():
-        result = train(*TWO_EPOCHS, *args, f"hydra.run.dir={folder / name}")
+        result = train_here(*TWO_EPOCHS, *args, f"hydra.run.dir={folder / name}")
         assert result.returncode == 0, result.stderr[-3000:]
         line = next(line for line in result.stdout.splitlines() + result.stderr.splitlines() if "test/acc=" in line)
         done[name] = (folder / name, line, result.stdout + result.stderr)
@@ -46,7 +47,6 @@ def scores(runs, tmp_path_factory):
             "last": evaluate(folder / "last", f"ckpt_path={run_dir / 'checkpoints' / 'last.ckpt'}")}
 
 
-@pytest.mark.slow
 def test_a_run_tests_its_best_checkpoint_by_default(runs, scores):
     run_dir, line, _ = runs["best"]
     assert scores["best"] != scores["last"], "the two checkpoints must differ for this test to tell them apart"
@@ -55,7 +55,6 @@ def test_a_run_tests_its_best_checkpoint_by_default(runs, scores):
     assert hparams(run_dir)["tested_weights"] == "best"
 
 
-@pytest.mark.slow
 def test_test_weights_last_tests_the_weights_training_ended_with(runs, scores):
     run_dir, line, _ = runs["last"]
     assert score_of(run_dir) == scores["last"]  # the same seed and settings: the same last weights
@@ -63,7 +62,6 @@ def test_test_weights_last_tests_the_weights_training_ended_with(runs, scores):
     assert hparams(run_dir)["tested_weights"] == "last"
 
 
-@pytest.mark.slow
 def test_eval_of_a_run_folder_scores_its_best_checkpoint_unless_told_last(runs, scores, tmp_path):
     run_dir = runs["best"][0]
     assert evaluate(tmp_path / "best", f"ckpt_path={run_dir}") == scores["best"]
@@ -72,7 +70,6 @@ def test_eval_of_a_run_folder_scores_its_best_checkpoint_unless_told_last(runs, 
     assert "/last.ckpt -> " in json.loads((tmp_path / "last" / "result.json").read_text())["line"]
 
 
-@pytest.mark.slow
 def test_a_run_without_validation_tests_its_last_weights_and_says_so(runs):
     run_dir, line, output = runs["no_val"]
     assert "no best checkpoint was saved" in output
