@@ -30,7 +30,7 @@ from src.errors import UsageError
 from src.models.lenet import LeNet
 from src.strategies.comm import CommMeter
 from src.strategies.ddp import HOOKS, CommHookDDPStrategy, one_bucket_cap_mb
-from tests.helpers import composed, free_port, scalars, start_ranks, train as run_train
+from tests.helpers import composed, free_port, scalars, start_ranks, train as run_train, train_here
 
 BATCHES = 4  # training batches per run: one optimizer step each, unless accumulating
 WARMUP = 2  # plain all-reduce steps before PowerSGD compresses
@@ -156,15 +156,27 @@ def test_half_precision_hooks_stay_close_to_fp32(train, hook: str) -> None:
     assert 0 < worst <= TOLERANCE[hook]  # different, so the gradients did travel in half precision
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("override", ["strategy.hook=int8", "strategy.powersgd_rank=0", "strategy.process_group_backend=nccl"])
-def test_bad_option_fails_with_one_line(tmp_path: Path, data_root: Path, override: str) -> None:
-    run_dir = tmp_path / "run"
-    result = run_train(f"data.root={data_root}", f"hydra.run.dir={run_dir}", "strategy=ddp", "devices=2", override, timeout=300)
+def assert_refused_in_one_line(result, override: str, run_dir: Path) -> None:
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [result.stderr.strip()]
     assert result.stderr.startswith(f"error: {override} ")
     assert not run_dir.exists()
+
+
+@pytest.mark.parametrize("override", ["strategy.hook=int8", "strategy.powersgd_rank=0"])
+def test_bad_option_fails_with_one_line(tmp_path: Path, data_root: Path, override: str) -> None:
+    """Refused by the config rules, before any rank starts: the command in this process."""
+    run_dir = tmp_path / "run"
+    result = train_here(f"data.root={data_root}", f"hydra.run.dir={run_dir}", "strategy=ddp", "devices=2", override)
+    assert_refused_in_one_line(result, override, run_dir)
+
+
+@pytest.mark.slow  # the strategy refuses it inside each rank, once it knows the rank's device: the ranks are the point
+@pytest.mark.parametrize("override", ["strategy.process_group_backend=nccl"])
+def test_bad_option_found_in_the_ranks_fails_with_one_line(tmp_path: Path, data_root: Path, override: str) -> None:
+    run_dir = tmp_path / "run"
+    result = run_train(f"data.root={data_root}", f"hydra.run.dir={run_dir}", "strategy=ddp", "devices=2", override, timeout=300)
+    assert_refused_in_one_line(result, override, run_dir)
 
 
 @pytest.mark.parametrize(("override", "named"), [

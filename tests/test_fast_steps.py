@@ -20,7 +20,7 @@ from src.fast_path import (STEPS_PER_EXECUTION, TORCH_FP32_MATH, FastSteps, Grap
 from src.models import module
 from src.models.lenet import LeNet
 from tests.equivalence import checkpoint, deviation
-from tests.helpers import DATA_ROOT, composed, scalar_steps, scalars, train, train_here
+from tests.helpers import DATA_ROOT, composed, scalar_steps, scalars, train_here
 
 SMALL = [f"data.root={DATA_ROOT}", "precision=32", "data.batch_size=64", "trainer.limit_train_batches=4",
          "trainer.limit_val_batches=2", "trainer.limit_test_batches=2", "trainer.enable_progress_bar=false",
@@ -118,22 +118,22 @@ def test_precision_32_on_cuda_computes_in_float32_and_the_other_runs_keep_torchs
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, data_root):
-    """Two epochs of 4 steps with one step a batch and with two; one epoch with one step a batch, resumed with two."""
+    """Two epochs of 4 steps with one step a batch and with two; one epoch with one step a batch, resumed with two: runs
+    of one process each, trained in this one."""
     root = tmp_path_factory.mktemp("fast_steps")
     dirs = {name: root / name for name in ("one", "two", "first_epoch", "resumed")}
     results = [
-        train(*SMALL, "max_epochs=2", "steps_per_execution=1", f"hydra.run.dir={dirs['one']}"),
-        train(*SMALL, "max_epochs=2", "steps_per_execution=2", f"hydra.run.dir={dirs['two']}"),
-        train(*SMALL, "max_epochs=1", "steps_per_execution=1", f"hydra.run.dir={dirs['first_epoch']}"),
+        train_here(*SMALL, "max_epochs=2", "steps_per_execution=1", f"hydra.run.dir={dirs['one']}"),
+        train_here(*SMALL, "max_epochs=2", "steps_per_execution=2", f"hydra.run.dir={dirs['two']}"),
+        train_here(*SMALL, "max_epochs=1", "steps_per_execution=1", f"hydra.run.dir={dirs['first_epoch']}"),
     ]
-    results.append(train(*SMALL, "max_epochs=2", "steps_per_execution=2", f"hydra.run.dir={dirs['resumed']}",
-                         f"ckpt_path={dirs['first_epoch'] / 'checkpoints' / 'last.ckpt'}"))
+    results.append(train_here(*SMALL, "max_epochs=2", "steps_per_execution=2", f"hydra.run.dir={dirs['resumed']}",
+                              f"ckpt_path={dirs['first_epoch'] / 'checkpoints' / 'last.ckpt'}"))
     for result in results:
         assert result.returncode == 0, result.stderr[-3000:]
     return dirs
 
 
-@pytest.mark.slow
 def test_two_steps_a_batch_train_what_one_step_a_batch_trains(runs):
     one, two = checkpoint(runs["one"]), checkpoint(runs["two"])
     assert one["global_step"] == two["global_step"] == 8  # limit_train_batches counts optimizer steps either way
@@ -141,7 +141,6 @@ def test_two_steps_a_batch_train_what_one_step_a_batch_trains(runs):
     assert scalars(runs["two"])["train/loss"] == pytest.approx(scalars(runs["one"])["train/loss"], rel=1e-5)
 
 
-@pytest.mark.slow
 def test_every_point_sits_at_its_optimizer_step_as_with_one_step_a_batch(runs):
     """Lightning logs at the training batches it took; TensorBoard shows every series at the same steps either way,
     also in a run that resumed a checkpoint of one step a batch (its folder holds the second epoch only)."""
@@ -152,7 +151,6 @@ def test_every_point_sits_at_its_optimizer_step_as_with_one_step_a_batch(runs):
     assert scalar_steps(runs["resumed"]) == second_epoch
 
 
-@pytest.mark.slow
 def test_a_checkpoint_resumes_across_steps_per_execution(runs):
     resumed, one = checkpoint(runs["resumed"]), checkpoint(runs["one"])
     assert resumed["global_step"] == 8  # the 4 steps taken before the checkpoint count

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import QUICK, REPO, Run, start_cli, train, train_here, user_env
+from tests.helpers import QUICK, REPO, Run, start_cli, train_here, user_env
 
 HOLD = ["+callbacks.hold._target_=tests.faults.HoldAfterEpoch", "max_epochs=2"]  # waits after epoch 1 for a file
 
@@ -35,9 +35,11 @@ def test_a_second_writer_of_a_run_folder_is_refused_naming_the_first(tmp_path, d
     try:
         wait_for(lambda: (run_dir / "checkpoints" / "last.ckpt").is_file(), "the first run's first epoch")
         assert (run_dir / ".lock").read_text() == f"pid {first.pid} on {socket.gethostname()}\n"
-        # typed as the first was (a resume takes no `_target_` from the records): the lock is what refuses it
-        second = train(*QUICK, *HOLD, "+callbacks.hold.epoch=0", f"+callbacks.hold.until={released}", "ckpt_path=last",
-                       f"hydra.run.dir={run_dir}")
+        # typed as the first was (a resume takes no `_target_` from the records): the lock is what refuses it. The
+        # second runs in this process; the first stays a process of its own, so that the pid named is not the refused
+        # command's own, and a real run is seen to hold its folder, finish and let it go.
+        second = train_here(*QUICK, *HOLD, "+callbacks.hold.epoch=0", f"+callbacks.hold.until={released}",
+                            "ckpt_path=last", f"hydra.run.dir={run_dir}")
         assert second.returncode == 2
         assert last_line(second) == (f"error: {run_dir} is in use: pid {first.pid} on {socket.gethostname()} is writing "
                                      "this run; wait for it to end, or stop it first (one writer per folder)")
@@ -56,7 +58,7 @@ def test_a_second_resume_of_a_sweep_is_refused_while_the_first_runs(tmp_path, da
     first = start_cli("src.train", *args)
     try:
         wait_for(lambda: any(sweep.glob("*/checkpoints/last.ckpt")), "the first sweep's first job trains")
-        second = train(*args, "ckpt_path=auto")
+        second = train_here(*args, "ckpt_path=auto")  # in this process: the sweep's lock turns it away before any job
         assert second.returncode == 2
         assert last_line(second).startswith(f"error: {sweep} is in use: pid {first.pid} on ") and "this sweep" in last_line(second)
     finally:
