@@ -14,11 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lightning import Callback, LightningModule, Trainer
+from lightning import LightningModule, Trainer
 from lightning.fabric.utilities.throughput import get_available_flops, measure_flops
 from torch import nn
 
-from src.callbacks import log_scalars
+from src.callbacks import RunFigures, log_scalars
 from src.callbacks.timing import EpochTimer
 
 log = logging.getLogger(__name__)
@@ -78,7 +78,7 @@ def peak_memory_mib(device: torch.device) -> float:
     return peak / MIB if sys.platform == "darwin" else peak / 1024
 
 
-class HardwareUse(Callback):
+class HardwareUse(RunFigures):
     """Comes after EpochTimer (conf/callbacks/default.yaml), whose figures it reads. A network it cannot count logs
     memory alone, with the reason in one line; MFU needs the device in Lightning's table of peaks."""
 
@@ -146,6 +146,8 @@ class HardwareUse(Callback):
         return {"tflops_per_s": list(self.tflops_per_s), "mfu": list(self.mfu), "peak_memory": self.peak_memory}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.foreign_checkpoint:
+            return
         self.tflops_per_s, self.mfu, self.peak_memory = list(state["tflops_per_s"]), list(state["mfu"]), state["peak_memory"]
 
     def summary(self) -> dict[str, float]:
