@@ -96,6 +96,31 @@ class Saved:
         return int(step) if isinstance(step, int) else -1
 
 
+def is_own(checkpoint: str | Path, run_dir: str | Path) -> bool:
+    """A checkpoint of this run folder (a resume), not one another run left (a new run that starts from it)."""
+    return Path(checkpoint).resolve().is_relative_to(Path(run_dir).resolve())
+
+
+def epochs_done(saved: Saved) -> int:
+    """The epochs a Lightning checkpoint has trained to their end (a mid-epoch one: those before it)."""
+    loops = saved.contents.get("loops") if isinstance(saved.contents, dict) else None
+    progress = (loops or {}).get("fit_loop", {}).get("epoch_progress", {}).get("current", {})
+    done = progress.get("processed")
+    return done if isinstance(done, int) else -1
+
+
+def check_something_left(saved: Saved | None, given: object, run_dir: Path, max_epochs: int, max_steps: int) -> None:
+    """A new run from another folder's checkpoint must train: else it would test and report that run's weights and
+    figures as its own. A resume of this folder may have only its test left."""
+    if saved is None or is_own(saved.path, run_dir):
+        return
+    done, step = epochs_done(saved), saved.step
+    if 0 <= max_epochs <= done or 0 < max_steps <= step:
+        limit = f"max_epochs={max_epochs}" if 0 <= max_epochs <= done else f"trainer.max_steps={max_steps}"
+        raise UsageError(f"ckpt_path={given}: it holds {done} finished epochs ({step} steps), and {limit} leaves nothing "
+                         f"to train; raise {limit.split('=')[0]}, or score it with src.eval ckpt_path={given}")
+
+
 def open_checkpoint(path: Path) -> Saved:
     try:  # mapped: the tensors' bytes are read only where they are used
         return Saved(path, contents=read_checkpoint(path, mmap=True))

@@ -17,7 +17,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from src.errors import UsageError
-from src.sysinfo import cpu_has_bf16, gpu_info, recommend_precision
+from src.sysinfo import cpu_has_bf16, launching_gpus, recommend_precision
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +39,8 @@ StepFunction = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.
 
 
 def auto_precision(accelerator: str) -> str:
-    gpus = [gpu_info(i) for i in range(torch.cuda.device_count())] if accelerator == "gpu" else []
-    return recommend_precision(gpus, cpu_has_bf16())[0]
+    """Resolved while the run is named, in the launching process: without a CUDA context (`launching_gpus`)."""
+    return recommend_precision(launching_gpus() if accelerator == "gpu" else [], cpu_has_bf16())[0]
 
 
 def resolve_accelerator(requested: str) -> str:

@@ -9,6 +9,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+import torch
 from lightning import Trainer
 from lightning.pytorch.loggers import Logger
 from omegaconf import DictConfig, OmegaConf
@@ -80,6 +81,7 @@ def run_hparams(cfg: DictConfig, trainer: Trainer, lr_used: float) -> dict[str, 
         **{k: _plain(v) for k, v in optim.items()},
         "max_epochs": cfg.max_epochs, "seed": cfg.seed,
         "sync_batchnorm": cfg.sync_batchnorm, "channels_last": cfg.channels_last, "compile": cfg.compile,
+        "threads": torch.get_num_threads(),  # rank 0's: at one seed the thread count changed the result, and speed
         # The file a run started from (`last` and `auto` resume the same run: a resumed run's row is the unbroken one's).
         "ckpt_path": "" if cfg.ckpt_path in (None, "last", "auto") else str(cfg.ckpt_path), "tags": ",".join(str(tag) for tag in cfg.get("tags") or []),
         "params/total": total, "params/trainable": trainable, "params/non_trainable": total - trainable,

@@ -36,8 +36,8 @@ DESCRIPTIONS = {
                           "FLOP counter) x time/samples_per_s / devices",
     "usage/mfu": "model FLOPs utilisation: usage/tflops_per_s over the device's peak for the precision used "
                  "(Lightning's table; not logged where it lists none, as on CPUs)",
-    "usage/peak_memory_mib": "rank 0's peak memory so far, MiB: CUDA's allocator peak since fitting started, or the "
-                             "process's peak resident size on CPU",
+    "usage/peak_memory_mib": "rank 0's peak memory since fitting started, MiB: CUDA's allocator peak, or the "
+                             "process's peak resident size on CPU (on Linux; elsewhere the process's peak so far)",
     "usage/tflops_per_s_median": "median of usage/tflops_per_s over the run's epochs",
     "usage/mfu_median": "median of usage/mfu over the run's epochs",
     EPOCH_TAG: "Lightning's epoch counter (from 0) at each epoch-end point",

@@ -1,5 +1,6 @@
 """`python -m src.sysinfo`: what this machine offers for data-parallel training, and which precision suits it."""
 
+import ctypes
 import os
 import re
 import subprocess
@@ -14,14 +15,74 @@ PCIE_LINKS = {
 }
 
 
+def described(index: int, name: str, memory_bytes: int, major: int, minor: int) -> dict[str, Any]:
+    return {"index": index, "name": name, "memory_gib": round(memory_bytes / 2**30, 1), "capability": f"{major}.{minor}",
+            "fp16_tensor_cores": (major, minor) >= (7, 0),  # Volta
+            "bf16": (major, minor) >= (8, 0)}  # Ampere
+
+
 def gpu_info(index: int) -> dict[str, Any]:
+    """Through CUDA: in a rank, which holds its device anyway."""
     import torch  # imported where used: `--help` answers without it
 
     props = torch.cuda.get_device_properties(index)
-    capability = (props.major, props.minor)
-    return {"index": index, "name": props.name, "memory_gib": round(props.total_memory / 2**30, 1),
-            "capability": f"{props.major}.{props.minor}", "fp16_tensor_cores": capability >= (7, 0),  # Volta
-            "bf16": capability >= (8, 0)}  # Ampere
+    return described(index, props.name, props.total_memory, props.major, props.minor)
+
+
+class _NvmlMemory(ctypes.Structure):
+    _fields_ = [("total", ctypes.c_ulonglong), ("free", ctypes.c_ulonglong), ("used", ctypes.c_ulonglong)]
+
+
+def visible_nvml_indices(count: int) -> list[int] | None:
+    """NVML's index of each device CUDA numbers, from `CUDA_VISIBLE_DEVICES` as CUDA reads it (up to the first entry
+    that is no device); None for entries that are no plain index (UUIDs, MIG): CUDA alone maps those."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return list(range(count))
+    indices: list[int] = []
+    for entry in visible.split(","):
+        entry = entry.strip()
+        if not entry.lstrip("-").isdigit():
+            return None if entry else indices
+        if not 0 <= int(entry) < count or int(entry) in indices:
+            return indices
+        indices.append(int(entry))
+    return indices
+
+
+def nvml_gpus() -> list[dict[str, Any]] | None:
+    """`gpu_info` of every device this process may use, from the driver's NVML library, which makes no CUDA context:
+    the launching process leaves the GPUs to its ranks. None where NVML cannot tell."""
+    try:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        return None
+    if nvml.nvmlInit_v2() != 0:
+        return None
+    try:
+        count = ctypes.c_uint()
+        indices = None if nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) else visible_nvml_indices(count.value)
+        gpus = []
+        for index, nvml_index in enumerate(indices if indices is not None else []):
+            handle, name, memory = ctypes.c_void_p(), ctypes.create_string_buffer(96), _NvmlMemory()
+            major, minor = ctypes.c_int(), ctypes.c_int()
+            if (nvml.nvmlDeviceGetHandleByIndex_v2(ctypes.c_uint(nvml_index), ctypes.byref(handle))
+                    or nvml.nvmlDeviceGetName(handle, name, ctypes.c_uint(len(name)))
+                    or nvml.nvmlDeviceGetMemoryInfo(handle, ctypes.byref(memory))
+                    or nvml.nvmlDeviceGetCudaComputeCapability(handle, ctypes.byref(major), ctypes.byref(minor))):
+                return None
+            gpus.append(described(index, name.value.decode(errors="replace"), memory.total, major.value, minor.value))
+        return gpus if indices is not None else None
+    finally:
+        nvml.nvmlShutdown()
+
+
+def launching_gpus() -> list[dict[str, Any]]:
+    """The GPUs as the launching process sees them: through NVML, else through CUDA."""
+    import torch
+
+    found = nvml_gpus()
+    return found if found is not None else [gpu_info(i) for i in range(torch.cuda.device_count())]
 
 
 def _nvidia_smi_topology() -> str | None:
@@ -45,7 +106,7 @@ def parse_topology(text: str) -> dict[str, str]:
     return links
 
 
-def _interconnect(count: int) -> dict[str, Any]:
+def interconnect_of(count: int) -> dict[str, Any]:
     """From nvidia-smi where it runs, else from CUDA peer access."""
     import torch
 
@@ -62,6 +123,9 @@ def _interconnect(count: int) -> dict[str, Any]:
     summary = ("peer access (NVLink or PCIe P2P; nvidia-smi would tell which)" if all(peer)
                else "no peer access between some GPUs: their traffic goes through host memory")
     return {"summary": summary, "source": "torch.cuda.can_device_access_peer", "links": links}
+
+
+UNREAD = {"summary": "not read yet", "source": None, "links": {}}
 
 
 def cpu_has_bf16() -> bool:
@@ -98,7 +162,8 @@ def recommend_precision(gpus: list[dict[str, Any]], cpu_bf16: bool) -> tuple[str
                   "tensor cores: mixed precision would save memory but rarely time")
 
 
-def collect() -> dict[str, Any]:
+def collect(interconnect: bool = True) -> dict[str, Any]:
+    """Without `interconnect`, its entry says it is still being read: `nvidia-smi topo -m` can take 20 s."""
     import lightning
     import torch
     import torch.distributed as dist
@@ -110,7 +175,7 @@ def collect() -> dict[str, Any]:
     return {
         "gpus": gpus, "fp16_tensor_cores": bool(gpus) and all(g["fp16_tensor_cores"] for g in gpus),
         "bf16": bool(gpus) and all(g["bf16"] for g in gpus) and torch.cuda.is_bf16_supported(including_emulation=False),
-        "interconnect": _interconnect(count), "nccl": dist.is_available() and dist.is_nccl_available(),
+        "interconnect": interconnect_of(count) if interconnect else UNREAD, "nccl": dist.is_available() and dist.is_nccl_available(),
         "gloo": dist.is_available() and dist.is_gloo_available(),
         "cpu_cores": _cpu_cores(), "threads": torch.get_num_threads(), "cpu_bf16": cpu_bf16,
         "versions": {"torch": torch.__version__, "lightning": lightning.__version__, "cuda": torch.version.cuda,

@@ -24,7 +24,8 @@ from src.callbacks.hardware import HardwareUse
 from src.callbacks.learning import LossFalls
 from src.callbacks.model_summary import without_zero_flops
 from src.callbacks.progress import progress_bar
-from src.checkpoints import AtomicCheckpointIO, Saved, check_checkpoint, resolve_ckpt_path, tested_weights
+from src.checkpoints import (AtomicCheckpointIO, Saved, check_checkpoint, check_something_left, is_own, resolve_ckpt_path,
+                             tested_weights)
 from src.errors import UsageError
 from src.fast_path import (LIGHTNING_SPELLING, apply_fast_steps, cudnn_benchmark, float32_math,
                            keep_freed_memory, one_channel_nchw_pays, resolve_accelerator, speed_up)
@@ -49,6 +50,7 @@ def quiet_known_warnings() -> None:
         r"The number of training batches \(\d+\) is smaller than the logging interval",  # every scalar has epoch points
         r"Precision \S+ is not supported by the model summary",  # its size estimate; the precision is said elsewhere
         r"Checkpoint directory .* exists and is not empty",  # a folder with checkpoints is always its own resume
+        r"The dirpath has changed from",  # a run from another folder's checkpoint keeps its own best (weights_to_test)
     ):
         warnings.filterwarnings("ignore", message=message)
     for name in ("lightning", "lightning.pytorch", "lightning.fabric", "torchmetrics"):
@@ -124,6 +126,8 @@ def build_run(cfg: DictConfig, checkpoint: Saved | None, fit: bool) -> dict[str,
     check_model(model, cfg.model.get("_target_"), getattr(datamodule, "sample_shape", None), cfg.data.get("num_classes"))
     check_optimizer(optimizer, model.parameters())
     check_checkpoint(checkpoint, cfg.ckpt_path, model, cfg.model_name)
+    if fit:
+        check_something_left(checkpoint, cfg.ckpt_path, output_dir, int(cfg.max_epochs), int(cfg.trainer.max_steps))
     speed_up(getattr(model, "net", model), channels_last=cfg.channels_last, compile=cfg.compile,
              one_channel_nchw=one_channel_nchw_pays(accelerator, strategy))
 
@@ -154,11 +158,12 @@ def scalar_metrics(trainer: Trainer) -> dict[str, float]:
     return {name: float(value) for name, value in trainer.callback_metrics.items() if value.numel() == 1}
 
 
-def weights_to_test(test_weights: str, best: Callback | None) -> Path | None:
-    """None for the weights training ended with; each process's ModelCheckpoint knows the file rank 0 wrote."""
+def weights_to_test(test_weights: str, best: Callback | None, run_dir: Path) -> Path | None:
+    """None for the weights training ended with; each process's ModelCheckpoint knows the file rank 0 wrote. A best
+    file of another folder (Lightning keeps the path of a checkpoint this run started from) is not this run's."""
     if test_weights == "last":
         return None
-    if isinstance(best, ModelCheckpoint) and best.best_model_path:
+    if isinstance(best, ModelCheckpoint) and best.best_model_path and is_own(best.best_model_path, run_dir):
         return Path(best.best_model_path)
     if is_rank_zero():
         log.info("test_weights=best: no best checkpoint was saved (validation off, or no callbacks.best_checkpoint); "
@@ -174,9 +179,10 @@ def train(cfg: DictConfig) -> tuple[Result, dict[str, Any]]:
     with trainer_input_errors():
         trainer.fit(model, datamodule=datamodule, ckpt_path=None if checkpoint is None else str(checkpoint.path),
                     weights_only=True)
-        logged = checkpoint.contents.get("logged", {}) if checkpoint is not None else {}
+        own = checkpoint is not None and is_own(checkpoint.path, output_dir)
+        logged = checkpoint.contents.get("logged", {}) if own else {}
         metrics = {**logged, **scalar_metrics(trainer)}  # a fit resumed after its last epoch logs nothing itself
-        tested = weights_to_test(cfg.test_weights, objects["callbacks"].get("best_checkpoint"))
+        tested = weights_to_test(cfg.test_weights, objects["callbacks"].get("best_checkpoint"), output_dir)
         # A file named here is read for its weights only (SLURM: Lightning may load hpc_ckpt_* itself).
         trainer.test(model, datamodule=datamodule, ckpt_path=str(tested) if tested else None, verbose=False,
                      weights_only=True)

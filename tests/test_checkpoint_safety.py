@@ -6,6 +6,7 @@ status 2, and the marker never appears, also with `TORCH_FORCE_NO_WEIGHTS_ONLY_L
 torch's own default (and so Lightning's) unsafe. A checkpoint a run writes still resumes and evaluates.
 """
 
+import json
 import pathlib
 import pickle
 from pathlib import Path
@@ -221,3 +222,32 @@ def test_load_from_checkpoint_builds_no_class_that_conf_does_not_name(tmp_path, 
     with pytest.raises(UsageError, match="net._target_"):
         Classifier.load_from_checkpoint(tmp_path / "crafted.ckpt", map_location="cpu")
     assert not marker.exists()
+
+
+def test_a_new_run_from_a_finished_runs_checkpoint_with_nothing_left_to_train_is_refused_in_one_line(quick_run,
+                                                                                                     tmp_path):
+    """It made a folder, trained nothing, tested the old folder's best file and printed the old run's epoch time."""
+    last = quick_run.dir / "checkpoints" / "last.ckpt"
+    result = train_here(*QUICK, f"ckpt_path={last}", f"hydra.run.dir={tmp_path / 'new'}")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"error: ckpt_path={last}: it holds 1 finished epochs (4 steps), and max_epochs=1 leaves nothing to train; "
+        f"raise max_epochs, or score it with src.eval ckpt_path={last}"]
+    assert not (tmp_path / "new").exists()
+
+
+def test_a_new_run_from_another_folders_checkpoint_tests_and_reports_only_what_it_trained(quick_run, tmp_path):
+    """Lightning keeps the old folder's best path and the callbacks' figures: the run tests its own best file, and
+    its epoch time, hardware use and loss verdict are those of the epoch it trained."""
+    from tests.helpers import scalars
+
+    new = tmp_path / "new"
+    result = train_here(*QUICK, "max_epochs=2", f"ckpt_path={quick_run.dir / 'checkpoints' / 'last.ckpt'}",
+                        f"hydra.run.dir={new}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    # the old folder's best is best-epoch0.ckpt; this run's own is best-epoch1.ckpt
+    assert "tested best-epoch1.ckpt" in result.stdout and (new / "checkpoints" / "best-epoch1.ckpt").is_file()
+    recorded = json.loads((new / "result.json").read_text())
+    [own_epoch] = scalars(new)["time/epoch_s"]  # the one epoch this run trained
+    assert recorded["metrics"]["time/epoch_s"] == pytest.approx(own_epoch)
+    assert "in 4 steps" in result.stdout  # the loss verdict over its own 4 steps, not the old run's too

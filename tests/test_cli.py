@@ -217,3 +217,22 @@ def test_processes_that_torchrun_or_srun_started_are_told_apart_from_a_stray_var
     assert external_rank() is None, "an interactive allocation: the person started this process"
     monkeypatch.setenv("SLURM_JOB_NAME", "train")
     assert external_rank() == "1"
+
+
+@pytest.mark.parametrize("name", ["plain", "a b", "a,b=c", "it's", "back\\slash", "end\\", "x\\'y", 'a"b', "[x]"])
+def test_the_printed_resume_command_gives_the_folder_back_through_the_shell_and_hydra(tmp_path, name):
+    """A folder name with a space broke the printed resume command."""
+    import shlex
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from src.launch.cli import kept
+
+    folder = tmp_path / name
+    (folder / "checkpoints").mkdir(parents=True)
+    (folder / "checkpoints" / "last.ckpt").touch()
+    said = kept(folder)
+    command = shlex.split(said.split("resume with: ", 1)[1])
+    assert command[1:4] == ["-m", "src.train", "ckpt_path=last"]
+    override = OverridesParser.create().parse_override(command[4])
+    assert (override.key_or_group, override.value()) == ("hydra.run.dir", str(folder))

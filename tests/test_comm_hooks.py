@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 # torch's own all_reduce, bound at import: a wrapper put in place of dist.all_reduce later would never see calls
@@ -28,8 +29,9 @@ from src import config
 from src.callbacks.comm import CommLogger
 from src.errors import UsageError
 from src.models.lenet import LeNet
+from src.models.resnet import resnet18
 from src.strategies.comm import CommMeter
-from src.strategies.ddp import HOOKS, CommHookDDPStrategy, one_bucket_cap_mb
+from src.strategies.ddp import HOOKS, CommHookDDPStrategy, lay_out_in_backward_order, one_bucket_cap_mb
 from tests.helpers import composed, free_port, scalars, start_ranks, train as run_train, train_here
 
 BATCHES = 4  # training batches per run: one optimizer step each, unless accumulating
@@ -451,6 +453,52 @@ def test_ddp_keeps_its_own_sample_of_timed_steps_and_they_are_logged(tmp_path: P
     assert len(result["hook_ms"]) == SAMPLED_STEPS  # the hook's own figures, every step
 
 
+@pytest.fixture
+def world_of_one():
+    """A gloo process group of this process alone: DDP builds its buckets and calls its hook as it does on more."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def buckets_before_the_first_layer(net: nn.Module, sample_shape: tuple[int, ...] | None, bucket_cap_mb: float
+                                   ) -> tuple[int, int]:
+    """Buckets the hook was handed before the first layer's gradient existed, and buckets in all, in a step after
+    `lay_out_in_backward_order`: what backward can hide of the hook's communication."""
+    model = DistributedDataParallel(net, bucket_cap_mb=bucket_cap_mb)
+    assert lay_out_in_backward_order(model, sample_shape, torch.device("cpu")) == (sample_shape is not None)
+    handed, before = [], []
+
+    def counting_hook(state, bucket):
+        handed.append(bucket.index())
+        return default_hooks.allreduce_hook(None, bucket)
+
+    model.register_comm_hook(None, counting_hook)
+    next(net.parameters()).register_hook(lambda grad: before.append(len(handed)))
+    model(torch.randn(4, 1, 28, 28)).sum().backward()
+    assert all(param.grad is not None for param in net.parameters())
+    return before[0], len(handed)
+
+
+def test_powersgds_buckets_go_to_the_hook_in_the_order_backward_makes_them(world_of_one):
+    """ResNet-18 in 4 MB buckets: 6 of its 7 are sent while backward goes on; laid out in parameter order (the
+    fallback for a data module without `sample_shape`) all 7 waited for the first layer."""
+    torch.manual_seed(0)
+    assert buckets_before_the_first_layer(resnet18(), (1, 28, 28), 4) == (6, 7)
+    assert buckets_before_the_first_layer(resnet18(), None, 4) == (0, 7)
+    assert buckets_before_the_first_layer(LeNet(), (1, 28, 28), 0.05) == (2, 3)
+
+
+def test_laying_the_buckets_out_changes_no_weight_no_statistic_and_leaves_no_gradient(world_of_one):
+    torch.manual_seed(0)
+    net = resnet18()
+    net.train()
+    before = {key: value.clone() for key, value in net.state_dict().items()}
+    lay_out_in_backward_order(DistributedDataParallel(net, bucket_cap_mb=4), (1, 28, 28), torch.device("cpu"))
+    assert all(torch.equal(before[key], value) for key, value in net.state_dict().items())  # BatchNorm's too
+    assert net.training and all(param.grad is None for param in net.parameters())
+
+
 class StandInDDP(DistributedDataParallel):
     """DDP's logging data as DDP keeps it: it times iterations 1-10 and every 100th, and files each as the next
     iteration's forward begins; each read is counted (on CUDA a read of the timers waits for the device)."""
@@ -472,21 +520,39 @@ class StandInDDP(DistributedDataParallel):
         return dict(self.data)
 
 
-def test_ddps_timings_are_read_only_on_the_steps_ddp_timed_and_none_is_lost():
+@pytest.mark.parametrize(("warm", "reads", "timed"), [
+    (0, 12, [*range(1000, 1010), 1099, 1199]),
+    (1, 13, [*range(1000, 1009), 1098, 1198, 1298]),  # DDP's iterations 2-10, 100, 200, 300
+])
+def test_ddps_timings_are_read_only_on_the_steps_ddp_timed_and_none_is_lost(warm, reads, timed):
     """300 optimizer steps of a resumed fit (global steps 1000-1299): DDP timed 12 of them; the callback reads those
-    12 and no other, on the batch's end, outside the step a CUDA graph would replay."""
+    and no other, on the batch's end, outside the step a CUDA graph would replay. With PowerSGD, DDP took an iteration
+    before training (`warm`) to lay its buckets out: its timings are read at the first step, and not logged."""
     ddp = StandInDDP()
-    trainer = SimpleNamespace(strategy=SimpleNamespace(model=ddp), global_step=1000, log_every_n_steps=10**6,
-                              world_size=2, is_global_zero=True, loggers=[])
+    trainer = SimpleNamespace(strategy=SimpleNamespace(model=ddp, warm_iterations=warm), global_step=1000,
+                              log_every_n_steps=1, world_size=2, is_global_zero=True, loggers=[StepsLogged()])
+    for _ in range(warm):
+        ddp.forward_with_grad()
     comm = CommLogger()
     comm.on_train_start(trainer, None)
     for _ in range(300):
         ddp.forward_with_grad()
         trainer.global_step += 1
         comm.on_train_batch_end(trainer, None, None, None, 0)
-    assert ddp.reads == 12
+    assert ddp.reads == reads
     assert len(comm._epoch_values["xfer/backward_compute_ms"]) == 12
     assert comm._epoch_values["xfer/overlap_frac"][0] == 0.5
+    # each at the step it timed, numbered from 0 as Lightning numbers its own
+    assert trainer.loggers[0].steps == timed
+
+
+class StepsLogged:
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+
+    def log_metrics(self, metrics, step) -> None:
+        if "xfer/backward_compute_ms" in metrics:
+            self.steps.append(step)
 
 
 class StandInStream:

@@ -20,7 +20,7 @@ from src.models.lenet import LeNet
 from src.models.module import Classifier
 from src.optim import build_optimizer
 from src.strategies import ddp
-from tests.helpers import REPO, composed, user_env
+from tests.helpers import QUICK, REPO, composed, train_here, user_env
 
 CUDA, CPU = torch.device("cuda", 0), torch.device("cpu")
 
@@ -118,3 +118,35 @@ def test_a_torchrun_restart_joins_its_group_on_its_device(monkeypatch, device, d
     strategy.parallel_devices, strategy.cluster_environment = [device], LightningEnvironment()
     strategy.setup_distributed()
     assert "store" in calls[0] and calls[0]["device_id"] == device_id
+
+
+def test_the_launching_process_makes_no_cuda_context_before_its_ranks_start(monkeypatch, tmp_path):
+    """A stand-in GPU machine (CUDA counts one device, NVML describes an H100): `src.train strategy=ddp devices=1`
+    names its run (precision=auto: bf16-mixed) and reaches the start of its rank without a call that initializes
+    CUDA in this process, which would hold memory on the GPU for the whole run."""
+    from src import sysinfo
+    from src.errors import UsageError
+
+    initialized, started = [], []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "_lazy_init", lambda: initialized.append("CUDA initialized"))
+    monkeypatch.setattr(sysinfo, "nvml_gpus", lambda: [sysinfo.described(0, "NVIDIA H100", 80 * 2**30, 9, 0)])
+
+    def start(task, cfg, nprocs):
+        started.append((cfg.precision_used, nprocs))
+        raise UsageError("the rank would start here")
+
+    monkeypatch.setattr(workers, "start", start)
+    result = train_here(*QUICK, "accelerator=gpu", "strategy=ddp", "devices=1", f"hydra.run.dir={tmp_path / 'run'}")
+    assert (result.returncode, result.stderr.strip().splitlines()[-1]) == (2, "error: the rank would start here")
+    assert started == [("bf16-mixed", 1)] and initialized == []
+
+
+def test_a_job_run_in_this_process_gives_its_gpu_memory_back_before_a_sweeps_next_job(monkeypatch):
+    """What PyTorch's allocator kept for a one-process job would stay taken on the GPU through the later jobs."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("cache emptied"))
+    assert workers.launch(lambda cfg: calls.append("job") or "result", composed("accelerator=cpu")) == "result"
+    assert calls == ["job", "cache emptied"]

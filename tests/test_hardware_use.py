@@ -4,6 +4,7 @@ report and the HParams tab of a real run."""
 
 import csv
 import functools
+import mmap
 import re
 import statistics
 
@@ -166,3 +167,16 @@ def test_a_cpu_run_shows_its_use_in_scalars_result_line_report_and_hparams(quick
     assert "TFLOP/s a device (median)" in header and "peak memory MiB" in header and "MFU" not in header
     for tag in ("usage/tflops_per_s_median", "usage/mfu_median", "usage/peak_memory_mib"):
         assert tag in HPARAM_METRICS
+
+
+def test_peak_memory_on_cpu_is_this_fits_own_not_an_earlier_jobs_in_the_same_process():
+    """A sequential sweep runs its jobs in one process: 12 trials of one model reported 1046, 1136 ... 1419 MiB, the
+    process's peak so far. A fit's start resets the peak Linux keeps (VmHWM)."""
+    cpu, size = torch.device("cpu"), 512 * 2**20
+    earlier_job = mmap.mmap(-1, size)  # memory an earlier job touched and gave back
+    for offset in range(0, size, 2**20):
+        earlier_job[offset:offset + 2**20] = b"x" * 2**20
+    peak_with_it = hardware.peak_memory_mib(cpu)
+    earlier_job.close()
+    hardware.reset_peak_memory(cpu)
+    assert hardware.peak_memory_mib(cpu) < peak_with_it - 400

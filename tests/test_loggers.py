@@ -16,7 +16,8 @@ from src.config import CONF_DIR
 from src.loggers import CSVRunLogger, WandbRunLogger, close_loggers, takes_purge_step
 from src.records import result as recorded
 from src.report import main as report_main
-from tests.helpers import INTERPRETER, QUICK, REPO, call_main, cpu_precision, hparams, run_cli, scalar_steps, scalars, train, user_env
+from tests.helpers import (INTERPRETER, QUICK, REPO, call_main, composed, cpu_precision, hparams, run_cli, scalar_steps,
+                           scalars, train, user_env)
 
 # What W&B adds to each history row: its own counters, and Lightning's step as the x-axis.
 WANDB_COUNTERS = {"_step", "_runtime", "_timestamp", "trainer/global_step"}
@@ -142,12 +143,20 @@ def test_every_logger_is_closed_at_the_end(every_logger):
     assert "test/acc" in csv_points(run_dir / "csv" / "metrics.csv")  # the rows of the test, written when closed
 
 
+@pytest.mark.parametrize("logger", ["tensorboard", "csv", "mlflow", "wandb", "[csv,wandb]"])
+def test_every_logger_list_keeps_tensorboard(logger):
+    """TensorBoard is every run's logger: a run logged to W&B alone was missing from TensorBoard and the report."""
+    assert next(iter(composed(f"logger={logger}").logger)) == "tensorboard"
+
+
 @pytest.mark.slow
-def test_a_run_logged_only_to_csv_is_reported_from_its_metrics_csv(tmp_path, data_root):
+def test_logger_csv_writes_tensorboard_too_and_a_run_without_event_files_is_reported_from_its_metrics_csv(tmp_path,
+                                                                                                          data_root):
     run_dir = tmp_path / "run"
     result = train(*QUICK, "logger=csv", f"hydra.run.dir={run_dir}")
     assert result.returncode == 0, result.stderr[-3000:]
-    assert not list(run_dir.glob("events.out.tfevents.*"))
+    [events] = run_dir.glob("events.out.tfevents.*")
+    events.unlink()  # as a run logged before every list kept TensorBoard
     report = call_main(report_main, str(run_dir), "--out", str(tmp_path / "report"))
     assert report.returncode == 0, report.stderr
     with (tmp_path / "report" / "report.csv").open(newline="") as file:
@@ -158,7 +167,7 @@ def test_a_run_logged_only_to_csv_is_reported_from_its_metrics_csv(tmp_path, dat
 
 
 @pytest.mark.slow
-def test_a_run_logged_only_to_mlflow_uses_the_default_store_and_the_report_says_what_it_cannot_read(tmp_path, data_root):
+def test_logger_mlflow_uses_the_default_store_and_the_report_says_what_it_cannot_read(tmp_path, data_root):
     env = {name: value for name, value in user_env().items() if name != "MLFLOW_TRACKING_URI"}
     env["PYTHONPATH"] = str(REPO)
     result = run_cli("src.train", *QUICK, "logger=mlflow", cwd=tmp_path, env=env)
@@ -169,8 +178,11 @@ def test_a_run_logged_only_to_mlflow_uses_the_default_store_and_the_report_says_
     assert run.info.status == "FINISHED"
     assert run.data.metrics["test/acc"] == pytest.approx(recorded(run_dir).metrics["test/acc"])
     assert run.data.params["model"] == "lenet" and FROM_CALLBACKS <= run.data.metrics.keys()
-    assert not list(run_dir.glob("events.out.tfevents.*")) and not (run_dir / "csv").exists()
+    assert not (run_dir / "csv").exists()
 
+    assert call_main(report_main, str(run_dir), "--out", str(tmp_path / "report_tb")).returncode == 0  # its TensorBoard
+    [events] = run_dir.glob("events.out.tfevents.*")
+    events.unlink()  # as a run logged before every list kept TensorBoard
     report = call_main(report_main, str(run_dir), "--out", str(tmp_path / "report"))
     assert report.returncode == 2
     [line] = report.stderr.strip().splitlines()

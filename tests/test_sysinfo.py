@@ -7,6 +7,7 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -175,6 +176,110 @@ def test_callback_warns_in_one_line_on_rank_zero_only(monkeypatch, caplog):
             callback = SystemInfoLogger()
             callback.on_fit_start(trainer, None)
             callback.on_train_start(trainer, None)
-    assert texts == [("system", 6)]  # at the step training starts from: a resumed run's, here 6
+            callback.on_train_batch_end(trainer, None, None, None, 0)
+            callback.on_train_end(trainer, None)
+    assert texts == [("system", 6)]  # once, at the step training starts from: a resumed run's, here 6
     [record] = caplog.records
     assert record.levelno == logging.WARNING and record.getMessage().startswith("4 DDP processes on 2 CPU cores")
+
+
+def test_the_interconnect_is_read_beside_training_and_written_again_once_it_is_known(monkeypatch):
+    """`nvidia-smi topo -m` may take 20 s: rank 0 starts training meanwhile (its peers would wait for it); the text
+    comes at the start saying so, and again at the first batch end after the reader is done, at a step that never
+    goes back (TensorBoard purges what follows a step that does). One that takes too long is written as not read."""
+    from src.callbacks import sysinfo as callback_module
+
+    readers = [threading.Event(), threading.Event()]
+    links = {"summary": "NVLink", "source": "nvidia-smi topo -m", "links": {"GPU0-GPU1": "NV12"}}
+    monkeypatch.setattr(sysinfo, "interconnect_of", lambda count: readers.pop(0).wait() and links)
+    reading, slow = readers
+    texts = []
+    trainer = SimpleNamespace(is_global_zero=True, loggers=[SimpleNamespace(experiment=SimpleNamespace(
+        add_text=lambda tag, text, global_step: texts.append((global_step, text))))], accelerator=CPUAccelerator(),
+        precision="32-true", world_size=1, num_nodes=1, global_step=10)
+    callback = SystemInfoLogger()
+    callback.on_fit_start(trainer, None)
+    callback.on_train_start(trainer, None)  # returns with the reader still waiting
+    trainer.global_step = 11
+    callback.on_train_batch_end(trainer, None, None, None, 0)
+    assert [step for step, _ in texts] == [10] and "Interconnect: being read (nvidia-smi topo -m)" in texts[0][1]
+    reading.set()
+    callback._reader.join()
+    trainer.global_step = 12
+    callback.on_train_batch_end(trainer, None, None, None, 1)
+    callback.on_train_batch_end(trainer, None, None, None, 2)
+    callback.on_train_end(trainer, None)
+    assert [step for step, _ in texts] == [10, 11] and "Interconnect: NVLink (from nvidia-smi topo -m)" in texts[1][1]
+
+    monkeypatch.setattr(callback_module, "TOPOLOGY_WAIT_S", 0.01)
+    monkeypatch.setattr(callback_module, "QUICK_READ_S", 0.01)
+    callback.on_fit_start(trainer, None)
+    callback.on_train_start(trainer, None)
+    callback.on_train_end(trainer, None)
+    slow.set()
+    assert "Interconnect: not read: nvidia-smi topo -m took over 0.01 s" in texts[-1][1] and len(texts) == 4
+
+
+class StandInNvml:
+    """The driver's NVML library as ctypes sees it: each function fills what it is passed by reference, returns 0."""
+
+    def __init__(self, devices: list[tuple[str, int, int, int]]) -> None:
+        self.devices, self.calls = devices, []
+
+    def __getattr__(self, name: str):
+        def call(*args):
+            self.calls.append(name)
+            fill = type(self).__dict__.get(f"_{name}")
+            if fill is not None:
+                fill(self, *args)
+            return 0
+        return call
+
+    def _nvmlDeviceGetCount_v2(self, count):
+        count._obj.value = len(self.devices)
+
+    def _nvmlDeviceGetHandleByIndex_v2(self, index, handle):
+        handle._obj.value = index.value + 1  # a handle is a pointer: never 0
+
+    def _nvmlDeviceGetName(self, handle, name, length):
+        name.value = self.devices[handle.value - 1][0].encode()
+
+    def _nvmlDeviceGetMemoryInfo(self, handle, memory):
+        memory._obj.total = self.devices[handle.value - 1][1]
+
+    def _nvmlDeviceGetCudaComputeCapability(self, handle, major, minor):
+        major._obj.value, minor._obj.value = self.devices[handle.value - 1][2:]
+
+
+def test_the_launching_process_reads_its_gpus_through_nvml_as_cuda_numbers_them(monkeypatch):
+    """No CUDA context: NVML gives each visible device's name, memory and compute capability, in CUDA's order."""
+    nvml = StandInNvml([("Tesla V100", 16 * 2**30, 7, 0), ("NVIDIA H100 80GB HBM3", 80 * 2**30, 9, 0)])
+    monkeypatch.setattr(sysinfo.ctypes, "CDLL", lambda name: nvml if name == "libnvidia-ml.so.1" else None)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    assert sysinfo.nvml_gpus() == [{"index": 0, "name": "NVIDIA H100 80GB HBM3", "memory_gib": 80.0, "capability": "9.0",
+                                    "fp16_tensor_cores": True, "bf16": True}]
+    assert nvml.calls[0] == "nvmlInit_v2" and nvml.calls[-1] == "nvmlShutdown"
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert [gpu["name"] for gpu in sysinfo.nvml_gpus()] == ["Tesla V100", "NVIDIA H100 80GB HBM3"]
+    assert sysinfo.recommend_precision(sysinfo.nvml_gpus(), False)[0] == "16-mixed"  # judged by the V100
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-8c6b1a3e")  # by UUID: only CUDA maps it
+    assert sysinfo.nvml_gpus() is None
+
+
+@pytest.mark.parametrize(("visible", "indices"), [
+    (None, [0, 1, 2, 3]), ("", []), ("2,0", [2, 0]), ("0,7,1", [0]), ("1,,0", [1]), ("-1", []), ("0,0", [0]),
+    ("MIG-1", None),
+])
+def test_cuda_visible_devices_is_read_as_cuda_reads_it(monkeypatch, visible, indices):
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    assert sysinfo.visible_nvml_indices(4) == indices
+
+
+def test_a_run_records_its_thread_count_in_hparams(quick_run):
+    """The thread count changed the result at the same seed (val/acc 0.8586 against 0.8520): it is a setting."""
+    from tests.helpers import hparams
+
+    assert hparams(quick_run.dir)["threads"] == torch.get_num_threads()

@@ -13,10 +13,10 @@ DDP_TIMERS = ("backward_compute_time", "backward_comm_time", "backward_compute_c
 DDP_SAMPLE_RATE = 100  # torch's kDDPRuntimeLoggingSampleRate: DDP times iterations 1-10, then every 100th
 
 
-def ddp_sampled(step: int) -> bool:
-    """Whether DDP timed the backward pass before this fit's optimizer step `step` (1 is the first): it files an
-    iteration's timings as the next one's forward begins, so reading them on other steps costs a call and finds none."""
-    timed = step - 1
+def ddp_sampled(iteration: int) -> bool:
+    """Whether DDP timed the backward pass before its iteration `iteration` (1 is the first): it files an iteration's
+    timings as the next one's forward begins, so reading them on other steps costs a call and finds none."""
+    timed = iteration - 1
     return 1 <= timed <= 10 or timed > 0 and timed % DDP_SAMPLE_RATE == 0
 
 
@@ -47,10 +47,11 @@ class CommLogger(Callback):
         if trainer.global_step == self._last_step:  # no optimizer step in this batch (gradient accumulation)
             return
         self._last_step = trainer.global_step
+        warm = getattr(trainer.strategy, "warm_iterations", 0)
+        if self._ddp is not None and ddp_sampled(trainer.global_step - self._first_step + warm):
+            self._record_ddp_timings(trainer, warm)  # the step before: first, so that no point goes back a step
         if self._meter is not None:
             self._record_meter(trainer, self._meter)
-        if self._ddp is not None and ddp_sampled(trainer.global_step - self._first_step):
-            self._record_ddp_timings(trainer)
 
     def _record_meter(self, trainer: Trainer, meter: CommMeter) -> None:
         step = meter.take()
@@ -61,10 +62,12 @@ class CommLogger(Callback):
         self._record(trainer, {**sent, "xfer/hook_ms": step.hook_s * 1000, "xfer/buckets_per_step": float(step.buckets)},
                      step=trainer.global_step - 1)
 
-    def _record_ddp_timings(self, trainer: Trainer) -> None:
-        """What DDP filed as this step's forward began: the previous step's backward timings."""
+    def _record_ddp_timings(self, trainer: Trainer, warm: int) -> None:
+        """What DDP filed as this step's forward began: the previous step's backward timings, not those of the
+        iterations DDP took before training (`warm`)."""
         data = self._ddp._get_ddp_logging_data()  # type: ignore[union-attr]  # private: see on_train_start
-        if any(key not in data for key in ("iteration", *DDP_TIMERS)) or data["iteration"] == self._ddp_iteration:
+        if (any(key not in data for key in ("iteration", *DDP_TIMERS)) or data["iteration"] == self._ddp_iteration
+                or data["iteration"] <= warm):
             return
         self._ddp_iteration = data["iteration"]
         compute, comm, overlap = (data[key] / 1e6 for key in DDP_TIMERS)

@@ -10,14 +10,15 @@ import statistics
 import sys
 import warnings
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
-from lightning import Callback, LightningModule, Trainer
+from lightning import LightningModule, Trainer
 from lightning.fabric.utilities.throughput import get_available_flops, measure_flops
 from torch import nn
 
-from src.callbacks import log_scalars
+from src.callbacks import RunFigures, log_scalars
 from src.callbacks.timing import EpochTimer
 
 log = logging.getLogger(__name__)
@@ -25,6 +26,7 @@ log = logging.getLogger(__name__)
 COMPUTE_DTYPES = {"bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16, "16-mixed": torch.float16,
                   "16-true": torch.float16, "32-true": torch.float32, "64-true": torch.float64}
 MIB = 2**20
+PROC_STATUS, PROC_CLEAR_REFS = Path("/proc/self/status"), Path("/proc/self/clear_refs")
 
 
 def count_flops(net: nn.Module, sample_shape: Sequence[int], batch: int, precision: Any = None) -> int:
@@ -56,15 +58,27 @@ def peak_flops(device: torch.device, precision: str) -> tuple[float | None, str]
     return float(peak), ""
 
 
+def reset_peak_memory(device: torch.device) -> None:
+    """From here on: a sequential sweep's or search's earlier jobs ran in this process too. On CPU, Linux keeps the
+    process's peak resident size (VmHWM) until told (`/proc/self/clear_refs`); elsewhere it cannot be reset."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    with contextlib.suppress(OSError):
+        PROC_CLEAR_REFS.write_text("5")
+
+
 def peak_memory_mib(device: torch.device) -> float:
     """CUDA: the allocator's peak of allocated memory; elsewhere the process's peak resident size (MiB)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / MIB
+    with contextlib.suppress(OSError, StopIteration, ValueError):
+        return int(next(line for line in PROC_STATUS.read_text().splitlines() if line.startswith("VmHWM:")).split()[1]) / 1024
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     return peak / MIB if sys.platform == "darwin" else peak / 1024
 
 
-class HardwareUse(Callback):
+class HardwareUse(RunFigures):
     """Comes after EpochTimer (conf/callbacks/default.yaml), whose figures it reads. A network it cannot count logs
     memory alone, with the reason in one line; MFU needs the device in Lightning's table of peaks."""
 
@@ -78,8 +92,7 @@ class HardwareUse(Callback):
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         device = pl_module.device
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
+        reset_peak_memory(device)
         self._epochs = len(self._samples_per_s(trainer))
         shape = getattr(trainer.datamodule, "sample_shape", None)
         batch = getattr(trainer.datamodule, "batch_size", 0) // trainer.world_size
@@ -133,6 +146,8 @@ class HardwareUse(Callback):
         return {"tflops_per_s": list(self.tflops_per_s), "mfu": list(self.mfu), "peak_memory": self.peak_memory}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.foreign_checkpoint:
+            return
         self.tflops_per_s, self.mfu, self.peak_memory = list(state["tflops_per_s"]), list(state["mfu"]), state["peak_memory"]
 
     def summary(self) -> dict[str, float]:

@@ -3,10 +3,12 @@
 from typing import Any
 
 import torch
-from lightning import Callback, LightningModule, Trainer
+from lightning import LightningModule, Trainer
+
+from src.callbacks import RunFigures
 
 
-class LossFalls(Callback):
+class LossFalls(RunFigures):
     """Keeps the first and last optimizer steps' loss on the device, so no step waits for it."""
 
     def __init__(self) -> None:
@@ -34,6 +36,8 @@ class LossFalls(Callback):
         return {"first": None if self.first is None else self.first.cpu(), "steps": self.steps}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.foreign_checkpoint:
+            return
         self.first, self.steps = state["first"], state["steps"]
 
     def verdict(self) -> str:

@@ -5,10 +5,10 @@ import statistics
 import time
 
 import torch
-from lightning import Callback, LightningModule, Trainer
+from lightning import LightningModule, Trainer
 from lightning.pytorch.trainer.states import TrainerFn
 
-from src.callbacks import log_scalars
+from src.callbacks import RunFigures, log_scalars
 
 log = logging.getLogger(__name__)
 
@@ -19,7 +19,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-class EpochTimer(Callback):
+class EpochTimer(RunFigures):
     """Logs `time/epoch_s` and `time/samples_per_s` each epoch, and their medians (`_median`) at the end. Left out:
     validation and the checkpoint after it (inside Lightning's epoch), and a module's one-off `warmup_s`."""
 
@@ -78,6 +78,8 @@ class EpochTimer(Callback):
         return {"epoch_times": list(self.epoch_times), "samples_per_s": list(self.samples_per_s)}
 
     def load_state_dict(self, state: dict[str, list[float]]) -> None:
+        if self.foreign_checkpoint:
+            return
         self.epoch_times, self.samples_per_s = list(state["epoch_times"]), list(state["samples_per_s"])
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:

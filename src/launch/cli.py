@@ -3,6 +3,8 @@ is one `error:` line, exit status 2 (a diverged loss: 1), and no folder left; a 
 what is kept; a sweep prints a summary, writes its report, and fails with its jobs."""
 
 import os
+import re
+import shlex
 import sys
 from collections.abc import Callable
 from contextlib import nullcontext, suppress
@@ -22,11 +24,22 @@ from src.launch.console import counted, print_error, print_line
 from src.launch.stops import RankFailed, RunStopped, signal_name
 
 
+def folder_argument(key: str, folder: object) -> str:
+    """`key=<folder>` as a shell passes it on and Hydra reads it back: quoted for Hydra where the path holds one of its
+    grammar's characters, then for the shell (a folder name with a space broke a printed resume command)."""
+    value = str(folder)
+    if re.search(r"[\s\\()\[\]{}:=,'\"]", value):
+        # Hydra's quoted string: a backslash is itself except before a quote or the end, where it is doubled
+        value = "'" + re.sub(r"(\\*)('|$)", lambda m: m[1] * 2 + ("\\'" if m[2] else ""), value) + "'"
+    return shlex.quote(f"{key}={value}")
+
+
 def kept(output_dir: Path) -> str:
     """What a stopped run leaves to resume from, and the command that resumes it."""
     sweep = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
-    again = (f"{interpreter()} -m src.train -m hydra.sweep.dir={HydraConfig.get().sweep.dir} ckpt_path=auto" if sweep
-             else f"{interpreter()} -m src.train ckpt_path=last hydra.run.dir={output_dir}")
+    python = shlex.quote(interpreter())
+    again = (f"{python} -m src.train -m {folder_argument('hydra.sweep.dir', HydraConfig.get().sweep.dir)} ckpt_path=auto"
+             if sweep else f"{python} -m src.train ckpt_path=last {folder_argument('hydra.run.dir', output_dir)}")
     if not any((output_dir / "checkpoints").glob("*.ckpt")) and not sweep:
         return "no epoch finished, so there is no checkpoint"
     last = output_dir / "checkpoints" / "last.ckpt"

@@ -3,6 +3,7 @@ starts none of its own), else the task in this process. The agent forwards signa
 dies: what is here covers what it leaves open."""
 
 import functools
+import gc
 import importlib
 import logging
 import logging.config
@@ -80,11 +81,15 @@ def launch(task: Callable[[DictConfig], Result], cfg: DictConfig) -> Result:
 @contextmanager
 def own_process_group() -> Iterator[None]:
     """Lightning leaves its process group and environment behind (LOCAL_RANK would tell a sweep's next job that
-    someone else started its processes)."""
+    someone else started its processes), and the GPU memory the run's tensors held in PyTorch's cache: a sequential
+    sweep's next job, a DDP job's ranks among them, would find it taken."""
     saved = {name: os.environ.get(name) for name in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")}
     try:
         yield
     finally:
+        if torch.cuda.is_initialized():
+            gc.collect()  # the run's objects in reference cycles (a Trainer and its callbacks) hold tensors
+            torch.cuda.empty_cache()
         if external_rank() is None and dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
         for name, value in saved.items():

@@ -61,6 +61,29 @@ def one_bucket_cap_mb(model: nn.Module) -> float:
     return float(math.ceil(grad_bytes / MIB) + 1)
 
 
+def lay_out_in_backward_order(model: DistributedDataParallel, sample_shape: tuple[int, ...] | None,
+                              device: torch.device) -> int:
+    """DDP's buckets laid out now, as DDP itself lays them out after its first step: in the order backward makes the
+    gradients, so that a bucket goes to the hook while backward goes on; and the same on a resume, because PowerSGD's
+    saved state is by bucket. One backward pass of zeros, in eval mode (BatchNorm keeps its statistics), before the
+    hook is registered, its gradients dropped: DDP's iterations it took (1), or 0 where the data module names no
+    `sample_shape` and the buckets go in parameter order instead (backward waits for the first layer to send).
+    Private: no public API lays out DDP's buckets."""
+    module, training = model.module, model.module.training
+    if sample_shape is None:
+        model.reducer._push_all_rebuilt_params()  # private, as `_rebuild_buckets`: the parameters' order
+    else:
+        module.eval()
+        try:
+            model(torch.zeros(2, *sample_shape, device=device)).float().sum().backward()  # DDP notes the order
+        finally:
+            module.train(training)
+    model.reducer._rebuild_buckets()  # private: no public API lays out DDP's buckets
+    for param in module.parameters():
+        param.grad = None
+    return 0 if sample_shape is None else 1
+
+
 class CommHookDDPStrategy(DDPStrategy):
     """Lightning's DDP with a named, measured hook on every device; `ddp_kwargs` (gradient_as_bucket_view, static_graph,
     find_unused_parameters) go to DistributedDataParallel."""
@@ -75,6 +98,7 @@ class CommHookDDPStrategy(DDPStrategy):
         self.comm_meter: CommMeter | None = None
         self.powersgd: powerSGD_hook.PowerSGDState | None = None
         self._resumed_powersgd: list[dict[str, Any]] | None = None  # every rank's, from the checkpoint resumed
+        self.warm_iterations = 0  # DDP's iterations before training (`lay_out_in_backward_order`)
 
     def set_world_ranks(self) -> None:
         """Called once the devices are known, before any process group: the one check src/config.py cannot make."""
@@ -108,10 +132,8 @@ class CommHookDDPStrategy(DDPStrategy):
             self.model = DistributedDataParallel(self.model, device_ids=device_ids,
                                                  bucket_cap_mb=self.ddp_bucket_cap_mb(self.model), **self.ddp_kwargs)
         if self.hook.startswith("powersgd"):
-            # PowerSGD's saved state is by bucket, and DDP re-lays buckets after step 1 by gradient order; laid out now
-            # by parameter order, a resume finds the same layout. Private: no public API lays out DDP's buckets.
-            self.model.reducer._push_all_rebuilt_params()
-            self.model.reducer._rebuild_buckets()
+            shape = getattr(self.lightning_module.trainer.datamodule, "sample_shape", None)
+            self.warm_iterations = lay_out_in_backward_order(self.model, shape, self.root_device)
         self.register_hook()
 
     def ddp_bucket_cap_mb(self, model: nn.Module) -> float | None:
