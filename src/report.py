@@ -34,7 +34,7 @@ DIGITS = {"test_acc": 4, "epoch_s": 3, "samples_per_s": 1, "tflops_per_s": 4, "m
 MEASURED = ("tflops_per_s", "mfu", "peak_memory_mib", "comm_bytes_per_step")  # shown where some run measured them
 FILES = ("report.md", "report.csv", "val_acc.png", "epoch_time.png")  # the last only where devices differ
 NOT_A_SETTING = ("seed", "tags", "ckpt_path")  # repeats with other seeds are one setting
-PER_DEVICES = ("devices", "num_nodes", "world_size")  # what a speed-up compares
+PER_DEVICES = ("devices", "num_nodes", "world_size", "threads")  # what a speed-up compares (DDP divides the threads)
 
 
 @dataclass

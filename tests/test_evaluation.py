@@ -2,7 +2,7 @@
 
 import pytest
 
-from tests.helpers import QUICK, scalars, train
+from tests.helpers import DATA_ROOT, QUICK, run_cli, scalars, train
 
 
 @pytest.mark.slow
@@ -13,11 +13,11 @@ def test_test_accuracy_on_three_processes_equals_one_process(tmp_path, data_root
     results = {}
     for devices in (1, 3):
         run_dir = tmp_path / f"devices{devices}"
-        # The checkpoint has done its one epoch: fit has nothing left, and test scores its weights
-        # on all 10,000 test images (255 per batch: 85 per process on 3).
+        # src.eval scores its weights on all 10,000 test images (255 per batch: 85 per process on 3).
         # fp32: bf16 convolutions round differently at another batch size and may flip a borderline image.
-        result = train(*QUICK, f"ckpt_path={checkpoint}", "strategy=ddp", f"devices={devices}", "data.batch_size=255", "precision=32",
-                       "trainer.limit_test_batches=1.0", f"hydra.run.dir={run_dir}", timeout=600)
+        result = run_cli("src.eval", f"data.root={DATA_ROOT}", f"ckpt_path={checkpoint}", "strategy=ddp",
+                         f"devices={devices}", "data.batch_size=255", "precision=32", "trainer.limit_test_batches=1.0",
+                         "trainer.enable_progress_bar=false", f"hydra.run.dir={run_dir}", timeout=600)
         assert result.returncode == 0, result.stderr[-3000:]
         results[devices] = scalars(run_dir)["test/acc"][-1]
     assert results[3] == results[1]

@@ -7,11 +7,13 @@ Every wait here is for an event (a line, a checkpoint, a process gone), with min
 """
 
 import os
+import pickle
 import re
 import signal
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -236,3 +238,63 @@ def test_a_stop_signal_stops_every_running_job_with_a_line_each_and_starts_none(
         assert len(re.findall(stop, stdout, flags=re.M)) == 1, stdout
         assert "Traceback" not in (folder / ".parallel" / f"{job}.out").read_text()
     assert "job 3/3" not in stdout and not (folder / f"lenet_auto_1dev_{PRECISION}_seed=3").exists()
+
+
+class StartedOnly:
+    """A spawned process as `multiprocessing` starts it: its arguments pickled through the pipe to the new interpreter,
+    which `start()` waits on where they do not fit the pipe. Here: pickled, and not run."""
+
+    started: list["StartedOnly"] = []
+
+    def __init__(self, target, name, args) -> None:
+        self.args, self.name = args, name
+
+    def start(self) -> None:
+        from multiprocessing.connection import Connection
+        from multiprocessing.reduction import ForkingPickler
+
+        self.pickled = len(ForkingPickler.dumps(self.args))
+        self.payload_in = Connection(os.dup(self.args[0].fileno()))  # the new process's copy of the pipe's end
+        StartedOnly.started.append(self)
+
+
+def test_a_jobs_process_starts_with_small_arguments_and_gets_its_payload_after(tmp_path, monkeypatch):
+    """Jobs started one import apart (4 s on a quiet machine, 19 s on a busy one): spawn's `start()` waits for the
+    new interpreter to import the entry module when the arguments do not fit the pipe (about 64 kB)."""
+    import multiprocessing
+
+    from omegaconf import OmegaConf
+
+    from src.launch import parallel_launcher
+    from src.launch.parallel_launcher import ParallelLauncher, Placement
+    from src.launch.sequential_launcher import Job
+
+    spawn = multiprocessing.get_context("spawn")
+    monkeypatch.setattr(parallel_launcher.multiprocessing, "get_context",
+                        lambda method: SimpleNamespace(Pipe=spawn.Pipe, Process=StartedOnly))
+    launcher = ParallelLauncher(jobs=1)
+    launcher.hydra_context, launcher.task_function = {"a context": "x" * 200_000}, len  # a payload over 64 kB
+    (tmp_path / ".parallel").mkdir()
+    job = Job(1, ["seed=1"], OmegaConf.create({"seed": 1}), "job")
+    running = launcher.start(job, Placement(0, (0,), None), tmp_path)
+    [started] = StartedOnly.started
+    payload = started.payload_in.recv_bytes()
+    assert started.pickled < 4096 < 200_000 < len(payload)
+    hydra_context, task_function, config, _ = pickle.loads(payload)
+    assert hydra_context == launcher.hydra_context and task_function is len and config == job.config
+    assert running.process is started
+
+
+def test_a_jobs_threads_are_its_own_and_leave_its_ranks_to_divide_its_cores(monkeypatch):
+    """A DDP job's ranks read OMP_NUM_THREADS as a user's setting: set by the job, each rank ran the slot's threads."""
+    from src.launch.parallel_launcher import Placement, take_slot
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cores = tuple(sorted(os.sched_getaffinity(0)))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(len(cores) + 3)
+        take_slot(Placement(0, cores, None))
+        assert torch.get_num_threads() == len(cores) and "OMP_NUM_THREADS" not in os.environ
+    finally:
+        torch.set_num_threads(threads)

@@ -11,6 +11,7 @@ import os
 import pickle
 import signal
 import sys
+import threading
 from collections import deque
 from collections.abc import Sequence
 from contextlib import suppress
@@ -185,10 +186,16 @@ class ParallelLauncher(ProjectLauncher):
         start = out.stat().st_size if out.is_file() else 0
         context = multiprocessing.get_context("spawn")
         results, sending = context.Pipe(duplex=False)
+        receiving, payload_out = context.Pipe(duplex=False)
         process = context.Process(target=run_in_own_process, name=f"sweep job {job.number}",
-                                  args=(payload, placement, str(out), sending))
+                                  args=(receiving, placement, str(out), sending))
+        # The payload goes after the start, from a thread: as an argument that does not fit the pipe to the new
+        # process (about 64 kB), `start()` waits until the job has imported the entry module, one job after another.
         process.start()
         sending.close()  # the job holds the sending end now: its end reads as the end of the pipe
+        receiving.close()
+        threading.Thread(target=send_payload, args=(payload_out, payload), name=f"payload of job {job.number}",
+                         daemon=True).start()
         return Running(job, placement, process, results, out, start)
 
 
@@ -263,19 +270,33 @@ def send(running: dict[int, Running], signum: int) -> None:
                 kill(job.process.pid, signum)
 
 
-def run_in_own_process(payload: bytes, placement: Placement, out: str, results: Connection) -> None:
-    """In the job's process: Hydra's `run_job` on its devices, into its output file; the JobReturn back on `results`."""
-    os.setpgid(0, 0)  # signals come from the sweep, once, not also from the terminal
-    handle_stop_signals()
-    die_with_launcher()
+def send_payload(connection: Connection, payload: bytes) -> None:
+    """A job that ended before it read its payload (killed) leaves the pipe broken: nothing to send then."""
+    with suppress(OSError), connection:
+        connection.send_bytes(payload)
+
+
+def take_slot(placement: Placement) -> None:
+    """The job's cores and GPUs. Its threads are set for this process only, not as OMP_NUM_THREADS: a DDP job's
+    ranks read that variable as a user's own setting and would not divide the slot's cores among themselves."""
     if placement.gpus is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(placement.gpus)
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, placement.cores)
     if "OMP_NUM_THREADS" not in os.environ:  # a user's setting wins, as under torchrun
-        os.environ["OMP_NUM_THREADS"] = str(len(placement.cores))
-        if "torch" in sys.modules:  # imported with the entry module: it read the variable already
-            sys.modules["torch"].set_num_threads(len(placement.cores))
+        import torch  # imported with the entry module already
+
+        torch.set_num_threads(len(placement.cores))
+
+
+def run_in_own_process(payload_in: Connection, placement: Placement, out: str, results: Connection) -> None:
+    """In the job's process: Hydra's `run_job` on its devices, into its output file; the JobReturn back on `results`."""
+    os.setpgid(0, 0)  # signals come from the sweep, once, not also from the terminal
+    handle_stop_signals()
+    die_with_launcher()
+    take_slot(placement)
+    with payload_in:
+        payload = payload_in.recv_bytes()
     with os.fdopen(os.open(out, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644), "ab", buffering=0) as file:
         sys.stdout.flush()
         sys.stderr.flush()
