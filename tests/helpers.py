@@ -143,7 +143,7 @@ def command_here(module: str, *args: str, cwd: Path | None = None) -> subprocess
     """`python -m <module> <args>` (src.train, src.eval) through its own entry in this process, for what a command says
     and leaves rather than what only a process shows (signals, ranks, a new interpreter's environment): its exit
     status and output as `run_cli` returns them, run from `cwd` where one is given. Hydra's, logging's and the signal
-    handlers' state is put back, and so is the working directory."""
+    handlers' state is put back, and so are the working directory and the environment."""
     import importlib
     import logging
 
@@ -156,7 +156,7 @@ def command_here(module: str, *args: str, cwd: Path | None = None) -> subprocess
     HydraConfig.instance().cfg = None  # a config a test composed before would be resolved again, and claim its folders
     GlobalHydra.instance().clear()
     saved = sys.argv, {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}, logging.root.handlers[:], \
-        logging.root.level, os.environ.get("HYDRA_FULL_ERROR")
+        logging.root.level, dict(os.environ)  # torch's agent and Lightning set variables that end with a process
     stdout, stderr, status = io.StringIO(), io.StringIO(), 0
     sys.argv = [f"{module.replace('.', '/')}.py", *args]
     os.environ["HYDRA_MAIN_MODULE"] = "__main__"  # Hydra then finds conf/ beside the entry's file, as `python -m` does
@@ -179,9 +179,8 @@ def command_here(module: str, *args: str, cwd: Path | None = None) -> subprocess
                 handler.close()
         logging.root.handlers[:] = saved[2]
         logging.root.setLevel(saved[3])
-        if saved[4] is None:
-            os.environ.pop("HYDRA_FULL_ERROR", None)
-        os.environ.pop("HYDRA_MAIN_MODULE", None)
+        os.environ.clear()
+        os.environ.update(saved[4])
         GlobalHydra.instance().clear()
         HydraConfig.instance().cfg = None
         progress.tally = None

@@ -22,7 +22,7 @@ from src.launch import progress
 from src.launch.optuna_sweeper import DB, OptunaSweeper, search_space, storage
 from src.launch.progress import Progress, Tally
 from src.records import Result
-from tests.helpers import INTERPRETER, QUICK, run_cli, scalars, train, user_env
+from tests.helpers import INTERPRETER, QUICK, run_cli, scalars, train, train_here, user_env
 
 LR = "optim.lr=tag(log, interval(0.001, 1))"
 OPTUNA = "hydra/sweeper=optuna"
@@ -36,8 +36,11 @@ def fresh_sweep():
     progress.tally = None
 
 
-def search(folder: Path, *args: str) -> subprocess.CompletedProcess:
-    return train("-m", OPTUNA, LR, *QUICK, "max_epochs=2", f"hydra.sweep.dir={folder}", *args, timeout=900)
+def search(folder: Path, *args: str, here: bool = False) -> subprocess.CompletedProcess:
+    """The search as a user types it: in a new process, or with `here` in this one (the sequential launcher runs its
+    trials in the command's process)."""
+    command = [OPTUNA, LR, *QUICK, "max_epochs=2", f"hydra.sweep.dir={folder}", *args]
+    return train_here("-m", *command) if here else train("-m", *command, timeout=900)
 
 
 def study_of(folder: Path) -> optuna.Study:
@@ -159,14 +162,21 @@ def test_a_search_numbers_its_trials_across_batches_and_says_a_pruned_one_and_th
 # ---------------------------------------------------------------- searches on the command line
 
 
+def two_trials(tmp_path_factory: pytest.TempPathFactory, launcher: str) -> tuple[subprocess.CompletedProcess, Path]:
+    """The same search of two trials, by `launcher`: in this process one after another, side by side in processes."""
+    folder = tmp_path_factory.mktemp(launcher) / "search"
+    result = search(folder, f"hydra/launcher={launcher}", "hydra.sweeper.n_trials=2", here=launcher == "sequential")
+    return result, folder
+
+
 @pytest.fixture(scope="module")
-def two_searches(tmp_path_factory, data_root) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
-    """The same search of two trials, one after another and side by side."""
-    searches = {}
-    for launcher in ("sequential", "parallel"):
-        folder = tmp_path_factory.mktemp(launcher) / "search"
-        searches[launcher] = search(folder, f"hydra/launcher={launcher}", "hydra.sweeper.n_trials=2"), folder
-    return searches
+def sequential_search(tmp_path_factory, data_root) -> tuple[subprocess.CompletedProcess, Path]:
+    return two_trials(tmp_path_factory, "sequential")
+
+
+@pytest.fixture(scope="module")
+def parallel_search(tmp_path_factory, data_root) -> tuple[subprocess.CompletedProcess, Path]:
+    return two_trials(tmp_path_factory, "parallel")
 
 
 def dashboard_studies(db: Path) -> list[str]:
@@ -180,10 +190,9 @@ def dashboard_studies(db: Path) -> list[str]:
     return [study["study_name"] for study in json.loads(body)["study_summaries"]]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("launcher", ["sequential", "parallel"])
-def test_a_search_judges_each_trial_by_its_best_validation_accuracy_and_names_the_best(two_searches, launcher):
-    result, folder = two_searches[launcher]
+@pytest.mark.parametrize("launcher", ["sequential", pytest.param("parallel", marks=pytest.mark.slow)])
+def test_a_search_judges_each_trial_by_its_best_validation_accuracy_and_names_the_best(request, launcher):
+    result, folder = request.getfixturevalue(f"{launcher}_search")  # the parallel one's processes stay a slow test's
     assert result.returncode == 0, result.stderr[-3000:]
     study = study_of(folder)
     assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 2 and dashboard_studies(folder / DB) == ["search"]
@@ -211,7 +220,8 @@ def test_a_search_judges_each_trial_by_its_best_validation_accuracy_and_names_th
 
 
 @pytest.mark.slow
-def test_the_same_seed_asks_for_the_same_trials_one_after_another_and_side_by_side(two_searches):
+def test_the_same_seed_asks_for_the_same_trials_one_after_another_and_side_by_side(sequential_search, parallel_search):
+    two_searches = {"sequential": sequential_search, "parallel": parallel_search}
     assert [[t.params for t in study_of(folder).trials] for _, folder in two_searches.values()] == [
         [t.params for t in study_of(two_searches["sequential"][1]).trials]] * 2
 
@@ -221,7 +231,7 @@ def test_a_killed_search_continues_to_n_trials_keeping_its_trials_and_training_o
     folder, mark = tmp_path / "search", tmp_path / "killed"
     # Trial 1 ends; trial 2 is killed with the whole search (SIGKILL) as its second epoch begins, after its first epoch's
     # checkpoint; the same command then continues the search to 3 trials.
-    assert search(folder, "hydra.sweeper.n_trials=1").returncode == 0
+    assert search(folder, "hydra.sweeper.n_trials=1", here=True).returncode == 0
     finished = study_of(folder).trials[0]
     kill = ["+callbacks.fault._target_=tests.faults.KillIn", "+callbacks.fault.hook=on_train_epoch_start",
             "+callbacks.fault.epoch=1", f"+callbacks.fault.mark={mark}", "hydra.sweeper.n_trials=3", "ckpt_path=auto"]
@@ -229,7 +239,7 @@ def test_a_killed_search_continues_to_n_trials_keeping_its_trials_and_training_o
     assert killed.returncode == -signal.SIGKILL and mark.exists(), killed.stderr[-3000:]
     left = study_of(folder).trials[1]
     assert left.state == TrialState.RUNNING and list(left.intermediate_values) == [0]
-    result = search(folder, *kill)
+    result = search(folder, *kill, here=True)  # only the killed search needs a process of its own
     assert result.returncode == 0, result.stderr[-3000:]
     trials = study_of(folder).trials
     assert [t.state for t in trials] == [TrialState.COMPLETE] * 3
@@ -239,7 +249,6 @@ def test_a_killed_search_continues_to_n_trials_keeping_its_trials_and_training_o
     assert len(scalars(folder / trials[1].user_attrs["folder"])["val/acc"]) == 2  # one epoch before the kill, one after
 
 
-@pytest.mark.slow
 def test_a_hopeless_trial_is_pruned_in_one_line_and_the_search_ends_well(tmp_path, data_root):
     folder = tmp_path / "search"
     folder.mkdir()
@@ -247,7 +256,7 @@ def test_a_hopeless_trial_is_pruned_in_one_line_and_the_search_ends_well(tmp_pat
     for lr in (0.01, 0.02, 0.03, 0.04, 0.05):  # five trials that were far better after their first epoch
         earlier.add_trial(create_trial(params={"optim.lr": lr}, distributions={"optim.lr": FloatDistribution(0.001, 1, log=True)},
                                        value=0.95, intermediate_values={0: 0.95, 1: 0.95}))
-    result = search(folder, "hydra.sweeper.n_trials=6", "ckpt_path=auto")
+    result = search(folder, "hydra.sweeper.n_trials=6", "ckpt_path=auto", here=True)
     assert result.returncode == 0 and "Traceback" not in result.stdout + result.stderr, result.stderr[-3000:]
     pruned = [line for line in result.stdout.splitlines() if "pruned after epoch" in line]
     assert len(pruned) == 1 and re.search(r"trial 6 pruned after epoch 1: val/acc=\d\.\d{4} is below the median", pruned[0])

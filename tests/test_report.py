@@ -16,7 +16,7 @@ from src.report import COLUMNS, FILES, collect_runs, markdown_table, read_run
 from src.report import main as report_main
 from src.records import Result
 from src.runs import RunFolder
-from tests.helpers import DATA_ROOT, call_main, hparams, run_cli, scalars, train
+from tests.helpers import DATA_ROOT, call_main, hparams, run_cli, scalars, train_here
 
 SWEEP = [
     f"data.root={DATA_ROOT}", "max_epochs=2", "data.batch_size=64", "trainer.limit_train_batches=4",
@@ -49,8 +49,9 @@ def assert_nothing_written(result, *folders: Path) -> None:
 
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory, data_root) -> Path:
+    """The sweep in this process, its jobs one after another; each job's DDP ranks are processes still."""
     folder = tmp_path_factory.mktemp("sweep")
-    result = train("-m", "model=lenet", "strategy=ddp", "devices=2,1", *SWEEP, f"hydra.sweep.dir={folder}")
+    result = train_here("-m", "model=lenet", "strategy=ddp", "devices=2,1", *SWEEP, f"hydra.sweep.dir={folder}")
     assert result.returncode == 0, result.stderr[-3000:]
     return folder
 

@@ -15,7 +15,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from src.runs import find_run_dirs
-from tests.helpers import DATA_ROOT, free_port, hparams, train
+from tests.helpers import DATA_ROOT, free_port, hparams, train_here
 
 TENSORBOARD = Path(sys.executable).parent / "tensorboard"
 SCALARS = ("train/loss", "train/acc", "val/acc", "test/acc", "time/epoch_s", "time/samples_per_s")
@@ -31,8 +31,9 @@ def get(base: str, path: str, **query: str):
 
 @pytest.fixture(scope="module")
 def logdir(tmp_path_factory, data_root) -> Path:
+    """The runs trained in this process, one after another; the DDP job's ranks are processes still."""
     folder = tmp_path_factory.mktemp("tb")
-    result = train(
+    result = train_here(
         "-m", "model=lenet", "strategy=ddp", "devices=2,1", f"data.root={DATA_ROOT}", "max_epochs=2",
         "data.batch_size=64", "trainer.limit_train_batches=3", "trainer.limit_val_batches=1",
         "trainer.limit_test_batches=1", "trainer.enable_progress_bar=false", "trainer.log_every_n_steps=1",
