@@ -7,15 +7,18 @@ import re
 import signal
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 from wsgiref.util import setup_testing_defaults
 
 import optuna
 import pytest
+import torch
 from hydra.core.utils import JobReturn, JobStatus
 from omegaconf import OmegaConf
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 from optuna.trial import TrialState, create_trial
 
+from src.callbacks.optuna_trial import ReportToTrial
 from src.launch.optuna_sweeper import TrialRecord, TrialResult, TrialTask
 from src.errors import UsageError
 from src.launch import progress
@@ -128,6 +131,24 @@ def test_a_trial_the_pruner_gives_up_is_recorded_and_told_as_pruned(tmp_path):
     returned = record.told(Result({"val/acc_best": 0.3, "test/acc": 0.29}, "line"), "run")
     assert study.trials[0].state == TrialState.PRUNED and study.trials[0].user_attrs["pruned after epoch"] == 1
     assert returned.pruned and returned.line == "line"
+
+
+def test_a_trial_below_the_median_after_its_last_epoch_is_complete_not_pruned(tmp_path):
+    """With max_epochs=1 every trial below the median was marked pruned after its only epoch."""
+    study, cfg = trial_of_job(tmp_path)
+    study.set_user_attr("pruner", "median")
+    for value in (0.9, 0.88, 0.91, 0.9, 0.92):
+        study.add_trial(create_trial(params={"optim.lr": 0.01}, distributions={"optim.lr": FloatDistribution(0.001, 1.0, log=True)},
+                                     value=value, intermediate_values={0: value}))
+    callback = ReportToTrial(str(tmp_path / DB), "s", 0)
+    trainer = SimpleNamespace(sanity_checking=False, callback_metrics={"val/acc": torch.tensor(0.3)}, is_global_zero=True,
+                              current_epoch=0, max_epochs=1, should_stop=False,
+                              strategy=SimpleNamespace(broadcast=lambda value, src: value))
+    callback.on_validation_end(trainer, None)
+    returned = TrialRecord(str(tmp_path / DB), "s", 0).told(Result({"val/acc_best": 0.3}, "line"), "run")
+    assert not trainer.should_stop and not returned.pruned
+    assert (study.trials[0].state, study.trials[0].value) == (TrialState.COMPLETE, 0.3)
+    assert study.trials[0].intermediate_values == {0: pytest.approx(0.3)}
 
 
 # ---------------------------------------------------------------- the progress lines of a search

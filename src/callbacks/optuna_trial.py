@@ -18,6 +18,7 @@ class ReportToTrial(Callback):
         value, stop = trainer.callback_metrics.get("val/acc"), False
         if trainer.is_global_zero and value is not None:
             self.trial = self.trial or TrialRecord(*self.where)
-            stop = self.trial.report(trainer.current_epoch, float(value))
+            last = trainer.max_epochs is not None and trainer.current_epoch + 1 >= trainer.max_epochs
+            stop = self.trial.report(trainer.current_epoch, float(value), last=last)
         if trainer.strategy.broadcast(stop, src=0):
             trainer.should_stop = True

@@ -64,10 +64,11 @@ class TrialRecord:
         self.study.pruner = optuna.pruners.MedianPruner() if median else optuna.pruners.NopPruner()
         self.id = self.storage.get_trial_id_from_study_id_trial_number(self.storage.get_study_id_from_name(study), number)
 
-    def report(self, epoch: int, value: float) -> bool:
-        """True where the pruner gives the trial up."""
+    def report(self, epoch: int, value: float, last: bool = False) -> bool:
+        """True where the pruner gives the trial up; never after the `last` epoch, where nothing is left to save and
+        the trial is complete (one-epoch trials were all marked pruned)."""
         self.storage.set_trial_intermediate_value(self.id, epoch, value)
-        if not self.study.pruner.prune(self.study, self.storage.get_trial(self.id)):
+        if last or not self.study.pruner.prune(self.study, self.storage.get_trial(self.id)):
             return False
         self.storage.set_trial_user_attr(self.id, PRUNED_AFTER, epoch + 1)
         log.info(f"trial {self.number + 1} pruned after epoch {epoch + 1}: val/acc={value:.4f} is below the median of "
