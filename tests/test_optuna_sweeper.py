@@ -120,12 +120,17 @@ def test_a_job_that_fails_fails_its_trial_and_one_without_validation_too(tmp_pat
     assert study.trials[0].state == TrialState.FAIL
 
 
-def test_a_trial_the_pruner_gives_up_is_recorded_and_told_as_pruned(tmp_path):
-    study, cfg = trial_of_job(tmp_path)
+def with_better_trials(study: optuna.Study) -> None:
+    """The median pruner on, and five earlier trials far better after their first epoch."""
     study.set_user_attr("pruner", "median")
-    for value in (0.9, 0.88, 0.91, 0.9, 0.92):  # five earlier trials, far better after their first epoch
+    for value in (0.9, 0.88, 0.91, 0.9, 0.92):
         study.add_trial(create_trial(params={"optim.lr": 0.01}, distributions={"optim.lr": FloatDistribution(0.001, 1.0, log=True)},
                                      value=value, intermediate_values={0: value}))
+
+
+def test_a_trial_the_pruner_gives_up_is_recorded_and_told_as_pruned(tmp_path):
+    study, cfg = trial_of_job(tmp_path)
+    with_better_trials(study)
     record = TrialRecord(str(tmp_path / DB), "s", 0)
     assert record.report(0, 0.3) is True
     returned = record.told(Result({"val/acc_best": 0.3, "test/acc": 0.29}, "line"), "run")
@@ -136,10 +141,7 @@ def test_a_trial_the_pruner_gives_up_is_recorded_and_told_as_pruned(tmp_path):
 def test_a_trial_below_the_median_after_its_last_epoch_is_complete_not_pruned(tmp_path):
     """With max_epochs=1 every trial below the median was marked pruned after its only epoch."""
     study, cfg = trial_of_job(tmp_path)
-    study.set_user_attr("pruner", "median")
-    for value in (0.9, 0.88, 0.91, 0.9, 0.92):
-        study.add_trial(create_trial(params={"optim.lr": 0.01}, distributions={"optim.lr": FloatDistribution(0.001, 1.0, log=True)},
-                                     value=value, intermediate_values={0: value}))
+    with_better_trials(study)
     callback = ReportToTrial(str(tmp_path / DB), "s", 0)
     trainer = SimpleNamespace(sanity_checking=False, callback_metrics={"val/acc": torch.tensor(0.3)}, is_global_zero=True,
                               current_epoch=0, max_epochs=1, should_stop=False,

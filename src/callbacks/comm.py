@@ -26,7 +26,7 @@ class CommLogger(Callback):
 
     def __init__(self) -> None:
         self._meter: CommMeter | None = None
-        self._last_step = self._first_step = 0
+        self._last_step = self._first_step = self._warm = 0
         self._ddp: DistributedDataParallel | None = None
         self._ddp_iteration = -1
         self._epoch_values: dict[str, list[float]] = {}
@@ -34,6 +34,7 @@ class CommLogger(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._meter = getattr(trainer.strategy, "comm_meter", None)
         self._last_step = self._first_step = trainer.global_step
+        self._warm = getattr(trainer.strategy, "warm_iterations", 0)  # DDP's iterations before training
         if self._meter is not None:
             self._meter.take()  # drop anything sent before training
         # Private to DDP: no public API gives its backward timings. A torch without it logs none.
@@ -47,9 +48,8 @@ class CommLogger(Callback):
         if trainer.global_step == self._last_step:  # no optimizer step in this batch (gradient accumulation)
             return
         self._last_step = trainer.global_step
-        warm = getattr(trainer.strategy, "warm_iterations", 0)
-        if self._ddp is not None and ddp_sampled(trainer.global_step - self._first_step + warm):
-            self._record_ddp_timings(trainer, warm)  # the step before: first, so that no point goes back a step
+        if self._ddp is not None and ddp_sampled(trainer.global_step - self._first_step + self._warm):
+            self._record_ddp_timings(trainer)  # the step before: first, so that no point goes back a step
         if self._meter is not None:
             self._record_meter(trainer, self._meter)
 
@@ -62,12 +62,12 @@ class CommLogger(Callback):
         self._record(trainer, {**sent, "xfer/hook_ms": step.hook_s * 1000, "xfer/buckets_per_step": float(step.buckets)},
                      step=trainer.global_step - 1)
 
-    def _record_ddp_timings(self, trainer: Trainer, warm: int) -> None:
+    def _record_ddp_timings(self, trainer: Trainer) -> None:
         """What DDP filed as this step's forward began: the previous step's backward timings, not those of the
-        iterations DDP took before training (`warm`)."""
+        iterations DDP took before training."""
         data = self._ddp._get_ddp_logging_data()  # type: ignore[union-attr]  # private: see on_train_start
         if (any(key not in data for key in ("iteration", *DDP_TIMERS)) or data["iteration"] == self._ddp_iteration
-                or data["iteration"] <= warm):
+                or data["iteration"] <= self._warm):
             return
         self._ddp_iteration = data["iteration"]
         compute, comm, overlap = (data[key] / 1e6 for key in DDP_TIMERS)
