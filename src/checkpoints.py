@@ -17,6 +17,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from src.errors import UsageError
+from src.launch.console import counted
 from src.launch.stops import held
 
 log = logging.getLogger(__name__)
@@ -117,7 +118,7 @@ def check_something_left(saved: Saved | None, given: object, run_dir: Path, max_
     done, step = epochs_done(saved), saved.step
     if 0 <= max_epochs <= done or 0 < max_steps <= step:
         limit = f"max_epochs={max_epochs}" if 0 <= max_epochs <= done else f"trainer.max_steps={max_steps}"
-        raise UsageError(f"ckpt_path={given}: it holds {done} finished epochs ({step} steps), and {limit} leaves nothing "
+        raise UsageError(f"ckpt_path={given}: it holds {counted(done, 'finished epoch')} ({counted(step, 'step')}), and {limit} leaves nothing "
                          f"to train; raise {limit.split('=')[0]}, or score it with src.eval ckpt_path={given}")
 
 

@@ -231,7 +231,7 @@ def test_a_new_run_from_a_finished_runs_checkpoint_with_nothing_left_to_train_is
     result = train_here(*QUICK, f"ckpt_path={last}", f"hydra.run.dir={tmp_path / 'new'}")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        f"error: ckpt_path={last}: it holds 1 finished epochs (4 steps), and max_epochs=1 leaves nothing to train; "
+        f"error: ckpt_path={last}: it holds 1 finished epoch (4 steps), and max_epochs=1 leaves nothing to train; "
         f"raise max_epochs, or score it with src.eval ckpt_path={last}"]
     assert not (tmp_path / "new").exists()
 
