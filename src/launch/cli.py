@@ -31,7 +31,9 @@ def folder_argument(key: str, folder: object) -> str:
     if re.search(r"[\s\\()\[\]{}:=,'\"]", value):
         # Hydra's quoted string: a backslash is itself except before a quote or the end, where it is doubled
         value = "'" + re.sub(r"(\\*)('|$)", lambda m: m[1] * 2 + ("\\'" if m[2] else ""), value) + "'"
-    return shlex.quote(f"{key}={value}")
+    word = f"{key}={value}"
+    # In double quotes where the shell would change nothing inside them: readable, `'/a b'` stays Hydra's quoting
+    return f'"{word}"' if word != shlex.quote(word) and not re.search(r'["\\$`!]', word) else shlex.quote(word)
 
 
 def kept(output_dir: Path) -> str:
