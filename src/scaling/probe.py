@@ -4,6 +4,7 @@ model fitted to them per process count, and the lag of processes meeting on shar
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 import timeit
@@ -127,6 +128,11 @@ def _rank(rank: int, work: Callable[..., Any], processes: int, folder: str, devi
             (Path(folder) / "result.json").write_text(json.dumps(value))
     finally:
         dist.destroy_process_group()
+    # Done, and nothing left to save: an exit past the interpreter's shutdown, where a thread of the DDP model's
+    # process group could be joined by itself ("Resource deadlock avoided") and abort a rank whose figures are in.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def lag_share(alone: float, together: float, processes: int, cores: int) -> float:
