@@ -90,7 +90,7 @@ def ddp_run(tmp_path_factory, data_root) -> Run:
 # (about 5 s of a core): only a test marked `slow` may, so that `-m "not slow"` starts none. The fixtures seen to
 # start one make every test that uses them slow as well.
 _started: list[str] = []
-_process_fixtures: set[str] = set()
+_process_fixtures: set[tuple[str, str]] = set()  # (where defined, name): modules reuse names such as `runs`
 _popen_init, _process_start = subprocess.Popen.__init__, multiprocessing.process.BaseProcess.start
 _refusing = [False]  # in a test not marked slow: the interpreter is refused as it starts, so the test ends at once
 
@@ -122,7 +122,7 @@ def pytest_fixture_setup(fixturedef, request):
     before = len(_started)
     result = yield
     if len(_started) > before:
-        _process_fixtures.add(fixturedef.argname)
+        _process_fixtures.add((fixturedef.baseid, fixturedef.argname))
     return result
 
 
@@ -139,7 +139,8 @@ def pytest_runtest_call(item):
         result = yield
     finally:
         _refusing[0] = False
-    fixtures = sorted(set(item.fixturenames) & _process_fixtures)
+    fixtures = sorted(name for name, defs in item._fixtureinfo.name2fixturedefs.items()
+                      if any((d.baseid, d.argname) in _process_fixtures for d in defs[-1:]))
     if "slow" not in item.keywords and (_started or fixtures):
         what = _started[0] if _started else f"the fixture {fixtures[0]}"
         pytest.fail(f"starts an interpreter ({what}) but is not marked slow: test the logic in this process, or "
