@@ -252,6 +252,9 @@ RULES: dict[str, Rule] = {
     "callbacks.best_checkpoint.monitor": one_of(*METRICS),
     "callbacks.best_checkpoint.mode": one_of("min", "max"),
     "callbacks.best_checkpoint.save_last": BOOL | one_of("link"),
+    "callbacks.time_to_accuracy.targets": Rule(
+        lambda v: isinstance(v, list) and all(fraction(lo_open=True).test(t) for t in v),
+        "a list of validation accuracies in (0, 1], e.g. [0.80,0.85,0.90] ([] for none)"),
     "callbacks.*.*": ANY,
 }
 # Trainer arguments that a top-level key owns.

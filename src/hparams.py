@@ -38,6 +38,18 @@ METRICS: tuple[tuple[str, str, str], ...] = (
 )
 HPARAM_METRICS = tuple(tag for tag, _, _ in METRICS)
 
+
+def time_to_metrics(targets: Iterable[str]) -> list[tuple[str, str, str]]:
+    """The time-to-accuracy columns (`src.callbacks.timing.TimeToAccuracy`), by target name (`0.85`), after the
+    epoch time: blank where a run never reached the target."""
+    return [(f"{records.TO_TARGET}{name}", f"s to val acc {name}",
+             f"training seconds (validation excluded) until val/acc first reached {name}; blank where it never did")
+            for name in sorted(set(targets), key=float)]
+
+
+def all_metrics(targets: Iterable[str]) -> list[tuple[str, str, str]]:
+    return [*METRICS[:3], *time_to_metrics(targets), *METRICS[3:]]
+
 IDENTITY = ("model", "strategy", "devices", "precision_used")
 SHOWN = 5  # hparams columns TensorBoard's HParams tab ticks by default
 # Settings recorded under another name than their config key, or following from others, by the keys that change them.
@@ -154,12 +166,13 @@ def session_end() -> Summary:
     return _summary(metadata.SESSION_END_INFO_TAG, plugin_data_pb2.HParamsPluginData(session_end_info=info))
 
 
-def experiment(runs: list[Mapping[str, Any]], marked: Iterable[str] = (), typed: Iterable[str] = ()) -> Summary:
+def experiment(runs: list[Mapping[str, Any]], marked: Iterable[str] = (), typed: Iterable[str] = (),
+               targets: Iterable[str] = ()) -> Summary:
     names = list(dict.fromkeys(name for params in runs for name in params))
     differing = sweep_columns(runs, names, typed, set(marked))
     infos = [hparam_info(name, [params[name] for params in runs if name in params], name in differing) for name in names]
     metrics = [api_pb2.MetricInfo(name=api_pb2.MetricName(tag=tag), display_name=title, description=description)
-               for tag, title, description in METRICS]
+               for tag, title, description in all_metrics(targets)]
     data = api_pb2.Experiment(hparam_infos=infos, metric_infos=metrics, time_created_secs=time.time())
     return _summary(metadata.EXPERIMENT_TAG, plugin_data_pb2.HParamsPluginData(experiment=data))
 
@@ -202,7 +215,8 @@ def trial_id(run_dir: Path, overrides: list[str], params: Mapping[str, Any]) -> 
 
 
 @held()  # see RunLogger
-def log_hparams(loggers: list[Logger], params: dict[str, Any], run_dir: Path, step: int = 0) -> None:
+def log_hparams(loggers: list[Logger], params: dict[str, Any], run_dir: Path, step: int = 0,
+                targets: Iterable[str] = ()) -> None:
     """At the last step, so no event goes back; a sweep job writes only its session (the sweep adds the experiment)."""
     for logger in loggers:
         if not isinstance(logger, RunLogger):
@@ -212,15 +226,17 @@ def log_hparams(loggers: list[Logger], params: dict[str, Any], run_dir: Path, st
             saved = run_dir / ".hydra" / "overrides.yaml"
             overrides = [str(o) for o in records.load(saved) or []] if saved.is_file() and not sweep_job else []
             if not sweep_job:
-                logger.add_summary(experiment([params], changed_names(params, override_keys(overrides))), step)
+                logger.add_summary(experiment([params], changed_names(params, override_keys(overrides)),
+                                              targets=targets), step)
             logger.add_summary(session_start(params, trial_id(run_dir, overrides, params)), step)
             logger.add_summary(session_end(), step)
             logger.experiment.flush()
 
 
-def write_experiment(runs: list[Mapping[str, Any]], log_dir: Path, typed: Iterable[str] = ()) -> None:
+def write_experiment(runs: list[Mapping[str, Any]], log_dir: Path, typed: Iterable[str] = (),
+                     targets: Iterable[str] = ()) -> None:
     writer = FileWriter(str(log_dir))
-    writer.add_summary(experiment(runs, typed=typed))
+    writer.add_summary(experiment(runs, typed=typed, targets=targets))
     writer.close()
 
 

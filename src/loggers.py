@@ -16,6 +16,7 @@ from tensorboard.compat.proto.summary_pb2 import DataClass, Summary, SummaryMeta
 from torch.utils.tensorboard.summary import custom_scalars
 
 from src.checkpoints import Saved
+from src.records import TO_TARGET
 from src.launch.stops import held
 
 EPOCH_TAG = "trainer/epoch"
@@ -32,6 +33,15 @@ DESCRIPTIONS = {
     "time/samples_per_s": "training images per second over all processes, this epoch",
     "time/epoch_s_median": "median of time/epoch_s over the run's epochs: the figure of the result line and report.md",
     "time/samples_per_s_median": "median of time/samples_per_s over the run's epochs",
+    "time/trained_s": "training seconds so far (as time/epoch_s counts them), at each validation: the x of accuracy "
+                      "against time",
+    "machine/cpu_share": "the process's CPU seconds over the epoch's wall seconds times its threads: below 1 where it "
+                         "waited, for other work or for itself (Python, data, communication)",
+    "machine/others_runnable": "mean runnable tasks on the machine beyond the run's own (its processes here times their "
+                               "threads), sampled through the epoch (Linux)",
+    "machine/gpu_util": "mean utilization of rank 0's GPU through the epoch, % (NVML)",
+    "machine/disturbed": "1 where the epoch competed with other work (machine/others_runnable at least 0.5 with the "
+                         "cores oversubscribed): its time measured the machine's load too",
     "usage/tflops_per_s": "model TFLOP/s per device this epoch: FLOPs of forward and backward per image (torch's "
                           "FLOP counter) x time/samples_per_s / devices",
     "usage/mfu": "model FLOPs utilisation: usage/tflops_per_s over the device's peak for the precision used "
@@ -55,6 +65,12 @@ TRANSFERS = {
 }
 DESCRIPTIONS |= TRANSFERS | {f"{tag}_epoch": f"mean over the epoch of {tag}: {text}" for tag, text in TRANSFERS.items()}
 
+def description(tag: str) -> str | None:
+    if tag.startswith(TO_TARGET):
+        return (f"training seconds (as time/epoch_s counts them) until val/acc first reached {tag[len(TO_TARGET):]}, "
+                "at that step; no point where it never did")
+    return DESCRIPTIONS.get(tag)
+
 
 # TensorBoard's Custom Scalars tab (tags are regexes): the answer first, communication last; Time Series orders
 # groups by name, hence `usage/*` after test and time, and `xfer/*` last.
@@ -63,7 +79,9 @@ LAYOUT = {
                  "training": ["Multiline", ["train/acc$"]]},
     "loss": {"training and validation": ["Multiline", ["train/loss$", "val/loss$", "test/loss$"]]},
     "time": {"epoch seconds (validation excluded)": ["Multiline", ["time/epoch_s$", "time/epoch_s_median$"]],
-             "images per second": ["Multiline", ["time/samples_per_s$", "time/samples_per_s_median$"]]},
+             "images per second": ["Multiline", ["time/samples_per_s$", "time/samples_per_s_median$"]],
+             "training seconds to each val/acc target": ["Multiline", ["time/to_val_acc_"]],
+             "what each epoch competed with": ["Multiline", ["machine/others_runnable$", "machine/disturbed$"]]},
     "hardware use": {"model TFLOP/s per device": ["Multiline", ["usage/tflops_per_s$", "usage/tflops_per_s_median$"]],
                      "MFU (share of the peak)": ["Multiline", ["usage/mfu$", "usage/mfu_median$"]],
                      "peak memory MiB": ["Multiline", ["usage/peak_memory_mib$"]]},
@@ -103,11 +121,11 @@ class RunLogger(TensorBoardLogger):
         if not self._laid_out:  # at the first points' step: `add_custom_scalars` writes step 0, back in a resumed run
             self._laid_out = True
             self.add_summary(custom_scalars(LAYOUT), step)
-        for tag in [t for t in metrics if t not in self._described and t in DESCRIPTIONS]:
+        for tag in [t for t in metrics if t not in self._described and description(t)]:
             self._described.add(tag)
             value = float(metrics.pop(tag))
             # TensorBoard keeps a tag's first metadata; its Rust loader needs the scalar data class set too.
-            about = SummaryMetadata(summary_description=DESCRIPTIONS[tag], data_class=DataClass.DATA_CLASS_SCALAR,
+            about = SummaryMetadata(summary_description=description(tag), data_class=DataClass.DATA_CLASS_SCALAR,
                                     plugin_data=SummaryMetadata.PluginData(plugin_name="scalars"))
             point = Summary.Value(tag=tag, simple_value=value, metadata=about)
             self.add_summary(Summary(value=[point]), step)

@@ -7,7 +7,7 @@ import json
 import os
 import re
 import stat
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -249,19 +249,29 @@ def launch_settings(lines: Any, path: Path) -> list[str]:
 @dataclass(frozen=True)
 class Result:
     """A run's `result.json`. `resumed`: it went on from a checkpoint of its folder; `skipped`: it only repeated the
-    record of a run that had finished."""
+    record of a run that had finished; `time_to_accuracy`: each target val/acc with the training seconds and the
+    optimizer step at which the run first reached it, both None where it never did."""
 
     metrics: dict[str, float]
     line: str
     step: int = -1
     resumed: bool = False
     skipped: bool = False
+    time_to_accuracy: list[dict[str, float | int | None]] = field(default_factory=list)
 
     def save(self, folder: Path) -> None:
         write_file(folder / RESULT, json.dumps(asdict(self), indent=1))
 
 
 RESULT = "result.json"
+
+
+TO_TARGET = "time/to_val_acc_"  # and a target's name: the scalar of the seconds it took to reach it
+
+
+def target_name(target: float) -> str:
+    """A target val/acc as tags and tables name it: `0.85`, `0.80`; more decimals only where it has them (`0.925`)."""
+    return f"{target:.2f}" if abs(target * 100 - round(target * 100)) < 1e-9 else f"{target:g}"
 
 
 def result(folder: Path) -> Result | None:
@@ -274,4 +284,25 @@ def result(folder: Path) -> Result | None:
     if not (isinstance(metrics, dict) and isinstance(line, str) and isinstance(step, int)
             and all(isinstance(v, (int, float)) for v in metrics.values())):
         return None
-    return Result({str(k): float(v) for k, v in metrics.items()}, shown(line), step)  # printed as it was written
+    return Result({str(k): float(v) for k, v in metrics.items()}, shown(line), step,  # printed as it was written
+                  time_to_accuracy=reached_targets(select(data, "time_to_accuracy")))
+
+
+def reached_targets(data: Any) -> list[dict[str, float | int | None]]:
+    """`Result.time_to_accuracy` as typed values; [] where the record holds none, or something else."""
+    def number(value: Any) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+    if not isinstance(data, list):
+        return []
+    typed = []
+    for entry in data:
+        if not (isinstance(entry, dict) and number(entry.get("target")) and 0 < entry["target"] <= 1):
+            return []
+        seconds, step = entry.get("seconds"), entry.get("step")
+        if (seconds is None) != (step is None) or seconds is not None and not (
+                number(seconds) and seconds >= 0 and isinstance(step, int) and not isinstance(step, bool)):
+            return []
+        typed.append({"target": float(entry["target"]), "seconds": None if seconds is None else float(seconds),
+                      "step": step})
+    return typed

@@ -1,10 +1,12 @@
 """`python -m src.report <folder> [--out DIR]`: tables and plots comparing every run below a folder.
 
-Also written when a sweep ends. Where they apply: `epoch_time.png` (devices differ), `scaling.*` (DDP), `seeds.csv`.
+Also written when a sweep ends. Where they apply: `epoch_time.png` (devices differ), `scaling.*` (DDP), `seeds.csv`,
+`time_to_accuracy.csv` and `acc_time.png` (runs that timed their targets).
 """
 
 import csv
 import io
+import itertools
 import logging
 import math
 import statistics
@@ -28,11 +30,11 @@ COLUMNS = {
     "precision": "precision", "seed": "seed", "finished": "finished", "test_acc": "test acc",
     "epoch_s": "epoch s (median)", "samples_per_s": "samples/s (median)", "tflops_per_s": "TFLOP/s a device (median)",
     "mfu": "MFU (median)", "peak_memory_mib": "peak memory MiB", "comm_bytes_per_step": "comm bytes/step (median)",
-    "speedup": "speed-up",
+    "disturbed": "disturbed epochs", "speedup": "speed-up",
 }
 DIGITS = {"test_acc": 4, "epoch_s": 3, "samples_per_s": 1, "tflops_per_s": 4, "mfu": 3, "speedup": 2}
 MEASURED = ("tflops_per_s", "mfu", "peak_memory_mib", "comm_bytes_per_step")  # shown where some run measured them
-FILES = ("report.md", "report.csv", "val_acc.png", "epoch_time.png")  # the last only where devices differ
+FILES = ("report.md", "report.csv", "val_acc.png", "epoch_time.png", "time_to_accuracy.csv", "acc_time.png")  # where they apply
 NOT_A_SETTING = ("seed", "tags", "ckpt_path")  # repeats with other seeds are one setting
 PER_DEVICES = ("devices", "num_nodes", "world_size", "threads")  # what a speed-up compares (DDP divides the threads)
 
@@ -62,6 +64,24 @@ class Run:
     params: dict[str, Any] = field(default_factory=dict)  # its HParams record
     evaluation: bool = False  # a folder of `python -m src.eval`: a checkpoint scored, nothing trained
     checkpoint: str = ""  # the checkpoint it started from, or scored
+    to_target: dict[str, float | None] = field(default_factory=dict)  # target val/acc: training seconds, None: never
+    acc_time: list[tuple[float, float]] = field(default_factory=list)  # (training seconds, val/acc) at each validation
+    disturbed_epochs: int = 0  # epochs that competed with other work (machine/disturbed)
+    timed_epochs: int = 0  # epochs whose competition was measured
+    speedup_marked: bool = False  # a side of it had disturbed epochs
+    speedup_left_out: str = ""  # why it is not shown
+
+    @property
+    def disturbed(self) -> str | None:
+        return f"{self.disturbed_epochs}/{self.timed_epochs}" if self.timed_epochs else None
+
+    @property
+    def disturbance(self) -> str:
+        """"" where no epoch was disturbed (or none measured); "some"; "most": half its epochs or more, too many for
+        its times to say anything about the setting."""
+        if not self.disturbed_epochs:
+            return ""
+        return "most" if 2 * self.disturbed_epochs >= self.timed_epochs else "some"
 
     @property
     def setting(self) -> tuple:
@@ -90,35 +110,69 @@ def read_run(run: RunFolder) -> Run:
     test_acc = run.values("test/acc")
     params = run.hparams()
     seed = params.get("seed", run.value("seed"))
+    result = records.result(run.path)
+    disturbed = run.values("machine/disturbed")
     return Run(
         run=run.name, model=str(run.value("model_name")), strategy=str(run.value("strategy_name")),
         devices=int(run.value("devices")), num_nodes=int(run.value("num_nodes")),
         precision=str(run.value("precision_used") or params.get("precision_used") or run.value("precision")),
         seed=None if seed is None else int(seed), test_acc=test_acc[-1] if test_acc else None,
-        finished="yes" if run.evaluation or records.result(run.path) is not None else "no",
+        finished="yes" if run.evaluation or result is not None else "no",
         epoch_s=median(run.values("time/epoch_s")), samples_per_s=median(run.values("time/samples_per_s")),
         # Per step where the run logged steps; a run shorter than the logging interval has the epoch means only.
         comm_bytes_per_step=median(run.values("xfer/bytes_per_step", "xfer/bytes_per_step_epoch")),
         tflops_per_s=median(run.values("usage/tflops_per_s")), mfu=median(run.values("usage/mfu")),
         peak_memory_mib=max(run.values("usage/peak_memory_mib"), default=None),
         val_acc=val_acc, ddp="hook" in (run.value("strategy") or {}), params=params, evaluation=run.evaluation,
-        checkpoint=str(run.value("ckpt_path") or ""),
+        checkpoint=str(run.value("ckpt_path") or ""), to_target=time_to_targets(run, result),
+        acc_time=accuracy_against_time(run), disturbed_epochs=sum(1 for flag in disturbed if flag),
+        timed_epochs=len(disturbed),
     )
+
+
+def time_to_targets(run: RunFolder, result: records.Result | None) -> dict[str, float | None]:
+    """Seconds to each target val/acc from `result.json`; else from the points logged so far, with the config's other
+    targets not (yet) reached."""
+    if result is not None and result.time_to_accuracy:
+        found = {records.target_name(entry["target"]): entry["seconds"] for entry in result.time_to_accuracy}
+    else:
+        configured = run.value("callbacks.time_to_accuracy.targets") or []
+        found = {records.target_name(float(target)): None for target in configured
+                 if isinstance(target, (int, float)) and not isinstance(target, bool) and 0 < target <= 1}
+        found |= {tag[len(records.TO_TARGET):]: run.values(tag)[0] for tag in run.tags(records.TO_TARGET)}
+    return dict(sorted(found.items(), key=lambda item: float(item[0])))
+
+
+def accuracy_against_time(run: RunFolder) -> list[tuple[float, float]]:
+    """Each validation's accuracy at the training seconds before it (`time/trained_s`, logged with it); for runs made
+    before it was logged, each epoch's at the sum of the epoch times so far."""
+    accuracies, seconds = run.values("val/acc"), run.values("time/trained_s")
+    if not seconds:
+        seconds = list(itertools.accumulate(run.values("time/epoch_s")))
+    return list(zip(seconds, accuracies)) if len(seconds) == len(accuracies) else []
 
 
 def add_speedups(runs: list[Run]) -> None:
     """Only where devices differ: between repeats it would be seed noise, between other settings no speed-up."""
     if not varies(runs, "total_devices"):
         return
-    single: dict[tuple, list[float]] = defaultdict(list)
+    single: dict[tuple, list[Run]] = defaultdict(list)
     for run in runs:
         if run.total_devices == 1 and run.epoch_s:
-            single[run.but_devices].append(run.epoch_s)
+            single[run.but_devices].append(run)
     for run in runs:
         baseline = single.get(run.but_devices)
         if run.total_devices == 1 and baseline is not None and len(baseline) > 1:
             continue  # one of several one-device runs: against their median it would show seed noise
-        run.speedup = statistics.median(baseline) / run.epoch_s if baseline and run.epoch_s else None
+        if not baseline or not run.epoch_s:
+            continue
+        sides = [run, *(other for other in baseline if other is not run)]
+        spoilt = [side.run for side in sides if side.disturbance == "most"]
+        if spoilt:  # the figure would compare the machine's load
+            run.speedup_left_out = f"{', '.join(spoilt)}: half the epochs or more disturbed"
+            continue
+        run.speedup = statistics.median(side.epoch_s for side in baseline) / run.epoch_s
+        run.speedup_marked = any(side.disturbance for side in sides)
 
 
 def varies(runs: list[Run], attribute: str) -> bool:
@@ -158,11 +212,31 @@ def _write_csv(path: Path, header: Iterable[str], rows: Iterable[Iterable[Any]])
 def markdown_table(runs: list[Run]) -> str:
     """A measured figure only where some run measured it (MFU: on a GPU in Lightning's peak table)."""
     shown = {"seed": varies(runs, "seed"), "finished": any(run.finished != "yes" for run in runs),
-             "speedup": varies(runs, "total_devices"),
+             "speedup": varies(runs, "total_devices"), "disturbed": any(run.disturbed_epochs for run in runs),
              **{key: any(getattr(run, key) is not None for run in runs) for key in MEASURED}}
     columns = [key for key in COLUMNS if shown.get(key, True)]
-    return _table([COLUMNS[key] for key in columns],
-                  ([_cell(getattr(run, key), DIGITS.get(key, 0)) for key in columns] for run in runs))
+    return _table([COLUMNS[key] for key in columns], ([_marked(run, key) for key in columns] for run in runs))
+
+
+def _marked(run: Run, key: str) -> str:
+    """A cell; a time measured beside other work has `*`, a speed-up left out for it says so."""
+    text = _cell(getattr(run, key), DIGITS.get(key, 0))
+    if key in ("epoch_s", "samples_per_s") and run.disturbance and text:
+        return text + "*"
+    if key == "speedup":
+        return "left out*" if run.speedup_left_out else text + ("*" if run.speedup_marked and text else "")
+    return text
+
+
+def disturbance_note(runs: list[Run]) -> str:
+    """Below the table, where some run's epochs competed with other work."""
+    if not any(run.disturbed_epochs for run in runs):
+        return ""
+    left_out = [f"{run.run} ({run.speedup_left_out})" for run in runs if run.speedup_left_out]
+    return ("\\* Other work ran beside some epochs (`disturbed epochs`: `machine/disturbed` in TensorBoard, at least "
+            "half a core's worth of other runnable tasks with the cores oversubscribed): their times measured the "
+            "machine's load as well as the setting, and so does any comparison drawn from them. "
+            + (f"Speed-ups left out: {'; '.join(left_out)}." if left_out else "")).rstrip()
 
 
 T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
@@ -178,12 +252,14 @@ def t_975(df: int) -> float:
 
 
 def spread_cells(values: list[float], digits: int, low: float, high: float) -> list[str]:
-    """Mean, sd and 95 % interval of the mean, cut to `low`..`high`: t over a few seeds reaches past them."""
+    """Mean, sd and 95 % interval of the mean; where t over a few seeds reaches past `low`..`high`, no interval."""
     if len(values) < 2:
         return ["", "", ""]
     mean, sd = statistics.mean(values), statistics.stdev(values)
     half = t_975(len(values) - 1) * sd / math.sqrt(len(values))
-    interval = f"[{max(low, mean - half):.{digits}f}, {min(high, mean + half):.{digits}f}]"
+    # An interval reaching past what the figure can be says only that there are too few seeds.
+    too_few = mean - half < low or mean + half > high
+    interval = f"n={len(values)} too small" if too_few else f"[{mean - half:.{digits}f}, {mean + half:.{digits}f}]"
     return [f"{mean:.{digits}f}", f"{sd:.{digits}f}", interval]
 
 
@@ -193,15 +269,54 @@ SEED_COLUMNS = ("setting", "seeds", "n", "test acc mean", "test acc sd", "test a
 
 def seed_rows(runs: list[Run]) -> list[list[str]]:
     """A row per setting run with more than one seed, one run per seed (two runs of one seed are not two samples)."""
-    by_setting: dict[tuple, dict[int | None, Run]] = defaultdict(dict)
-    for run in runs:
-        by_setting[run.setting].setdefault(run.seed, run)
-    repeated = [sorted(group.values(), key=lambda r: r.seed or 0) for group in by_setting.values()
-                if len(group) > 1 and None not in group]
+    repeated = [group for group in by_setting(runs) if len(group) > 1 and all(run.seed is not None for run in group)]
     return [[label, ",".join(str(run.seed) for run in group), str(len(group)),
              *spread_cells([run.test_acc for run in group if run.test_acc is not None], 4, 0.0, 1.0),
              *spread_cells([run.epoch_s for run in group if run.epoch_s is not None], 3, 0.0, math.inf)]
             for label, group in zip(_labels([group[0] for group in repeated], with_seed=False), repeated)]
+
+
+def by_setting(runs: list[Run]) -> list[list[Run]]:
+    """The runs of each setting, one per seed, in the report's order."""
+    groups: dict[tuple, dict[int | None, Run]] = defaultdict(dict)
+    for run in runs:
+        groups[run.setting].setdefault(run.seed, run)
+    return [sorted(group.values(), key=lambda r: r.seed or 0) for group in groups.values()]
+
+
+def targets_of(runs: list[Run]) -> list[str]:
+    return sorted({name for run in runs for name in run.to_target}, key=float)
+
+
+def time_to_cell(seconds: list[float | None], marked: bool) -> str:
+    """`median [fastest, slowest] (reached/n)`: the median over the seeds, a seed that never reached the target
+    counting as slower than any (so `never` where half of them or more did not), as MLPerf ranks by the median run."""
+    if not seconds:
+        return ""
+    reached = sorted(value for value in seconds if value is not None)
+    middle = statistics.median(reached + [math.inf] * (len(seconds) - len(reached)))
+    text = "never" if math.isinf(middle) else f"{middle:.1f}" + ("*" if marked else "")
+    spread = f" [{reached[0]:.1f}, {reached[-1]:.1f}]" if len(reached) > 1 else ""
+    return f"{text}{spread} ({len(reached)}/{len(seconds)})"
+
+
+def time_to_rows(runs: list[Run]) -> tuple[list[str], list[list[str]]]:
+    """A row per setting: training seconds to each target over its seeds. A run with half its epochs or more
+    disturbed is left out of the median, and counted apart."""
+    targets = targets_of(runs)
+    if not targets:
+        return [], []
+    groups = by_setting(runs)
+    rows = []
+    for label, group in zip(_labels([group[0] for group in groups], with_seed=False), groups):
+        counted_runs = [run for run in group if run.disturbance != "most"]
+        cells = [time_to_cell([run.to_target[target] for run in counted_runs if target in run.to_target],
+                              any(run.disturbance for run in counted_runs if target in run.to_target))
+                 for target in targets]
+        left_out = len(group) - len(counted_runs)
+        seeds = ",".join("" if run.seed is None else str(run.seed) for run in group)
+        rows.append([label, seeds + (f" ({left_out} left out: disturbed)" if left_out else ""), *cells])
+    return ["setting", "seeds", *(f"s to val acc {target}" for target in targets)], rows
 
 
 def _labels(runs: list[Run], with_seed: bool = True) -> list[str]:
@@ -267,6 +382,42 @@ def plot_val_acc(runs: list[Run], path: Path) -> None:
     _plot(path, lines, xlabel="epoch", ylabel="val/acc", title="Validation accuracy per epoch")
 
 
+def mean_curve(curves: list[list[tuple[float, float]]]) -> tuple[list[float], list[float], list[float], list[float]]:
+    """x, mean, lowest and highest y of curves at every x of any of them, over the span all of them cover."""
+    import numpy as np
+
+    start, end = max(curve[0][0] for curve in curves), min(curve[-1][0] for curve in curves)
+    xs = sorted({x for curve in curves for x, _ in curve if start <= x <= end})
+    ys = np.array([np.interp(xs, *zip(*curve)) for curve in curves]).reshape(len(curves), len(xs))
+    return xs, list(ys.mean(axis=0)), list(ys.min(axis=0)), list(ys.max(axis=0))
+
+
+def plot_acc_time(runs: list[Run], path: Path) -> None:
+    """val/acc against training seconds, a curve per setting: the mean over its seeds, and a band from the lowest to
+    the highest where there are several."""
+    from matplotlib.figure import Figure
+
+    groups = [[run for run in group if run.acc_time] for group in by_setting(runs)]
+    groups = [group for group in groups if group]
+    figure = Figure(figsize=(11, 5))
+    axes = figure.add_subplot()
+    for index, (group, label) in enumerate(zip(groups, _labels([group[0] for group in groups], with_seed=False))):
+        xs, mean, low, high = mean_curve([run.acc_time for run in group])
+        shown = f"{label} ({counted(len(group), 'seed')})" if len(group) > 1 else label
+        axes.plot(xs, mean, marker="o", markersize=3, color=colour(index), label=shown)
+        if len(group) > 1:
+            axes.fill_between(xs, low, high, color=colour(index), alpha=0.2, linewidth=0)
+    for target in targets_of(runs):
+        axes.axhline(float(target), color="grey", linewidth=0.5, linestyle=":")
+    axes.set(xlabel="training seconds (validation excluded)", ylabel="val/acc", title="Validation accuracy against "
+             "training time (mean over seeds, band: lowest to highest)", xlim=(0, None))
+    axes.grid(alpha=0.3)
+    if axes.lines:
+        axes.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0)
+    figure.tight_layout()
+    write_file(path, figure_bytes(figure, dpi=120))
+
+
 def plot_epoch_time(runs: list[Run], path: Path) -> None:
     """One line per setting but for devices."""
     points: dict[tuple, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
@@ -285,13 +436,23 @@ def plot_epoch_time(runs: list[Run], path: Path) -> None:
 
 
 def markdown_report(runs: list[Run], root: Path, seeds: list[list[str]], scaling: str,
-                    failed: dict[str, str] | None, evaluations: list[Run]) -> str:
+                    failed: dict[str, str] | None, evaluations: list[Run],
+                    time_to: tuple[list[str], list[list[str]]] = ([], [])) -> str:
     by_devices = varies(runs, "total_devices")
     speedup = ("Speed-up: the median epoch time of the one-device runs (devices x num_nodes = 1) alike but for devices "
                "(model, strategy, precision, batches, epochs, ...) over this run's; empty where there is none, and for "
                "those runs themselves where there are several. ") if by_devices else ""
     parts = [f"# Report: {root}", f"{counted(len(runs), 'run')}. Epoch times exclude validation. {speedup}".rstrip(),
              markdown_table(runs)]
+    if disturbance_note(runs):
+        parts.append(disturbance_note(runs))
+    if time_to[1]:
+        parts += ["## Time to accuracy", "Which setting gets there first: the training seconds (validation excluded, "
+                  "as epoch times count them) until val/acc first reached each target, at the validation that showed "
+                  "it (`trainer.val_check_interval` makes them finer). The median over the seeds, a seed that never "
+                  "reached the target counting as slowest, then [fastest, slowest] of those that did, and how many did "
+                  "(`time_to_accuracy.csv`).", _table(*time_to),
+                  "![validation accuracy against training seconds](acc_time.png)"]
     if failed:
         parts += [f"{counted(len(failed), 'job')} failed:", _table(["job", "error"], (
             [job.replace("|", "\\|"), line.replace("|", "\\|")] for job, line in failed.items()))]
@@ -311,6 +472,14 @@ def markdown_report(runs: list[Run], root: Path, seeds: list[list[str]], scaling
     return "\n\n".join(parts) + "\n"
 
 
+def reached_cell(run: Run, target: str) -> Any:
+    """Seconds; `never` where the run's record says it never reached the target; empty where it did not time it."""
+    if target not in run.to_target:
+        return ""
+    seconds = run.to_target[target]
+    return "never" if seconds is None else seconds
+
+
 def write_report(root: Path, out: Path | None = None, failed: dict[str, str] | None = None) -> list[Run]:
     """`failed`: a sweep's failed jobs with their error lines."""
     out = output_folder(root if out is None else out)
@@ -325,11 +494,15 @@ def write_report(root: Path, out: Path | None = None, failed: dict[str, str] | N
             scaling = write_scaling(root, out, load_probe(root / "probe.json"), report=True)
         except UsageError as error:
             log.info(f"no scaling prediction: {error}")
-    seeds = seed_rows(runs)
-    write_file(out / "report.md", markdown_report(runs, root, seeds, scaling, failed, evaluations))
-    _write_csv(out / "report.csv", COLUMNS,
-               (["" if getattr(run, key) is None else getattr(run, key) for key in COLUMNS] for run in runs))
+    seeds, time_to, targets = seed_rows(runs), time_to_rows(runs), targets_of(runs)
+    write_file(out / "report.md", markdown_report(runs, root, seeds, scaling, failed, evaluations, time_to))
+    _write_csv(out / "report.csv", [*COLUMNS, *(f"s_to_val_acc_{target}" for target in targets)],
+               ([*("" if getattr(run, key) is None else getattr(run, key) for key in COLUMNS),
+                 *(reached_cell(run, target) for target in targets)] for run in runs))
     plot_val_acc(runs, out / "val_acc.png")
+    if time_to[1]:
+        _write_csv(out / "time_to_accuracy.csv", *time_to)
+        plot_acc_time(runs, out / "acc_time.png")
     if varies(runs, "total_devices"):
         plot_epoch_time(runs, out / "epoch_time.png")
     if seeds:
@@ -353,7 +526,7 @@ def write_sweep_report(sweep_dir: Path, failed: dict[str, str]) -> Path | None:
         from src.launch.naming import sweep_args
 
         write_experiment([run.params for run in runs if run.params], sweep_dir / "report",
-                         override_keys(sweep_args(str(sweep_dir))))
+                         override_keys(sweep_args(str(sweep_dir))), targets_of(runs))
     return sweep_dir / "report.md"
 
 

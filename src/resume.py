@@ -151,4 +151,4 @@ def finished(cfg: DictConfig, folder: Path) -> records.Result | None:
     if epochs < cfg.max_epochs and not 0 < max_steps <= saved.step:
         return None
     log.info(f"finished before, not run again: {done.line}")
-    return records.Result(done.metrics, done.line, done.step, skipped=True)
+    return records.Result(done.metrics, done.line, done.step, skipped=True, time_to_accuracy=done.time_to_accuracy)

@@ -87,6 +87,10 @@ class RunFolder:
     def values(self, *tags: str) -> list[float]:
         return [value for _, value in self.scalars(*tags)]
 
+    def tags(self, prefix: str) -> list[str]:
+        """The scalars whose tag starts with `prefix` (`time/to_val_acc_`)."""
+        return sorted(tag for tag in self._series if tag.startswith(prefix))
+
     def hparams(self) -> dict[str, Any]:
         """The run's HParams summary, or the CSV logger's record of it where the run has no event files."""
         if not any(self.path.glob(EVENT_FILES)):

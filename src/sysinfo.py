@@ -77,6 +77,42 @@ def nvml_gpus() -> list[dict[str, Any]] | None:
         nvml.nvmlShutdown()
 
 
+class _NvmlUtilization(ctypes.Structure):
+    _fields_ = [("gpu", ctypes.c_uint), ("memory", ctypes.c_uint)]
+
+
+class NvmlUtilization:
+    """A rank's GPU's utilization, %, through NVML (no CUDA call, so no synchronization); `read` is None where NVML
+    cannot tell."""
+
+    def __init__(self, cuda_index: int) -> None:
+        self._nvml, self._handle = None, ctypes.c_void_p()
+        try:
+            nvml = ctypes.CDLL("libnvidia-ml.so.1")
+        except OSError:
+            return
+        count = ctypes.c_uint()
+        if nvml.nvmlInit_v2() != 0:
+            return
+        indices = None if nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) else visible_nvml_indices(count.value)
+        if indices is None or cuda_index >= len(indices) or \
+                nvml.nvmlDeviceGetHandleByIndex_v2(ctypes.c_uint(indices[cuda_index]), ctypes.byref(self._handle)):
+            nvml.nvmlShutdown()
+            return
+        self._nvml = nvml
+
+    def read(self) -> float | None:
+        rates = _NvmlUtilization()
+        if self._nvml is None or self._nvml.nvmlDeviceGetUtilizationRates(self._handle, ctypes.byref(rates)):
+            return None
+        return float(rates.gpu)
+
+    def close(self) -> None:
+        if self._nvml is not None:
+            self._nvml.nvmlShutdown()
+            self._nvml = None
+
+
 def launching_gpus() -> list[dict[str, Any]]:
     """The GPUs as the launching process sees them: through NVML, else through CUDA."""
     import torch

@@ -20,10 +20,12 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from omegaconf import DictConfig, OmegaConf
 
+from src.callbacks.disturbance import Disturbance
 from src.callbacks.hardware import HardwareUse
 from src.callbacks.learning import LossFalls
 from src.callbacks.model_summary import without_zero_flops
 from src.callbacks.progress import progress_bar
+from src.callbacks.timing import TimeToAccuracy
 from src.checkpoints import (AtomicCheckpointIO, Saved, check_checkpoint, check_something_left, is_own, resolve_ckpt_path,
                              tested_weights)
 from src.errors import UsageError
@@ -36,7 +38,7 @@ from src.launch.ranks import is_rank_zero
 from src.launch.workers import StopOnSignal, processes_per_node
 from src.loggers import close_loggers, purge_step, takes_purge_step
 from src.optim import build_optimizer, build_schedule, check_optimizer
-from src.records import Result
+from src.records import Result, target_name
 from src.strategies.sync_batchnorm import SyncBatchNormPlugin
 
 log = logging.getLogger("src.train")  # the result line is the command's: named after it
@@ -193,10 +195,12 @@ def train(cfg: DictConfig) -> tuple[Result, dict[str, Any]]:
         metrics["time/epoch_s"] = statistics.median(epoch_times)
     metrics.update(next((c.summary() for c in callbacks if isinstance(c, HardwareUse)), {}))
     how = f"precision {cfg.precision_used}, {processes(trainer.world_size)}, tested {tested.name if tested else 'the last weights'}"
-    how += "".join(f"; {c.verdict()}" for c in callbacks if isinstance(c, LossFalls))
+    how += "".join(f"; {c.verdict()}" for c in callbacks
+                   if isinstance(c, (LossFalls, TimeToAccuracy, Disturbance)) and c.verdict())
     line = (f"{shown(metrics, 'test/acc')} {shown(metrics, 'val/acc_best')} median epoch "
             f"{metrics.get('time/epoch_s', float('nan')):.2f} s{hardware_use(metrics)} ({how}) -> {output_dir}")
-    result = Result(metrics, line, trainer.global_step, resumed=checkpoint is not None)
+    reached = next((c.summary() for c in callbacks if isinstance(c, TimeToAccuracy)), [])
+    result = Result(metrics, line, trainer.global_step, resumed=checkpoint is not None, time_to_accuracy=reached)
     record(cfg, objects, result, tested)
     return result, objects
 
@@ -211,7 +215,8 @@ def record(cfg: DictConfig, objects: dict[str, Any], result: Result, tested: Pat
         params = run_hparams(cfg, trainer, objects["optimizer"].keywords["lr"])
         params.update(cuda_graphs=objects["fast_steps"].cuda_graphs,
                       steps_per_execution=objects["fast_steps"].steps_per_execution, tested_weights=tested_weights(tested))
-        log_hparams(objects["loggers"], params, Path(cfg.output_dir), trainer.global_step)
+        targets = [target_name(t) for c in objects["callbacks"].values() if isinstance(c, TimeToAccuracy) for t in c.targets]
+        log_hparams(objects["loggers"], params, Path(cfg.output_dir), trainer.global_step, targets)
     close_loggers(objects["loggers"])
     result.save(Path(cfg.output_dir))
     logging.getLogger("src.train" if training else "src.eval").info(result.line)

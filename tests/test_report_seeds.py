@@ -68,8 +68,8 @@ def test_legend_tells_seeds_and_settings_apart(seeds):
 
 
 def test_the_report_over_outputs_tells_the_truth(tmp_path):
-    """Evaluations apart from training runs; no seed statistics over two runs of one seed; an interval cut to
-    what a time can take; the bytes column from the epoch means of a run too short for per-step points."""
+    """Evaluations apart from training runs; no seed statistics over two runs of one seed; no interval where it
+    would reach past what a time can take; the bytes column from the epoch means of a run too short for per-step points."""
     root = tmp_path / "outputs"
     setting = {"seed": 42, "lr": 0.1, "precision_used": "32-true"}
     write_run(root / "runs" / "a", {**config("auto", 1), "seed": 42}, {"time/epoch_s": [1.0], "test/acc": [0.8]}, setting)
@@ -95,5 +95,4 @@ def test_the_report_over_outputs_tells_the_truth(tmp_path):
     with (root / "seeds.csv").open(newline="") as file:
         groups = list(csv.DictReader(file))
     assert [group["seeds"] for group in groups] == ["1,2"]  # not the two runs of seed 42
-    low, high = (float(v) for v in groups[0]["epoch s 95% CI"].strip("[]").split(", "))
-    assert low == 0.0 and high > 14.0
+    assert groups[0]["epoch s 95% CI"] == "n=2 too small"  # not [0.000, ...]: t over 2 seeds reaches below 0 s

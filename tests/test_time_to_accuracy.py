@@ -1,0 +1,218 @@
+"""Time to accuracy: the training seconds and optimizer steps until val/acc first reached each target, on the epoch
+timer's clock; kept over a resume, recorded as typed values, and compared per setting in the report."""
+
+import csv
+import json
+import math
+import statistics
+
+import pytest
+import torch
+from lightning import Trainer
+from lightning.pytorch.demos.boring_classes import BoringModel
+from lightning.pytorch.loggers import Logger
+from matplotlib.image import imread
+from torch.utils.data import DataLoader, TensorDataset
+
+from src import config, records
+from src.callbacks import timing
+from src.callbacks.timing import EpochTimer, TimeToAccuracy
+from src.errors import UsageError
+from src.report import main as report_main
+from src.report import mean_curve, time_to_cell
+from tests.helpers import QUICK, call_main, composed, scalar_steps, scalars, train_here
+from tests.test_report import config as run_config
+from tests.test_report import write_run
+
+TRAIN_S, VALIDATE_S = 1.0, 10.0
+ACCURACIES = [0.50, 0.82, 0.84, 0.91]  # at validations after 2, 4, 6 and 8 training batches
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Climbing(BoringModel):
+    """Each training batch takes TRAIN_S of the clock, each validation VALIDATE_S; val/acc follows ACCURACIES."""
+
+    def __init__(self, clock: Clock) -> None:
+        super().__init__()
+        self.clock, self.validations = clock, 0
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(torch.randn(8, 32), torch.zeros(8)), batch_size=2)
+
+    def training_step(self, batch, batch_idx):
+        self.clock.now += TRAIN_S
+        return super().training_step(batch[0], batch_idx)
+
+    def validation_step(self, batch, batch_idx):
+        self.clock.now += VALIDATE_S
+        return super().validation_step(batch, batch_idx)
+
+    def on_validation_epoch_end(self):
+        self.log("val/acc", ACCURACIES[self.validations])
+        self.validations += 1
+
+
+class Kept(Logger):
+    """What the callbacks log, in memory."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.points: list[tuple[int, dict]] = []
+
+    name, version = "kept", 0
+
+    def log_metrics(self, metrics, step=None):
+        self.points.append((step, dict(metrics)))
+
+    def log_hyperparams(self, params, *args, **kwargs):
+        pass
+
+    def logged(self, tag: str) -> list[tuple[int, float]]:
+        return [(step, metrics[tag]) for step, metrics in self.points if tag in metrics]
+
+
+def climb(monkeypatch, targets=(0.80, 0.85, 0.95), max_epochs: int = 2) -> tuple[TimeToAccuracy, Kept, Clock]:
+    clock = Clock()
+    monkeypatch.setattr(timing.time, "perf_counter", clock)
+    reached, kept = TimeToAccuracy(targets), Kept()
+    trainer = Trainer(max_epochs=max_epochs, limit_train_batches=4, limit_val_batches=1, val_check_interval=2,
+                      num_sanity_val_steps=0, callbacks=[EpochTimer(), reached], logger=kept, enable_progress_bar=False,
+                      enable_model_summary=False, enable_checkpointing=False, accelerator="cpu", devices=1)
+    trainer.fit(Climbing(clock))
+    return reached, kept, clock
+
+
+def test_each_target_is_timed_on_training_seconds_at_the_first_validation_that_reached_it(monkeypatch):
+    reached, kept, clock = climb(monkeypatch)
+    assert clock.now == pytest.approx(8 * TRAIN_S + 4 * VALIDATE_S)  # validation took most of the wall time
+    # 0.82 after 4 training batches, 0.91 after 8: validation is left out of the seconds; 0.95 never.
+    assert reached.summary() == [{"target": 0.80, "seconds": 4 * TRAIN_S, "step": 4},
+                                 {"target": 0.85, "seconds": 8 * TRAIN_S, "step": 8},
+                                 {"target": 0.95, "seconds": None, "step": None}]
+    assert reached.verdict() == "val/acc 0.85 after 8.0 s of training, step 8"
+    assert [value for _, value in kept.logged("time/trained_s")] == [2.0, 4.0, 6.0, 8.0]
+    assert kept.logged("time/to_val_acc_0.80") == [(3, 4.0)] and kept.logged("time/to_val_acc_0.85") == [(7, 8.0)]
+    assert not kept.logged("time/to_val_acc_0.95")
+
+
+def test_a_run_that_reached_no_target_says_so(monkeypatch):
+    reached, _, _ = climb(monkeypatch, targets=(0.99,), max_epochs=1)
+    assert reached.verdict() == "val/acc reached none of 0.99"
+
+
+def test_what_was_reached_survives_a_resume_but_not_a_start_from_another_folder():
+    first = TimeToAccuracy()
+    first.reached = {"0.80": (4.0, 4)}
+    resumed = TimeToAccuracy()
+    resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))  # as a checkpoint keeps it
+    assert resumed.reached == {"0.80": (4.0, 4)}
+    foreign = TimeToAccuracy()
+    foreign.foreign_checkpoint = True
+    foreign.load_state_dict(first.state_dict())
+    assert foreign.reached == {}
+
+
+def test_targets_must_be_accuracies():
+    cfg = composed("callbacks.time_to_accuracy.targets=[0.8,1.5]")
+    with pytest.raises(UsageError, match=r"^callbacks\.time_to_accuracy\.targets=\[0\.8, 1\.5\] is not allowed; .*"
+                                         r"a list of validation accuracies in \(0, 1\]"):
+        config.check(cfg)
+    config.check(composed("callbacks.time_to_accuracy.targets=[]"))  # none: the callback times nothing
+
+
+def test_the_record_is_read_back_as_typed_values(tmp_path):
+    reached = [{"target": 0.85, "seconds": 8.0, "step": 8}, {"target": 0.9, "seconds": None, "step": None}]
+    records.Result({"test/acc": 0.9}, "line", 8, time_to_accuracy=reached).save(tmp_path)
+    assert records.result(tmp_path).time_to_accuracy == reached
+    for bad in ([{"target": 2.0, "seconds": 1.0, "step": 1}], [{"target": 0.8, "seconds": 1.0, "step": None}],
+                [{"target": 0.8, "seconds": "1", "step": 1}], [{"target": 0.8, "seconds": 1.0, "step": True}], "x"):
+        data = json.loads((tmp_path / "result.json").read_text())
+        (tmp_path / "result.json").write_text(json.dumps({**data, "time_to_accuracy": bad}))
+        assert records.result(tmp_path).time_to_accuracy == [], bad
+
+
+def test_a_real_run_records_its_times_to_accuracy(tmp_path, data_root):
+    run = tmp_path / "run"
+    result = train_here(*QUICK, "max_epochs=2", "callbacks.time_to_accuracy.targets=[0.05,0.999]", f"hydra.run.dir={run}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    [low, high] = records.result(run).time_to_accuracy
+    assert low["target"] == 0.05 and low["seconds"] > 0 and low["step"] == 4  # ten classes: chance beats 0.05
+    assert high == {"target": 0.999, "seconds": None, "step": None}
+    assert f"val/acc 0.05 after {low['seconds']:.1f} s of training, step 4" in result.stdout + result.stderr
+    points, steps = scalars(run), scalar_steps(run)
+    assert steps["time/trained_s"] == steps["val/acc"]  # each validation's accuracy beside its training seconds
+    assert points["time/to_val_acc_0.05"] == [pytest.approx(low["seconds"])]  # TensorBoard keeps float32
+    assert points["time/trained_s"][0] == pytest.approx(low["seconds"])
+    # Each epoch says what it competed with; how much depends on what else this machine runs.
+    assert len(points["machine/disturbed"]) == len(points["time/epoch_s"]) == 2
+    assert set(points["machine/disturbed"]) <= {0.0, 1.0} and all(share > 0 for share in points["machine/cpu_share"])
+    assert len(points["machine/others_runnable"]) == 2  # Linux: read from /proc/stat
+
+
+# ---- the report on made-up runs ----
+
+def seeds_of(root, strategy: str, times: dict[int, tuple[float | None, float | None]], disturbed=None):
+    """A run per seed: its seconds to 0.80 and 0.90 (None: never reached), and a two-validation curve."""
+    for seed, (to_80, to_90) in times.items():
+        folder = write_run(root / f"{strategy}_seed={seed}", {**run_config(strategy, 2), "seed": seed},
+                           {"time/epoch_s": [5.0, 5.0], "time/trained_s": [5.0, 10.0], "val/acc": [0.7 + seed / 100, 0.9],
+                            "test/acc": [0.9], **({"machine/disturbed": disturbed[seed]} if disturbed else {})},
+                           {"seed": seed, "strategy": strategy})
+        result = records.result(folder)
+        reached = [{"target": 0.8, "seconds": to_80, "step": None if to_80 is None else 10},
+                   {"target": 0.9, "seconds": to_90, "step": None if to_90 is None else 20}]
+        records.Result(result.metrics, result.line, result.step, time_to_accuracy=reached).save(folder)
+
+
+def test_the_report_says_which_setting_gets_there_first(tmp_path):
+    root = tmp_path / "sweep"
+    seeds_of(root, "ddp", {1: (4.0, 9.0), 2: (6.0, None), 3: (5.0, 12.0)})
+    seeds_of(root, "ddp_fp16", {1: (3.0, None), 2: (2.0, None), 3: (2.5, 8.0)})
+    result = call_main(report_main, str(root))
+    assert result.returncode == 0, result.stderr
+    with (root / "time_to_accuracy.csv").open(newline="") as file:
+        rows = {row["setting"].split()[1]: row for row in csv.DictReader(file)}
+    assert rows["ddp"]["s to val acc 0.80"] == "5.0 [4.0, 6.0] (3/3)"
+    assert rows["ddp"]["s to val acc 0.90"] == "12.0 [9.0, 12.0] (2/3)"  # the seed that never got there is slowest
+    assert rows["ddp_fp16"]["s to val acc 0.80"] == "2.5 [2.0, 3.0] (3/3)"
+    assert rows["ddp_fp16"]["s to val acc 0.90"] == "never (1/3)"
+    markdown = (root / "report.md").read_text()
+    assert "## Time to accuracy" in markdown and "](acc_time.png)" in markdown
+    assert imread(root / "acc_time.png").shape[0] > 100
+    with (root / "report.csv").open(newline="") as file:
+        per_run = {row["run"]: row for row in csv.DictReader(file)}
+    assert per_run["ddp_fp16_seed=1"]["s_to_val_acc_0.80"] == "3.0"
+    assert per_run["ddp_fp16_seed=1"]["s_to_val_acc_0.90"] == "never"
+
+
+def test_the_median_counts_a_seed_that_never_reached_as_slowest():
+    assert time_to_cell([10.0, None, None], marked=False) == "never (1/3)"
+    assert time_to_cell([10.0, 20.0, None], marked=True) == "20.0* [10.0, 20.0] (2/3)"
+    assert time_to_cell([7.0], marked=False) == "7.0 (1/1)"
+
+
+def test_curves_over_seeds_are_averaged_where_all_of_them_reach():
+    xs, mean, low, high = mean_curve([[(0.0, 0.0), (10.0, 1.0)], [(2.0, 0.2), (4.0, 0.8), (8.0, 0.8)]])
+    assert xs == [2.0, 4.0, 8.0]  # from the latest start to the earliest end
+    assert mean == pytest.approx([0.2, 0.6, 0.8]) and low == pytest.approx([0.2, 0.4, 0.8])
+    assert high == pytest.approx([0.2, 0.8, 0.8])
+
+
+def test_a_run_mostly_disturbed_is_left_out_of_the_median_and_a_partly_disturbed_one_marked(tmp_path):
+    root = tmp_path / "sweep"
+    seeds_of(root, "ddp", {1: (4.0, 9.0), 2: (6.0, 10.0), 3: (50.0, 90.0)},
+             disturbed={1: [0.0, 0.0, 0.0], 2: [1.0, 0.0, 0.0], 3: [1.0, 1.0, 0.0]})
+    result = call_main(report_main, str(root))
+    assert result.returncode == 0, result.stderr
+    with (root / "time_to_accuracy.csv").open(newline="") as file:
+        [row] = list(csv.DictReader(file))
+    assert row["seeds"] == "1,2,3 (1 left out: disturbed)"
+    assert row["s to val acc 0.80"] == f"{statistics.median([4.0, 6.0]):.1f}* [4.0, 6.0] (2/2)"
+    assert not math.isnan(float(row["s to val acc 0.90"].split("*")[0]))
