@@ -114,7 +114,7 @@ def test_what_was_reached_survives_a_resume_but_not_a_start_from_another_folder(
     resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))  # as a checkpoint keeps it
     assert resumed.reached == {"0.80": (4.0, 4)}
     foreign = TimeToAccuracy()
-    foreign.foreign_checkpoint = True
+    foreign.not_taken_up = True
     foreign.load_state_dict(first.state_dict())
     assert foreign.reached == {}
 

@@ -66,3 +66,19 @@ def test_validation_and_the_checkpoint_after_it_are_not_epoch_time(tmp_path, mon
     validations = 2 * (4 // val_check_interval if isinstance(val_check_interval, int) else 1)
     assert clock.now == pytest.approx(2 * 4 * TRAIN_S + validations * (VALIDATE_S + SAVE_S))  # the clock saw all three
     assert timer.epoch_times == pytest.approx([4 * TRAIN_S, 4 * TRAIN_S])
+
+
+def test_testing_the_best_checkpoint_keeps_the_figures_of_the_whole_fit(tmp_path, monkeypatch):
+    """Lightning restores callbacks from the file a test scores: the best epoch's checkpoint knows fewer epochs."""
+    clock = Clock()
+    monkeypatch.setattr(timing.time, "perf_counter", clock)
+    timer = EpochTimer()
+    best = ModelCheckpoint(dirpath=tmp_path, monitor="val/acc", mode="max")  # val/acc falls: the first epoch is best
+    trainer = Trainer(max_epochs=3, limit_train_batches=4, limit_val_batches=1, limit_test_batches=1,
+                      num_sanity_val_steps=0, callbacks=[timer, best], logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, accelerator="cpu", devices=1, default_root_dir=tmp_path)
+    model = TimedModel(clock)
+    trainer.fit(model)
+    assert best.best_model_path.endswith("epoch=0-step=4.ckpt")
+    trainer.test(model, dataloaders=model.val_dataloader(), ckpt_path=best.best_model_path, weights_only=True)
+    assert timer.epoch_times == pytest.approx([4 * TRAIN_S] * 3)

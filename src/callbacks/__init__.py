@@ -3,6 +3,7 @@
 from typing import Any
 
 from lightning import Callback, LightningModule, Trainer
+from lightning.pytorch.trainer.states import TrainerFn
 
 from src.checkpoints import is_own
 
@@ -16,10 +17,13 @@ def log_scalars(trainer: Trainer, values: dict[str, float], step: int | None = N
 
 
 class RunFigures(Callback):
-    """Keeps its figures in checkpoints for a resumed run's medians; a new run that starts from another folder's
-    checkpoint begins its own (Lightning calls `on_load_checkpoint` before `load_state_dict`)."""
+    """Keeps its figures in checkpoints for a resumed run's medians. Only a fit takes them up: a new run that starts
+    from another folder's checkpoint begins its own, and testing the best checkpoint after a fit keeps the figures of
+    the whole fit, not those of the epoch it was saved at (Lightning restores callbacks for a test too, and calls
+    `on_load_checkpoint` before `load_state_dict`)."""
 
-    foreign_checkpoint = False
+    not_taken_up = False
 
     def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
-        self.foreign_checkpoint = trainer.ckpt_path is not None and not is_own(trainer.ckpt_path, trainer.default_root_dir)
+        self.not_taken_up = trainer.state.fn != TrainerFn.FITTING or (
+            trainer.ckpt_path is not None and not is_own(trainer.ckpt_path, trainer.default_root_dir))

@@ -125,5 +125,5 @@ class Disturbance(RunFigures):
         return {"disturbed": list(self.disturbed)}
 
     def load_state_dict(self, state: dict[str, list[bool]]) -> None:
-        if not self.foreign_checkpoint:
+        if not self.not_taken_up:
             self.disturbed = [bool(flag) for flag in state["disturbed"]]

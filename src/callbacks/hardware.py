@@ -146,7 +146,7 @@ class HardwareUse(RunFigures):
         return {"tflops_per_s": list(self.tflops_per_s), "mfu": list(self.mfu), "peak_memory": self.peak_memory}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if self.foreign_checkpoint:
+        if self.not_taken_up:
             return
         self.tflops_per_s, self.mfu, self.peak_memory = list(state["tflops_per_s"]), list(state["mfu"]), state["peak_memory"]
 

@@ -36,7 +36,7 @@ class LossFalls(RunFigures):
         return {"first": None if self.first is None else self.first.cpu(), "steps": self.steps}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if self.foreign_checkpoint:
+        if self.not_taken_up:
             return
         self.first, self.steps = state["first"], state["steps"]
 

@@ -88,7 +88,7 @@ class EpochTimer(RunFigures):
         return {"epoch_times": list(self.epoch_times), "samples_per_s": list(self.samples_per_s)}
 
     def load_state_dict(self, state: dict[str, list[float]]) -> None:
-        if self.foreign_checkpoint:
+        if self.not_taken_up:
             return
         self.epoch_times, self.samples_per_s = list(state["epoch_times"]), list(state["samples_per_s"])
 
@@ -141,5 +141,5 @@ class TimeToAccuracy(RunFigures):
         return {"reached": {name: [seconds, step] for name, (seconds, step) in self.reached.items()}}
 
     def load_state_dict(self, state: dict[str, dict[str, list[float]]]) -> None:
-        if not self.foreign_checkpoint:
+        if not self.not_taken_up:
             self.reached = {str(name): (float(seconds), int(step)) for name, (seconds, step) in state["reached"].items()}
