@@ -19,11 +19,11 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from src.errors import UsageError
 from src.launch.console import counted
 from src.launch.stops import held
+from src.records import CKPT_WORDS, has_checkpoints
 
 log = logging.getLogger(__name__)
 
 RESUMABLE = ("last.ckpt", "step.ckpt")  # in order of preference when both hold the same step
-CKPT_WORDS = ("last", "auto")
 
 
 def read_checkpoint(path: str | Path, mmap: bool = False) -> Any:
@@ -146,10 +146,6 @@ def clean_partial(run_dir: Path) -> None:
     for partial in [*(run_dir / "checkpoints").glob(".*.ckpt.*.partial"), *run_dir.glob(".*.*.partial")]:
         if re.fullmatch(r"\..+\.\d+\.partial", partial.name) and not partial.is_symlink():
             partial.unlink(missing_ok=True)
-
-
-def has_checkpoints(run_dir: Path) -> bool:
-    return any((run_dir / "checkpoints").glob("*.ckpt"))
 
 
 def check_new_run(run_dir: Path) -> None:

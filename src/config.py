@@ -1,6 +1,7 @@
 """The config of a run: its schema (`TrainConfig`), the rule of every key (`RULES`), and the checks, once, before
 anything is built and without torch. A new top-level key needs a field and a rule; a key no rule matches is refused."""
 
+import copy
 import difflib
 import fnmatch
 import importlib.util
@@ -299,7 +300,17 @@ def values(cfg: DictConfig, derived: bool = False) -> dict[str, Any]:
         raise UsageError(f"{getattr(error, 'full_key', '') or 'config'}: {str(error).splitlines()[0]}") from None
 
 
-def check(cfg: DictConfig) -> None:
+# What keys that refer to a run's names see before its folder is named (`check(named=False)`): naming asks torch what
+# `precision=auto` means here. No rule reads these keys; those that refer to them take any text.
+UNNAMED = {"precision_used": "<precision_used>", "run_name": "<run_name>", "output_dir": "<output_dir>"}
+
+
+def check(cfg: DictConfig, named: bool = True) -> None:
+    """Every key's rule, then the rules across keys; `named=False`: before the run's folder is named."""
+    if not named:
+        cfg = copy.deepcopy(cfg)
+        for key, stand_in in UNNAMED.items():
+            cfg[key] = stand_in
     flat = values(cfg)
     for key, value in flat.items():
         rule = rule_for(key)

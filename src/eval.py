@@ -9,13 +9,10 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from src import records
-from src.checkpoints import checkpoint_to_evaluate
 from src.errors import UsageError
 from src.launch import cli
-from src.launch.console import processes
 from src.records import Result
 from src.runs import resolved_config, resolved_config_file
-from src.train import build_run, record, scalar_metrics, shown, trainer_input_errors
 
 
 INSTANTIATE = ("_target_", "_partial_", "_args_", "_recursive_", "_convert_")  # what tells Hydra how to build a node
@@ -56,21 +53,6 @@ def as_trained(cfg: DictConfig, overrides: list[str], group: str) -> DictConfig:
     return trained
 
 
-def evaluate(cfg: DictConfig) -> Result:
-    checkpoint = checkpoint_to_evaluate(cfg.ckpt_path, cfg.test_weights)
-    objects = build_run(cfg, checkpoint, fit=False)
-    trainer, model = objects["trainer"], objects["model"]
-    model.load_state_dict(checkpoint.contents["state_dict"])  # the weights alone: nothing of the training run's loops
-    with trainer_input_errors():
-        trainer.test(model, datamodule=objects["datamodule"], verbose=False, weights_only=True)
-    metrics = scalar_metrics(trainer)
-    line = (f"{shown(metrics, 'test/acc')} {shown(metrics, 'test/loss')} (precision {cfg.precision_used}, "
-            f"{processes(trainer.world_size)}) of {checkpoint.path} -> {cfg.output_dir}")
-    result = Result(metrics, line, trainer.global_step)
-    record(cfg, objects, result, checkpoint.path, training=False)
-    return result
-
-
 def take_the_runs_model(cfg: DictConfig) -> None:
     overrides = list(HydraConfig.get().overrides.task)
     cfg.model, cfg.data = as_trained(cfg, overrides, "model"), as_trained(cfg, overrides, "data")
@@ -78,6 +60,8 @@ def take_the_runs_model(cfg: DictConfig) -> None:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="eval")
 def main(cfg: DictConfig) -> Result:
+    from src.tasks import evaluate  # torch and Lightning: a run's config has passed its checks (cli.CheckFirst)
+
     return cli.run_job(cfg, evaluate, prepare=take_the_runs_model)
 
 
@@ -99,7 +83,7 @@ def command() -> None:
         sys.argv = [sys.argv[0], *with_checkpoint_model(sys.argv[1:])]
     except UsageError as error:
         cli.end_run(str(error), 2)
-    cli.main(main)
+    cli.main(main, prepare=take_the_runs_model)
 
 
 if __name__ == "__main__":

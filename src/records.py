@@ -264,6 +264,12 @@ class Result:
 
 
 RESULT = "result.json"
+CKPT_WORDS = ("last", "auto")  # ckpt_path's words for a run folder's newest checkpoint (src.checkpoints)
+
+
+def has_checkpoints(run_dir: Path) -> bool:
+    """Known by the files' names: reading a checkpoint takes torch (src.checkpoints), which a resume's settings do not."""
+    return any((run_dir / "checkpoints").glob("*.ckpt"))
 
 
 TO_TARGET = "time/to_val_acc_"  # and a target's name: the scalar of the seconds it took to reach it

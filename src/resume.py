@@ -9,8 +9,8 @@ from hydra.core.override_parser.types import Override
 from omegaconf import DictConfig
 
 from src import config, records
-from src.checkpoints import CKPT_WORDS, check_new_run, check_readable, has_checkpoints, newest
 from src.errors import UsageError
+from src.records import CKPT_WORDS, has_checkpoints
 
 log = logging.getLogger("src.train")
 # Keys that cannot change what a run computes: where the data is, what is shown, logged, saved and tested, how fast
@@ -96,6 +96,8 @@ def gradient_math(flat: dict[str, Any]) -> tuple[Any, ...]:
 
 def check(cfg: DictConfig) -> records.Result | None:
     """The recorded result of a run that finished, else None."""
+    from src.checkpoints import check_new_run  # torch: once the config passed its checks
+
     folder = Path(cfg.output_dir)
     if cfg.ckpt_path is None:
         check_new_run(folder)  # before the records are written: they are the other run's
@@ -143,6 +145,8 @@ def refused(name: str, old: Any, new: Any, folder: Path, why: str) -> UsageError
 
 def finished(cfg: DictConfig, folder: Path) -> records.Result | None:
     """The result of a run that trained as far as its config asks and was tested."""
+    from src.checkpoints import check_readable, newest  # torch: once the config passed its checks
+
     done, saved = records.result(folder), newest(folder)
     check_readable(saved, cfg.ckpt_path)  # before anything of the run is written again
     if done is None or saved is None or saved.path.name != "last.ckpt" or done.step != saved.step:

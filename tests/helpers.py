@@ -220,7 +220,7 @@ def fit(*overrides: str, run_dir: Path) -> tuple[Result, dict]:
     """`train(cfg)` in this process on the composed, checked config, its records written: the result and the objects."""
     from src import config
     from src.launch.cli import save_records
-    from src.train import train as train_in_process
+    from src.tasks import train as train_in_process
 
     cfg = composed(*overrides, run_dir=run_dir)
     config.check(cfg)

@@ -24,7 +24,7 @@ from src.callbacks.finite_loss import FiniteLossCheck
 from src.checkpoints import check_checkpoint, open_checkpoint, resolve_ckpt_path
 from src.errors import TrainingDiverged, UsageError
 from src.models.module import Classifier
-from src.train import build, check_model
+from src.tasks import build, check_model
 from tests.helpers import QUICK, command_here, composed, hparams, train
 
 

@@ -177,6 +177,39 @@ def test_the_rules_import_no_torch():
     assert result.stdout.strip() == "[]"
 
 
+ANSWERED_WITHOUT_TORCH = """
+import json, sys
+from tests.helpers import command_here
+for module, *args in json.loads(sys.argv[1]):
+    result = command_here(module, *args, cwd=sys.argv[2])
+    loaded = sorted(name for name in sys.modules if name.split(".")[0] in ("torch", "lightning"))
+    print(json.dumps([result.returncode, result.stdout, result.stderr, loaded]))
+"""
+
+
+@pytest.mark.slow
+def test_help_the_config_and_a_refused_config_are_answered_without_torch(tmp_path):
+    """The entry points import torch and Lightning only for a run whose config passed its checks (`src.tasks`):
+    `--help`, `--cfg job` and every refusal of a key or value come before them, in a fresh interpreter."""
+    cases = [["src.train", "--help"], ["src.train", "--cfg", "job"], ["src.train", "max_epoch=3"],
+             ["src.train", "strategy=nope"], ["src.train", "devices=0"], ["src.train", "logger=mlflow", "max_epochs=-1"],
+             ["src.eval", "--help"], ["src.eval", "--cfg", "job"], ["src.eval", "ckpt_path=x.ckpt", "devices=0"]]
+    result = subprocess.run([sys.executable, "-c", ANSWERED_WITHOUT_TORCH, json.dumps(cases), str(tmp_path)], cwd=REPO,
+                            env=user_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    answers = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [loaded for *_, loaded in answers] == [[]] * len(cases)
+    (train_help, train_cfg, misspelt, option, value, logged, eval_help, eval_cfg, eval_value) = answers
+    for help_, cfg in ((train_help, train_cfg), (eval_help, eval_cfg)):
+        assert help_[0] == cfg[0] == 0 and "model: lenet, resnet18" in help_[1] and "devices: 1\n" in cfg[1]
+    assert [status for status, *_ in (misspelt, option, value, logged, eval_value)] == [2] * 5
+    assert misspelt[2].startswith("error: max_epoch is not a known key; did you mean max_epochs?")
+    assert option[2].startswith("error: strategy=nope is not an option")
+    assert value[2] == eval_value[2] == "error: devices=0 is not allowed; devices must be a whole number of at least 1\n"
+    assert logged[2].startswith("error: max_epochs=-1 is not allowed")  # the logger's run name is not asked for
+    assert not any(tmp_path.iterdir())
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["train", "eval"])
 def test_help_lists_each_groups_options(name):

@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 from src.config import CONF_DIR
 from src.models.module import Classifier
 from src.optim import build_optimizer
-from src.train import build
+from src.tasks import build
 from tests.helpers import composed, on_a_trainer
 from tests.test_bad_input import group_options
 

@@ -18,7 +18,7 @@ def tree(folder: Path) -> dict[str, int]:
 
 def run_job_here(*overrides: str, run_dir: Path, capsys) -> tuple[int, str]:
     """`src.train`'s job in this process, on the composed config: its exit status and last error line."""
-    from src.train import train as task
+    from src.tasks import train as task
 
     cfg = composed(*overrides, run_dir=run_dir)
     with pytest.raises(SystemExit) as exit_:

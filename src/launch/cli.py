@@ -2,6 +2,7 @@
 is one `error:` line, exit status 2 (a diverged loss: 1), and no folder left; a stop or a failed rank is one line naming
 what is kept; a sweep prints a summary, writes its report, and fails with its jobs."""
 
+import copy
 import os
 import re
 import shlex
@@ -9,9 +10,10 @@ import sys
 from collections.abc import Callable
 from contextlib import nullcontext, suppress
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
@@ -67,13 +69,41 @@ def save_records(cfg: DictConfig) -> None:
     write_file(folder / "config.yaml", OmegaConf.to_yaml(OmegaConf.to_container(cfg, resolve=True)))
 
 
+# The running entry's step before its config is checked (src.eval takes the scored run's model), set by `main`.
+_prepare: Callable[[DictConfig], None] | None = None
+
+
+class CheckFirst(Callback):
+    """Hydra's hook between composing a run's config and naming its folder (conf/hydra/default.yaml): the name says
+    the precision used, which asks torch about the GPUs, so a config the checks refuse is said before torch is
+    imported, and no folder is made for it. `run_job` checks again, as it checks each sweep job."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        check_first(config)
+
+
+def check_first(cfg: DictConfig) -> None:
+    """`config.check` on a composed run's config, `prepare`d as its job will be; a refusal ends the command."""
+    before = HydraConfig.instance().cfg
+    HydraConfig.instance().set_config(cfg)  # as Hydra's run_job does first: `${hydra:...}` values resolve
+    try:
+        if _prepare is not None:
+            cfg = copy.deepcopy(cfg)
+            _prepare(cfg)
+        config.check(cfg, named=False)
+    except Exception as error:
+        line = said(error)
+        if line is None:
+            raise  # Hydra warns of it, and the job's own checks meet it again
+        end_run(str(line), 2 if isinstance(line, UsageError) else 1)  # raised, Hydra would make it a warning
+    finally:
+        HydraConfig.instance().cfg = before
+
+
 def run_job(cfg: DictConfig, task: Callable[[DictConfig], Result],
             prepare: Callable[[DictConfig], None] | None = None) -> Result:
     """One Hydra job: `prepare`d (src.eval takes the scored run's model), checked, its folder locked, its resume
     checked, its records written, then launched (`src.launch.workers`)."""
-    from src.checkpoints import clean_partial  # torch and Lightning: once the config is composed
-    from src.launch import workers
-
     output_dir = Path(cfg.output_dir)
     try:
         with lock.held(output_dir) if ranks.is_rank_zero() else nullcontext():
@@ -83,6 +113,9 @@ def run_job(cfg: DictConfig, task: Callable[[DictConfig], Result],
                 if prepare is not None:
                     prepare(cfg)
                 config.check(cfg)
+                from src.checkpoints import clean_partial  # torch and Lightning: once the config passed its checks
+                from src.launch import workers
+
                 if ranks.is_rank_zero():
                     clean_partial(output_dir)
                 finished = resume.check(cfg)
@@ -112,9 +145,12 @@ def run_job(cfg: DictConfig, task: Callable[[DictConfig], Result],
         end_run(f"{failure.line}; {kept(output_dir)}", 1)
 
 
-def main(hydra_main: Callable[[], object], report: bool = False) -> None:
+def main(hydra_main: Callable[[], object], report: bool = False,
+         prepare: Callable[[DictConfig], None] | None = None) -> None:
     """Run the Hydra entry and exit with the status it earned; with `report` (training), a resume takes the run's
-    recorded settings first (`src.resume`), and a sweep writes its report."""
+    recorded settings first (`src.resume`), and a sweep writes its report. `prepare`: as `run_job`'s, for `CheckFirst`."""
+    global _prepare
+    _prepare = prepare
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises its refusals here, where they become one line
     stops.handle_stop_signals()
     args = sys.argv[1:]

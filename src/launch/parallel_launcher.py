@@ -284,7 +284,7 @@ def take_slot(placement: Placement) -> None:
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, placement.cores)
     if "OMP_NUM_THREADS" not in os.environ:  # a user's setting wins, as under torchrun
-        import torch  # imported with the entry module already
+        import torch  # the entry module imports none: here, once the job's cores are set
 
         torch.set_num_threads(len(placement.cores))
 
