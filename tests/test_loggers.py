@@ -315,3 +315,16 @@ def test_a_logger_run_ids_record_is_read_as_plain_ids_and_taken_by_mlflow_and_wa
         with pytest.raises(UsageError, match=rf"^{tmp_path / RUN_IDS}: holds no logger run ids"):
             kept_run_ids(tmp_path)
 
+
+def test_a_run_moved_with_its_checkout_resumes_there_into_the_same_mlflow_run(tmp_path, data_root, monkeypatch):
+    """The default store is named by the folder the command runs in: a resume from the moved checkout was refused, as
+    its logger.mlflow.tracking_uri named the old one."""
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    checkout, moved = tmp_path / "checkout", tmp_path / "moved"
+    checkout.mkdir()
+    again = stopped_after_epoch_one(Path("outputs/runs/run"), "logger=mlflow", cwd=checkout)
+    checkout.rename(moved)
+    resumed = command_here("src.train", *QUICK, "ckpt_path=last", *again, "hydra.run.dir=outputs/runs/run", cwd=moved)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    client, run = mlflow_run(f"sqlite:///{moved / 'outputs' / 'mlflow.db'}", moved / "outputs" / "runs" / "run")
+    assert run.info.status == "FINISHED" and len(mlflow_points(client, run)["val/acc"]) == 2
