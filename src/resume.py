@@ -118,7 +118,8 @@ def check(cfg: DictConfig) -> records.Result | None:
                       f"{gradient_math(after)[0]}); leave it out, or start a new run (without ckpt_path) to change it")
     for name in sorted(before.keys() | after.keys(), key=lambda k: (k not in GROUP_NAMES, "." in k, k)):
         old, new = before.get(name, "(none)"), after.get(name, "(none)")
-        if old == new or name in here and here[name] == new or name in MAY_CHANGE or strategy_changed and name.startswith("strategy"):
+        same = old == new or name in here and here[name] == new  # where the folder is now
+        if same or name in MAY_CHANGE or strategy_changed and name.startswith("strategy"):
             continue
         if name == "precision_used":
             raise ResumeRefused(f"precision={cfg.precision} is not allowed in a resume of {folder}: on this machine it "

@@ -223,8 +223,9 @@ def record(cfg: DictConfig, objects: dict[str, Any], result: Result, tested: Pat
 
 def settings(cfg: DictConfig, objects: dict[str, Any]) -> dict[str, Any]:
     """The run's settings as its loggers record them (`src.hparams`), known before it trains."""
+    fast_steps = objects["fast_steps"]
     return run_hparams(cfg, objects["trainer"], objects["model"], objects["optimizer"].keywords["lr"]) | {
-        "cuda_graphs": objects["fast_steps"].cuda_graphs, "steps_per_execution": objects["fast_steps"].steps_per_execution}
+        "cuda_graphs": fast_steps.cuda_graphs, "steps_per_execution": fast_steps.steps_per_execution}
 
 
 def shown(metrics: dict[str, float], name: str) -> str:

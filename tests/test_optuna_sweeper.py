@@ -326,7 +326,7 @@ def test_a_refused_resume_leaves_its_trial_to_a_resume_that_goes_through(tmp_pat
 
 
 def test_a_stopped_search_whose_folder_moved_goes_on_there_and_a_job_refused_keeps_its_trial(tmp_path, data_root):
-    """Its study's file was named by the old folder, and the resume was refused; the refusal failed the trial for good."""
+    """The study's file was named by the old folder: the resume was refused, and the refusal failed the trial."""
     folder, moved = tmp_path / "search", tmp_path / "moved"
     stop = ["+callbacks.term._target_=tests.faults.TermAfterCheckpoints", "+callbacks.term.epoch=0",
             f"+callbacks.term.mark={tmp_path / 'stopped'}", "hydra.sweeper.n_trials=1"]

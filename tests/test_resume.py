@@ -346,5 +346,6 @@ def test_a_moved_folder_moves_the_recorded_paths_under_what_moved_and_no_others(
         "db": "/new/place/optuna.db", "uri": "sqlite:////new/place/mlflow.db", "beside": "/old/sweepy/x",
         "within": "/a/old/sweep/x", "data": "/data/f"}
     # The names shared reach the file system's root: only the run folder itself moved
-    assert moved({"run": "/job/x", "etc": "/etc/x"}, Path("/job"), Path("/a/job")) == {"run": "/a/job/x", "etc": "/etc/x"}
+    assert moved({"run": "/job/x", "etc": "/etc/x"}, Path("/job"), Path("/a/job")) == {"run": "/a/job/x",
+                                                                                     "etc": "/etc/x"}
     assert moved(before, Path("/old/sweep/job"), Path("/old/sweep/job")) == {}
