@@ -9,6 +9,11 @@ class UsageError(Exception):
     """Bad option or missing input: shown as a single `error: ...` line, exit status 2."""
 
 
+class ResumeRefused(UsageError):
+    """A resume whose settings differ from the run's, refused before it ran anything: what it would resume is left as it
+    was (a search's trial stays open for a resume that goes through)."""
+
+
 class RunFailed(Exception):
     """The input was valid but the run could not go on (a full disk, no memory): one `error: ...` line, exit status 1."""
 

@@ -70,11 +70,11 @@ def _plain(value: Any) -> bool | int | float | str:
     return value if isinstance(value, (bool, int, float, str)) else str(value)
 
 
-def run_hparams(cfg: DictConfig, trainer: Trainer, lr_used: float) -> dict[str, Any]:
+def run_hparams(cfg: DictConfig, trainer: Trainer, model: torch.nn.Module, lr_used: float) -> dict[str, Any]:
     """Every key a command line can set, flat; the plain settings under `NESTED` leave None (a library default) out."""
     optim = {k: v for k, v in OmegaConf.to_container(cfg.optim, resolve=True).items() if not k.startswith("_")}
     choices = records.select(hydra_record(Path(cfg.output_dir)), "runtime.choices.experiment")
-    parameters = list(trainer.lightning_module.parameters())
+    parameters = list(model.parameters())
     total = sum(p.numel() for p in parameters)
     trainable = sum(p.numel() for p in parameters if p.requires_grad)
     nested: dict[str, Any] = {}
@@ -212,6 +212,15 @@ def trial_id(run_dir: Path, overrides: list[str], params: Mapping[str, Any]) -> 
     settings = {k: v for k, v in params.items() if k not in ("tags", "ckpt_path")}
     digest = hashlib.sha1(repr(sorted(settings.items())).encode()).hexdigest()[:4]
     return f"{name} #{digest}"
+
+
+@held()  # see RunLogger
+def log_settings(loggers: list[Logger], params: dict[str, Any]) -> None:
+    """The loggers beside TensorBoard as training starts, so that a run stopped early has its settings there too;
+    TensorBoard's HParams record is written at the end (`log_hparams`), after the points it sits beside."""
+    for logger in loggers:
+        if not isinstance(logger, RunLogger):
+            logger.log_hyperparams(params)
 
 
 @held()  # see RunLogger

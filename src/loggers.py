@@ -2,7 +2,12 @@
 
 import csv
 import fcntl
+import json
 import os
+import re
+import secrets
+import string
+import sys
 import warnings
 from contextlib import nullcontext
 from pathlib import Path
@@ -15,9 +20,12 @@ from omegaconf import DictConfig
 from tensorboard.compat.proto.summary_pb2 import DataClass, Summary, SummaryMetadata
 from torch.utils.tensorboard.summary import custom_scalars
 
+from src import records
 from src.checkpoints import Saved
+from src.errors import UsageError
+from src.folders import write_file
+from src.launch.stops import RunStopped, held
 from src.records import TO_TARGET
-from src.launch.stops import held
 
 EPOCH_TAG = "trainer/epoch"
 
@@ -180,9 +188,10 @@ class CSVRunLogger(CSVLogger):
 
 class MLflowRunLogger(MLFlowLogger):
     """Lightning's MLflow logger, whose run is made as it is built, one process at a time on a SQLite store (processes
-    each creating a new store's tables would all but one fail); MLflow's telemetry off unless the environment says."""
+    each creating a new store's tables would all but one fail); MLflow's telemetry off unless the environment says.
+    With `run_id` (a resume) it logs on into that run where the store holds it, else into a new one."""
 
-    def __init__(self, *args: Any, tracking_uri: str, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, tracking_uri: str, run_id: str | None = None, **kwargs: Any) -> None:
         os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # read as mlflow is first imported, just below
         lock = Path(tracking_uri.removeprefix("sqlite:///") + ".lock") if tracking_uri.startswith("sqlite:///") else None
         if lock is not None:
@@ -190,21 +199,100 @@ class MLflowRunLogger(MLFlowLogger):
         with lock.open("a") if lock else nullcontext() as held:
             if held:
                 fcntl.flock(held, fcntl.LOCK_EX)
-            super().__init__(*args, tracking_uri=tracking_uri, **kwargs)
+            super().__init__(*args, tracking_uri=tracking_uri, run_id=run_id, **kwargs)
+            if rank_zero_only.rank == 0 and run_id is not None:
+                self._take_up(run_id)
             _ = self.experiment  # on rank 0: the store, its experiment and this run (the other ranks log nothing)
+
+    def _take_up(self, run_id: str) -> None:
+        """The earlier run running again, its tags as now (`run_dir`, where the folder moved); where this store has no
+        such run (another tracking_uri), a new run."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            found = self._mlflow_client.get_run(run_id)
+        except MlflowException:
+            found = None
+        if found is None or found.info.lifecycle_stage == "deleted":
+            self._run_id = None
+            return
+        self._mlflow_client.update_run(run_id, status="RUNNING")
+        for name, value in (self.tags or {}).items():
+            self._mlflow_client.set_tag(run_id, name, value)
+
+    @rank_zero_only
+    def log_hyperparams(self, params: Any) -> None:
+        """The settings the run does not hold yet: MLflow refuses to change a param, and a resumed run keeps those it
+        began with (as its HParams record in TensorBoard does)."""
+        held = self.experiment.get_run(self.run_id).data.params
+        super().log_hyperparams({name: value for name, value in dict(params).items() if name not in held})
+
+    @rank_zero_only
+    def finalize(self, status: str = "success") -> None:
+        # Lightning finalizes a fit that raised as failed, from inside its `except`: a stop signal's is KILLED
+        super().finalize("KILLED" if isinstance(sys.exc_info()[1], RunStopped) else status)
 
 
 class WandbRunLogger(WandbLogger):
-    """Without the `anonymous=None` W&B warns about; its run ends at `close` (Lightning's `finalize` leaves it open)."""
+    """Without the `anonymous=None` W&B warns about; its run ends at `close` (Lightning's `finalize` leaves it open),
+    or as a stage fails. Its id is chosen as it is built, so that the run folder can keep it for a resume (`id`)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._wandb_init.pop("anonymous", None)
+        if self._id is None:  # as W&B makes one: eight lower-case letters and digits
+            self._id = self._wandb_init["id"] = "".join(secrets.choice(string.ascii_lowercase + string.digits)
+                                                        for _ in range(8))
+
+    @rank_zero_only
+    def finalize(self, status: str) -> None:
+        super().finalize(status)
+        if status != "success" and self._experiment is not None:
+            self._experiment.finish(exit_code=1)  # not left open for the next run in this process (a sweep's job)
 
     @rank_zero_only
     def close(self) -> None:
         self.finalize("success")
         self.experiment.finish()
+
+
+# The run each logger beside TensorBoard logs into, by its name under `logger`, kept in the run folder so that a
+# resume logs on into the same MLflow and W&B run: {"mlflow": "<run id>", "wandb": "<run id>"}.
+RUN_IDS = "logger_runs.json"
+RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def kept_run_ids(run_dir: Path) -> dict[str, str]:
+    """The ids a run folder kept, read as JSON data: a mapping of logger names to plain ids, else refused."""
+    path = run_dir / RUN_IDS
+    if not path.is_file():
+        return {}
+    data = records.load(path)
+    if not isinstance(data, dict) or not all(isinstance(name, str) and RUN_ID.fullmatch(name) and isinstance(run, str)
+                                             and RUN_ID.fullmatch(run) for name, run in data.items()):
+        raise UsageError(f"{path}: holds no logger run ids (a mapping of logger names to ids of letters, digits, _ and "
+                         "-); move it away to log the rest of the run into new MLflow and W&B runs")
+    return data
+
+
+def resuming(node: DictConfig, run_id: str | None) -> dict[str, Any]:
+    """The argument that makes a logger log on into the run it logged before: MLflow's `run_id`, W&B's `id` (which
+    Lightning's logger resumes, `resume="allow"`); none where the command gives one."""
+    kind = str(node.get("_target_", "")).rpartition(".")[2]
+    key = {MLflowRunLogger.__name__: "run_id", WandbRunLogger.__name__: "id"}.get(kind)
+    return {key: run_id} if key and run_id and node.get(key) is None else {}
+
+
+def keep_run_ids(loggers: dict[str, Logger], run_dir: Path, kept: dict[str, str]) -> None:
+    """On rank 0 (only it has the runs): the ids beside those an earlier attempt kept for loggers not used now."""
+    ids = dict(kept)
+    for name, logger in loggers.items():
+        if isinstance(logger, MLflowRunLogger):
+            ids[name] = logger.run_id
+        elif isinstance(logger, WandbRunLogger):
+            ids[name] = logger.version
+    if ids != kept:
+        write_file(run_dir / RUN_IDS, json.dumps(ids, indent=1))
 
 
 def takes_purge_step(config: DictConfig) -> bool:

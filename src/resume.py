@@ -2,6 +2,7 @@
 a key may differ from its `config.yaml` only where it cannot change what the run computes."""
 
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -9,7 +10,7 @@ from hydra.core.override_parser.types import Override
 from omegaconf import DictConfig
 
 from src import config, records
-from src.errors import UsageError
+from src.errors import ResumeRefused, UsageError
 from src.records import CKPT_WORDS, has_checkpoints
 
 log = logging.getLogger("src.train")
@@ -108,8 +109,10 @@ def check(cfg: DictConfig) -> records.Result | None:
         raise UsageError(f"{path} is missing: a resume is checked against the config the run used; resume a folder "
                          "that a run wrote, or start a new run elsewhere")
     before, after = config.flatten(records.config(path)), config.values(cfg, derived=True)
-    moved = str(before.get("output_dir", folder))  # a folder moved or copied since: its paths are the same paths
-    before = {k: v.replace(moved, str(folder)) if isinstance(v, str) else v for k, v in before.items()}
+    recorded = before.get("output_dir", str(folder))
+    if not isinstance(recorded, str):
+        raise UsageError(f"{path}: output_dir={records.shown(recorded)} is not allowed; it names the run's folder")
+    here = moved(before, Path(recorded), folder)
     strategy_changed = before.get("strategy_name") != after.get("strategy_name")
     if strategy_changed and gradient_math(before) != gradient_math(after):
         raise refused("strategy", before.get("strategy_name"), after["strategy_name"], folder,
@@ -117,30 +120,51 @@ def check(cfg: DictConfig) -> records.Result | None:
                       f"{gradient_math(after)[0]}); leave it out, or start a new run (without ckpt_path) to change it")
     for name in sorted(before.keys() | after.keys(), key=lambda k: (k not in GROUP_NAMES, "." in k, k)):
         old, new = before.get(name, "(none)"), after.get(name, "(none)")
-        if old == new or name in MAY_CHANGE or strategy_changed and name.startswith("strategy"):
+        same = old == new or name in here and here[name] == new  # where the folder is now
+        if same or name in MAY_CHANGE or strategy_changed and name.startswith("strategy"):
             continue
         if name == "precision_used":
-            raise UsageError(f"precision={cfg.precision} is not allowed in a resume of {folder}: on this machine it "
-                             f"means {new}, where the run used {old}; resume it with precision={old} on hardware that "
-                             f"computes in {old}")
+            raise ResumeRefused(f"precision={cfg.precision} is not allowed in a resume of {folder}: on this machine it "
+                                f"means {new}, where the run used {old}; resume it with precision={old} on hardware "
+                                f"that computes in {old}")
         if name in LENGTH and before.get("optim.schedule", "none") == "none":
             continue
         if name in LENGTH:
             raise refused(name, old, new, folder, f", over which its learning rate follows optim.schedule="
                           f"{before['optim.schedule']}: another length would change every step of it; start a new run "
                           "to train longer")
+        if records.WHERE.search(name) and isinstance(old, str):
+            raise refused(name, old, new, folder, ", and a resume writes where the run did; type "
+                          f"{name}={config.shown(old)} to go on there, or start a new run (without ckpt_path)")
         raise refused(name, old, new, folder, ", and a resume continues the run as it was; leave it out, or start a "
                                               "new run (without ckpt_path) to change it")
     return finished(cfg, folder)
 
 
+def moved(before: dict[str, Any], recorded: Path, folder: Path) -> dict[str, Any]:
+    """The recorded paths where the run folder is now: a folder moved or copied since, or a folder above it moved with
+    it (a sweep's folder, which holds its study; a checkout, whose outputs/ holds the run and the MLflow store), found
+    by the names the recorded and the present folder share at their end. Paths outside what moved stay as they were."""
+    old, new = recorded.parts, folder.absolute().parts
+    shared = 0
+    while shared < min(len(old), len(new)) - 1 and old[-1 - shared] == new[-1 - shared]:
+        shared += 1
+    if shared and len(old) - shared < 2:  # never the file system's root: every path would move
+        shared = 0
+    was, now = str(Path(*old[:len(old) - shared])), str(Path(*new[:len(new) - shared]))
+    if was == now:
+        return {}
+    under = re.compile(rf"(?<![\w.-]){re.escape(was)}(?=/|$)")
+    return {key: under.sub(lambda _: now, value) for key, value in before.items() if isinstance(value, str)}
+
+
 GROUP_NAMES = {"model_name": "model", "strategy_name": "strategy"}  # refused by the option chosen, before its keys
 
 
-def refused(name: str, old: Any, new: Any, folder: Path, why: str) -> UsageError:
+def refused(name: str, old: Any, new: Any, folder: Path, why: str) -> ResumeRefused:
     name = GROUP_NAMES.get(name, name)
-    return UsageError(f"{name}={config.shown(new)} is not allowed in a resume of {folder}: the run used "
-                      f"{name}={config.shown(old)}{why}")
+    return ResumeRefused(f"{name}={config.shown(new)} is not allowed in a resume of {folder}: the run used "
+                         f"{name}={config.shown(old)}{why}")
 
 
 def finished(cfg: DictConfig, folder: Path) -> records.Result | None:

@@ -31,11 +31,11 @@ from src.checkpoints import (AtomicCheckpointIO, Saved, check_checkpoint, check_
 from src.errors import UsageError
 from src.fast_path import (LIGHTNING_SPELLING, apply_fast_steps, cudnn_benchmark, float32_math,
                            keep_freed_memory, one_channel_nchw_pays, resolve_accelerator, speed_up)
-from src.hparams import log_hparams, run_hparams
+from src.hparams import log_hparams, log_settings, run_hparams
 from src.launch.console import processes
 from src.launch.ranks import is_rank_zero
 from src.launch.workers import StopOnSignal, processes_per_node
-from src.loggers import close_loggers, purge_step, takes_purge_step
+from src.loggers import close_loggers, keep_run_ids, kept_run_ids, purge_step, resuming, takes_purge_step
 from src.optim import build_optimizer, build_schedule, check_optimizer
 from src.records import Result, target_name
 from src.strategies.sync_batchnorm import SyncBatchNormPlugin
@@ -143,16 +143,19 @@ def build_run(cfg: DictConfig, checkpoint: Saved | None, fit: bool) -> dict[str,
         trainer_args["enable_progress_bar"] = bar is not None
         callbacks += [bar] if bar is not None else []
     purge = purge_step(checkpoint, output_dir) if fit else None  # scoring a checkpoint hides nothing
-    loggers = [build(f"logger.{name}", node, **({"purge_step": purge} if takes_purge_step(node) else {}))
-               for name, node in cfg.logger.items()]
+    run_ids = kept_run_ids(output_dir) if fit else {}  # scoring a checkpoint logs into runs of its own
+    loggers = {name: build(f"logger.{name}", node, **({"purge_step": purge} if takes_purge_step(node) else {}),
+                           **resuming(node, run_ids.get(name))) for name, node in cfg.logger.items()}
+    if fit and is_rank_zero():
+        keep_run_ids(loggers, output_dir, run_ids)
     plugins: list[Any] = [AtomicCheckpointIO()] + ([SyncBatchNormPlugin(cuda=accelerator == "gpu")] if cfg.sync_batchnorm else [])
     trainer = Trainer(accelerator=accelerator, devices=cfg.devices, num_nodes=cfg.num_nodes, strategy=strategy,
-                      precision=cfg.precision_used, max_epochs=cfg.max_epochs, logger=loggers,
+                      precision=cfg.precision_used, max_epochs=cfg.max_epochs, logger=list(loggers.values()),
                       callbacks=[StopOnSignal(), *callbacks], plugins=plugins, default_root_dir=str(output_dir),
                       use_distributed_sampler=False, **trainer_args)
     trainer.callbacks = without_zero_flops(trainer.callbacks)
     return {"datamodule": datamodule, "model": model, "optimizer": optimizer, "callbacks": dict(zip(cfg.callbacks, callbacks)),
-            "loggers": loggers, "trainer": trainer, "fast_steps": fast_steps}
+            "loggers": list(loggers.values()), "trainer": trainer, "fast_steps": fast_steps}
 
 
 def scalar_metrics(trainer: Trainer) -> dict[str, float]:
@@ -177,6 +180,9 @@ def train(cfg: DictConfig) -> tuple[Result, dict[str, Any]]:
     checkpoint = resolve_ckpt_path(cfg.ckpt_path, output_dir)
     objects = build_run(cfg, checkpoint, fit=True)
     trainer, model, datamodule = objects["trainer"], objects["model"], objects["datamodule"]
+    objects["settings"] = settings(cfg, objects)  # as training starts: the record at the end shows the same
+    if is_rank_zero():
+        log_settings(objects["loggers"], objects["settings"])
     with trainer_input_errors():
         trainer.fit(model, datamodule=datamodule, ckpt_path=None if checkpoint is None else str(checkpoint.path),
                     weights_only=True)
@@ -211,14 +217,19 @@ def record(cfg: DictConfig, objects: dict[str, Any], result: Result, tested: Pat
     if not trainer.is_global_zero:
         return
     if training:
-        params = run_hparams(cfg, trainer, objects["optimizer"].keywords["lr"])
-        params.update(cuda_graphs=objects["fast_steps"].cuda_graphs,
-                      steps_per_execution=objects["fast_steps"].steps_per_execution, tested_weights=tested_weights(tested))
+        params = objects["settings"] | {"tested_weights": tested_weights(tested)}
         targets = [target_name(t) for c in objects["callbacks"].values() if isinstance(c, TimeToAccuracy) for t in c.targets]
         log_hparams(objects["loggers"], params, Path(cfg.output_dir), trainer.global_step, targets)
     close_loggers(objects["loggers"])
     result.save(Path(cfg.output_dir))
     logging.getLogger("src.train" if training else "src.eval").info(result.line)
+
+
+def settings(cfg: DictConfig, objects: dict[str, Any]) -> dict[str, Any]:
+    """The run's settings as its loggers record them (`src.hparams`), known before it trains."""
+    fast_steps = objects["fast_steps"]
+    return run_hparams(cfg, objects["trainer"], objects["model"], objects["optimizer"].keywords["lr"]) | {
+        "cuda_graphs": fast_steps.cuda_graphs, "steps_per_execution": fast_steps.steps_per_execution}
 
 
 def shown(metrics: dict[str, float], name: str) -> str:

@@ -13,11 +13,12 @@ import yaml
 from omegaconf import OmegaConf
 
 from src.config import CONF_DIR
-from src.loggers import CSVRunLogger, WandbRunLogger, close_loggers, takes_purge_step
+from src.errors import UsageError
+from src.loggers import RUN_IDS, CSVRunLogger, WandbRunLogger, close_loggers, takes_purge_step
 from src.records import result as recorded
 from src.report import main as report_main
-from tests.helpers import (INTERPRETER, QUICK, REPO, call_main, composed, cpu_precision, hparams, run_cli, scalar_steps,
-                           scalars, train, user_env)
+from tests.helpers import (INTERPRETER, QUICK, REPO, call_main, command_here, composed, cpu_precision, hparams, run_cli,
+                           scalar_steps, scalars, train, train_here, user_env)
 
 # What W&B adds to each history row: its own counters, and Lightning's step as the x-axis.
 WANDB_COUNTERS = {"_step", "_runtime", "_timestamp", "trainer/global_step"}
@@ -56,13 +57,17 @@ def mlflow_points(client, run) -> dict[str, list[tuple[int, float]]]:
 
 
 def wandb_records(run_dir: Path) -> list:
-    """The records of the run's W&B transaction log (`wandb/offline-run-*/run-<id>.wandb`), each parsed as W&B's own
-    Record message. The file is W&B's 7-byte header, then LevelDB's log format: 32 KiB blocks of chunks, each a 7-byte
-    header (checksum, length, type: 1 whole, 2 first, 3 middle, 4 last) and its bytes; a block's tail shorter than
-    a header is padding."""
+    """The records of the run's one W&B transaction log (`wandb/offline-run-*/run-<id>.wandb`)."""
+    [path] = run_dir.glob("wandb/offline-run-*/run-*.wandb")
+    return wandb_records_of(path)
+
+
+def wandb_records_of(path: Path) -> list:
+    """A W&B transaction log's records, each parsed as W&B's own Record message. The file is W&B's 7-byte header, then
+    LevelDB's log format: 32 KiB blocks of chunks, each a 7-byte header (checksum, length, type: 1 whole, 2 first,
+    3 middle, 4 last) and its bytes; a block's tail shorter than a header is padding."""
     from wandb.proto.wandb_internal_pb2 import Record
 
-    [path] = run_dir.glob("wandb/offline-run-*/run-*.wandb")
     data, records, chunks, at = path.read_bytes(), [], b"", 7
     assert data[:4] == b":W&B"
     while at + 7 <= len(data):
@@ -249,3 +254,77 @@ def test_the_loggers_that_take_a_resumed_runs_purge_step():
     configs = {path.stem: OmegaConf.load(path)[path.stem] for path in (CONF_DIR / "logger").glob("*.yaml")}
     assert {name for name, config in configs.items() if takes_purge_step(config)} == {"tensorboard", "csv"}
     assert {"tensorboard", "csv", "mlflow", "wandb"} <= configs.keys()
+
+
+def stopped_after_epoch_one(run_dir: Path, *args: str, cwd: Path | None = None) -> list[str]:
+    """A run of two epochs stopped by SIGTERM right after its first epoch's checkpoints, in this process (run from
+    `cwd`); what its resume types again (the stop, which a resume never takes from the records, and `args`)."""
+    again = ["+callbacks.term._target_=tests.faults.TermAfterCheckpoints", "+callbacks.term.epoch=0",
+             f"+callbacks.term.mark={(cwd or run_dir.parent) / 'stopped'}", *args]
+    result = command_here("src.train", *QUICK, "max_epochs=2", *again, f"hydra.run.dir={run_dir}", cwd=cwd)
+    assert result.returncode == 143, result.stderr[-3000:]
+    return again
+
+
+def test_a_resumed_run_logs_on_into_its_mlflow_run_which_holds_its_settings_from_the_start(tmp_path, data_root):
+    """Two MLflow runs for one run folder were seen: the stopped attempt's left RUNNING without params, the resume's."""
+    run_dir, tracking_uri = tmp_path / "run", f"sqlite:///{tmp_path / 'mlflow.db'}"
+    again = stopped_after_epoch_one(run_dir, "logger=mlflow", f"logger.mlflow.tracking_uri={tracking_uri}")
+    client, stopped = mlflow_run(tracking_uri, run_dir)
+    assert stopped.info.status == "KILLED" and stopped.data.params["model"] == "lenet"
+    assert json.loads((run_dir / RUN_IDS).read_text()) == {"mlflow": stopped.info.run_id}
+    assert [step for step, _ in mlflow_points(client, stopped)["val/acc"]] == scalar_steps(run_dir)["val/acc"]
+
+    resumed = train_here(*QUICK, "ckpt_path=last", *again, f"hydra.run.dir={run_dir}")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    _, run = mlflow_run(tracking_uri, run_dir)  # one run for the folder, the same one
+    assert run.info.run_id == stopped.info.run_id and run.info.status == "FINISHED"
+    assert len(mlflow_points(client, run)["val/acc"]) == 2 and run.data.params["tested_weights"] == "best"
+    assert {name: value for name, value in run.data.params.items() if name != "tested_weights"} == stopped.data.params
+
+
+@pytest.mark.slow  # W&B's own service process
+def test_a_resumed_run_logs_on_into_its_wandb_run(tmp_path, data_root, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    run_dir = tmp_path / "run"
+    again = stopped_after_epoch_one(run_dir, "logger=wandb")
+    [stopped] = run_dir.glob("wandb/offline-run-*/run-*.wandb")
+    resumed = train_here(*QUICK, "ckpt_path=last", *again, f"hydra.run.dir={run_dir}")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    import wandb
+
+    wandb.teardown()  # as the process's exit does: the service writes the run's last records
+    files = sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
+    run_id = json.loads((run_dir / RUN_IDS).read_text())["wandb"]
+    assert stopped in files and [file.name for file in files] == [f"run-{run_id}.wandb"] * 2  # one W&B run, resumed
+    first = wandb_records_of(stopped)
+    assert any(record.HasField("exit") and record.exit.exit_code == 1 for record in first)  # ended as it stopped
+    assert wandb_config(first)["model"] == "lenet"  # its settings from the start
+
+
+def test_a_logger_run_ids_record_is_read_as_plain_ids_and_taken_by_mlflow_and_wandb_alone(tmp_path):
+    from src.loggers import kept_run_ids, resuming
+
+    assert kept_run_ids(tmp_path) == {}
+    (tmp_path / RUN_IDS).write_text('{"mlflow": "0123abcd", "wandb": "x1y2z3"}')
+    assert kept_run_ids(tmp_path) == {"mlflow": "0123abcd", "wandb": "x1y2z3"}
+    nodes = composed("logger=[tensorboard,csv,mlflow,wandb]").logger
+    assert [resuming(node, "x1y2z3") for node in nodes.values()] == [{}, {}, {"run_id": "x1y2z3"}, {"id": "x1y2z3"}]
+    for bad in ('{"mlflow": "../../etc"}', '["0123abcd"]', '{"mlflow": 7}', '{"mlflow": "${oc.env:HOME}"}'):
+        (tmp_path / RUN_IDS).write_text(bad)
+        with pytest.raises(UsageError, match=rf"^{tmp_path / RUN_IDS}: holds no logger run ids"):
+            kept_run_ids(tmp_path)
+
+
+def test_a_run_moved_with_its_checkout_resumes_there_into_the_same_mlflow_run(tmp_path, data_root, monkeypatch):
+    """The default store is named by the folder the command runs in: a resume from the moved checkout was refused, as
+    its logger.mlflow.tracking_uri named the old one."""
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    checkout, moved = tmp_path / "checkout", tmp_path / "moved"
+    checkout.mkdir()
+    again = stopped_after_epoch_one(Path("outputs/runs/run"), "logger=mlflow", cwd=checkout)
+    checkout.rename(moved)
+    resumed = command_here("src.train", *QUICK, "ckpt_path=last", *again, "hydra.run.dir=outputs/runs/run", cwd=moved)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    client, run = mlflow_run(f"sqlite:///{moved / 'outputs' / 'mlflow.db'}", moved / "outputs" / "runs" / "run")
+    assert run.info.status == "FINISHED" and len(mlflow_points(client, run)["val/acc"]) == 2

@@ -4,6 +4,7 @@ killed search continued, a trial pruned, and the line for a machine without Optu
 
 import json
 import re
+import shutil
 import signal
 import subprocess
 from pathlib import Path
@@ -20,7 +21,7 @@ from optuna.trial import TrialState, create_trial
 
 from src.callbacks.optuna_trial import ReportToTrial
 from src.launch.optuna_sweeper import TrialRecord, TrialResult, TrialTask
-from src.errors import UsageError
+from src.errors import ResumeRefused, UsageError
 from src.launch import progress
 from src.launch.optuna_sweeper import DB, OptunaSweeper, search_space, storage
 from src.launch.progress import Progress, Tally
@@ -315,3 +316,32 @@ def test_a_resume_of_a_search_takes_the_same_space_and_refuses_another_in_one_li
     other = "optim.lr=tag(log, interval(0.01, 1))"
     with pytest.raises(UsageError, match=re.escape(f"{other} is not allowed in a resume of the sweep {tmp_path}: it swept {LR}")):
         with_record([*resume, other])
+
+
+def test_a_refused_resume_leaves_its_trial_to_a_resume_that_goes_through(tmp_path):
+    study, cfg = trial_of_job(tmp_path)
+    with pytest.raises(ResumeRefused):
+        TrialTask(lambda cfg: (_ for _ in ()).throw(ResumeRefused("seed=1 is not allowed in a resume of run")))(cfg)
+    assert study.trials[0].state == TrialState.RUNNING
+
+
+def test_a_stopped_search_whose_folder_moved_goes_on_there_and_a_job_refused_keeps_its_trial(tmp_path, data_root):
+    """The study's file was named by the old folder: the resume was refused, and the refusal failed the trial."""
+    folder, moved = tmp_path / "search", tmp_path / "moved"
+    stop = ["+callbacks.term._target_=tests.faults.TermAfterCheckpoints", "+callbacks.term.epoch=0",
+            f"+callbacks.term.mark={tmp_path / 'stopped'}", "hydra.sweeper.n_trials=1"]
+    assert search(folder, *stop, here=True).returncode == 143  # stopped after the first of two epochs
+    shutil.move(folder, moved)
+    [job] = [path for path in moved.iterdir() if (path / "config.yaml").is_file()]
+    recorded = (job / "config.yaml").read_text()
+    (job / "config.yaml").write_text(recorded.replace("\nseed: 42\n", "\nseed: 7\n"))  # a run that really differs
+    refused = search(moved, *stop, "ckpt_path=auto", here=True)
+    assert "seed=42 is not allowed in a resume of" in refused.stderr, refused.stderr[-3000:]
+    assert study_of(moved).trials[0].state == TrialState.RUNNING
+
+    (job / "config.yaml").write_text(recorded)
+    result = search(moved, *stop, "ckpt_path=auto", here=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    [trial] = study_of(moved).trials
+    assert trial.state == TrialState.COMPLETE and list(trial.intermediate_values) == [0, 1]
+    assert result.stdout.splitlines()[-1].startswith("sweep of 1 trial: 0 done, 1 resumed")

@@ -335,3 +335,17 @@ def test_a_damaged_last_checkpoint_is_one_line_naming_the_checkpoints_beside_it(
     line = result.stderr.strip().splitlines()[-1]
     assert line.startswith(f"error: ckpt_path=last is not allowed; {last} is not a checkpoint file (")
     assert line.endswith("; beside it: best-epoch0.ckpt, which ckpt_path=<file> takes")
+
+
+def test_a_moved_folder_moves_the_recorded_paths_under_what_moved_and_no_others():
+    from src.resume import moved
+
+    before = {"db": "/old/sweep/optuna.db", "uri": "sqlite:////old/sweep/mlflow.db", "beside": "/old/sweepy/x",
+              "within": "/a/old/sweep/x", "data": "/data/f", "epochs": 3}
+    assert moved(before, Path("/old/sweep/job"), Path("/new/place/job")) == {
+        "db": "/new/place/optuna.db", "uri": "sqlite:////new/place/mlflow.db", "beside": "/old/sweepy/x",
+        "within": "/a/old/sweep/x", "data": "/data/f"}
+    # The names shared reach the file system's root: only the run folder itself moved
+    assert moved({"run": "/job/x", "etc": "/etc/x"}, Path("/job"), Path("/a/job")) == {"run": "/a/job/x",
+                                                                                     "etc": "/etc/x"}
+    assert moved(before, Path("/old/sweep/job"), Path("/old/sweep/job")) == {}

@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from src.config import NULL, must_be, not_allowed, one_of, rule_for, shown, whole
 from src import records
-from src.errors import UsageError, missing_package
+from src.errors import ResumeRefused, UsageError, missing_package
 from src.folders import write_file
 from src.launch import progress
 from src.launch.console import print_line
@@ -105,6 +105,8 @@ class TrialTask:
         trial.storage.set_trial_user_attr(trial.id, "folder", folder)
         try:
             result = self.task(cfg)
+        except ResumeRefused:
+            raise  # nothing ran: the trial stays as it was
         except Exception:
             trial.tell("FAIL")
             raise
@@ -210,9 +212,11 @@ class OptunaSweeper(Sweeper):
             jobs = [[*space.overrides(trial.params), f"{node}._target_=src.callbacks.optuna_trial.ReportToTrial",
                      f"{node}.db={db}", f"{node}.study={quoted(study.study_name)}", f"{node}.trial={trial.number}"]
                     for trial in batch]
-            returns += self.launcher.launch(jobs, initial_job_idx=batch[0].number)
-            for trial in batch:  # a job that ended without telling (killed, say) failed
-                study.tell(trial.number, state=TrialState.FAIL, skip_if_finished=True)
+            launched = self.launcher.launch(jobs, initial_job_idx=batch[0].number)
+            for trial, job in zip(batch, launched):  # a job that ended without telling (killed, say) failed
+                if not isinstance(progress.value(job), ResumeRefused):  # a refused resume leaves its trial to resume
+                    study.tell(trial.number, state=TrialState.FAIL, skip_if_finished=True)
+            returns += launched
             ended += len(batch)
         progress.tally.appendix = trials_table(study, sweep_dir)
         print_line(best(study, sweep_dir))
