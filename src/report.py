@@ -312,7 +312,7 @@ def time_to_rows(runs: list[Run]) -> tuple[list[str], list[list[str]]]:
         counted_runs = [run for run in group if run.disturbance != "most"]
         cells = [time_to_cell([run.to_target[target] for run in counted_runs if target in run.to_target],
                               any(run.disturbance for run in counted_runs if target in run.to_target))
-                 for target in targets]
+                 if counted_runs else "left out*" for target in targets]
         left_out = len(group) - len(counted_runs)
         seeds = ",".join("" if run.seed is None else str(run.seed) for run in group)
         rows.append([label, seeds + (f" ({left_out} left out: disturbed)" if left_out else ""), *cells])
@@ -404,6 +404,7 @@ def plot_acc_time(runs: list[Run], path: Path) -> None:
     for index, (group, label) in enumerate(zip(groups, _labels([group[0] for group in groups], with_seed=False))):
         xs, mean, low, high = mean_curve([run.acc_time for run in group])
         shown = f"{label} ({counted(len(group), 'seed')})" if len(group) > 1 else label
+        shown += " *disturbed" if any(run.disturbance for run in group) else ""
         axes.plot(xs, mean, marker="o", markersize=3, color=colour(index), label=shown)
         if len(group) > 1:
             axes.fill_between(xs, low, high, color=colour(index), alpha=0.2, linewidth=0)

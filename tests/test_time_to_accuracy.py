@@ -216,3 +216,13 @@ def test_a_run_mostly_disturbed_is_left_out_of_the_median_and_a_partly_disturbed
     assert row["seeds"] == "1,2,3 (1 left out: disturbed)"
     assert row["s to val acc 0.80"] == f"{statistics.median([4.0, 6.0]):.1f}* [4.0, 6.0] (2/2)"
     assert not math.isnan(float(row["s to val acc 0.90"].split("*")[0]))
+
+
+def test_a_setting_whose_runs_were_all_disturbed_says_so_where_its_times_would_be(tmp_path):
+    root = tmp_path / "sweep"
+    seeds_of(root, "ddp", {1: (4.0, 9.0)}, disturbed={1: [1.0, 1.0]})
+    assert call_main(report_main, str(root)).returncode == 0
+    with (root / "time_to_accuracy.csv").open(newline="") as file:
+        [row] = list(csv.DictReader(file))
+    assert row["seeds"] == "1 (1 left out: disturbed)"
+    assert row["s to val acc 0.80"] == row["s to val acc 0.90"] == "left out*"
