@@ -55,6 +55,7 @@ class TrainConfig:
     model_name: str = MISSING
     strategy_name: str = MISSING
     precision_used: str = MISSING
+    threads: int = MISSING
     run_name: str = MISSING
     output_dir: str = MISSING
     model: dict[str, Any] = field(default_factory=dict)
@@ -259,7 +260,8 @@ OWNED_BY_TOP_LEVEL = {"accelerator", "strategy", "devices", "num_nodes", "precis
                       "max_epochs", "sync_batchnorm", "default_root_dir", "use_distributed_sampler", "plugins"}
 # Keys that follow from other settings: typed, they would make a run's records disagree with it.
 DERIVED = {"model_name": "model=<option>", "strategy_name": "strategy=<option>", "output_dir": "hydra.run.dir=<folder>",
-           "precision_used": "precision and accelerator", "run_name": "model, strategy, devices, num_nodes, precision and experiment"}
+           "precision_used": "precision and accelerator", "threads": "OMP_NUM_THREADS (or taskset's cores)",
+           "run_name": "model, strategy, devices, num_nodes, precision and experiment"}
 GROUPS = ("model", "optim", "data", "strategy", "trainer", "callbacks", "logger", "experiment", "debug")
 
 

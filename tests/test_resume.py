@@ -228,6 +228,8 @@ def records(run_dir: Path) -> dict[str, str]:
 def test_a_resume_named_by_its_folder_alone_trains_on_with_the_runs_settings(tmp_path, small_run):
     """Only the folder, a longer max_epochs and keys that change nothing computed: the run's batch, batch limit and data root."""
     run_dir = Path(shutil.copytree(small_run, tmp_path / "run"))
+    config = run_dir / "config.yaml"  # as a folder from before config.yaml recorded the threads
+    config.write_text("".join(line for line in config.read_text().splitlines(True) if not line.startswith("threads:")))
     data_link = tmp_path / "data"
     data_link.symlink_to(QUICK[0].split("=", 1)[1])  # the same files, found at another path
     result = train_here("ckpt_path=last", "max_epochs=3", f"data.root={data_link}", "trainer.enable_progress_bar=true",
@@ -237,7 +239,7 @@ def test_a_resume_named_by_its_folder_alone_trains_on_with_the_runs_settings(tmp
     assert (state["epoch"], state["global_step"]) == (2, 18)  # a third epoch of 6 steps
     saved = OmegaConf.load(run_dir / "config.yaml")
     assert (saved.data.batch_size, saved.trainer.limit_train_batches, saved.max_epochs) == (64, 6, 3)
-    assert saved.data.root == str(data_link)
+    assert saved.data.root == str(data_link) and saved.threads == torch.get_num_threads()
 
 
 @pytest.mark.parametrize(("change", "message"), [
