@@ -8,7 +8,7 @@ import torch
 from lightning import LightningModule, Trainer
 from lightning.pytorch.trainer.states import TrainerFn
 
-from src.callbacks import RunFigures, log_scalars
+from src.callbacks import RunFigures, last_trained, log_scalars
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +84,6 @@ class EpochTimer(RunFigures):
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.epoch_times:
+            epoch, step = last_trained(trainer)
             log_scalars(trainer, {"time/epoch_s_median": statistics.median(self.epoch_times),
-                                  "time/samples_per_s_median": statistics.median(self.samples_per_s)},
-                        step=max(trainer.global_step - 1, 0))
+                                  "time/samples_per_s_median": statistics.median(self.samples_per_s)}, step, epoch)
