@@ -85,7 +85,7 @@ def test_last_checkpoint_is_the_last_finished_epoch_even_without_improvement(tmp
     assert result.returncode == 0, result.stderr[-3000:]
     state = load(run_dir / "checkpoints" / "last.ckpt")
     assert (state["epoch"], state["global_step"]) == (2, 12)
-    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["best-epoch0.ckpt", "last.ckpt"]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["best-epoch1.ckpt", "last.ckpt"]
 
 
 class AugmentationDraws(Callback):
@@ -158,7 +158,7 @@ def test_torchrun_restart_resumes_from_the_run_folder(tmp_path, unbroken):
     # torchrun names the failed worker it saw first, which is rank 0 when its peer's death stops it within one poll.
     assert "failed (exitcode:" in result.stderr, "a worker was killed"
     assert f"Restoring states from the checkpoint path at {run_dir / 'checkpoints' / 'step.ckpt'}" in result.stdout
-    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["best-epoch2.ckpt", "last.ckpt", "step.ckpt"]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["best-epoch3.ckpt", "last.ckpt", "step.ckpt"]
     assert_matches_unbroken(run_dir, unbroken(*args))
 
 
@@ -336,4 +336,4 @@ def test_a_damaged_last_checkpoint_is_one_line_naming_the_checkpoints_beside_it(
     assert result.returncode == 2, result.stderr[-3000:]
     line = result.stderr.strip().splitlines()[-1]
     assert line.startswith(f"error: ckpt_path=last is not allowed; {last} is not a checkpoint file (")
-    assert line.endswith("; beside it: best-epoch0.ckpt, which ckpt_path=<file> takes")
+    assert line.endswith("; beside it: best-epoch1.ckpt, which ckpt_path=<file> takes")
