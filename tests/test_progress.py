@@ -115,6 +115,23 @@ def test_a_skipped_job_says_so():
     assert said[-1].startswith("job 1/1 skipped: job0: test/acc=0.7000 ...")
 
 
+def test_a_job_that_resumes_says_so_as_it_starts_and_ends(tmp_path):
+    """A resumed sweep's job goes on from its folder's checkpoints (`ckpt_path=auto`): neither line claims a fresh run."""
+    from src.launch.sequential_launcher import resumes
+    from tests.helpers import composed
+
+    folder = tmp_path / "job"
+    assert not resumes(composed("ckpt_path=auto"), folder)  # nothing to go on from: a fresh start
+    (folder / "checkpoints").mkdir(parents=True)
+    (folder / "checkpoints" / "last.ckpt").write_bytes(b"")
+    assert resumes(composed("ckpt_path=auto"), folder) and not resumes(composed(), folder)
+    lines, _, said = lines_of(1)
+    lines.started(0, "job0", resumes=True)
+    lines.ended(0, "job0", ended(Result({}, "test/acc=0.7000 ...", resumed=True)))
+    assert [line.split(" (elapsed")[0] for line in said] == [
+        "job 1/1 resumed: job0", "job 1/1 done after resuming: job0: test/acc=0.7000 ..."]
+
+
 def test_a_job_of_any_hydra_app_ends_with_what_its_task_returned():
     lines, _, said = lines_of(2)
     lines.ended(0, "job0", ended(0.93))  # an optimizing sweeper's objective, say

@@ -156,7 +156,7 @@ class ParallelLauncher(ProjectLauncher):
                             placement := places.take(waiting[0].devices if waiting[0].gpu else 0)) is not None:
                         job = waiting.popleft()
                         running[job.number] = self.start(job, placement, sweep_dir)
-                        progress.started(job.number, job.name)
+                        progress.started(job.number, job.name, job.resumes)
                     for ended in ended_jobs(running, stops.woken):
                         places.give_back(ended.placement)
                         if stopped:
