@@ -17,7 +17,7 @@ from src.loggers import CSVRunLogger, WandbRunLogger, close_loggers, takes_purge
 from src.records import result as recorded
 from src.report import main as report_main
 from tests.helpers import (INTERPRETER, QUICK, REPO, call_main, composed, cpu_precision, hparams, run_cli, scalar_steps,
-                           scalars, train, train_here, user_env)
+                           scalars, train, train_here, user_env, command_here)
 
 # What W&B adds to each history row: its own counters, and Lightning's step as the x-axis.
 WANDB_COUNTERS = {"_step", "_runtime", "_timestamp", "trainer/global_step"}
@@ -221,6 +221,19 @@ def test_each_csv_row_names_its_epoch_and_step_as_tensorboard_does(tmp_path, dat
     [test] = [row for row in rows if "test/acc" in row]
     assert (test["epoch"], test["step"]) == ("1", "7") and scalar_steps(run_dir)["test/acc"] == [7]
     assert {row["epoch"] for row in rows if "time/epoch_s" in row or "time/epoch_s_median" in row} == {"0", "1"}
+
+
+def test_mlflow_keeps_its_artifacts_beside_its_store_under_outputs_not_in_mlruns(tmp_path, data_root, monkeypatch):
+    """The default store is outputs/mlflow.db of the folder the command runs in; MLflow's own artifact root would be
+    ./mlruns there."""
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    result = command_here("src.train", *QUICK, "logger=mlflow", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert not (tmp_path / "mlruns").exists()
+    experiment = MlflowClient(f"sqlite:///{tmp_path / 'outputs' / 'mlflow.db'}").get_experiment_by_name("dptrain")
+    assert experiment.artifact_location == (tmp_path / "outputs" / "mlartifacts").as_uri()
 
 
 def test_a_resumed_csv_logger_keeps_the_rows_before_its_checkpoint(tmp_path, recwarn):
