@@ -1,5 +1,6 @@
 """A run's checkpoints: `last.ckpt` (the last finished epoch), `step.ckpt` (mid-epoch, with
-`checkpoint.every_n_train_steps=N`) and `best-epoch<k>.ckpt` (the best `val/acc`, tested unless `test_weights=last`)."""
+`checkpoint.every_n_train_steps=N`) and `best-epoch<k>.ckpt` (the best `val/acc`, of epoch k counted from 1 as train.log
+counts, tested unless `test_weights=last`; folders written before name it by the epoch from 0)."""
 
 import io
 import logging
@@ -80,6 +81,16 @@ class StepCheckpoint(ModelCheckpoint):
     def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
         if not trainer.is_last_batch:
             super().on_train_batch_end(trainer, *args)
+
+
+class BestCheckpoint(ModelCheckpoint):
+    """Names its file by the epoch counted from 1, as train.log counts (Lightning's `{epoch}` counts from 0); readers
+    find a best file by its `best-` prefix, never by that number, so folders named either way read alike."""
+
+    def format_checkpoint_name(self, metrics: dict[str, Any], *args: Any, **kwargs: Any) -> str:
+        if "epoch" in metrics:
+            metrics = {**metrics, "epoch": metrics["epoch"] + 1}
+        return super().format_checkpoint_name(metrics, *args, **kwargs)
 
 
 @dataclass(frozen=True)

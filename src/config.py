@@ -56,6 +56,7 @@ class TrainConfig:
     model_name: str = MISSING
     strategy_name: str = MISSING
     precision_used: str = MISSING
+    threads: int = MISSING
     run_name: str = MISSING
     output_dir: str = MISSING
     model: dict[str, Any] = field(default_factory=dict)
@@ -145,7 +146,7 @@ ALIASES = {"precision": {"fp16": "16-mixed", "float16": "16-mixed", "half": "16-
                          "bfloat16": "bf16-mixed", "fp32": "32", "float32": "32", "float": "32", "full": "32",
                          "fp64": "64", "float64": "64", "double": "64"}}
 # Checkpoint callbacks by class name (Lightning's and conf/callbacks' subclass), known without importing them.
-CHECKPOINT_CALLBACKS = ("ModelCheckpoint", "StepCheckpoint")
+CHECKPOINT_CALLBACKS = ("ModelCheckpoint", "BestCheckpoint", "StepCheckpoint")
 HOOKS = ("none", "fp16", "bf16", "powersgd", "powersgd_fp16")
 METRICS = ("val/acc", "val/acc_best", "val/loss", "train/acc", "train/loss")  # what a checkpoint callback can watch
 # Loggers whose library is an extra of this project (pyproject.toml): their class, and the package that is the extra.
@@ -263,7 +264,8 @@ OWNED_BY_TOP_LEVEL = {"accelerator", "strategy", "devices", "num_nodes", "precis
                       "max_epochs", "sync_batchnorm", "default_root_dir", "use_distributed_sampler", "plugins"}
 # Keys that follow from other settings: typed, they would make a run's records disagree with it.
 DERIVED = {"model_name": "model=<option>", "strategy_name": "strategy=<option>", "output_dir": "hydra.run.dir=<folder>",
-           "precision_used": "precision and accelerator", "run_name": "model, strategy, devices, num_nodes, precision and experiment"}
+           "precision_used": "precision and accelerator", "threads": "OMP_NUM_THREADS (or taskset's cores)",
+           "run_name": "model, strategy, devices, num_nodes, precision and experiment"}
 GROUPS = ("model", "optim", "data", "strategy", "trainer", "callbacks", "logger", "experiment", "debug")
 
 

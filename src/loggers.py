@@ -188,18 +188,25 @@ class CSVRunLogger(CSVLogger):
 
 class MLflowRunLogger(MLFlowLogger):
     """Lightning's MLflow logger, whose run is made as it is built, one process at a time on a SQLite store (processes
-    each creating a new store's tables would all but one fail); MLflow's telemetry off unless the environment says.
-    With `run_id` (a resume) it logs on into that run where the store holds it, else into a new one."""
+    each creating a new store's tables would all but one fail); MLflow's telemetry off unless the environment says. A
+    SQLite store's new experiment keeps its artifacts beside the store, `<store folder>/mlartifacts`: MLflow's own
+    default is `./mlruns` of whatever folder the command ran in. A server chooses its own. With `run_id` (a resume) it
+    logs on into that run where the store holds it, else into a new one."""
 
-    def __init__(self, *args: Any, tracking_uri: str, run_id: str | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, tracking_uri: str, run_id: str | None = None, artifact_location: str | None = None,
+                 **kwargs: Any) -> None:
         os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # read as mlflow is first imported, just below
-        lock = Path(tracking_uri.removeprefix("sqlite:///") + ".lock") if tracking_uri.startswith("sqlite:///") else None
+        store = Path(tracking_uri.removeprefix("sqlite:///")) if tracking_uri.startswith("sqlite:///") else None
+        if store is not None and artifact_location is None:
+            artifact_location = (store.parent / "mlartifacts").absolute().as_uri()
+        lock = Path(f"{store}.lock") if store is not None else None
         if lock is not None:
             lock.parent.mkdir(parents=True, exist_ok=True)
         with lock.open("a") if lock else nullcontext() as held:
             if held:
                 fcntl.flock(held, fcntl.LOCK_EX)
-            super().__init__(*args, tracking_uri=tracking_uri, run_id=run_id, **kwargs)
+            super().__init__(*args, tracking_uri=tracking_uri, run_id=run_id, artifact_location=artifact_location,
+                             **kwargs)
             if rank_zero_only.rank == 0 and run_id is not None:
                 self._take_up(run_id)
             _ = self.experiment  # on rank 0: the store, its experiment and this run (the other ranks log nothing)

@@ -23,6 +23,7 @@ MAY_CHANGE = {
     "channels_last", "compile", "cuda_graphs", "steps_per_execution", "accelerator", "devices", "num_nodes",
     "strategy.timeout_s", "strategy.process_group_backend", "strategy.bucket_cap_mb",
     "strategy.gradient_as_bucket_view", "strategy.static_graph", "ckpt_path", "output_dir", "run_name", "precision",
+    "threads",  # follows devices and the cores; a folder from before it was recorded has none
 }
 LENGTH = ("max_epochs", "trainer.max_steps")  # a resume may move these, unless a learning-rate schedule spans them
 

@@ -20,6 +20,7 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from omegaconf import DictConfig, OmegaConf
 
+from src.callbacks import logged_at_last_step
 from src.callbacks.disturbance import Disturbance
 from src.callbacks.hardware import HardwareUse
 from src.callbacks.learning import LossFalls
@@ -191,8 +192,9 @@ def train(cfg: DictConfig) -> tuple[Result, dict[str, Any]]:
         metrics = {**logged, **scalar_metrics(trainer)}  # a fit resumed after its last epoch logs nothing itself
         tested = weights_to_test(cfg.test_weights, objects["callbacks"].get("best_checkpoint"), output_dir)
         # A file named here is read for its weights only (SLURM: Lightning may load hpc_ckpt_* itself).
-        trainer.test(model, datamodule=datamodule, ckpt_path=str(tested) if tested else None, verbose=False,
-                     weights_only=True)
+        with logged_at_last_step(trainer):
+            trainer.test(model, datamodule=datamodule, ckpt_path=str(tested) if tested else None, verbose=False,
+                         weights_only=True)
     metrics.update(scalar_metrics(trainer))
     callbacks = list(objects["callbacks"].values())
     epoch_times = next((c.epoch_times for c in callbacks if hasattr(c, "epoch_times")), [])

@@ -218,6 +218,7 @@ TYPED = {  # refused as typed, before Hydra composes anything
     "~debug": "~debug is not allowed; choose debug=<option> instead",
     "output_dir=/tmp/x": "output_dir is derived from the other settings; set hydra.run.dir=<folder> instead",
     "precision_used=32-true": "precision_used is derived from the other settings; set precision and accelerator instead",
+    "threads=4": "threads is derived from the other settings; set OMP_NUM_THREADS (or taskset's cores) instead",
     "model.net._target_=torch.nn.Identity": "model.net._target_ is set by the config group; choose model=<option>",
     "optim._target_=torch.optim.Adam": "optim._target_ is set by the config group; choose optim=<option>",
     "--devices": "--devices is not an option; settings are typed key=value: devices=...",
@@ -490,4 +491,4 @@ def test_a_near_miss_gets_what_was_meant(tmp_path, args, message):
 def test_the_keys_an_unknown_key_is_told_are_those_a_user_can_set():
     listed = hydra_refusal("foo=1").split("top-level keys: ", 1)[1]
     assert "max_epochs" in listed and not {"model_name", "strategy_name", "run_name", "output_dir", "precision_used",
-                                             "hydra"} & set(listed.rstrip(")").split(", "))
+                                             "threads", "hydra"} & set(listed.rstrip(")").split(", "))

@@ -245,8 +245,8 @@ def test_a_new_run_from_another_folders_checkpoint_tests_and_reports_only_what_i
     result = train_here(*QUICK, "max_epochs=2", f"ckpt_path={quick_run.dir / 'checkpoints' / 'last.ckpt'}",
                         f"hydra.run.dir={new}")
     assert result.returncode == 0, result.stderr[-3000:]
-    # the old folder's best is best-epoch0.ckpt; this run's own is best-epoch1.ckpt
-    assert "tested best-epoch1.ckpt" in result.stdout and (new / "checkpoints" / "best-epoch1.ckpt").is_file()
+    # the old folder's best is best-epoch1.ckpt; this run's own is of its second epoch, best-epoch2.ckpt
+    assert "tested best-epoch2.ckpt" in result.stdout and (new / "checkpoints" / "best-epoch2.ckpt").is_file()
     recorded = json.loads((new / "result.json").read_text())
     [own_epoch] = scalars(new)["time/epoch_s"]  # the one epoch this run trained
     assert recorded["metrics"]["time/epoch_s"] == pytest.approx(own_epoch)

@@ -25,6 +25,18 @@ def test_single_device_run_logs_every_interface_scalar(quick_run: Run):
     assert "epoch" not in scalars(run_dir) and "trainer/epoch" in scalars(run_dir), "the epoch counter has a group of its own"
 
 
+def test_config_yaml_says_how_many_threads_each_process_used(quick_run: Run, monkeypatch):
+    """The run's own count, as HParams records it; a local DDP run's workers divide this process's cores."""
+    from src.launch.ranks import usable_cores
+
+    assert OmegaConf.load(quick_run.dir / "config.yaml").threads == hparams(quick_run.dir)["threads"]
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert composed("strategy=ddp", "devices=2").threads == max(1, len(usable_cores()) // 2)
+    assert composed("strategy=dp").threads == torch.get_num_threads()
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the user's count, which each DDP worker's torch reads
+    assert composed("strategy=ddp", "devices=2").threads == torch.get_num_threads()
+
+
 @pytest.mark.slow
 def test_ddp_on_two_cpu_processes_writes_one_run_folder(ddp_run: Run):
     run_dir = ddp_run.dir
@@ -127,7 +139,7 @@ def test_one_name_for_the_precision_and_the_logger_under_ddp(ddp_run):
     used = cpu_precision()  # what precision=auto means here, as the folder of a run named by default shows it
     saved = OmegaConf.load(ddp_run.dir / "config.yaml")
     assert (saved.precision, saved.precision_used) == ("auto", used)
-    assert hparams(ddp_run.dir)["precision_used"] == used
+    assert hparams(ddp_run.dir)["precision_used"] == used and hparams(ddp_run.dir)["threads"] == saved.threads
     line = next(line for line in ddp_run.result.stdout.splitlines() if " - test/acc=" in line)
     assert "[src.train][INFO] - " in line and f"(precision {used}, 2 processes," in line
     assert re.search(r"epoch 1/1 step \d+: .* \d+ samples/s$", (ddp_run.dir / "train.log").read_text(), re.M)

@@ -530,7 +530,7 @@ def test_ddps_timings_are_read_only_on_the_steps_ddp_timed_and_none_is_lost(warm
     before training (`warm`) to lay its buckets out: its timings are read at the first step, and not logged."""
     ddp = StandInDDP()
     trainer = SimpleNamespace(strategy=SimpleNamespace(model=ddp, warm_iterations=warm), global_step=1000,
-                              log_every_n_steps=1, world_size=2, is_global_zero=True, loggers=[StepsLogged()])
+                              current_epoch=3, log_every_n_steps=1, world_size=2, is_global_zero=True, loggers=[StepsLogged()])
     for _ in range(warm):
         ddp.forward_with_grad()
     comm = CommLogger()

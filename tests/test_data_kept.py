@@ -92,6 +92,6 @@ def test_a_full_disk_keeps_the_finished_epochs_and_the_run_resumes(tmp_path, dat
     failed = (tmp_path / "first.err").read_text()
     assert (tmp_path / "first").read_text().strip() == "1", failed[-3000:]
     assert "the disk is full" in failed.strip().splitlines()[-1] and "Traceback" not in failed
-    assert {"last.ckpt", "best-epoch0.ckpt"} <= set((tmp_path / "kept").read_text().split())
+    assert {"last.ckpt", "best-epoch1.ckpt"} <= set((tmp_path / "kept").read_text().split())
     assert result.returncode == 0, result.stderr[-3000:]
     assert "test/acc=" in result.stdout

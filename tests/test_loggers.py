@@ -210,6 +210,37 @@ def test_a_logger_whose_package_is_missing_is_one_line_naming_the_extra(tmp_path
     assert not run_dir.exists()
 
 
+def test_each_csv_row_names_its_epoch_and_step_as_tensorboard_does(tmp_path, data_root):
+    """Two epochs of 4 steps: the timing rows too carry their epoch, and the test's rows the last training epoch and
+    step (Lightning's counters after training would put them one epoch and one step on)."""
+    run_dir = tmp_path / "run"
+    result = train_here(*QUICK, "logger=csv", "max_epochs=2", f"hydra.run.dir={run_dir}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    with (run_dir / "csv" / "metrics.csv").open(newline="") as file:
+        rows = [{k: v for k, v in row.items() if v} for row in csv.DictReader(file)]
+    assert all("epoch" in row for row in rows), [row for row in rows if "epoch" not in row]
+    at = {(int(row["epoch"]), int(row["step"])) for row in rows}
+    assert at == {(0, 3), (1, 7)}
+    epochs = dict(zip(scalar_steps(run_dir)["trainer/epoch"], scalars(run_dir)["trainer/epoch"]))
+    assert {(int(epochs[step]), step) for _, step in at} == at, "TensorBoard's epoch at each step"
+    [test] = [row for row in rows if "test/acc" in row]
+    assert (test["epoch"], test["step"]) == ("1", "7") and scalar_steps(run_dir)["test/acc"] == [7]
+    assert {row["epoch"] for row in rows if "time/epoch_s" in row or "time/epoch_s_median" in row} == {"0", "1"}
+
+
+def test_mlflow_keeps_its_artifacts_beside_its_store_under_outputs_not_in_mlruns(tmp_path, data_root, monkeypatch):
+    """The default store is outputs/mlflow.db of the folder the command runs in; MLflow's own artifact root would be
+    ./mlruns there."""
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    result = command_here("src.train", *QUICK, "logger=mlflow", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert not (tmp_path / "mlruns").exists()
+    experiment = MlflowClient(f"sqlite:///{tmp_path / 'outputs' / 'mlflow.db'}").get_experiment_by_name("dptrain")
+    assert experiment.artifact_location == (tmp_path / "outputs" / "mlartifacts").as_uri()
+
+
 def test_a_resumed_csv_logger_keeps_the_rows_before_its_checkpoint(tmp_path, recwarn):
     first = CSVRunLogger(tmp_path, name="csv", version="")
     for step in range(6):

@@ -3,6 +3,7 @@ wait; and how the parallel launcher places jobs on cores and GPUs. Sweeps on the
 tests/test_multirun.py."""
 
 import io
+import logging
 import sys
 import threading
 from pathlib import Path
@@ -15,7 +16,7 @@ from tqdm import tqdm
 from src.errors import UsageError
 from src.launch import progress
 from src.launch.console import open_progress_bars, print_line
-from src.launch.parallel_launcher import Job, Places, checked_setting, slots_that_fit
+from src.launch.parallel_launcher import Job, Places, checked_setting, packed, slots_that_fit, unpacked
 from src.launch.progress import Progress, Tally, clock_time
 from src.launch.stops import RankFailed
 from src.records import Result
@@ -114,12 +115,66 @@ def test_a_skipped_job_says_so():
     assert said[-1].startswith("job 1/1 skipped: job0: test/acc=0.7000 ...")
 
 
+def test_a_job_that_resumes_says_so_as_it_starts_and_ends(tmp_path):
+    """A resumed sweep's job goes on from its folder's checkpoints (`ckpt_path=auto`): neither line claims a fresh run."""
+    from src.launch.sequential_launcher import resumes
+    from tests.helpers import composed
+
+    folder = tmp_path / "job"
+    assert not resumes(composed("ckpt_path=auto"), folder)  # nothing to go on from: a fresh start
+    (folder / "checkpoints").mkdir(parents=True)
+    (folder / "checkpoints" / "last.ckpt").write_bytes(b"")
+    assert resumes(composed("ckpt_path=auto"), folder) and not resumes(composed(), folder)
+    lines, _, said = lines_of(1)
+    lines.started(0, "job0", resumes=True)
+    lines.ended(0, "job0", ended(Result({}, "test/acc=0.7000 ...", resumed=True)))
+    assert [line.split(" (elapsed")[0] for line in said] == [
+        "job 1/1 resumed: job0", "job 1/1 done after resuming: job0: test/acc=0.7000 ..."]
+
+
 def test_a_job_of_any_hydra_app_ends_with_what_its_task_returned():
     lines, _, said = lines_of(2)
     lines.ended(0, "job0", ended(0.93))  # an optimizing sweeper's objective, say
     lines.ended(1, "job1", ended(UsageError("seed=x is not allowed")))
     assert [line.split(" (elapsed")[0] for line in said] == ["job 1/2 done: job0", "job 2/2 failed: job1: seed=x is not allowed"]
     assert progress.tally.failures[0].status == 2
+
+
+class Unreadable:
+    """Pickled fine, and refused where it is read back (a class the sweep's process cannot build)."""
+
+    def __reduce__(self):
+        return refuse, ()
+
+
+def refuse():
+    raise ValueError("not built here")
+
+
+@pytest.mark.parametrize("value, why", [
+    (threading.Lock(), "its lock could not be pickled: TypeError: cannot pickle '_thread.lock' object"),
+    (Unreadable(), "it could not be unpickled here: ValueError: not built here"),
+])
+def test_a_parallel_job_whose_value_cannot_travel_back_is_done_with_one_warning(value, why, tmp_path, caplog):
+    """The run ended and its folder is complete: only the value stays in the job's process, which one line says."""
+    job = JobReturn(overrides=["seed=1"], status=JobStatus.COMPLETED, _return_value=value)
+    with caplog.at_level(logging.WARNING, logger="src.launch.parallel_launcher"):
+        back = unpacked(packed(job), "lenet_seed=1", tmp_path / "lenet_seed=1.out")
+    assert caplog.messages == [f"job lenet_seed=1: its return value stayed in its process ({why}); the run ended "
+                               "and its folder is complete"]
+    lines, _, said = lines_of(1)
+    lines.ended(0, "lenet_seed=1", back)
+    assert back.overrides == ["seed=1"] and said[0].startswith("job 1/1 done: lenet_seed=1 (elapsed")
+    assert progress.tally.done == 1 and not progress.tally.failures
+
+
+def test_a_parallel_job_returns_its_value_and_a_failed_one_its_error_or_a_line_naming_its_output(tmp_path):
+    out = tmp_path / "job.out"
+    assert unpacked(packed(ended(DONE)), "a", out).return_value == DONE
+    assert progress.failure(unpacked(packed(ended(UsageError("seed=x is not allowed"))), "b", out), "b").status == 2
+    held = progress.failure(unpacked(packed(ended(RuntimeError(threading.Lock()))), "c", out), "c")
+    assert held.line == (f"its exception stayed in its process (its RuntimeError could not be pickled: TypeError: "
+                         f"cannot pickle '_thread.lock' object); see {out}")
 
 
 def test_clock_time_reads_as_a_clock():

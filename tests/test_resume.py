@@ -85,7 +85,7 @@ def test_last_checkpoint_is_the_last_finished_epoch_even_without_improvement(tmp
     assert result.returncode == 0, result.stderr[-3000:]
     state = load(run_dir / "checkpoints" / "last.ckpt")
     assert (state["epoch"], state["global_step"]) == (2, 12)
-    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["best-epoch0.ckpt", "last.ckpt"]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["best-epoch1.ckpt", "last.ckpt"]
 
 
 class AugmentationDraws(Callback):
@@ -158,7 +158,7 @@ def test_torchrun_restart_resumes_from_the_run_folder(tmp_path, unbroken):
     # torchrun names the failed worker it saw first, which is rank 0 when its peer's death stops it within one poll.
     assert "failed (exitcode:" in result.stderr, "a worker was killed"
     assert f"Restoring states from the checkpoint path at {run_dir / 'checkpoints' / 'step.ckpt'}" in result.stdout
-    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["best-epoch2.ckpt", "last.ckpt", "step.ckpt"]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["best-epoch3.ckpt", "last.ckpt", "step.ckpt"]
     assert_matches_unbroken(run_dir, unbroken(*args))
 
 
@@ -228,6 +228,8 @@ def records(run_dir: Path) -> dict[str, str]:
 def test_a_resume_named_by_its_folder_alone_trains_on_with_the_runs_settings(tmp_path, small_run):
     """Only the folder, a longer max_epochs and keys that change nothing computed: the run's batch, batch limit and data root."""
     run_dir = Path(shutil.copytree(small_run, tmp_path / "run"))
+    config = run_dir / "config.yaml"  # as a folder from before config.yaml recorded the threads
+    config.write_text("".join(line for line in config.read_text().splitlines(True) if not line.startswith("threads:")))
     data_link = tmp_path / "data"
     data_link.symlink_to(QUICK[0].split("=", 1)[1])  # the same files, found at another path
     result = train_here("ckpt_path=last", "max_epochs=3", f"data.root={data_link}", "trainer.enable_progress_bar=true",
@@ -237,7 +239,7 @@ def test_a_resume_named_by_its_folder_alone_trains_on_with_the_runs_settings(tmp
     assert (state["epoch"], state["global_step"]) == (2, 18)  # a third epoch of 6 steps
     saved = OmegaConf.load(run_dir / "config.yaml")
     assert (saved.data.batch_size, saved.trainer.limit_train_batches, saved.max_epochs) == (64, 6, 3)
-    assert saved.data.root == str(data_link)
+    assert saved.data.root == str(data_link) and saved.threads == torch.get_num_threads()
 
 
 @pytest.mark.parametrize(("change", "message"), [
@@ -334,7 +336,7 @@ def test_a_damaged_last_checkpoint_is_one_line_naming_the_checkpoints_beside_it(
     assert result.returncode == 2, result.stderr[-3000:]
     line = result.stderr.strip().splitlines()[-1]
     assert line.startswith(f"error: ckpt_path=last is not allowed; {last} is not a checkpoint file (")
-    assert line.endswith("; beside it: best-epoch0.ckpt, which ckpt_path=<file> takes")
+    assert line.endswith("; beside it: best-epoch1.ckpt, which ckpt_path=<file> takes")
 
 
 def test_a_moved_folder_moves_the_recorded_paths_under_what_moved_and_no_others():

@@ -2,7 +2,12 @@
 `python -m src.eval` given a run folder scores the same checkpoint."""
 
 import json
+import re
+import shutil
+from pathlib import Path
+
 import pytest
+import torch
 
 from tests.helpers import QUICK, command_here, hparams, scalars, train_here
 
@@ -42,7 +47,7 @@ def scores(runs, tmp_path_factory):
     run_dir = runs["best"][0]
     folder = tmp_path_factory.mktemp("scores")
     best = [path for path in (run_dir / "checkpoints").glob("best-*.ckpt")]
-    assert [path.name for path in best] == ["best-epoch0.ckpt"]
+    assert [path.name for path in best] == ["best-epoch1.ckpt"]
     return {"best": evaluate(folder / "best", f"ckpt_path={best[0]}"),
             "last": evaluate(folder / "last", f"ckpt_path={run_dir / 'checkpoints' / 'last.ckpt'}")}
 
@@ -51,7 +56,7 @@ def test_a_run_tests_its_best_checkpoint_by_default(runs, scores):
     run_dir, line, _ = runs["best"]
     assert scores["best"] != scores["last"], "the two checkpoints must differ for this test to tell them apart"
     assert score_of(run_dir) == scores["best"]
-    assert "tested best-epoch0.ckpt" in line
+    assert "tested best-epoch1.ckpt" in line
     assert hparams(run_dir)["tested_weights"] == "best"
 
 
@@ -65,9 +70,30 @@ def test_test_weights_last_tests_the_weights_training_ended_with(runs, scores):
 def test_eval_of_a_run_folder_scores_its_best_checkpoint_unless_told_last(runs, scores, tmp_path):
     run_dir = runs["best"][0]
     assert evaluate(tmp_path / "best", f"ckpt_path={run_dir}") == scores["best"]
-    assert "/best-epoch0.ckpt -> " in json.loads((tmp_path / "best" / "result.json").read_text())["line"]
+    assert "/best-epoch1.ckpt -> " in json.loads((tmp_path / "best" / "result.json").read_text())["line"]
     assert evaluate(tmp_path / "last", f"ckpt_path={run_dir}", "test_weights=last") == scores["last"]
     assert "/last.ckpt -> " in json.loads((tmp_path / "last" / "result.json").read_text())["line"]
+
+
+def test_a_best_checkpoint_is_named_by_its_epoch_as_train_log_counts_it(runs):
+    """The first epoch was best (mode=min): train.log's `epoch 1/2`, Lightning's epoch 0."""
+    run_dir = runs["best"][0]
+    state = torch.load(run_dir / "checkpoints" / "best-epoch1.ckpt", map_location="cpu", weights_only=True)
+    assert state["epoch"] == 0 and "epoch 1/2 " in (run_dir / "train.log").read_text()
+
+
+def test_a_folder_that_names_its_best_from_epoch_0_is_scored_and_resumed_alike(runs, scores, quick_run, tmp_path):
+    """Folders written before the names counted from 1: the best file is found by its prefix, never its number."""
+    old = Path(shutil.copytree(runs["best"][0], tmp_path / "old"))
+    (old / "checkpoints" / "best-epoch1.ckpt").rename(old / "checkpoints" / "best-epoch0.ckpt")
+    assert evaluate(tmp_path / "eval", f"ckpt_path={old}") == scores["best"]
+    assert "/best-epoch0.ckpt -> " in json.loads((tmp_path / "eval" / "result.json").read_text())["line"]
+    resumed = quick_run.copy(tmp_path)  # one epoch, no schedule: a resume may train a second
+    (resumed / "checkpoints" / "best-epoch1.ckpt").rename(resumed / "checkpoints" / "best-epoch0.ckpt")
+    longer = train_here("ckpt_path=last", "max_epochs=2", f"hydra.run.dir={resumed}")
+    assert longer.returncode == 0, longer.stderr[-3000:]
+    tested = re.search(r"tested (best-epoch\d+\.ckpt)", longer.stdout)[1]  # the old one, or the second epoch's
+    assert tested in ("best-epoch0.ckpt", "best-epoch2.ckpt") and (resumed / "checkpoints" / tested).is_file()
 
 
 def test_a_run_without_validation_tests_its_last_weights_and_says_so(runs):

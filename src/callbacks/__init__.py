@@ -1,5 +1,7 @@
 """Callbacks that measure runs: epoch time and throughput, communication."""
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from lightning import Callback, LightningModule, Trainer
@@ -8,12 +10,41 @@ from lightning.pytorch.trainer.states import TrainerFn
 from src.checkpoints import is_own
 
 
-def log_scalars(trainer: Trainer, values: dict[str, float], step: int | None = None) -> None:
+def log_scalars(trainer: Trainer, values: dict[str, float], step: int | None = None, epoch: int | None = None) -> None:
     """On rank 0, straight to every logger (`LightningModule.log` costs about a millisecond a call on a small CPU), by
-    default at the step Lightning gives the epoch's other scalars: that of its last batch."""
+    default at the step and epoch Lightning gives the epoch's other scalars: its last batch's, and the epoch as
+    Lightning adds it to each of its own rows (a CSV row without it belonged to no epoch)."""
     if trainer.is_global_zero:
+        epoch = trainer.current_epoch if epoch is None else epoch
         for logger in trainer.loggers:
-            logger.log_metrics(values, step=trainer.global_step - 1 if step is None else step)
+            logger.log_metrics({**values, "epoch": epoch}, step=trainer.global_step - 1 if step is None else step)
+
+
+def last_trained(trainer: Trainer) -> tuple[int, int]:
+    """The epoch and step (from 0) of the last training step, once training has ended: Lightning's counters are
+    then one epoch and one step on."""
+    return max(trainer.current_epoch - 1, 0), max(trainer.global_step - 1, 0)
+
+
+@contextmanager
+def logged_at_last_step(trainer: Trainer) -> Iterator[None]:
+    """The test's points at the last training epoch and step, where the run's medians are; Lightning would log them
+    one epoch and one step on, at its counters after training. It moves its own step back so for an epoch's end
+    (`_FitLoop.on_advance_end`); no public setting does either. A trainer that trained nothing is left as it is."""
+    loop = trainer.fit_loop
+    if trainer.global_step == 0:
+        yield
+        return
+    # Private: the step Lightning logs at; no public API sets it (Lightning moves it back itself at an epoch's end)
+    saved = loop.epoch_loop._batches_that_stepped, loop.epoch_progress.current.completed
+    epoch, step = last_trained(trainer)
+    # Private, as above: the counters the test's points are logged at, put back below
+    loop.epoch_loop._batches_that_stepped, loop.epoch_progress.current.completed = step, epoch
+    try:
+        yield
+    finally:
+        # Private, as above: Lightning's counters as they were after training
+        loop.epoch_loop._batches_that_stepped, loop.epoch_progress.current.completed = saved
 
 
 class RunFigures(Callback):

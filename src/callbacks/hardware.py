@@ -18,7 +18,7 @@ from lightning import LightningModule, Trainer
 from lightning.fabric.utilities.throughput import get_available_flops, measure_flops
 from torch import nn
 
-from src.callbacks import RunFigures, log_scalars
+from src.callbacks import RunFigures, last_trained, log_scalars
 from src.callbacks.timing import EpochTimer
 
 log = logging.getLogger(__name__)
@@ -139,7 +139,8 @@ class HardwareUse(RunFigures):
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         medians = {f"{name}_median": value for name, value in self.summary().items() if name != "usage/peak_memory_mib"}
         if medians:
-            log_scalars(trainer, medians, step=max(trainer.global_step - 1, 0))
+            epoch, step = last_trained(trainer)
+            log_scalars(trainer, medians, step, epoch)
 
     def state_dict(self) -> dict[str, Any]:
         """A resumed run's medians cover all its epochs."""

@@ -9,7 +9,7 @@ import torch
 from lightning import LightningModule, Trainer
 from lightning.pytorch.trainer.states import TrainerFn
 
-from src.callbacks import RunFigures, log_scalars
+from src.callbacks import RunFigures, last_trained, log_scalars
 from src.records import TO_TARGET, target_name
 
 log = logging.getLogger(__name__)
@@ -94,9 +94,9 @@ class EpochTimer(RunFigures):
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.epoch_times:
+            epoch, step = last_trained(trainer)
             log_scalars(trainer, {"time/epoch_s_median": statistics.median(self.epoch_times),
-                                  "time/samples_per_s_median": statistics.median(self.samples_per_s)},
-                        step=max(trainer.global_step - 1, 0))
+                                  "time/samples_per_s_median": statistics.median(self.samples_per_s)}, step, epoch)
 
 
 class TimeToAccuracy(RunFigures):

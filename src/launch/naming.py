@@ -188,9 +188,18 @@ def unclaim_unused() -> None:
             unclaim_dir(folder)
 
 
+def threads_used(strategy: str, devices: int) -> int:
+    """The threads each of the run's processes computes with, as `src.launch.workers` sets them."""
+    from src.launch.workers import threads_per_process  # torch: only once a run is named
+
+    return threads_per_process(strategy, int(devices))
+
+
 def register_resolvers() -> None:
     for name, function in (("run_stamp", run_stamp), ("claim_dir", claim_dir), ("run_label", run_label),
                            ("precision_used", precision_used), ("python", interpreter), ("options", options),
                            ("sweep_job_dirname", sweep_job_dirname)):
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, function, use_cache=True)
+    if not OmegaConf.has_resolver("threads_used"):  # asked again in a job's own process: a parallel job's slot
+        OmegaConf.register_new_resolver("threads_used", threads_used)

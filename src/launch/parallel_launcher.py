@@ -156,7 +156,7 @@ class ParallelLauncher(ProjectLauncher):
                             placement := places.take(waiting[0].devices if waiting[0].gpu else 0)) is not None:
                         job = waiting.popleft()
                         running[job.number] = self.start(job, placement, sweep_dir)
-                        progress.started(job.number, job.name)
+                        progress.started(job.number, job.name, job.resumes)
                     for ended in ended_jobs(running, stops.woken):
                         places.give_back(ended.placement)
                         if stopped:
@@ -233,13 +233,51 @@ def ended_jobs(running: dict[int, Running], woken: int) -> list[Running]:
             if job.results is not None and (job.results in ready or job.process.sentinel in ready):
                 with job.results:
                     with suppress(EOFError):  # else killed, or stopped by a signal
-                        job.returned = pickle.loads(job.results.recv_bytes())
+                        job.returned = unpacked(job.results.recv_bytes(), job.job.name, job.out)
                 job.results = None
             if job.process.sentinel in ready:
                 job.process.join()
                 ended.append(running.pop(job.job.number))
         if ended or woken in ready:
             return ended
+
+
+@dataclass(frozen=True)
+class LeftBehind:
+    """In place of a job's return value that could not travel back from its process: why not."""
+
+    why: str
+
+
+def packed(job: JobReturn) -> bytes:
+    """The JobReturn for the pipe (by cloudpickle: its Hydra config names classes that plain pickle may not find), its
+    value packed apart: a value that cannot travel leaves the rest of the job's record to go back."""
+    returned = value(job)  # a failed job's exception
+    try:
+        carried: bytes | LeftBehind = cloudpickle.dumps(returned)
+    except Exception as error:
+        carried = LeftBehind(f"its {type(returned).__name__} could not be pickled: {why(error)}")
+    return cloudpickle.dumps((replace(job, _return_value=None), carried))
+
+
+def unpacked(data: bytes, name: str, out: Path) -> JobReturn:
+    """The job's JobReturn from `packed`. A value that did not travel is a one-line warning, not a failure: the run
+    ended as its status says, its folder complete; a failed job's exception that did not becomes a line naming `out`."""
+    job, carried = pickle.loads(data)
+    if isinstance(carried, bytes):
+        try:
+            return replace(job, _return_value=pickle.loads(carried))
+        except Exception as error:  # a class this process cannot find or build
+            carried = LeftBehind(f"it could not be unpickled here: {why(error)}")
+    if job.status == JobStatus.FAILED:
+        return replace(job, _return_value=RankFailed(f"its exception stayed in its process ({carried.why}); see {out}"))
+    log.warning(f"job {name}: its return value stayed in its process ({carried.why}); the run ended and its folder "
+                "is complete")
+    return job
+
+
+def why(error: Exception) -> str:
+    return " ".join(f"{type(error).__name__}: {error}".split())
 
 
 def returned(job: Running) -> JobReturn:
@@ -307,5 +345,5 @@ def run_in_own_process(payload_in: Connection, placement: Placement, out: str, r
     setup_globals()
     job = run_job(hydra_context=hydra_context, task_function=task_function, config=config,
                   job_dir_key="hydra.sweep.dir", job_subdir_key="hydra.sweep.subdir")
-    results.send_bytes(cloudpickle.dumps(job))  # its Hydra config names classes that plain pickle may not find
+    results.send_bytes(packed(job))
     results.close()

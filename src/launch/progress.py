@@ -1,5 +1,5 @@
-"""Where a sweep is: a line as each job starts and ends (`job 2/4 done: <name>: <its line> (elapsed 1:22, about 0:41
-left)`), and a summary. Fed from Hydra's `JobReturn` alone, so it serves any Hydra app: a value's `line` is shown, its
+"""Where a sweep is: a line as each job starts (or resumes) and ends (`job 2/4 done: <name>: <its line> (elapsed 1:22,
+about 0:41 left)`), and a summary. Fed from Hydra's `JobReturn` alone, so it serves any Hydra app: a value's `line` is shown, its
 `resumed`, `skipped` and `pruned` counted; the time left is the ended jobs' mean length over the most jobs seen running
 at once."""
 
@@ -118,10 +118,12 @@ class Progress:
         tally.total = max(tally.total, self.first + self.count)
         self.tally = tally
 
-    def started(self, number: int, name: str) -> None:
+    def started(self, number: int, name: str, resumes: bool = False) -> None:
+        """`resumes`: the job goes on from its folder's checkpoints, as its launcher knows before it starts."""
         self.running[number] = self.clock()
         self.tally.widest = max(self.tally.widest, len(self.running))
-        self.say(f"{self.tally.noun} {number + 1}/{self.tally.total} started: {name} ({self.times()})")
+        said = "resumed" if resumes else "started"
+        self.say(f"{self.tally.noun} {number + 1}/{self.tally.total} {said}: {name} ({self.times()})")
 
     def ended(self, number: int, name: str, job: JobReturn) -> None:
         now = self.clock()
@@ -135,7 +137,7 @@ class Progress:
             counted = next((word for word in ("skipped", "pruned", "resumed") if getattr(result, word, False)), "done")
             setattr(self.tally, counted, getattr(self.tally, counted) + 1)
             line = getattr(result, "line", "")
-            said = f"{'done' if counted == 'resumed' else counted}: {name}" + (f": {line}" if line else "")
+            said = f"{'done after resuming' if counted == 'resumed' else counted}: {name}" + (f": {line}" if line else "")
         self.say(f"{self.tally.noun} {number + 1}/{self.tally.total} {said} ({self.times()})")
 
     def stopped(self, number: int, name: str, line: str) -> None:

@@ -22,6 +22,15 @@ class Job:
     name: str
     devices: int = 1  # processes it starts, for the parallel launcher's slots
     gpu: bool = False
+    resumes: bool = False  # it goes on from the checkpoints its folder holds (`ckpt_path=auto` in a resumed sweep)
+
+
+def resumes(config: DictConfig, folder: Path) -> bool:
+    """Whether a job goes on from its folder's checkpoints, as `src.resume.check` decides it will (an app without
+    `ckpt_path` never does)."""
+    from src.checkpoints import CKPT_WORDS, has_checkpoints  # torch: once a sweep of this project runs
+
+    return str(config.get("ckpt_path")) in CKPT_WORDS and has_checkpoints(folder)
 
 
 class ProjectLauncher(Launcher):
@@ -51,7 +60,8 @@ class ProjectLauncher(Launcher):
         config = self.hydra_context.config_loader.load_sweep_config(self.config, overrides)
         with open_dict(config):
             config.hydra.job.id = config.hydra.job.num = number
-        return Job(number, overrides, config, job_dirname(config))
+        name = job_dirname(config)
+        return Job(number, overrides, config, name, resumes=resumes(config, Path(str(self.config.hydra.sweep.dir)) / name))
 
     def run(self, jobs: list[Job], progress: Progress, sweep_dir: Path) -> dict[int, JobReturn]:
         """Each job's JobReturn, by its number."""
@@ -63,7 +73,7 @@ class SequentialLauncher(ProjectLauncher):
         assert self.config is not None and self.hydra_context is not None and self.task_function is not None
         returns = {}
         for job in jobs:
-            progress.started(job.number, job.name)
+            progress.started(job.number, job.name, job.resumes)
             returns[job.number] = run_job(hydra_context=self.hydra_context, task_function=self.task_function,
                                           config=job.config, job_dir_key="hydra.sweep.dir",
                                           job_subdir_key="hydra.sweep.subdir")

@@ -55,6 +55,19 @@ def is_ddp(cfg: DictConfig) -> bool:
     return target != "builtins.str" and issubclass(get_class(target), DDPStrategy)
 
 
+def local_threads(workers: int) -> int:
+    """A local DDP worker's share of this process's cores, as torchrun and Lightning split them."""
+    return max(1, len(usable_cores()) // workers)
+
+
+def threads_per_process(strategy: str, devices: int) -> int:
+    """Torch's threads in each process of a run (its `threads` in config.yaml): the DDP workers this process starts
+    share its cores, unless OMP_NUM_THREADS says how many; a run in this process, or a rank torchrun or SLURM started,
+    keeps its own."""
+    starts = external_rank() is None and strategy != "builtins.str" and issubclass(get_class(strategy), DDPStrategy)
+    return local_threads(devices) if starts and "OMP_NUM_THREADS" not in os.environ else torch.get_num_threads()
+
+
 def processes_per_node(cfg: DictConfig) -> int:
     """DDP runs one process per device; Lightning's `auto` (a strategy passed by name) and dp run one."""
     return int(cfg.devices) if is_ddp(cfg) else 1
@@ -251,7 +264,7 @@ def _worker(task: Callable[[DictConfig], Result], cfg: DictConfig, logging_confi
     Path(position).with_name(f"pid{os.getpid()}").write_text(str(rank))  # for the peers' `stopped_peers`
     _log_to_file(logging_config, rank)
     if "OMP_NUM_THREADS" not in os.environ:  # as torchrun and Lightning split the cores, and elastic_launch does not
-        threads = max(1, len(usable_cores()) // int(os.environ["LOCAL_WORLD_SIZE"]))
+        threads = local_threads(int(os.environ["LOCAL_WORLD_SIZE"]))
         os.environ["OMP_NUM_THREADS"] = str(threads)  # for the processes a worker starts
         torch.set_num_threads(threads)
     handle_stop_signals()
