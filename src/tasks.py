@@ -202,8 +202,8 @@ def train(cfg: DictConfig) -> tuple[Result, dict[str, Any]]:
         metrics["time/epoch_s"] = statistics.median(epoch_times)
     metrics.update(next((c.summary() for c in callbacks if isinstance(c, HardwareUse)), {}))
     how = f"precision {cfg.precision_used}, {processes(trainer.world_size)}, tested {tested.name if tested else 'the last weights'}"
-    how += "".join(f"; {c.verdict()}" for c in callbacks
-                   if isinstance(c, (LossFalls, TimeToAccuracy, Disturbance)) and c.verdict())
+    how += "".join(f"; {c.verdict()}" for kind in (LossFalls, TimeToAccuracy, Disturbance) for c in callbacks
+                   if isinstance(c, kind) and c.verdict())
     line = (f"{shown(metrics, 'test/acc')} {shown(metrics, 'val/acc_best')} median epoch "
             f"{metrics.get('time/epoch_s', float('nan')):.2f} s{hardware_use(metrics)} ({how}) -> {output_dir}")
     reached = next((c.summary() for c in callbacks if isinstance(c, TimeToAccuracy)), [])
