@@ -110,7 +110,7 @@ def test_only_rank_zero_says_a_failure(monkeypatch, capsys, rank):
 def test_debug_quick_says_whether_the_loss_fell_in_its_steps(tmp_path, quick_run):
     """The default LeNet, which learns from its first steps, shows it in its line; the book's, flat in its first steps,
     says it cannot tell."""
-    fell = re.search(r"; train/loss fell from (\d\.\d{4}) to (\d\.\d{4}) in 4 steps\) -> ", quick_run.result.stdout)
+    fell = re.search(r"; train/loss fell from (\d\.\d{4}) to (\d\.\d{4}) in 4 steps; ", quick_run.result.stdout)
     assert fell and float(fell.group(2)) < float(fell.group(1)), quick_run.result.stdout[-2000:]
     book = train_here(*QUICK, "experiment=d2l_lenet", "max_epochs=1", f"hydra.run.dir={tmp_path / 'book'}")
     assert book.returncode == 0, book.stderr[-3000:]

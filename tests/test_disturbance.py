@@ -42,10 +42,12 @@ def test_an_epoch_beside_other_work_is_disturbed_and_its_cpu_share_falls():
 
 
 def test_other_work_that_fits_beside_the_run_does_not_disturb_it():
-    assert not is_disturbed(others=3.0, own=4, cores=16)  # a 16-core machine with room to spare
-    assert not is_disturbed(others=0.2, own=2, cores=2)  # a passing blip
-    assert not is_disturbed(others=None, own=2, cores=2)  # not measured (no /proc)
-    assert is_disturbed(others=1.0, own=2, cores=2)
+    assert not is_disturbed(others=3.0, own=4, cores=16, cpu_share=0.5)  # a 16-core machine with room to spare
+    assert not is_disturbed(others=0.2, own=2, cores=2, cpu_share=0.5)  # a passing blip
+    assert not is_disturbed(others=None, own=2, cores=2, cpu_share=0.5)  # not measured (no /proc)
+    # A quiet 2-rank DDP run on 2 cores: its communication is runnable beside its compute threads, and it got its CPU.
+    assert not is_disturbed(others=1.0, own=2, cores=2, cpu_share=0.93)
+    assert is_disturbed(others=2.1, own=2, cores=2, cpu_share=0.34)  # the same run beside one busy loop
 
 
 def test_samples_are_taken_every_half_second_at_most():

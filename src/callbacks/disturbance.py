@@ -17,6 +17,9 @@ from src.sysinfo import NvmlUtilization
 PROC_STAT = Path("/proc/stat")
 SAMPLE_EVERY_S = 0.5  # at a batch end at most this often: a read of /proc/stat costs tens of microseconds
 OTHERS_DISTURB = 0.5  # mean runnable tasks beyond the run's own, with the cores then oversubscribed
+# ... and the process got less of its threads' CPU time than this: a quiet 2-rank DDP run on 2 cores counts about one
+# runnable task beyond its compute threads (its communication) and got 0.92-0.97; beside one busy loop, 0.23-0.41.
+SHARE_DISTURBED = 0.8
 
 
 def runnable_tasks(stat: Path = PROC_STAT) -> int | None:
@@ -30,10 +33,12 @@ def runnable_tasks(stat: Path = PROC_STAT) -> int | None:
     return None
 
 
-def is_disturbed(others: float | None, own: int, cores: int) -> bool:
-    """Other work ran beside the run for half a core on average, and the run's threads and it wanted more cores than
-    the machine has: the epoch time measured the machine's load as well as the setting."""
-    return others is not None and others >= OTHERS_DISTURB and own + others > cores
+def is_disturbed(others: float | None, own: int, cores: int, cpu_share: float) -> bool:
+    """Other work ran beside the run for half a core on average, the run's threads and it wanted more cores than the
+    machine has, and the run got less CPU time than its threads could use: the epoch time measured the machine's load
+    as well as the setting."""
+    return (others is not None and others >= OTHERS_DISTURB and own + others > cores
+            and cpu_share < SHARE_DISTURBED)
 
 
 class EpochLoad:
@@ -60,8 +65,9 @@ class EpochLoad:
     def figures(self) -> dict[str, float]:
         wall, cpu = self.clock() - self.started, self.cpu_clock() - self.cpu_started
         others = statistics.mean(self.others) if self.others else None
-        figures = {"machine/cpu_share": cpu / (wall * self.threads) if wall > 0 else 0.0,
-                   "machine/disturbed": float(is_disturbed(others, self.own, self.cores))}
+        share = cpu / (wall * self.threads) if wall > 0 else 1.0
+        figures = {"machine/cpu_share": share,
+                   "machine/disturbed": float(is_disturbed(others, self.own, self.cores, share))}
         if others is not None:
             figures["machine/others_runnable"] = others
         if self.gpu:
