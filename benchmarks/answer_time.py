@@ -13,7 +13,6 @@ another status than the one it should (0 for an answer, 2 for a refusal).
 
 import argparse
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -21,6 +20,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from src.sysinfo import cpu_model  # noqa: E402
 
 # (what it is, the arguments after the interpreter, the exit status it must end with)
 COMMANDS = [
@@ -37,15 +39,6 @@ COMMANDS = [
     ("src.eval ckpt_path=x devices=0", ["-m", "src.eval", "ckpt_path=x.ckpt", "devices=0"], 2),
 ]
 
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def load() -> str:

@@ -10,7 +10,6 @@ Exits 1 when a search fails before its study exists.
 """
 
 import argparse
-import platform
 import subprocess
 import sys
 import tempfile
@@ -20,13 +19,10 @@ from pathlib import Path
 import optuna
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
+from src.sysinfo import cpu_model  # noqa: E402
 
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown CPU"
 
 
 def search(pruner: str, args: argparse.Namespace, folder: Path) -> None:

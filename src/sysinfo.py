@@ -173,6 +173,19 @@ def cpu_has_bf16() -> bool:
     return bool(re.search(r"\b(avx512_bf16|amx_bf16)\b", flags))
 
 
+def cpu_model() -> str:
+    """The CPU's name, which benchmark figures name beside them (`/proc/cpuinfo`, else the platform's word)."""
+    import platform
+
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
 def _cpu_cores() -> int:
     try:
         return len(os.sched_getaffinity(0))
