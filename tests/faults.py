@@ -67,7 +67,7 @@ class HoldAfterEpoch(Callback):
 
 
 class KillIn(Callback):
-    """SIGKILLs this process in the Lightning hook `hook` of epoch `epoch` (from 0; the test runs at `max_epochs`), once:
+    """SIGKILLs this process in the Lightning hook `hook` of epoch `epoch` (from 0; the test runs at the last one), once:
     the file `mark` says it happened, so the resume goes through. Where a crash, a reboot or `kill -9` may come between
     a run's checkpoints, its validation and its test. Checkpoint callbacks run after every other callback, so
     `on_train_epoch_end` is after the epoch's best checkpoint and before its last.ckpt."""

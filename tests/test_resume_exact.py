@@ -18,9 +18,9 @@ STOPS = {
     "between a step checkpoint and the epoch's validation": ["on_validation_start", 1],
     "during validation": ["on_validation_batch_end", 1],
     "while the epoch's checkpoints are written": ["on_train_epoch_end", 1],
-    "during the test": ["on_test_batch_end", 3],
+    "during the test": ["on_test_batch_end", 2],  # the test is logged at the last training epoch
 }
-TIMED = ("time/", "usage/")  # measured, not computed: they differ between any two runs
+TIMED = ("time/", "usage/", "machine/")  # measured, not computed: they differ between any two runs
 
 
 def fault(stop: str, mark: Path) -> list[str]:
