@@ -10,14 +10,9 @@ from src.report import main as report_main
 from src.report import spread_cells
 from tests.helpers import call_main
 from tests.test_report import config, write_run
+from tests.test_timing import Clock
 
 
-class Clock:
-    def __init__(self, now: float = 0.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_the_runnable_tasks_are_read_from_the_kernel(tmp_path):

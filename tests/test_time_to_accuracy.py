@@ -23,17 +23,12 @@ from src.report import mean_curve, time_to_cell
 from tests.helpers import QUICK, call_main, composed, scalar_steps, scalars, train_here
 from tests.test_report import config as run_config
 from tests.test_report import write_run
+from tests.test_timing import Clock
 
 TRAIN_S, VALIDATE_S = 1.0, 10.0
 ACCURACIES = [0.50, 0.82, 0.84, 0.91]  # at validations after 2, 4, 6 and 8 training batches
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class Climbing(BoringModel):
