@@ -49,7 +49,8 @@ DESCRIPTIONS = {
                                "threads), sampled through the epoch (Linux)",
     "machine/gpu_util": "mean utilization of rank 0's GPU through the epoch, % (NVML)",
     "machine/disturbed": "1 where the epoch competed with other work (machine/others_runnable at least 0.5 with the "
-                         "cores oversubscribed): its time measured the machine's load too",
+                         "cores oversubscribed, and machine/cpu_share under 0.8): its time measured the machine's "
+                         "load too",
     "usage/tflops_per_s": "model TFLOP/s per device this epoch: FLOPs of forward and backward per image (torch's "
                           "FLOP counter) x time/samples_per_s / devices",
     "usage/mfu": "model FLOPs utilisation: usage/tflops_per_s over the device's peak for the precision used "

@@ -234,8 +234,9 @@ def disturbance_note(runs: list[Run]) -> str:
         return ""
     left_out = [f"{run.run} ({run.speedup_left_out})" for run in runs if run.speedup_left_out]
     return ("\\* Other work ran beside some epochs (`disturbed epochs`: `machine/disturbed` in TensorBoard, at least "
-            "half a core's worth of other runnable tasks with the cores oversubscribed): their times measured the "
-            "machine's load as well as the setting, and so does any comparison drawn from them. "
+            "half a core's worth of other runnable tasks with the cores oversubscribed, and the run got under 0.8 of "
+            "its threads' CPU time): their times measured the machine's load as well as the setting, and so does any "
+            "comparison drawn from them. "
             + (f"Speed-ups left out: {'; '.join(left_out)}." if left_out else "")).rstrip()
 
 

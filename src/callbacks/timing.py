@@ -124,8 +124,8 @@ class TimeToAccuracy(RunFigures):
 
     def summary(self) -> list[dict[str, float | int | None]]:
         """For `result.json`: each target, with its seconds and step, or None where the run never reached it."""
-        return [{"target": target, "seconds": self.reached.get(target_name(target), (None, None))[0],
-                 "step": self.reached.get(target_name(target), (None, None))[1]} for target in self.targets]
+        reached = [(target, *self.reached.get(target_name(target), (None, None))) for target in self.targets]
+        return [{"target": target, "seconds": seconds, "step": step} for target, seconds, step in reached]
 
     def verdict(self) -> str:
         """The result line's part: the highest target reached."""
