@@ -66,7 +66,7 @@ class Run:
     checkpoint: str = ""  # the checkpoint it started from, or scored
     to_target: dict[str, float | None] = field(default_factory=dict)  # target val/acc: training seconds, None: never
     acc_time: list[tuple[float, float]] = field(default_factory=list)  # (training seconds, val/acc) at each validation
-    disturbed_epochs: int = 0  # epochs that competed with other work (machine/disturbed)
+    disturbed_epochs: int = 0  # epochs that competed with other work (usage/disturbed)
     timed_epochs: int = 0  # epochs whose competition was measured
     speedup_marked: bool = False  # a side of it had disturbed epochs
     speedup_left_out: str = ""  # why it is not shown
@@ -111,7 +111,7 @@ def read_run(run: RunFolder) -> Run:
     params = run.hparams()
     seed = params.get("seed", run.value("seed"))
     result = records.result(run.path)
-    disturbed = run.values("machine/disturbed")
+    disturbed = run.values("usage/disturbed")
     return Run(
         run=run.name, model=str(run.value("model_name")), strategy=str(run.value("strategy_name")),
         devices=int(run.value("devices")), num_nodes=int(run.value("num_nodes")),
@@ -233,7 +233,7 @@ def disturbance_note(runs: list[Run]) -> str:
     if not any(run.disturbed_epochs for run in runs):
         return ""
     left_out = [f"{run.run} ({run.speedup_left_out})" for run in runs if run.speedup_left_out]
-    return ("\\* Other work ran beside some epochs (`disturbed epochs`: `machine/disturbed` in TensorBoard, at least "
+    return ("\\* Other work ran beside some epochs (`disturbed epochs`: `usage/disturbed` in TensorBoard, at least "
             "half a core's worth of other runnable tasks with the cores oversubscribed, and the run got under 0.8 of "
             "its threads' CPU time): their times measured the machine's load as well as the setting, and so does any "
             "comparison drawn from them. "

@@ -123,15 +123,18 @@ def require_folder(root: Path) -> None:
         raise UsageError(f"{root}: no such folder; give a run folder, a sweep folder or outputs/")
 
 
-def read_runs(root: Path, read: Callable[[RunFolder], T | None]) -> list[T]:
+def read_runs(root: Path, read: Callable[[RunFolder], T | None], warn: bool = True) -> list[T]:
     """`read` of every run folder below `root`, leaving out None; one that cannot be read (a damaged or hand-edited
-    record) is left out with one `warning:` line, and only where none can be read is it a UsageError."""
+    record) is left out with one `warning:` line, and only where none can be read is it a UsageError. `warn=False`
+    for a second reading of the same folders, which said its warnings already."""
     require_folder(root)
     run_dirs = find_run_dirs(root)
     if not run_dirs:
         raise UsageError(f"{root}: no run folders below it "
                          "(a run folder holds config.yaml and event files or metrics.csv)")
-    logging.getLogger("tensorboard").setLevel(logging.WARNING)  # it logs every event file it opens at INFO
+    # It logs every event file it opens, and at length each purge a resume asked for (the points it replays): the
+    # report reads what TensorBoard shows, and its own lines are the only ones it prints.
+    logging.getLogger("tensorboard").setLevel(logging.ERROR)
     found, unreadable = [], []
     for run_dir in run_dirs:
         try:
@@ -143,7 +146,7 @@ def read_runs(root: Path, read: Callable[[RunFolder], T | None]) -> list[T]:
             continue
         if item is not None:
             found.append(item)
-    for line in unreadable[0 if found else 1:]:  # where none can be read, the first is the command's error line
+    for line in unreadable[0 if found else 1:] if warn else []:  # where none can be read, the first is the error line
         print(f"warning: {line}", file=sys.stderr, flush=True)
     if unreadable and not found:
         raise UsageError(unreadable[0])

@@ -31,9 +31,9 @@ def test_an_epoch_beside_other_work_is_disturbed_and_its_cpu_share_falls():
         cpu.now += 1.0  # half of what two threads could have used
         epoch.sample(runnable)
     figures = epoch.figures()
-    assert figures["machine/others_runnable"] == pytest.approx(1.5)
-    assert figures["machine/cpu_share"] == pytest.approx(0.5)
-    assert figures["machine/disturbed"] == 1.0
+    assert figures["usage/others_runnable"] == pytest.approx(1.5)
+    assert figures["usage/cpu_share"] == pytest.approx(0.5)
+    assert figures["usage/disturbed"] == 1.0
 
 
 def test_other_work_that_fits_beside_the_run_does_not_disturb_it():
@@ -72,9 +72,9 @@ def test_a_few_seeds_give_no_interval_that_reaches_past_what_can_be():
 
 def test_the_report_marks_disturbed_times_and_leaves_out_speed_ups_they_spoil(tmp_path):
     root = tmp_path / "outputs"
-    write_run(root / "one", config("ddp", 1), {"time/epoch_s": [4.0, 4.0], "machine/disturbed": [0.0, 0.0]})
-    write_run(root / "two", config("ddp", 2), {"time/epoch_s": [2.0, 2.0, 2.0], "machine/disturbed": [1.0, 0.0, 0.0]})
-    write_run(root / "four", config("ddp", 4), {"time/epoch_s": [1.0, 9.0], "machine/disturbed": [1.0, 1.0]})
+    write_run(root / "one", config("ddp", 1), {"time/epoch_s": [4.0, 4.0], "usage/disturbed": [0.0, 0.0]})
+    write_run(root / "two", config("ddp", 2), {"time/epoch_s": [2.0, 2.0, 2.0], "usage/disturbed": [1.0, 0.0, 0.0]})
+    write_run(root / "four", config("ddp", 4), {"time/epoch_s": [1.0, 9.0], "usage/disturbed": [1.0, 1.0]})
     result = call_main(report_main, str(root))
     assert result.returncode == 0, result.stderr
     with (root / "report.csv").open(newline="") as file:

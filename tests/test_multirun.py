@@ -73,6 +73,14 @@ def log_lines(run: Path, sweep_dir: Path) -> list[str]:
     return [re.sub(r"\d+(\.\d+)?", "N", line) for line in text.splitlines()]
 
 
+def threads_of(config: str) -> int:
+    return int(re.search(r"^threads: (\d+)$", config, re.M).group(1))
+
+
+def without_threads(config: str) -> str:
+    return re.sub(r"^threads: \d+$", "threads: N", config, flags=re.M)
+
+
 @pytest.mark.slow
 def test_jobs_side_by_side_write_what_one_after_another_writes(two_sweeps):
     (one_by_one, sequential), (side_by_side, parallel) = two_sweeps["sequential"], two_sweeps["parallel"]
@@ -85,8 +93,11 @@ def test_jobs_side_by_side_write_what_one_after_another_writes(two_sweeps):
         series = assert_finished_run(side_by_side, beside)
         assert relative_files(beside) == relative_files(alone)
         assert OmegaConf.load(beside / ".hydra" / "overrides.yaml") == OmegaConf.load(alone / ".hydra" / "overrides.yaml")
-        config = (beside / "config.yaml").read_text().replace(str(parallel), "<sweep>")
-        assert config == (alone / "config.yaml").read_text().replace(str(sequential), "<sweep>")
+        config, alone_config = (beside / "config.yaml").read_text(), (alone / "config.yaml").read_text()
+        # A job beside others gets its share of the cores, and records the threads it used.
+        assert threads_of(config) <= threads_of(alone_config)
+        assert without_threads(config).replace(str(parallel), "<sweep>") == \
+            without_threads(alone_config).replace(str(sequential), "<sweep>")
         assert log_lines(beside, parallel) == log_lines(alone, sequential)
         assert set(series) == set(scalars(alone))
     for report in (sequential, parallel):

@@ -239,3 +239,23 @@ def test_an_unreadable_run_is_left_out_with_a_line_and_the_rest_is_reported(synt
     assert line.startswith(f"warning: {synthetic / 'one'}: left out ({synthetic / 'one' / 'config.yaml'}: cannot be read")
     rows = [row for row in (synthetic / "report.md").read_text().splitlines() if row.startswith("| ")]
     assert len(rows) == 4 and not any(row.startswith("| one ") for row in rows)  # the header and three runs
+
+
+def test_the_report_prints_its_own_lines_once_each(synthetic, caplog):
+    """A resumed run's event files purge the points it replays, as TensorBoard shows them; TensorBoard's reader says
+    so at length, once per reading (a DDP run's scaling section reads the folders again). The report reads what
+    TensorBoard shows, without its text, and says a left-out run once."""
+    four = synthetic / "deep" / "er" / "four"
+    with SummaryWriter(log_dir=str(four), purge_step=2) as writer:  # resumed at step 2: drops 1.5 and 9.0
+        writer.add_scalar("time/epoch_s", 6.0, 2)
+    write_run(synthetic / "hooked", {**config("ddp", 2), "strategy": {"hook": None}}, {"time/epoch_s": [1.0]})
+    (synthetic / "one" / "config.yaml").write_text("devices: [\n")
+    result = report(str(synthetic))
+    assert result.returncode == 0, result.stderr
+    assert [line for line in result.stderr.splitlines() if line.startswith("warning:")] == [
+        f"warning: {synthetic / 'one'}: left out ({synthetic / 'one' / 'config.yaml'}: cannot be read as a record "
+        "(while parsing a flow node expected the node content, but found '<stream end>' in \"<byte string>\", "
+        "line 2, column 1: ^))"]
+    assert not [record for record in caplog.records if record.name.startswith("tensorboard")]
+    rows = {row["run"]: row for row in read_csv(synthetic / "report.csv")}
+    assert float(rows["deep/er/four"]["epoch_s"]) == statistics.median([1.0, 2.0, 6.0])

@@ -20,7 +20,7 @@ STOPS = {
     "while the epoch's checkpoints are written": ["on_train_epoch_end", 1],
     "during the test": ["on_test_batch_end", 2],  # the test is logged at the last training epoch
 }
-TIMED = ("time/", "usage/", "machine/")  # measured, not computed: they differ between any two runs
+TIMED = ("time/", "usage/")  # measured, not computed: they differ between any two runs
 
 
 def fault(stop: str, mark: Path) -> list[str]:

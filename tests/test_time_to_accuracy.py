@@ -146,9 +146,9 @@ def test_a_real_run_records_its_times_to_accuracy(tmp_path, data_root):
     assert points["time/to_val_acc_0.05"] == [pytest.approx(low["seconds"])]  # TensorBoard keeps float32
     assert points["time/trained_s"][0] == pytest.approx(low["seconds"])
     # Each epoch says what it competed with; how much depends on what else this machine runs.
-    assert len(points["machine/disturbed"]) == len(points["time/epoch_s"]) == 2
-    assert set(points["machine/disturbed"]) <= {0.0, 1.0} and all(share > 0 for share in points["machine/cpu_share"])
-    assert len(points["machine/others_runnable"]) == 2  # Linux: read from /proc/stat
+    assert len(points["usage/disturbed"]) == len(points["time/epoch_s"]) == 2
+    assert set(points["usage/disturbed"]) <= {0.0, 1.0} and all(share > 0 for share in points["usage/cpu_share"])
+    assert len(points["usage/others_runnable"]) == 2  # Linux: read from /proc/stat
 
 
 # ---- the report on made-up runs ----
@@ -158,7 +158,7 @@ def seeds_of(root, strategy: str, times: dict[int, tuple[float | None, float | N
     for seed, (to_80, to_90) in times.items():
         folder = write_run(root / f"{strategy}_seed={seed}", {**run_config(strategy, 2), "seed": seed},
                            {"time/epoch_s": [5.0, 5.0], "time/trained_s": [5.0, 10.0], "val/acc": [0.7 + seed / 100, 0.9],
-                            "test/acc": [0.9], **({"machine/disturbed": disturbed[seed]} if disturbed else {})},
+                            "test/acc": [0.9], **({"usage/disturbed": disturbed[seed]} if disturbed else {})},
                            {"seed": seed, "strategy": strategy})
         result = records.result(folder)
         reached = [{"target": 0.8, "seconds": to_80, "step": None if to_80 is None else 10},

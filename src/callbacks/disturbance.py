@@ -1,6 +1,6 @@
 """What each training epoch competed with, so that a speed figure taken on a busy machine says so: the process's CPU
-seconds against its wall seconds times its threads (`machine/cpu_share`), the runnable tasks on the machine beyond the
-run's own (`machine/others_runnable`, Linux), and on a GPU its utilization (`machine/gpu_util`, through NVML)."""
+seconds against its wall seconds times its threads (`usage/cpu_share`), the runnable tasks on the machine beyond the
+run's own (`usage/others_runnable`, Linux), and on a GPU its utilization (`usage/gpu_util`, through NVML)."""
 
 import os
 import statistics
@@ -66,12 +66,12 @@ class EpochLoad:
         wall, cpu = self.clock() - self.started, self.cpu_clock() - self.cpu_started
         others = statistics.mean(self.others) if self.others else None
         share = cpu / (wall * self.threads) if wall > 0 else 1.0
-        figures = {"machine/cpu_share": share,
-                   "machine/disturbed": float(is_disturbed(others, self.own, self.cores, share))}
+        figures = {"usage/cpu_share": share,
+                   "usage/disturbed": float(is_disturbed(others, self.own, self.cores, share))}
         if others is not None:
-            figures["machine/others_runnable"] = others
+            figures["usage/others_runnable"] = others
         if self.gpu:
-            figures["machine/gpu_util"] = statistics.mean(self.gpu)
+            figures["usage/gpu_util"] = statistics.mean(self.gpu)
         return figures
 
 
@@ -110,7 +110,7 @@ class Disturbance(RunFigures):
             return
         self._sample()
         figures = self._epoch.figures()
-        self.disturbed.append(bool(figures["machine/disturbed"]))
+        self.disturbed.append(bool(figures["usage/disturbed"]))
         log_scalars(trainer, figures)
         self._epoch = None
 
@@ -125,7 +125,7 @@ class Disturbance(RunFigures):
         if not count:
             return ""
         return (f"{count} of {len(self.disturbed)} epoch times disturbed: other work ran beside the run "
-                "(machine/others_runnable in TensorBoard); time settings against each other on a quiet machine")
+                "(usage/others_runnable in TensorBoard); time settings against each other on a quiet machine")
 
     def state_dict(self) -> dict[str, list[bool]]:
         return {"disturbed": list(self.disturbed)}
