@@ -83,7 +83,7 @@ def command() -> None:
         sys.argv = [sys.argv[0], *with_checkpoint_model(sys.argv[1:])]
     except UsageError as error:
         cli.end_run(str(error), 2)
-    cli.main(main, prepare=take_the_runs_model)
+    cli.main(main, "eval", prepare=take_the_runs_model)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ def main(cfg: DictConfig) -> Result:
 
 def command() -> None:
     """`python -m src.train`: a run, or a sweep and its report."""
-    cli.main(main, report=True)
+    cli.main(main, "train", report=True)
 
 
 if __name__ == "__main__":

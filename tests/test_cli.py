@@ -11,8 +11,8 @@ from omegaconf import OmegaConf
 
 from src.errors import UsageError
 from src.launch import cli
-from tests.helpers import (QUICK, REPO, Run, assert_finished_run, composed, cpu_precision, hparams, hparams_order, scalars,
-                           train, train_here, user_env, write_tiny_fashion_mnist)
+from tests.helpers import (QUICK, REPO, Run, assert_finished_run, command_here, composed, cpu_precision, hparams,
+                           hparams_order, scalars, train, train_here, user_env, write_tiny_fashion_mnist)
 
 
 def test_single_device_run_logs_every_interface_scalar(quick_run: Run):
@@ -222,13 +222,23 @@ def test_help_the_config_and_a_refused_config_are_answered_without_torch(tmp_pat
     assert not any(tmp_path.iterdir())
 
 
-@pytest.mark.slow
+@pytest.mark.parametrize("overrides", [[], ["model=resnet18", "strategy=ddp", "logger=csv"]], ids=["plain", "overrides"])
 @pytest.mark.parametrize("name", ["train", "eval"])
-def test_help_lists_each_groups_options(name):
-    result = subprocess.run([sys.executable, "-m", f"src.{name}", "--help"], cwd=REPO, env=user_env(),
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr
-    assert "model: lenet, resnet18" in result.stdout and f"Usage: {sys.executable} -m src.{name}" not in result.stdout
+def test_help_is_hydras_text_with_each_groups_options(name, overrides):
+    """`--help` lists the config groups from one reading of conf/; Hydra answers itself where a flag of its own is
+    typed (`-cn`), with the same text. tests/test_output.py runs `--help` as a command line."""
+    ours = command_here(f"src.{name}", "--help", *overrides)
+    hydras = command_here(f"src.{name}", "--help", "-cn", name, *overrides)
+    assert ours.returncode == hydras.returncode == 0, ours.stderr + hydras.stderr
+    assert ours.stdout == hydras.stdout
+    assert "model: lenet, resnet18\n" in ours.stdout and "logger: csv, mlflow, tensorboard, wandb\n" in ours.stdout
+
+
+def test_help_leaves_a_template_with_hydras_own_parts_to_hydra():
+    from src.launch.help import help_text
+
+    assert help_text("train", ["hydra.help.template=groups: $APP_CONFIG_GROUPS"]).startswith("groups: callbacks: default\n")
+    assert help_text("train", ["hydra.help.template=flags: $FLAGS_HELP"]) is None
 
 
 @pytest.mark.parametrize(("overrides", "env", "expected"), [

@@ -145,10 +145,11 @@ def run_job(cfg: DictConfig, task: Callable[[DictConfig], Result],
         end_run(f"{failure.line}; {kept(output_dir)}", 1)
 
 
-def main(hydra_main: Callable[[], object], report: bool = False,
+def main(hydra_main: Callable[[], object], config_name: str, report: bool = False,
          prepare: Callable[[DictConfig], None] | None = None) -> None:
-    """Run the Hydra entry and exit with the status it earned; with `report` (training), a resume takes the run's
-    recorded settings first (`src.resume`), and a sweep writes its report. `prepare`: as `run_job`'s, for `CheckFirst`."""
+    """Run the Hydra entry of `conf/<config_name>.yaml` and exit with the status it earned; with `report` (training), a
+    resume takes the run's recorded settings first (`src.resume`), and a sweep writes its report. `prepare`: as
+    `run_job`'s, for `CheckFirst`."""
     global _prepare
     _prepare = prepare
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises its refusals here, where they become one line
@@ -157,6 +158,8 @@ def main(hydra_main: Callable[[], object], report: bool = False,
     status = 0
     try:
         config.check_args(args)
+        if answered_help(config_name, args):
+            sys.exit(0)
         sweep_dir = typed_sweep_dir(args)
         fresh = sweep_dir is not None and not sweep_dir.exists()
         # one writer a sweep folder, for the command's life (a new folder is its own)
@@ -186,6 +189,19 @@ def main(hydra_main: Callable[[], object], report: bool = False,
             print_error(f"{counted(len(sweep.failures), 'sweep job')} failed: {jobs}")
             status = max([status, *(f.status for f in sweep.failures)])
     sys.exit(status)
+
+
+def answered_help(config_name: str, args: list[str]) -> bool:
+    """`--help` with overrides alone (and `-m`), answered without Hydra's slow listing of the config groups."""
+    from src.launch import help
+
+    overrides = [arg for arg in args if arg not in ("-m", "--multirun", *help.HELP_FLAGS)]
+    if not help.wants_help(args) or any(arg.startswith("-") for arg in overrides):
+        return False
+    text = help.help_text(config_name, overrides)
+    if text is not None:
+        print(text, flush=True)
+    return text is not None
 
 
 def typed_sweep_dir(args: list[str]) -> Path | None:
