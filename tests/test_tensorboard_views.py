@@ -219,7 +219,7 @@ def test_a_sweep_over_models_opens_on_the_swept_keys_not_on_what_follows_from_th
     """`model=lenet,resnet18 seed=1,2`: LeNet's own keys and the parameter counts differ only because the models
     do; the columns ticked by default are the swept keys and what the runs are."""
     tiny = ["trainer.limit_train_batches=1", "trainer.limit_val_batches=1", "trainer.limit_test_batches=1",
-            "data.batch_size=16"]
+            "data.batch_size=4"]
     result = train_here("-m", *QUICK, *tiny, "model=lenet,resnet18", "seed=1,2", f"hydra.sweep.dir={tmp_path}")
     assert result.returncode == 0, result.stderr[-3000:]
     experiment = Served(tmp_path).experiment()
