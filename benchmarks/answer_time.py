@@ -29,7 +29,7 @@ COMMANDS = [
     ("interpreter start", ["-c", "pass"], 0),
     ("import torch, lightning", ["-c", "import torch, lightning"], 0),
     ("src.train --help", ["-m", "src.train", "--help"], 0),
-    ("  the same, as Hydra lists the groups", ["-m", "src.train", "--help", "-cn", "train"], 0),
+    ("  the same, Hydra listing groups", ["-m", "src.train", "--help", "-cn", "train"], 0),
     ("src.train --cfg job", ["-m", "src.train", "--cfg", "job"], 0),
     ("src.train max_epoch=3", ["-m", "src.train", "max_epoch=3"], 2),
     ("src.train strategy=nope", ["-m", "src.train", "strategy=nope"], 2),

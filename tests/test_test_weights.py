@@ -4,6 +4,7 @@
 import json
 import re
 import shutil
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -28,23 +29,29 @@ def evaluate(run_dir, *args: str) -> float:
     return score_of(run_dir)
 
 
+SETTINGS = {"best": [], "last": ["test_weights=last"], "no_val": ["max_epochs=1", "trainer.limit_val_batches=0"]}
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, data_root):
-    """One run of each setting (one process each, trained in this process), and its result line."""
+    """A run of a setting (one process, trained in this process) when a test first asks for it, and its result line:
+    each test process trains only those its tests use."""
     folder = tmp_path_factory.mktemp("test_weights")
-    done = {}
-    for name, args in {"best": [], "last": ["test_weights=last"], "no_val": ["max_epochs=1", "trainer.limit_val_batches=0"]}.items():
-        result = train_here(*TWO_EPOCHS, *args, f"hydra.run.dir={folder / name}")
+
+    @cache
+    def run(name: str) -> tuple[Path, str, str]:
+        result = train_here(*TWO_EPOCHS, *SETTINGS[name], f"hydra.run.dir={folder / name}")
         assert result.returncode == 0, result.stderr[-3000:]
         line = next(line for line in result.stdout.splitlines() + result.stderr.splitlines() if "test/acc=" in line)
-        done[name] = (folder / name, line, result.stdout + result.stderr)
-    return done
+        return folder / name, line, result.stdout + result.stderr
+
+    return run
 
 
 @pytest.fixture(scope="module")
 def scores(runs, tmp_path_factory):
     """test/acc of the default run's best and last checkpoints, each scored on its own."""
-    run_dir = runs["best"][0]
+    run_dir = runs("best")[0]
     folder = tmp_path_factory.mktemp("scores")
     best = [path for path in (run_dir / "checkpoints").glob("best-*.ckpt")]
     assert [path.name for path in best] == ["best-epoch1.ckpt"]
@@ -53,7 +60,7 @@ def scores(runs, tmp_path_factory):
 
 
 def test_a_run_tests_its_best_checkpoint_by_default(runs, scores):
-    run_dir, line, _ = runs["best"]
+    run_dir, line, _ = runs("best")
     assert scores["best"] != scores["last"], "the two checkpoints must differ for this test to tell them apart"
     assert score_of(run_dir) == scores["best"]
     assert "tested best-epoch1.ckpt" in line
@@ -61,14 +68,14 @@ def test_a_run_tests_its_best_checkpoint_by_default(runs, scores):
 
 
 def test_test_weights_last_tests_the_weights_training_ended_with(runs, scores):
-    run_dir, line, _ = runs["last"]
+    run_dir, line, _ = runs("last")
     assert score_of(run_dir) == scores["last"]  # the same seed and settings: the same last weights
     assert "tested the last weights" in line
     assert hparams(run_dir)["tested_weights"] == "last"
 
 
 def test_eval_of_a_run_folder_scores_its_best_checkpoint_unless_told_last(runs, scores, tmp_path):
-    run_dir = runs["best"][0]
+    run_dir = runs("best")[0]
     assert evaluate(tmp_path / "best", f"ckpt_path={run_dir}") == scores["best"]
     assert "/best-epoch1.ckpt -> " in json.loads((tmp_path / "best" / "result.json").read_text())["line"]
     assert evaluate(tmp_path / "last", f"ckpt_path={run_dir}", "test_weights=last") == scores["last"]
@@ -77,14 +84,14 @@ def test_eval_of_a_run_folder_scores_its_best_checkpoint_unless_told_last(runs, 
 
 def test_a_best_checkpoint_is_named_by_its_epoch_as_train_log_counts_it(runs):
     """The first epoch was best (mode=min): train.log's `epoch 1/2`, Lightning's epoch 0."""
-    run_dir = runs["best"][0]
+    run_dir = runs("best")[0]
     state = torch.load(run_dir / "checkpoints" / "best-epoch1.ckpt", map_location="cpu", weights_only=True)
     assert state["epoch"] == 0 and "epoch 1/2 " in (run_dir / "train.log").read_text()
 
 
 def test_a_folder_that_names_its_best_from_epoch_0_is_scored_and_resumed_alike(runs, scores, quick_run, tmp_path):
     """Folders written before the names counted from 1: the best file is found by its prefix, never its number."""
-    old = Path(shutil.copytree(runs["best"][0], tmp_path / "old"))
+    old = Path(shutil.copytree(runs("best")[0], tmp_path / "old"))
     (old / "checkpoints" / "best-epoch1.ckpt").rename(old / "checkpoints" / "best-epoch0.ckpt")
     assert evaluate(tmp_path / "eval", f"ckpt_path={old}") == scores["best"]
     assert "/best-epoch0.ckpt -> " in json.loads((tmp_path / "eval" / "result.json").read_text())["line"]
@@ -97,7 +104,7 @@ def test_a_folder_that_names_its_best_from_epoch_0_is_scored_and_resumed_alike(r
 
 
 def test_a_run_without_validation_tests_its_last_weights_and_says_so(runs):
-    run_dir, line, output = runs["no_val"]
+    run_dir, line, output = runs("no_val")
     assert "no best checkpoint was saved" in output
     assert "tested the last weights" in line
     assert hparams(run_dir)["tested_weights"] == "last"
