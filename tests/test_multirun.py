@@ -39,7 +39,10 @@ def two_sweeps(tmp_path_factory, data_root) -> dict[str, tuple[subprocess.Comple
     sweeps = {}
     for launcher in ("sequential", "parallel"):
         folder = tmp_path_factory.mktemp(launcher) / "sweep"
-        sweeps[launcher] = sweep(folder, f"hydra/launcher={launcher}", "seed=1,2", SHOW_PLACEMENT), folder
+        # Without the disturbance marks: whether an epoch competed with the suite's other test process differs
+        # between the two sweeps, and the result lines would say so.
+        sweeps[launcher] = sweep(folder, f"hydra/launcher={launcher}", "seed=1,2", SHOW_PLACEMENT,
+                                 "~callbacks.disturbance"), folder
     return sweeps
 
 
