@@ -146,8 +146,9 @@ def read_runs(root: Path, read: Callable[[RunFolder], T | None], warn: bool = Tr
             continue
         if item is not None:
             found.append(item)
-    for line in unreadable[0 if found else 1:] if warn else []:  # where none can be read, the first is the error line
-        print(f"warning: {line}", file=sys.stderr, flush=True)
+    if warn:
+        for line in unreadable[0 if found else 1:]:  # where none can be read, the first is the command's error line
+            print(f"warning: {line}", file=sys.stderr, flush=True)
     if unreadable and not found:
         raise UsageError(unreadable[0])
     return found

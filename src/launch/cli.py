@@ -195,13 +195,14 @@ def answered_help(config_name: str, args: list[str]) -> bool:
     """`--help` with overrides alone (and `-m`), answered without Hydra's slow listing of the config groups."""
     from src.launch import help
 
-    overrides = [arg for arg in args if arg not in ("-m", "--multirun", *help.HELP_FLAGS)]
-    if not help.wants_help(args) or any(arg.startswith("-") for arg in overrides):
+    if not help.wants_help(args):
         return False
-    text = help.help_text(config_name, overrides)
-    if text is not None:
-        print(text, flush=True)
-    return text is not None
+    overrides = [arg for arg in args if arg not in ("-m", "--multirun", *help.HELP_FLAGS)]
+    text = None if any(arg.startswith("-") for arg in overrides) else help.help_text(config_name, overrides)
+    if text is None:
+        return False
+    print(text, flush=True)
+    return True
 
 
 def typed_sweep_dir(args: list[str]) -> Path | None:
