@@ -345,3 +345,66 @@ def test_a_stopped_search_whose_folder_moved_goes_on_there_and_a_job_refused_kee
     [trial] = study_of(moved).trials
     assert trial.state == TrialState.COMPLETE and list(trial.intermediate_values) == [0, 1]
     assert result.stdout.splitlines()[-1].startswith("sweep of 1 trial: 0 done, 1 resumed")
+
+
+class Batches:
+    """A launcher that takes batches, as SLURM's does: it runs nothing, tells each trial a value, and keeps what it
+    was given."""
+
+    def __init__(self, study: optuna.Study) -> None:
+        self.study, self.launched = study, []
+
+    def launch(self, job_overrides, initial_job_idx):
+        numbers = [int(next(o for o in overrides if o.startswith("+callbacks.optuna_trial.trial=")).split("=")[1])
+                   for overrides in job_overrides]
+        self.launched.append(numbers)
+        assert numbers == list(range(initial_job_idx, initial_job_idx + len(numbers))), "a launch numbers jobs in a row"
+        for number in numbers[:-1]:  # the last ends without telling (killed, say)
+            self.study.tell(number, 0.5)
+        return [JobReturn(status=JobStatus.COMPLETED, _return_value=Result({}, "")) for _ in numbers]
+
+
+def test_a_batch_launcher_gets_trials_left_running_then_new_ones_in_numbered_runs_and_a_silent_job_fails(tmp_path):
+    """Trials 2, 3 and 5 of 5 were left running by a stopped command; 7 trials in all, 2 at once."""
+    study = optuna.create_study(storage=storage(tmp_path / DB), study_name="s", direction="maximize")
+    space = {"optim.lr": FloatDistribution(0.001, 1.0, log=True)}
+    for number in range(5):
+        trial = study.ask(space)
+        if number in (0, 3):
+            study.tell(trial, 0.4)
+    sweeper = OptunaSweeper(**{**SETTINGS, "n_trials": 7, "n_jobs": 2})
+    sweeper.config = OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}, "ckpt_path": "auto"})
+    sweeper.launcher, sweeper.check = Batches(study), lambda space: None
+    sweeper.sweep([LR])
+    assert sweeper.launcher.launched == [[1, 2], [4, 5], [6]]
+    states = [trial.state for trial in study_of(tmp_path).trials]
+    assert states == [TrialState.COMPLETE, TrialState.COMPLETE, TrialState.FAIL, TrialState.COMPLETE,
+                      TrialState.COMPLETE, TrialState.FAIL, TrialState.FAIL]
+
+
+def test_a_project_launcher_is_given_each_trial_only_as_it_takes_it_left_ones_first(tmp_path):
+    """Under the sequential and parallel launchers a new trial exists only once the launcher has a place for it, so
+    the sampler knows how every trial before it ended."""
+    from src.launch.sequential_launcher import ProjectLauncher
+
+    study = optuna.create_study(storage=storage(tmp_path / DB), study_name="s", direction="maximize")
+    study.ask({"optim.lr": FloatDistribution(0.001, 1.0, log=True)})  # left running by a stopped command
+    taken, sizes = [], []
+
+    class OneByOne(ProjectLauncher):
+        def launch_each(self, next_job, count, first, at_once, ended):
+            assert (count, first, at_once) == (3, 0, None)
+            while (job := next_job()) is not None:
+                sizes.append(len(study.trials))
+                taken.append(job[0])
+                if job[0] != 1:
+                    study.tell(job[0], 0.5)
+                ended(job[0], JobReturn(status=JobStatus.COMPLETED, _return_value=Result({}, "")))
+            return []
+
+    sweeper = OptunaSweeper(**{**SETTINGS, "n_trials": 3})
+    sweeper.config = OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}, "ckpt_path": "auto"})
+    sweeper.launcher, sweeper.check = OneByOne(), lambda space: None
+    sweeper.sweep([LR])
+    assert taken == [0, 1, 2] and sizes == [1, 2, 3]
+    assert [t.state for t in study_of(tmp_path).trials] == [TrialState.COMPLETE, TrialState.FAIL, TrialState.COMPLETE]

@@ -256,12 +256,12 @@ def test_the_slurm_launcher_says_each_start_and_end_as_it_polls(tmp_path, monkey
     monkeypatch.setattr(slurm_launcher, "queue", queue)
     monkeypatch.setattr(slurm_launcher, "POLL_S", 0.0)
     lines = Progress(2, 0, tmp_path)
-    returns = slurm_launcher.wait(jobs, [["seed=1"], ["seed=2"]], [0, 1], tmp_path, lines)
+    returns = slurm_launcher.wait(jobs, [["seed=1"], ["seed=2"]], [0, 1], tmp_path, lines, [False, True])
     out = capsys.readouterr().out.splitlines()
     assert [line.split(" (elapsed")[0] for line in out] == [
         "job 1/2 started: seed=1",
         f"job 1/2 done: seed=1: {DONE.line}",
-        "job 2/2 started: seed=2",
+        "job 2/2 resumed: seed=2",  # it goes on from its folder's checkpoints
         "job 2/2 failed: seed=2: rank 1 died",
     ]
     assert returns[0].return_value == DONE and returns[1].status == JobStatus.FAILED
@@ -323,3 +323,37 @@ def test_a_launcher_setting_out_of_range_is_refused_in_one_line(value):
     with pytest.raises(UsageError, match="from 1 to 2 .*, or null for as many as fit"):
         checked_setting("jobs", 3, allow_null=True, most=2)
     assert checked_setting("jobs", None, allow_null=True, most=2) is None
+
+
+def test_a_parallel_launch_takes_the_next_job_only_when_a_place_frees_and_tells_each_end_first(tmp_path, monkeypatch):
+    """`launch_each`'s side in the parallel launcher: job 2 is asked for once job 0 (the short one) has ended and been
+    told, while job 1 runs on; nothing is asked for while both places are taken."""
+    from types import SimpleNamespace
+
+    from src.launch import parallel_launcher
+    from src.launch.parallel_launcher import ParallelLauncher, Running
+
+    events, ends = [], iter([0, 1, 2])
+
+    def jobs():
+        for number in range(3):
+            events.append(f"asked {number}")
+            yield Job(number, [], None, f"j{number}")
+
+    def start(job, placement, sweep_dir):
+        events.append(f"started {job.number}")
+        return Running(job, placement, SimpleNamespace(exitcode=0), None, tmp_path / "out", 0, ended(DONE))
+
+    def ended_jobs(running, woken):
+        return [running.pop(next(ends))]
+
+    launcher = ParallelLauncher(jobs=2)
+    monkeypatch.setattr(launcher, "places", lambda alike: Places(range(2), 2, None, 1))
+    monkeypatch.setattr(launcher, "start", start)
+    monkeypatch.setattr(parallel_launcher, "ended_jobs", ended_jobs)
+    told = lambda number, job: events.append(f"told {number}")  # noqa: E731
+    returns = launcher.run(jobs(), Progress(3, 0, tmp_path, clock=Clock(), say=lambda line: None, on_end=told),
+                           tmp_path, [])
+    assert events == ["asked 0", "started 0", "asked 1", "started 1", "told 0", "asked 2", "started 2", "told 1",
+                      "told 2"]
+    assert sorted(returns) == [0, 1, 2] and all(job.return_value == DONE for job in returns.values())

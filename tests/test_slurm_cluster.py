@@ -371,5 +371,7 @@ def test_a_cancelled_launcher_sweep_resumes_with_the_command_its_line_names(chec
     for job in jobs:
         assert read_ckpt(job / "checkpoints" / "last.ckpt")["epoch"] == epochs - 1
         assert not steps_going_back(job)
-    for job in interrupted:  # went on from its checkpoint: each epoch trained once
+    for job in interrupted:  # went on from its checkpoint: each epoch trained once, and its lines say so
         assert logged_epochs(job) == list(range(1, epochs + 1)), job
+        assert re.search(rf"^job [12]/2 resumed: {re.escape(job.name)} \(", resumed.stdout, re.M), resumed.stdout[-3000:]
+        assert re.search(rf"^job [12]/2 done after resuming: {re.escape(job.name)}: ", resumed.stdout, re.M)

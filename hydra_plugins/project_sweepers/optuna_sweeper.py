@@ -18,7 +18,7 @@ class OptunaSweeperConf:
 
     _target_: str = "hydra_plugins.project_sweepers.optuna_sweeper.OptunaSweeper"
     n_trials: int = 20  # trials in all, counting those of the command a resume continues
-    n_jobs: int | None = None  # trials asked for at once; null: 1, or as many as hydra/launcher=parallel runs at once
+    n_jobs: int | None = None  # most trials at once; null: as many as the launcher runs (SLURM: batches of 1)
     sampler: str = "tpe"  # tpe | random
     seed: int = 0  # the sampler's
     direction: str = "maximize"  # maximize | minimize val/acc_best

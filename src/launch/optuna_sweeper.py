@@ -22,6 +22,7 @@ from src.errors import ResumeRefused, UsageError, missing_package
 from src.folders import write_file
 from src.launch import progress
 from src.launch.console import print_line
+from src.launch.sequential_launcher import ProjectLauncher
 from src.records import Result
 
 log = logging.getLogger(__name__)
@@ -55,22 +56,26 @@ class TrialResult(Result):
 
 
 class TrialRecord:
-    """One trial of a sweep's study, reached through the study's file by its number."""
+    """One trial of a sweep's study, reached through the study's file by its number, through Optuna's `Trial`."""
 
     def __init__(self, db: str, study: str, number: int) -> None:
-        optuna, self.storage, self.number = optuna_package(), storage(db), number
-        self.study = optuna.load_study(study_name=study, storage=self.storage)
+        optuna, self.number = optuna_package(), number
+        self.study = optuna.load_study(study_name=study, storage=storage(db))
         median = self.study.user_attrs.get("pruner") == "median"
         self.study.pruner = optuna.pruners.MedianPruner() if median else optuna.pruners.NopPruner()
-        self.id = self.storage.get_trial_id_from_study_id_trial_number(self.storage.get_study_id_from_name(study), number)
+        stored = self.study.trials[number]
+        self.reported = set(stored.intermediate_values)  # a resumed run's epochs that a stopped attempt reported
+        self.trial = optuna.trial.Trial(self.study, stored._trial_id)  # the id Optuna's `Trial` is made by
 
     def report(self, epoch: int, value: float, last: bool = False) -> bool:
         """True where the pruner gives the trial up; never after the `last` epoch, where nothing is left to save and
         the trial is complete (one-epoch trials were all marked pruned)."""
-        self.storage.set_trial_intermediate_value(self.id, epoch, value)
-        if last or not self.study.pruner.prune(self.study, self.storage.get_trial(self.id)):
+        if epoch not in self.reported:
+            self.trial.report(value, epoch)
+            self.reported.add(epoch)
+        if last or not self.trial.should_prune():
             return False
-        self.storage.set_trial_user_attr(self.id, PRUNED_AFTER, epoch + 1)
+        self.trial.set_user_attr(PRUNED_AFTER, epoch + 1)
         log.info(f"trial {self.number + 1} pruned after epoch {epoch + 1}: val/acc={value:.4f} is below the median of "
                  "the trials before it at that epoch; it stops here, and is tested")
         return True
@@ -82,8 +87,8 @@ class TrialRecord:
             raise UsageError(f"trial {self.number + 1} has no {OBJECTIVE} to be judged by: {folder} ran no validation")
         for name in (OBJECTIVE, "test/acc"):
             if name in metrics:
-                self.storage.set_trial_user_attr(self.id, name, metrics[name])
-        pruned = PRUNED_AFTER in self.storage.get_trial(self.id).user_attrs
+                self.trial.set_user_attr(name, metrics[name])
+        pruned = PRUNED_AFTER in self.study.trials[self.number].user_attrs
         self.tell("PRUNED" if pruned else "COMPLETE", None if pruned else metrics[OBJECTIVE])
         return TrialResult(**asdict(result), pruned=pruned)
 
@@ -102,7 +107,7 @@ class TrialTask:
     def __call__(self, cfg: DictConfig) -> Any:
         where = cfg.callbacks[CALLBACK]
         trial, folder = TrialRecord(where.db, where.study, where.trial), Path(cfg.output_dir).name
-        trial.storage.set_trial_user_attr(trial.id, "folder", folder)
+        trial.trial.set_user_attr("folder", folder)
         try:
             result = self.task(cfg)
         except ResumeRefused:
@@ -192,7 +197,7 @@ class OptunaSweeper(Sweeper):
         self.check(space)
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         sweep_dir.mkdir(parents=True, exist_ok=True)
-        study, n_trials, at_once, returns = self.open_study(sweep_dir), self.settings["n_trials"], self.trials_at_once(), []
+        study, n_trials = self.open_study(sweep_dir), self.settings["n_trials"]
         for trial in study.trials:  # a study is a file of the folder: its stored points are values of this space alone
             if trial.params and not space.holds(trial.params):
                 raise UsageError(f"{sweep_dir / DB}: trial {trial.number + 1} holds "
@@ -203,21 +208,43 @@ class OptunaSweeper(Sweeper):
         ended = len(study.trials) - len(left)
         progress.tally = progress.Tally(total=max(n_trials, len(study.trials)), before=ended, sweep_dir=sweep_dir,
                                         noun="trial", note=lambda: best(study, sweep_dir, note=True))
-        while left or ended < n_trials:
-            # a launch numbers its jobs one after another: trials left whose numbers follow on, else new ones as asked
-            batch = [trial for k, trial in enumerate(left[:at_once]) if trial.number == left[0].number + k]
-            left = left[len(batch):]
-            batch = batch or [study.ask(space.distributions) for _ in range(min(at_once, n_trials - ended))]
-            db, node = quoted(str(sweep_dir.absolute() / DB)), f"+callbacks.{CALLBACK}"
-            jobs = [[*space.overrides(trial.params), f"{node}._target_=src.callbacks.optuna_trial.ReportToTrial",
-                     f"{node}.db={db}", f"{node}.study={quoted(study.study_name)}", f"{node}.trial={trial.number}"]
-                    for trial in batch]
-            launched = self.launcher.launch(jobs, initial_job_idx=batch[0].number)
-            for trial, job in zip(batch, launched):  # a job that ended without telling (killed, say) failed
-                if not isinstance(progress.value(job), ResumeRefused):  # a refused resume leaves its trial to resume
-                    study.tell(trial.number, state=TrialState.FAIL, skip_if_finished=True)
-            returns += launched
-            ended += len(batch)
+        new = max(0, n_trials - len(study.trials))
+        db, node = quoted(str(sweep_dir.absolute() / DB)), f"+callbacks.{CALLBACK}"
+
+        def reaching(number: int) -> list[str]:  # the callback through which a job reaches its trial
+            return [f"{node}._target_=src.callbacks.optuna_trial.ReportToTrial", f"{node}.db={db}",
+                    f"{node}.study={quoted(study.study_name)}", f"{node}.trial={number}"]
+
+        def next_trial() -> tuple[int, list[str]] | None:
+            """The next trial left running by an earlier command, else a new one while the search asks for more."""
+            nonlocal new
+            if left:
+                trial = left.pop(0)
+            elif new:
+                trial, new = study.ask(space.distributions), new - 1
+            else:
+                return None
+            return trial.number, [*space.overrides(trial.params), *reaching(trial.number)]
+
+        def failed_unless_told(number: int, job: JobReturn) -> None:
+            """A job that ended without telling its trial (killed, say) failed it; a refused resume leaves it to resume."""
+            if not isinstance(progress.value(job), ResumeRefused):
+                study.tell(number, state=TrialState.FAIL, skip_if_finished=True)
+
+        if isinstance(self.launcher, ProjectLauncher):
+            returns = self.launcher.launch_each(next_trial, len(left) + new, ended, self.settings["n_jobs"],
+                                                failed_unless_told)
+        else:  # a launcher that takes batches (SLURM's): each after the last has ended, numbered one after another
+            returns, at_once, held = [], self.settings["n_jobs"] or 1, None
+            while (first := held or next_trial()) is not None:
+                batch, held = [first], None
+                while len(batch) < at_once and (held := next_trial()) is not None and held[0] == batch[-1][0] + 1:
+                    batch.append(held)
+                    held = None
+                launched = self.launcher.launch([overrides for _, overrides in batch], initial_job_idx=first[0])
+                for (number, _), job in zip(batch, launched):
+                    failed_unless_told(number, job)
+                returns += launched
         progress.tally.appendix = trials_table(study, sweep_dir)
         print_line(best(study, sweep_dir))
         return returns
@@ -257,13 +284,6 @@ class OptunaSweeper(Sweeper):
             study.set_user_attr(name, value)
         return study
 
-    def trials_at_once(self) -> int:
-        """`n_jobs`, else one under the sequential launcher, and as many as run at once under the parallel launcher."""
-        from src.launch.parallel_launcher import Job, ParallelLauncher, with_needs
-
-        if self.settings["n_jobs"] is not None or not isinstance(self.launcher, ParallelLauncher):
-            return self.settings["n_jobs"] or 1
-        return len(self.launcher.places([with_needs(Job(0, [], self.config, ""))] * self.settings["n_trials"]).cores)
 
 
 def quoted(text: str) -> str:

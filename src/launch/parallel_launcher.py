@@ -12,8 +12,7 @@ import pickle
 import signal
 import sys
 import threading
-from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from contextlib import suppress
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection, wait
@@ -143,20 +142,25 @@ class ParallelLauncher(ProjectLauncher):
         slots = slots_that_fit(self.jobs, len(cores), len(gpus or ()), self.jobs_per_gpu, jobs)
         return Places(cores, slots, gpus, self.jobs_per_gpu)
 
-    def run(self, jobs: list[Job], progress: Progress, sweep_dir: Path) -> dict[int, JobReturn]:
-        places = self.places(jobs)
+    def run(self, jobs: Iterable[Job], progress: Progress, sweep_dir: Path, alike: list[Job]) -> dict[int, JobReturn]:
+        places = self.places([with_needs(job) for job in alike])
         (sweep_dir / ".parallel").mkdir(exist_ok=True)
-        log.info(f"{counted(len(jobs), 'job')}, {len(places.cores)} at a time, in {sweep_dir}; each job's output in "
-                 f"{sweep_dir / '.parallel'}")
-        waiting, running, returns, stopped = deque(jobs), {}, {}, 0
+        log.info(f"{counted(progress.count, 'job')}, {len(places.cores)} at a time, in {sweep_dir}; each job's output "
+                 f"in {sweep_dir / '.parallel'}")
+        waiting, running, returns, started, stopped = iter(jobs), {}, {}, 0, 0
+        head: Job | None = None  # taken from `waiting`, and waiting for GPUs
         with Stops() as stops:
             try:
-                while running or (waiting and not stops.signals):
-                    while not stops.signals and waiting and (
-                            placement := places.take(waiting[0].devices if waiting[0].gpu else 0)) is not None:
-                        job = waiting.popleft()
-                        running[job.number] = self.start(job, placement, sweep_dir)
-                        progress.started(job.number, job.name, job.resumes)
+                while True:
+                    while not stops.signals and places.free and (head := head or next(waiting, None)) is not None:
+                        placement = places.take(head.devices if head.gpu else 0)
+                        if placement is None:
+                            break
+                        running[head.number] = self.start(head, placement, sweep_dir)
+                        progress.started(head.number, head.name, head.resumes)
+                        head, started = None, started + 1
+                    if not running:
+                        break
                     for ended in ended_jobs(running, stops.woken):
                         places.give_back(ended.placement)
                         if stopped:
@@ -171,7 +175,8 @@ class ParallelLauncher(ProjectLauncher):
                     elif len(stops.signals) > 1:  # a second kills them
                         send(running, signal.SIGKILL)
                 if stops.signals:
-                    raise RunStopped(stops.signals[0], f"; {counted(stopped, 'running job')} stopped, {len(waiting)} not started")
+                    raise RunStopped(stops.signals[0], f"; {counted(stopped, 'running job')} stopped, "
+                                                       f"{progress.count - started} not started")
             finally:
                 send(running, signal.SIGKILL)  # only after an error of this launcher's own
         return returns

@@ -107,6 +107,7 @@ class Progress:
     sweep_dir: Path | None = None
     clock: Callable[[], float] = time.monotonic
     say: Callable[[str], None] = print_line
+    on_end: Callable[[int, JobReturn], None] | None = None  # told each job's return as it ends, before its line
     running: dict[int, float] = field(default_factory=dict, init=False)  # job number -> when it started
     tally: Tally = field(init=False)  # the command's, shared with the launcher's other calls
 
@@ -126,6 +127,8 @@ class Progress:
         self.say(f"{self.tally.noun} {number + 1}/{self.tally.total} {said}: {name} ({self.times()})")
 
     def ended(self, number: int, name: str, job: JobReturn) -> None:
+        if self.on_end is not None:
+            self.on_end(number, job)
         now = self.clock()
         self.tally.lengths.append(now - self.running.pop(number, now))
         failed = failure(job, name)

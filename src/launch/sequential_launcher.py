@@ -1,7 +1,7 @@
 """`hydra/launcher=sequential`, the default: Hydra's basic launcher, one job after another in this process, with a
 line as each job starts and ends (`src.launch.progress`)."""
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,15 +44,36 @@ class ProjectLauncher(Launcher):
         self.config, self.hydra_context, self.task_function = config, hydra_context, task_function
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+        sweep_dir = self.begin()
+        # every job composed before the first runs: a bad value in a sweep is refused before any job has run
+        jobs = [self.job(number, list(overrides)) for number, overrides in enumerate(job_overrides, initial_job_idx)]
+        returns = self.run(jobs, Progress(len(jobs), initial_job_idx, sweep_dir), sweep_dir, jobs)
+        return [returns[job.number] for job in jobs]
+
+    def launch_each(self, next_job: Callable[[], tuple[int, list[str]] | None], count: int, first: int,
+                    at_once: int | None, ended: Callable[[int, JobReturn], None]) -> list[JobReturn]:
+        """Up to `count` jobs, each taken from `next_job` (its number and overrides) only once a place is free for it,
+        and each told to `ended` as it ends: a search asks for its next trial knowing how every trial before it ended,
+        and a short trial's place goes to the next one while the others run on. At most `at_once` run at once."""
+        sweep_dir = self.begin()
+
+        def jobs() -> Iterator[Job]:
+            while (taken := next_job()) is not None:
+                yield self.job(*taken)
+
+        assert self.config is not None
+        alike = [Job(first, [], self.config, "")] * min(count, at_once or count)  # how many fit, as the command asks
+        returns = self.run(jobs(), Progress(count, first, sweep_dir, on_end=ended), sweep_dir, alike)
+        return list(returns.values())
+
+    def begin(self) -> Path:
+        """Hydra's logging and the sweep's folder, as Hydra's basic launcher sets them up."""
         assert self.config is not None
         setup_globals()
         configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         sweep_dir.mkdir(parents=True, exist_ok=True)
-        # every job composed before the first runs: a bad value in a sweep is refused before any job has run
-        jobs = [self.job(number, list(overrides)) for number, overrides in enumerate(job_overrides, initial_job_idx)]
-        returns = self.run(jobs, Progress(len(jobs), initial_job_idx, sweep_dir), sweep_dir)
-        return [returns[job.number] for job in jobs]
+        return sweep_dir
 
     def job(self, number: int, overrides: list[str]) -> Job:
         """A job's config, composed as Hydra's basic launcher composes it."""
@@ -63,13 +84,14 @@ class ProjectLauncher(Launcher):
         name = job_dirname(config)
         return Job(number, overrides, config, name, resumes=resumes(config, Path(str(self.config.hydra.sweep.dir)) / name))
 
-    def run(self, jobs: list[Job], progress: Progress, sweep_dir: Path) -> dict[int, JobReturn]:
-        """Each job's JobReturn, by its number."""
+    def run(self, jobs: Iterable[Job], progress: Progress, sweep_dir: Path, alike: list[Job]) -> dict[int, JobReturn]:
+        """Each job's JobReturn, by its number, the jobs taken one at a time as they can start; `alike` stands for
+        them where their number and needs decide how many run at once."""
         raise NotImplementedError
 
 
 class SequentialLauncher(ProjectLauncher):
-    def run(self, jobs: list[Job], progress: Progress, sweep_dir: Path) -> dict[int, JobReturn]:
+    def run(self, jobs: Iterable[Job], progress: Progress, sweep_dir: Path, alike: list[Job]) -> dict[int, JobReturn]:
         assert self.config is not None and self.hydra_context is not None and self.task_function is not None
         returns = {}
         for job in jobs:

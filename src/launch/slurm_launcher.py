@@ -23,6 +23,7 @@ from submitit.core.utils import UncompletedJobError, cloudpickle_dump, temporary
 from src.errors import RunFailed, UsageError
 from src.launch.naming import job_folder_name
 from src.launch.progress import Progress, failure, last_error_line, value
+from src.launch.sequential_launcher import resumes
 from src.launch.stops import RankFailed, RunStopped, ignore_stop_signals
 from src.slurm import slurm_output
 
@@ -54,9 +55,11 @@ class SlurmLauncher(SubmititSlurmLauncher):
             sweep_dir.chmod(int(str(self.config.hydra.sweep.mode), 8))
         log.info(f"Submitit 'slurm' sweep output dir : {sweep_dir}")
         numbers = range(initial_job_idx, initial_job_idx + len(job_overrides))
+        goes_on = []  # whether each job resumes from its folder's checkpoints, for its lines
         for number, overrides in zip(numbers, job_overrides):
             log.info(f"\t#{number} : {' '.join(filter_overrides(overrides))}")
-            self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))  # refused before sbatch
+            config = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))  # refused before sbatch
+            goes_on.append(resumes(config, sweep_dir / job_folder_name(sweep_dir, list(overrides), number)))
         arguments = [(list(overrides), "hydra.sweep.dir", number, f"job_id_for_{number}", Singleton.get_state())
                      for number, overrides in zip(numbers, job_overrides)]
         try:
@@ -66,7 +69,8 @@ class SlurmLauncher(SubmititSlurmLauncher):
             raise UsageError(f"sbatch refused the sweep: {said[-1].removeprefix('sbatch: error: ') if said else error}") from None
         progress = Progress(len(jobs), initial_job_idx, sweep_dir)
         try:
-            return wait(jobs, [list(overrides) for overrides in job_overrides], list(numbers), sweep_dir, progress)
+            return wait(jobs, [list(overrides) for overrides in job_overrides], list(numbers), sweep_dir, progress,
+                        goes_on)
         except RunStopped as stop:
             cancel(jobs)
             raise RunStopped(stop.signum, f"; cancelled SLURM job {jobs[0].job_id.split('_')[0]}") from None
@@ -103,8 +107,9 @@ class SlurmLauncher(SubmititSlurmLauncher):
 
 
 def wait(jobs: list[submitit.Job], overrides: list[list[str]], numbers: list[int], sweep_dir: Path,
-         progress: Progress) -> list[JobReturn]:
-    """Each job's JobReturn, once every job has ended, with a line as each starts (SLURM runs it) and ends."""
+         progress: Progress, goes_on: list[bool] | None = None) -> list[JobReturn]:
+    """Each job's JobReturn, once every job has ended, with a line as each starts (SLURM runs it) and ends; `goes_on`
+    says which jobs resume from their folder's checkpoints."""
     array_id = jobs[0].job_id.split("_")[0]
     returns: dict[int, JobReturn] = {}
     started: set[int] = set()
@@ -116,7 +121,8 @@ def wait(jobs: list[submitit.Job], overrides: list[list[str]], numbers: list[int
             done = index not in returns and (listed == [] or job.done())
             if index not in started and (done or job.job_id in running):
                 started.add(index)
-                progress.started(numbers[index], job_folder_name(sweep_dir, overrides[index], numbers[index]))
+                progress.started(numbers[index], job_folder_name(sweep_dir, overrides[index], numbers[index]),
+                                 bool(goes_on and goes_on[index]))
             if done:
                 name = job_folder_name(sweep_dir, overrides[index], numbers[index])
                 returns[index] = result(job, overrides[index])
