@@ -408,3 +408,10 @@ def test_a_project_launcher_is_given_each_trial_only_as_it_takes_it_left_ones_fi
     sweeper.sweep([LR])
     assert taken == [0, 1, 2] and sizes == [1, 2, 3]
     assert [t.state for t in study_of(tmp_path).trials] == [TrialState.COMPLETE, TrialState.FAIL, TrialState.COMPLETE]
+
+    class Never(ProjectLauncher):
+        def launch_each(self, *args):
+            raise AssertionError("a search at n_trials has nothing to launch")
+
+    sweeper.launcher = Never()
+    sweeper.sweep([LR])

@@ -231,9 +231,9 @@ class OptunaSweeper(Sweeper):
             if not isinstance(progress.value(job), ResumeRefused):
                 study.tell(number, state=TrialState.FAIL, skip_if_finished=True)
 
-        if isinstance(self.launcher, ProjectLauncher):
+        if isinstance(self.launcher, ProjectLauncher):  # a search already at n_trials launches nothing
             returns = self.launcher.launch_each(next_trial, len(left) + new, ended, self.settings["n_jobs"],
-                                                failed_unless_told)
+                                                failed_unless_told) if left or new else []
         else:  # a launcher that takes batches (SLURM's): each after the last has ended, numbered one after another
             returns, at_once, held = [], self.settings["n_jobs"] or 1, None
             while (first := held or next_trial()) is not None:
