@@ -179,9 +179,9 @@ def varies(runs: list[Run], attribute: str) -> bool:
     return len({getattr(run, attribute) for run in runs}) > 1
 
 
-def collect(root: Path) -> tuple[list[Run], list[Run]]:
+def collect(root: Path, opened: dict[Path, RunFolder] | None = None) -> tuple[list[Run], list[Run]]:
     """The training runs below `root`, sorted, speed-ups filled in; and apart, the evaluations (nothing to compare)."""
-    found = read_runs(root, read_run)
+    found = read_runs(root, read_run, opened=opened)
     runs = [run for run in found if not run.evaluation]
     if not runs:
         raise UsageError(f"{root}: no training run below it, only evaluations (python -m src.eval)")
@@ -485,7 +485,8 @@ def reached_cell(run: Run, target: str) -> Any:
 def write_report(root: Path, out: Path | None = None, failed: dict[str, str] | None = None) -> list[Run]:
     """`failed`: a sweep's failed jobs with their error lines."""
     out = output_folder(root if out is None else out)
-    runs, evaluations = collect(root)
+    opened: dict[Path, RunFolder] = {}  # the scaling section reads the same folders
+    runs, evaluations = collect(root, opened)
     out.mkdir(parents=True, exist_ok=True)
     scaling = ""
     if any(run.ddp for run in runs):  # without DDP, the runs asked nothing of communication
@@ -493,7 +494,7 @@ def write_report(root: Path, out: Path | None = None, failed: dict[str, str] | N
         from src.scaling.predict import load_probe, write_scaling
 
         try:
-            scaling = write_scaling(root, out, load_probe(root / "probe.json"), report=True)
+            scaling = write_scaling(root, out, load_probe(root / "probe.json"), report=True, opened=opened)
         except UsageError as error:
             log.info(f"no scaling prediction: {error}")
     seeds, time_to, targets = seed_rows(runs), time_to_rows(runs), targets_of(runs)

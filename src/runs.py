@@ -123,10 +123,12 @@ def require_folder(root: Path) -> None:
         raise UsageError(f"{root}: no such folder; give a run folder, a sweep folder or outputs/")
 
 
-def read_runs(root: Path, read: Callable[[RunFolder], T | None], warn: bool = True) -> list[T]:
+def read_runs(root: Path, read: Callable[[RunFolder], T | None], warn: bool = True,
+              opened: dict[Path, RunFolder] | None = None) -> list[T]:
     """`read` of every run folder below `root`, leaving out None; one that cannot be read (a damaged or hand-edited
     record) is left out with one `warning:` line, and only where none can be read is it a UsageError. `warn=False`
-    for a second reading of the same folders, which said its warnings already."""
+    for a second reading of the same folders, which said its warnings already; `opened`, the folders a reading before
+    opened, is shared with it, so that each folder's event files are read once."""
     require_folder(root)
     run_dirs = find_run_dirs(root)
     if not run_dirs:
@@ -138,7 +140,10 @@ def read_runs(root: Path, read: Callable[[RunFolder], T | None], warn: bool = Tr
     found, unreadable = [], []
     for run_dir in run_dirs:
         try:
-            item = read(RunFolder(run_dir, root))
+            folder = opened[run_dir] if opened is not None and run_dir in opened else RunFolder(run_dir, root)
+            if opened is not None:
+                opened[run_dir] = folder
+            item = read(folder)
         except Exception as error:
             reason = str(error) if isinstance(error, UsageError) else \
                 f"{type(error).__name__}: {' '.join(str(error).split())}"

@@ -241,10 +241,13 @@ def test_an_unreadable_run_is_left_out_with_a_line_and_the_rest_is_reported(synt
     assert len(rows) == 4 and not any(row.startswith("| one ") for row in rows)  # the header and three runs
 
 
-def test_the_report_prints_its_own_lines_once_each(synthetic, caplog):
+def test_the_report_prints_its_own_lines_once_each(synthetic, caplog, monkeypatch):
     """A resumed run's event files purge the points it replays, as TensorBoard shows them; TensorBoard's reader says
-    so at length, once per reading (a DDP run's scaling section reads the folders again). The report reads what
-    TensorBoard shows, without its text, and says a left-out run once."""
+    so at length, once per reading (a DDP run's scaling section read the folders again). The report reads each
+    folder's event files once, what TensorBoard shows, without its text, and says a left-out run once."""
+    readings = []
+    reload = EventAccumulator.Reload
+    monkeypatch.setattr(EventAccumulator, "Reload", lambda self: readings.append(self.path) or reload(self))
     four = synthetic / "deep" / "er" / "four"
     with SummaryWriter(log_dir=str(four), purge_step=2) as writer:  # resumed at step 2: drops 1.5 and 9.0
         writer.add_scalar("time/epoch_s", 6.0, 2)
@@ -257,5 +260,6 @@ def test_the_report_prints_its_own_lines_once_each(synthetic, caplog):
         "(while parsing a flow node expected the node content, but found '<stream end>' in \"<byte string>\", "
         "line 2, column 1: ^))"]
     assert not [record for record in caplog.records if record.name.startswith("tensorboard")]
+    assert readings and sorted(readings) == sorted(set(readings)), "a folder's event files read twice"
     rows = {row["run"]: row for row in read_csv(synthetic / "report.csv")}
     assert float(rows["deep/er/four"]["epoch_s"]) == statistics.median([1.0, 2.0, 6.0])
