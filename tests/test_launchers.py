@@ -3,10 +3,15 @@ launchers as Hydra's joblib and submitit plugins run it against theirs (Hydra's 
 own suite, not here). Passing it, a launcher works in any Hydra app: the kit's apps have none of the project's keys,
 return their own values, and expect a failed job to fail the sweep."""
 
+import subprocess
+import sys
+
 import pytest
 from hydra.core.plugins import Plugins
 from hydra.plugins.launcher import Launcher
 from hydra.test_utils.launcher_common_tests import BatchedSweeperTestSuite, IntegrationTestSuite, LauncherTestSuite
+
+from tests.helpers import REPO, user_env
 
 LAUNCHERS = ["sequential", "parallel"]
 
@@ -49,3 +54,35 @@ class TestBatchedSweeper(BatchedSweeperTestSuite):
                          [({"defaults": [{"override hydra/launcher": name}, "_self_"]}, ["-m"]) for name in LAUNCHERS])
 class TestIntegration(IntegrationTestSuite):
     pass
+
+
+TORCHLESS_APP = '''
+import sys
+from pathlib import Path
+
+import hydra
+
+
+@hydra.main(version_base=None, config_path=None)
+def main(cfg) -> None:
+    Path(cfg.out, f"job{cfg.x}").write_text(str("torch" in sys.modules))
+
+
+if __name__ == "__main__":
+    main()
+    print("launching process imported torch:", "torch" in sys.modules)
+'''
+
+
+@pytest.mark.slow  # what a fresh interpreter imports is the point
+@pytest.mark.parametrize("name", LAUNCHERS)
+def test_a_sweep_of_an_app_without_torch_imports_none(tmp_path, name):
+    """Neither the launching process nor a job imports torch for an app that does not: a sweep of any Hydra app took
+    the seconds of torch's import in each of its processes."""
+    (tmp_path / "app.py").write_text(TORCHLESS_APP)
+    result = subprocess.run([sys.executable, "app.py", "-m", f"hydra/launcher={name}", "+x=1,2", f"+out={tmp_path}",
+                             f"hydra.sweep.dir={tmp_path / 'sweep'}"], cwd=tmp_path,
+                            env={**user_env(), "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines()[-1] == "launching process imported torch: False"
+    assert [(tmp_path / f"job{x}").read_text() for x in (1, 2)] == ["False", "False"]

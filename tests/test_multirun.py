@@ -299,16 +299,14 @@ def test_a_jobs_process_starts_with_small_arguments_and_gets_its_payload_after(t
     assert running.process is started
 
 
-def test_a_jobs_threads_are_its_own_and_leave_its_ranks_to_divide_its_cores(monkeypatch):
-    """A DDP job's ranks read OMP_NUM_THREADS as a user's setting: set by the job, each rank ran the slot's threads."""
+def test_a_job_is_pinned_to_its_slot_and_leaves_its_ranks_to_divide_its_cores(monkeypatch):
+    """A DDP job's ranks read OMP_NUM_THREADS as a user's setting: the job sets none, and imports no torch to set its
+    threads, which follow from the cores it is pinned to (the real jobs' threads: the side-by-side sweep's test)."""
     from src.launch.parallel_launcher import Placement, take_slot
 
+    pinned = []
+    monkeypatch.setattr(os, "sched_setaffinity", lambda pid, cores: pinned.append((pid, tuple(cores))))
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    cores = tuple(sorted(os.sched_getaffinity(0)))
     threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(len(cores) + 3)
-        take_slot(Placement(0, cores, None))
-        assert torch.get_num_threads() == len(cores) and "OMP_NUM_THREADS" not in os.environ
-    finally:
-        torch.set_num_threads(threads)
+    take_slot(Placement(0, (1,), None))
+    assert pinned == [(0, (1,))] and "OMP_NUM_THREADS" not in os.environ and torch.get_num_threads() == threads

@@ -320,14 +320,16 @@ def send_payload(connection: Connection, payload: bytes) -> None:
 
 
 def take_slot(placement: Placement) -> None:
-    """The job's cores and GPUs. Its threads are set for this process only, not as OMP_NUM_THREADS: a DDP job's
-    ranks read that variable as a user's own setting and would not divide the slot's cores among themselves."""
+    """The job's cores and GPUs. Its threads follow from its cores, not from OMP_NUM_THREADS: a DDP job's ranks read
+    that variable as a user's own setting and would not divide the slot's cores among themselves."""
     if placement.gpus is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(placement.gpus)
     if hasattr(os, "sched_setaffinity"):
+        # torch, imported later by the task alone (an app without it imports none), takes as many threads as the
+        # process may use cores (GNU OpenMP counts them)
         os.sched_setaffinity(0, placement.cores)
-    if "OMP_NUM_THREADS" not in os.environ:  # a user's setting wins, as under torchrun
-        import torch  # the entry module imports none: here, once the job's cores are set
+    elif "OMP_NUM_THREADS" not in os.environ:  # a user's setting wins, as under torchrun
+        import torch  # where the cores cannot be set, their number can
 
         torch.set_num_threads(len(placement.cores))
 

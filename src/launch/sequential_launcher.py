@@ -11,6 +11,7 @@ from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, open_dict
 
 from src.launch.naming import job_dirname
+from src.records import CKPT_WORDS, has_checkpoints
 from src.launch.progress import Progress
 
 
@@ -28,8 +29,6 @@ class Job:
 def resumes(config: DictConfig, folder: Path) -> bool:
     """Whether a job goes on from its folder's checkpoints, as `src.resume.check` decides it will (an app without
     `ckpt_path` never does)."""
-    from src.checkpoints import CKPT_WORDS, has_checkpoints  # torch: once a sweep of this project runs
-
     return str(config.get("ckpt_path")) in CKPT_WORDS and has_checkpoints(folder)
 
 
