@@ -59,13 +59,14 @@ class TrialRecord:
     """One trial of a sweep's study, reached through the study's file by its number, through Optuna's `Trial`."""
 
     def __init__(self, db: str, study: str, number: int) -> None:
-        optuna, self.number = optuna_package(), number
-        self.study = optuna.load_study(study_name=study, storage=storage(db))
+        optuna, store, self.number = optuna_package(), storage(db), number
+        self.study = optuna.load_study(study_name=study, storage=store)
         median = self.study.user_attrs.get("pruner") == "median"
         self.study.pruner = optuna.pruners.MedianPruner() if median else optuna.pruners.NopPruner()
-        stored = self.study.trials[number]
-        self.reported = set(stored.intermediate_values)  # a resumed run's epochs that a stopped attempt reported
-        self.trial = optuna.trial.Trial(self.study, stored._trial_id)  # the id Optuna's `Trial` is made by
+        self.reported = set(self.study.trials[number].intermediate_values)  # epochs a stopped attempt reported
+        # The id Optuna's `Trial` is made by, which only the storage tells from the trial's number
+        trial_id = store.get_trial_id_from_study_id_trial_number(store.get_study_id_from_name(study), number)
+        self.trial = optuna.trial.Trial(self.study, trial_id)
 
     def report(self, epoch: int, value: float, last: bool = False) -> bool:
         """True where the pruner gives the trial up; never after the `last` epoch, where nothing is left to save and
