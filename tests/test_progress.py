@@ -357,3 +357,19 @@ def test_a_parallel_launch_takes_the_next_job_only_when_a_place_frees_and_tells_
     assert events == ["asked 0", "started 0", "asked 1", "started 1", "told 0", "asked 2", "started 2", "told 1",
                       "told 2"]
     assert sorted(returns) == [0, 1, 2] and all(job.return_value == DONE for job in returns.values())
+
+
+def test_a_job_a_resumed_sweep_runs_again_is_named_by_its_folder_though_its_command_adds_overrides(tmp_path):
+    """The SLURM launcher names a job by the folder that recorded its overrides; a resume's job adds `ckpt_path=auto`
+    (and the record's settings), so its folder is found by the job number it recorded. Its lines said `started: seed=1`
+    where it resumed in `lenet_..._seed=1`."""
+    from src.launch.naming import job_folder_name
+
+    OmegaConf.save({"hydra": {"overrides": {"task": ["seed=1,2"]}}}, tmp_path / "multirun.yaml")
+    for number, name in enumerate(["lenet_auto_1dev_32-true_seed=1", "lenet_auto_1dev_32-true_seed=2"]):
+        (tmp_path / name / ".hydra").mkdir(parents=True)
+        OmegaConf.save(OmegaConf.create([f"seed={number + 1}"]), tmp_path / name / ".hydra" / "overrides.yaml")
+        OmegaConf.save({"hydra": {"job": {"num": number}}}, tmp_path / name / ".hydra" / "hydra.yaml")
+    assert job_folder_name(tmp_path, ["seed=2"], 1) == "lenet_auto_1dev_32-true_seed=2"
+    assert job_folder_name(tmp_path, ["seed=2", "ckpt_path=auto"], 1) == "lenet_auto_1dev_32-true_seed=2"
+    assert job_folder_name(tmp_path, ["seed=3", "ckpt_path=auto"], 2) == "seed=3", "a job with no folder yet"

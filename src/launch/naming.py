@@ -93,11 +93,16 @@ def job_dirname(config: DictConfig) -> str:
 
 
 def job_folder_name(sweep_dir: Path, job_overrides: list[str], job_num: int) -> str:
-    """The folder a job of this sweep ran in, found by the overrides it recorded there."""
-    for saved in sweep_dir.glob("*/.hydra/overrides.yaml"):
+    """The folder a job of this sweep ran in, found by the overrides it recorded there; else, for a job a resumed
+    sweep runs again (its command adds overrides of its own), by the job number it recorded; else its swept values."""
+    numbered = None
+    for saved in sorted(sweep_dir.glob("*/.hydra/overrides.yaml")):
         if load(saved) == list(job_overrides):
             return saved.parent.parent.name
-    return sweep_job_dirname(job_overrides, job_num, str(sweep_dir))
+        hydra_yaml = saved.parent / "hydra.yaml"
+        if numbered is None and hydra_yaml.is_file() and select(load(hydra_yaml), "hydra.job.num") == job_num:
+            numbered = saved.parent.parent.name
+    return numbered or sweep_job_dirname(job_overrides, job_num, str(sweep_dir))
 
 
 def claim_dir(path: str, kind: str = "run") -> str:
