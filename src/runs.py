@@ -123,12 +123,13 @@ def require_folder(root: Path) -> None:
         raise UsageError(f"{root}: no such folder; give a run folder, a sweep folder or outputs/")
 
 
-def read_runs(root: Path, read: Callable[[RunFolder], T | None], warn: bool = True,
+def read_runs(root: Path, read: Callable[[RunFolder], T | None],
               opened: dict[Path, RunFolder] | None = None) -> list[T]:
     """`read` of every run folder below `root`, leaving out None; one that cannot be read (a damaged or hand-edited
-    record) is left out with one `warning:` line, and only where none can be read is it a UsageError. `warn=False`
-    for a second reading of the same folders, which said its warnings already; `opened`, the folders a reading before
-    opened, is shared with it, so that each folder's event files are read once."""
+    record) is left out with one `warning:` line, and only where none can be read is it a UsageError. `opened` is
+    shared between readings of the same folders, so that each folder's event files are read once; a reading that
+    finds it filled is a second one, whose warnings the first said."""
+    warn = not opened
     require_folder(root)
     run_dirs = find_run_dirs(root)
     if not run_dirs:

@@ -286,7 +286,6 @@ class OptunaSweeper(Sweeper):
         return study
 
 
-
 def quoted(text: str) -> str:
     return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
 

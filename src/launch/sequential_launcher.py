@@ -11,8 +11,8 @@ from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, open_dict
 
 from src.launch.naming import job_dirname
-from src.records import CKPT_WORDS, has_checkpoints
 from src.launch.progress import Progress
+from src.records import CKPT_WORDS, has_checkpoints
 
 
 @dataclass

@@ -455,10 +455,10 @@ NO_PROBE = ("No predictions here: the run ran on CPU, and the one interconnect t
 def write_scaling(root: Path, out: Path | None = None, probe: gloo_probe.Probe | None = None,
                   options: Options = Options(), report: bool = False, opened: dict[Path, RunFolder] | None = None) -> str:
     """Write scaling.md, scaling.csv and one plot per model into `out` (default `root`); returns the Markdown sections.
-    `report`, which must not wait, times nothing and predicts a CPU run only on a saved probe's interconnect, from the
-    folders it `opened`."""
+    `report`, which must not wait, times nothing and predicts a CPU run only on a saved probe's interconnect; `opened`:
+    the folders it read (`read_runs`)."""
     out = output_folder(root if out is None else out)
-    runs = merge_repeats(read_runs(root, read_figures, warn=not report, opened=opened))  # the report said its warnings
+    runs = merge_repeats(read_runs(root, read_figures, opened))
     if not runs:
         raise UsageError(f"{root}: no run below it has a timed training epoch (time/epoch_s) on one process or under DDP")
     cores = probe.cores if probe is not None else len(os.sched_getaffinity(0))
