@@ -23,7 +23,6 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 
-from src.records import Result
 
 # Set by torchrun, torch's elastic agent or Lightning for the processes they start; a user's shell has none.
 RANK_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
@@ -216,16 +215,13 @@ def composed(*overrides: str, run_dir: Path | str = "/tmp/run", config_name: str
     return cfg
 
 
-def fit(*overrides: str, run_dir: Path) -> tuple[Result, dict]:
-    """`train(cfg)` in this process on the composed, checked config, its records written: the result and the objects."""
-    from src import config
-    from src.launch.cli import save_records
-    from src.tasks import train as train_in_process
-
+def job_config(*overrides: str, run_dir: Path) -> DictConfig:
+    """The config a job of `python -m src.train <overrides>` is given: `composed`, less the `hydra` node, which Hydra
+    keeps apart (HydraConfig) and which holds values only a sweep fills."""
     cfg = composed(*overrides, run_dir=run_dir)
-    config.check(cfg)
-    save_records(cfg)
-    return train_in_process(cfg)
+    with open_dict(cfg):
+        del cfg["hydra"]
+    return cfg
 
 
 def children(pid: int) -> list[int]:

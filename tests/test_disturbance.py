@@ -2,13 +2,18 @@
 time is marked on the result line and in the report, and a speed-up from mostly disturbed runs is left out."""
 
 import csv
+import logging
+import os
 
 import pytest
 
-from src.callbacks.disturbance import Disturbance, EpochLoad, is_disturbed, runnable_tasks
+from src.callbacks.disturbance import Disturbance, EpochLoad, is_disturbed
+from src.launch import cli, load
+from src.launch.load import busy_line, others_runnable_now, runnable_tasks
+from src.records import Result
 from src.report import main as report_main
 from src.report import spread_cells
-from tests.helpers import call_main
+from tests.helpers import QUICK, call_main, job_config
 from tests.test_report import config, write_run
 from tests.test_timing import Clock
 
@@ -21,6 +26,59 @@ def test_the_runnable_tasks_are_read_from_the_kernel(tmp_path):
     assert runnable_tasks(stat) == 7
     stat.write_text("cpu  1 2 3\n")
     assert runnable_tasks(stat) is None and runnable_tasks(tmp_path / "none") is None
+
+
+def test_the_work_ready_beside_a_start_is_the_median_of_a_few_readings_less_the_reader():
+    readings, waits = iter([3, 9, 4, 3, 5]), []
+    assert others_runnable_now(lambda: next(readings), waits.append) == 3  # 2, 8, 3, 2, 4 beside the reader
+    assert waits == [0.02] * 4
+    assert others_runnable_now(lambda: None, waits.append) is None
+
+
+def test_a_machine_is_busy_when_other_work_alone_fills_its_cores_and_the_line_says_what_to_do():
+    assert busy_line(None, 2) is None and busy_line(1, 2) is None and busy_line(15, 16) is None
+    line = busy_line(5, 2)
+    assert line.startswith("the machine is busy: 5 tasks of other work are ready to run on its 2 cores")
+    assert "on a quiet machine" in line and "OMP_NUM_THREADS=1" in line and "\n" not in line
+
+
+@pytest.fixture
+def machine(monkeypatch):
+    """This process as one that may use every core of a machine whose ready tasks the test sets (the reader too)."""
+    cores = os.cpu_count() or 1
+    monkeypatch.setattr(load, "usable_cores", lambda: list(range(cores)))
+    ready = {"tasks": 1}
+    monkeypatch.setattr(load, "runnable_tasks", lambda: ready["tasks"])
+    return cores, ready
+
+
+def test_a_run_started_on_a_busy_machine_says_so_in_one_line_before_it_trains(tmp_path, machine, caplog, capsys):
+    cores, ready = machine
+    trained = []
+    for name, others in (("quiet", cores - 1), ("busy", cores + 3)):
+        ready["tasks"] = others + 1
+        caplog.clear()
+        cfg = job_config(*QUICK, run_dir=tmp_path / name)
+        with caplog.at_level(logging.INFO):
+            cli.run_job(cfg, lambda cfg: trained.append(caplog.text) or Result({}, "done"))
+        warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert warned == ([] if name == "quiet" else [busy_line(cores + 3, cores)])
+    assert "the machine is busy" in trained[-1], "said before the run started"
+
+
+def test_a_process_on_some_cores_and_a_rank_torchrun_started_say_nothing(tmp_path, machine, caplog, monkeypatch):
+    cores, ready = machine
+    ready["tasks"] = cores + 5
+    monkeypatch.setattr(load, "usable_cores", lambda: [0])  # a job of a side-by-side sweep, or a `taskset`
+    with caplog.at_level(logging.INFO):
+        load.say_if_busy()
+    assert not caplog.records
+    monkeypatch.setattr(load, "usable_cores", lambda: list(range(cores)))
+    for name, value in (("RANK", "0"), ("GROUP_RANK", "0"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "1"),
+                        ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")):
+        monkeypatch.setenv(name, value)
+    cli.run_job(job_config(*QUICK, run_dir=tmp_path / "rank"), lambda cfg: Result({}, "done"))
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING]
 
 
 def test_an_epoch_beside_other_work_is_disturbed_and_its_cpu_share_falls():

@@ -6,31 +6,19 @@ import os
 import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 from lightning import LightningModule, Trainer
 
 from src.callbacks import RunFigures, log_scalars
+from src.launch.load import runnable_tasks
 from src.sysinfo import NvmlUtilization
 
-PROC_STAT = Path("/proc/stat")
 SAMPLE_EVERY_S = 0.5  # at a batch end at most this often: a read of /proc/stat costs tens of microseconds
 OTHERS_DISTURB = 0.5  # mean runnable tasks beyond the run's own, with the cores then oversubscribed
 # ... and the process got less of its threads' CPU time than this: a quiet 2-rank DDP run on 2 cores counts about one
 # runnable task beyond its compute threads (its communication) and got 0.92-0.97; beside one busy loop, 0.23-0.41.
 SHARE_DISTURBED = 0.8
-
-
-def runnable_tasks(stat: Path = PROC_STAT) -> int | None:
-    """Tasks running or ready to run on the whole machine now (`procs_running`); None where the kernel does not say."""
-    try:
-        for line in stat.read_text().splitlines():
-            if line.startswith("procs_running "):
-                return int(line.split()[1])
-    except (OSError, ValueError):
-        pass
-    return None
 
 
 def is_disturbed(others: float | None, own: int, cores: int, cpu_share: float) -> bool:

@@ -21,7 +21,7 @@ from src import config, resume
 from src.records import Result
 from src.errors import RunFailed, UsageError, interpreter, said
 from src.folders import no_link, remove_empty, write_file
-from src.launch import lock, naming, progress, ranks, stops
+from src.launch import load, lock, naming, progress, ranks, stops
 from src.launch.console import counted, print_error, print_line
 from src.launch.stops import RankFailed, RunStopped, signal_name
 
@@ -123,6 +123,8 @@ def run_job(cfg: DictConfig, task: Callable[[DictConfig], Result],
                     return finished
                 if ranks.is_rank_zero():
                     save_records(cfg)
+                if ranks.external_rank() is None:  # torchrun's or SLURM's other ranks start beside this one
+                    load.say_if_busy()
                 return workers.launch(task, cfg)
             except Exception as error:
                 if ours and said(error) is not None:

@@ -25,6 +25,7 @@ from hydra.core.utils import JobReturn, JobStatus, run_job, setup_globals
 
 from src.errors import UsageError
 from src.launch.console import counted
+from src.launch.load import say_if_busy
 from src.launch.progress import Progress, last_error_line, value
 from src.launch.ranks import usable_cores
 from src.launch.sequential_launcher import Job, ProjectLauncher
@@ -144,6 +145,7 @@ class ParallelLauncher(ProjectLauncher):
 
     def run(self, jobs: Iterable[Job], progress: Progress, sweep_dir: Path, alike: list[Job]) -> dict[int, JobReturn]:
         places = self.places([with_needs(job) for job in alike])
+        say_if_busy()  # its jobs, each on a slot of cores, do not ask: the others are their neighbours
         (sweep_dir / ".parallel").mkdir(exist_ok=True)
         log.info(f"{counted(progress.count, 'job')}, {len(places.cores)} at a time, in {sweep_dir}; each job's output "
                  f"in {sweep_dir / '.parallel'}")
