@@ -23,7 +23,7 @@ from src.errors import UsageError
 from src.eval import as_trained
 from src.loggers import purge_step
 from src.models.module import Classifier
-from tests.helpers import DATA_ROOT, QUICK, command_here, run_cli, train, train_here
+from tests.helpers import DATA_ROOT, QUICK, command_here, train_here
 from tests.helpers import composed
 
 UNSAFE = "is not a safe checkpoint: it holds objects that cannot be loaded safely"
@@ -170,20 +170,22 @@ def test_eval_refuses_a_run_config_that_builds_the_model_with_another_function(t
 
 @pytest.mark.slow
 def test_a_checkpoint_written_by_a_run_resumes_and_evaluates(tmp_path, data_root):
-    """Everything a run saves (RunState's generators, val/acc_best, loops, momentum, hyper-parameters) is plain."""
+    """Everything a run saves (RunState's generators, val/acc_best, loops, momentum, hyper-parameters) is plain. The
+    commands run in this process; the file is what is read back."""
     run_dir = tmp_path / "run"
     args = [*QUICK, "optim.momentum=0.9", "checkpoint.every_n_train_steps=2"]
-    first = train(*args, f"hydra.run.dir={run_dir}")
+    first = train_here(*args, f"hydra.run.dir={run_dir}")
     assert first.returncode == 0, first.stderr[-3000:]
     for path in sorted((run_dir / "checkpoints").glob("*.ckpt")):
         state = read_checkpoint(path)
         assert "RunState" in state["callbacks"] and state["optimizer_states"][0]["state"], path.name
         assert "val_acc_best.max_value" in state["state_dict"] and state["loops"]["fit_loop"] and state["hyper_parameters"]
-    resumed = train(*args, "max_epochs=2", "ckpt_path=last", f"hydra.run.dir={run_dir}")
+    resumed = train_here(*args, "max_epochs=2", "ckpt_path=last", f"hydra.run.dir={run_dir}")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"Restoring states from the checkpoint path at {run_dir / 'checkpoints'}" in resumed.stdout
     assert read_checkpoint(run_dir / "checkpoints" / "last.ckpt")["epoch"] == 1
-    scored = run_cli("src.eval", f"data.root={DATA_ROOT}", "debug=quick", f"ckpt_path={run_dir}", f"hydra.run.dir={tmp_path / 'eval'}")
+    scored = command_here("src.eval", f"data.root={DATA_ROOT}", "debug=quick", f"ckpt_path={run_dir}",
+                          f"hydra.run.dir={tmp_path / 'eval'}")
     assert scored.returncode == 0, scored.stderr[-3000:]
     assert len([line for line in scored.stdout.splitlines() if "test/acc=" in line]) == 1
 

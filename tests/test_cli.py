@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 from src.errors import UsageError
 from src.launch import cli
 from tests.helpers import (QUICK, REPO, Run, assert_finished_run, command_here, composed, cpu_precision, hparams,
-                           hparams_order, scalars, train, train_here, user_env, write_tiny_fashion_mnist)
+                           hparams_order, scalars, train_here, user_env, write_tiny_fashion_mnist)
 
 
 def test_single_device_run_logs_every_interface_scalar(quick_run: Run):
@@ -127,7 +127,7 @@ def test_debug_quick_says_whether_the_loss_fell_in_its_steps(tmp_path, quick_run
 @pytest.mark.slow
 def test_the_default_run_learns_in_its_first_epoch(tmp_path, data_root):
     """A new user's first run: one epoch of the default LeNet on the whole data scores far above chance."""
-    result = train(f"data.root={data_root}", "max_epochs=1", f"hydra.run.dir={tmp_path / 'run'}", timeout=900)
+    result = train_here(f"data.root={data_root}", "max_epochs=1", f"hydra.run.dir={tmp_path / 'run'}")
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads((tmp_path / "run" / "result.json").read_text())["metrics"]["test/acc"] >= 0.80
 

@@ -65,12 +65,13 @@ def powersgd_payload(rank: int, element_bytes: int, shapes: list[torch.Size] = P
 
 @pytest.fixture(scope="module")
 def train(tmp_path_factory: pytest.TempPathFactory, data_root: Path):
-    """Runs a 2-process LeNet training once per (hook, accumulate) and returns its folder."""
+    """Runs a 2-process LeNet training once per (hook, accumulate) and returns its folder: the ranks are processes,
+    their launcher this one (the tests read the folder, not what the command prints)."""
 
     @cache
     def run(hook: str, accumulate: int = 1) -> Path:
         run_dir = tmp_path_factory.mktemp(f"{hook}_acc{accumulate}")
-        result = run_train(
+        result = train_here(
             f"data.root={data_root}", f"hydra.run.dir={run_dir}", "strategy=ddp", f"strategy.hook={hook}",
             f"strategy.start_powersgd_iter={WARMUP}", f"strategy.bucket_cap_mb={SMALL_BUCKET_MB}", "devices=2",
             "max_epochs=1", "data.batch_size=32", f"trainer.limit_train_batches={BATCHES}",
@@ -228,7 +229,7 @@ def test_powersgd_still_learns(tmp_path: Path, data_root: Path) -> None:
     accuracy = {}
     for name, strategy in (("ddp", ["strategy=ddp"]), ("powersgd", ["strategy=ddp_powersgd", "strategy.powersgd_rank=4"])):
         run_dir = tmp_path / name
-        result = run_train(*common, *strategy, f"hydra.run.dir={run_dir}", timeout=900)
+        result = train_here(*common, *strategy, f"hydra.run.dir={run_dir}")  # the ranks' launcher in this process
         assert result.returncode == 0, result.stderr[-3000:]
         accuracy[name] = scalars(run_dir)["test/acc"][-1]
     assert accuracy["ddp"] > 0.8  # the baseline learned, so the comparison means something

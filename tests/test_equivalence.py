@@ -22,7 +22,7 @@ from src.data.fashion_mnist import FashionMNISTDataModule
 from src.models.lenet import LeNet
 from src.models.module import Classifier
 from tests.equivalence import checkpoint, deviation, distance, last_step_norm, running_stats
-from tests.helpers import hparams, train
+from tests.helpers import hparams, train_here
 
 SGD = dict(lr=0.1, momentum=0.9, weight_decay=1e-3)
 BATCH, STEPS = 32, 4
@@ -125,13 +125,14 @@ RESNET = ("model=resnet18", "data.batch_size=16", "trainer.max_steps=1", *COMMON
 
 @pytest.fixture(scope="module")
 def cli(tmp_path_factory, data_root) -> Callable[..., Path]:
-    """Run the command line once per name in this module; returns the run folder."""
+    """Run the command once per name in this module, in this process (a DDP run's ranks are processes it starts);
+    returns the run folder."""
     runs: dict[str, Path] = {}
 
     def run(name: str, *overrides: str) -> Path:
         if name not in runs:
             run_dir = tmp_path_factory.mktemp(name) / "run"
-            result = train(f"data.root={data_root}", *overrides, f"hydra.run.dir={run_dir}")
+            result = train_here(f"data.root={data_root}", *overrides, f"hydra.run.dir={run_dir}")
             assert result.returncode == 0, result.stderr[-3000:]
             runs[name] = run_dir
         return runs[name]

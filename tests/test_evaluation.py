@@ -1,23 +1,24 @@
-"""Evaluation counts every image once, on any number of processes."""
+"""Evaluation counts every image once, on any number of processes (the commands run in this process, the ranks in
+their own)."""
 
 import pytest
 
-from tests.helpers import DATA_ROOT, QUICK, run_cli, scalars, train
+from tests.helpers import DATA_ROOT, QUICK, command_here, scalars, train_here
 
 
 @pytest.mark.slow
 def test_test_accuracy_on_three_processes_equals_one_process(tmp_path, data_root):
     trained = tmp_path / "trained"
-    assert train(*QUICK, "trainer.limit_train_batches=20", f"hydra.run.dir={trained}").returncode == 0
+    assert train_here(*QUICK, "trainer.limit_train_batches=20", f"hydra.run.dir={trained}").returncode == 0
     checkpoint = trained / "checkpoints" / "last.ckpt"
     results = {}
     for devices in (1, 3):
         run_dir = tmp_path / f"devices{devices}"
         # src.eval scores its weights on all 10,000 test images (255 per batch: 85 per process on 3).
         # fp32: bf16 convolutions round differently at another batch size and may flip a borderline image.
-        result = run_cli("src.eval", f"data.root={DATA_ROOT}", f"ckpt_path={checkpoint}", "strategy=ddp",
-                         f"devices={devices}", "data.batch_size=255", "precision=32", "trainer.limit_test_batches=1.0",
-                         "trainer.enable_progress_bar=false", f"hydra.run.dir={run_dir}", timeout=600)
+        result = command_here("src.eval", f"data.root={DATA_ROOT}", f"ckpt_path={checkpoint}", "strategy=ddp",
+                              f"devices={devices}", "data.batch_size=255", "precision=32", "trainer.limit_test_batches=1.0",
+                              "trainer.enable_progress_bar=false", f"hydra.run.dir={run_dir}")
         assert result.returncode == 0, result.stderr[-3000:]
         results[devices] = scalars(run_dir)["test/acc"][-1]
     assert results[3] == results[1]

@@ -5,6 +5,7 @@ The config files are the doc's own blocks (those starting `# conf/<group>/<name>
 page cannot drift from what works. Each run is tiny (`debug=quick`).
 """
 
+import json
 import re
 from pathlib import Path
 
@@ -35,9 +36,10 @@ def searchpath(tmp_path_factory) -> str:
 
 
 def finished(result, run_dir: Path) -> tuple[dict, dict]:
-    """The run's resolved config and last checkpoint, once it is known to have ended well."""
+    """The run's resolved config and last checkpoint, once it is known to have ended well: its result is recorded (a
+    DDP run's ranks, which this process starts, print the result line where a test does not read it)."""
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "test/acc=" in result.stdout
+    assert "test/acc=" in json.loads((run_dir / "result.json").read_text())["line"]
     return OmegaConf.load(run_dir / "config.yaml"), torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)
 
 
@@ -58,7 +60,8 @@ def test_searchpath_options_are_known_to_the_checks(searchpath):
 @pytest.mark.slow
 def test_a_new_model_trains_and_its_checkpoint_is_scored_by_eval(tmp_path, data_root, searchpath):
     run_dir = tmp_path / "run"
-    config, checkpoint = finished(train(*QUICK, searchpath, "model=mlp", "model.net.hidden=32", f"hydra.run.dir={run_dir}"), run_dir)
+    config, checkpoint = finished(train_here(*QUICK, searchpath, "model=mlp", "model.net.hidden=32", f"hydra.run.dir={run_dir}"),
+                                  run_dir)
     assert config.model.net._target_ == "tests.examples.mlp.MLP" and config.model_name == "mlp"
     assert checkpoint["state_dict"]["net.1.weight"].shape == (32, 28 * 28)
     assert hparams(run_dir)["model"] == "mlp"
@@ -82,8 +85,8 @@ def test_a_new_optimizer_is_a_config_file(tmp_path, data_root, searchpath):
 @pytest.mark.slow
 def test_a_new_comm_hook_is_a_function_and_a_strategy_file(tmp_path, data_root, searchpath):
     run_dir = tmp_path / "run"
-    config, _ = finished(train(*QUICK, searchpath, "strategy=ddp_fp16_example", "devices=2", f"hydra.run.dir={run_dir}",
-                               timeout=600), run_dir)
+    config, _ = finished(train_here(*QUICK, searchpath, "strategy=ddp_fp16_example", "devices=2", f"hydra.run.dir={run_dir}"),
+                         run_dir)
     assert config.strategy.hook == "tests.examples.hooks.fp16_allreduce_hook"
     series = scalars(run_dir)
     # Only a hook that sends float16 halves the bytes: plain DDP's ratio is 1.
@@ -94,8 +97,8 @@ def test_a_new_comm_hook_is_a_function_and_a_strategy_file(tmp_path, data_root, 
 @pytest.mark.slow
 def test_a_hook_with_state_gets_it_built_from_the_strategy_file(tmp_path, data_root, searchpath):
     run_dir = tmp_path / "run"
-    config, _ = finished(train(*QUICK, searchpath, "strategy=ddp_fp16_warmup_example", "devices=2", "trainer.log_every_n_steps=1",
-                               f"hydra.run.dir={run_dir}", timeout=600), run_dir)
+    config, _ = finished(train_here(*QUICK, searchpath, "strategy=ddp_fp16_warmup_example", "devices=2",
+                                    "trainer.log_every_n_steps=1", f"hydra.run.dir={run_dir}"), run_dir)
     assert config.strategy.hook_state.warmup_steps == 2
     # The state lives across calls: fp32 for the first two of the four steps, then float16.
     assert scalars(run_dir)["xfer/compression_ratio"] == [pytest.approx(r) for r in (1.0, 1.0, 2.0, 2.0)]

@@ -63,16 +63,14 @@ def assert_matches_unbroken(run: Path, reference: Path) -> None:
 @pytest.fixture(scope="module")
 def unbroken(tmp_path_factory, data_root):
     """Unbroken reference runs, one per process count, shared by the tests below: a run of one process is trained in
-    this one, a DDP run by its own ranks."""
+    this one, a DDP run by its own ranks, which this process starts."""
     runs: dict[str, Path] = {}
 
     def run(*args: str) -> Path:
         key = " ".join(args)
         if key not in runs:
             run_dir = tmp_path_factory.mktemp("unbroken") / "run"
-            ddp = any(arg.startswith("strategy=ddp") for arg in args)
-            result = (train(*LONGER, *args, f"hydra.run.dir={run_dir}", timeout=600) if ddp
-                      else train_here(*LONGER, *args, f"hydra.run.dir={run_dir}"))
+            result = train_here(*LONGER, *args, f"hydra.run.dir={run_dir}")
             assert result.returncode == 0, result.stderr[-3000:]
             runs[key] = run_dir
         return runs[key]
@@ -120,7 +118,9 @@ def test_a_run_killed_mid_epoch_resumes_to_the_unbroken_weights(tmp_path, unbrok
     args, every_n, killed_after = RESUMES[case]
     run_dir = tmp_path / "run"
     checkpointing = f"checkpoint.every_n_train_steps={every_n}"
-    killed = train(*LONGER, *args, checkpointing, *kill_at(killed_after), f"hydra.run.dir={run_dir}", timeout=600)
+    # The fault kills rank 0: the command's own process where it runs alone, else a rank this process starts
+    command = [*LONGER, *args, checkpointing, *kill_at(killed_after), f"hydra.run.dir={run_dir}"]
+    killed = train_here(*command) if args else train(*command, timeout=600)
     assert killed.returncode != 0
     newest = max((load(p)["global_step"], p.name) for p in (run_dir / "checkpoints").glob("*.ckpt"))
     assert newest == ((16, "step.ckpt") if every_n else (10, "last.ckpt"))
@@ -128,8 +128,7 @@ def test_a_run_killed_mid_epoch_resumes_to_the_unbroken_weights(tmp_path, unbrok
     assert "epoch 1/3 step 10:" in log, "a killed run keeps the log of what it did"
 
     # The fault is a callback of the test's own: a resume takes no `_target_` from the run's records, so it is typed again.
-    resumed = train(*LONGER, *args, checkpointing, *kill_at(killed_after), "ckpt_path=last", f"hydra.run.dir={run_dir}",
-                    timeout=600)
+    resumed = train_here(*LONGER, *args, checkpointing, *kill_at(killed_after), "ckpt_path=last", f"hydra.run.dir={run_dir}")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert_matches_unbroken(run_dir, unbroken(*args))
     for draws in unbroken(*args).glob("draws.*.pt"):  # the generators, too, are where the unbroken run left them

@@ -1,6 +1,7 @@
 """A resume ends as the unbroken run would, wherever the stop came: its result line, checkpoints (the best one too)
 and TensorBoard scalars are the unbroken run's. Each run below is SIGKILLed at one point of its life by a fault
-callback (tests/faults.py: the stop waits on the run reaching that point, never on the clock), then resumed."""
+callback (tests/faults.py: the stop waits on the run reaching that point, never on the clock), then resumed. Only the
+run that is stopped needs a process of its own; the unbroken run and the resumes run in this one."""
 
 import json
 from pathlib import Path
@@ -8,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import QUICK, scalars, train
+from tests.helpers import QUICK, scalars, train, train_here
 
 # Three epochs of ten steps; a step checkpoint every 5 steps, so one falls on each epoch's last step.
 RUN = [*QUICK, "max_epochs=3", "trainer.limit_train_batches=10", "trainer.limit_val_batches=4", "data.batch_size=64",
@@ -34,7 +35,7 @@ def fault(stop: str, mark: Path) -> list[str]:
 @pytest.fixture(scope="module")
 def unbroken(tmp_path_factory, data_root) -> Path:
     run_dir = tmp_path_factory.mktemp("unbroken") / "run"
-    result = train(*RUN, f"hydra.run.dir={run_dir}", timeout=600)
+    result = train_here(*RUN, f"hydra.run.dir={run_dir}")
     assert result.returncode == 0, result.stderr[-3000:]
     return run_dir
 
@@ -57,7 +58,7 @@ def test_a_run_stopped_anywhere_resumes_to_the_unbroken_runs_end(tmp_path, unbro
     killed = train(*RUN, *fault(stop, tmp_path / "killed"), f"hydra.run.dir={run_dir}", timeout=600)
     assert killed.returncode == -9, killed.stderr[-3000:]
     # The fault is the test's own callback: a resume takes no `_target_` from a run's records, so it is typed again.
-    resumed = train(*RUN, *fault(stop, tmp_path / "killed"), "ckpt_path=last", f"hydra.run.dir={run_dir}", timeout=600)
+    resumed = train_here(*RUN, *fault(stop, tmp_path / "killed"), "ckpt_path=last", f"hydra.run.dir={run_dir}")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     ours, theirs = record(run_dir), record(unbroken)
     assert ours[0] == theirs[0], "the result line's figures"
@@ -75,6 +76,6 @@ def test_a_stop_signal_right_after_the_epochs_checkpoints_keeps_its_points_and_r
     stopped = train(*RUN, *fault, f"hydra.run.dir={run_dir}", timeout=600)
     assert stopped.returncode == 143, stopped.stderr[-3000:]
     assert torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["epoch"] == 1
-    resumed = train(*RUN, *fault, "ckpt_path=last", f"hydra.run.dir={run_dir}", timeout=600)
+    resumed = train_here(*RUN, *fault, "ckpt_path=last", f"hydra.run.dir={run_dir}")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert record(run_dir)[2] == record(unbroken)[2], "the TensorBoard scalars"

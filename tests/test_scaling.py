@@ -32,6 +32,7 @@ from src.scaling.predict import (
     COLUMNS, PROCESS_COUNTS, Baseline, Options, RunFigures, link_for, main, merge_repeats, predictions, time_baseline,
 )
 from src.scaling.timed import Timed, encode_s
+from src.report import main as report_main
 from src.report import write_report
 from src.scaling import probe as probe_module
 from src.scaling import stepclock
@@ -39,7 +40,7 @@ from src.scaling import timed as timing
 from src.scaling.stepclock import overhead_share
 from src.strategies import ddp
 from src.strategies.ddp import HOOKS
-from tests.helpers import QUICK, REPO, call_main, run_cli, scalars, train
+from tests.helpers import QUICK, REPO, call_main, run_cli, scalars, train_here
 from tests.probes import HOOK_NOTES, HOOK_SLEEP_S
 
 LINK = Interconnect("test", bandwidth=1e9, latency=1e-5)
@@ -630,12 +631,13 @@ def test_ddps_own_cost_on_a_gpu_is_measured_over_nccl(model):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, data_root) -> Path:
-    """A one-process LeNet run and a 2-process PowerSGD run (2 plain all-reduce steps, then 2 compressed)."""
+    """A one-process LeNet run and a 2-process PowerSGD run (2 plain all-reduce steps, then 2 compressed), started
+    from this process: the tests read their folders."""
     root = tmp_path_factory.mktemp("runs")
     quick = [*QUICK, "trainer.log_every_n_steps=1", "trainer.limit_val_batches=1"]
-    result = train(*quick, f"hydra.run.dir={root / 'one'}")
+    result = train_here(*quick, f"hydra.run.dir={root / 'one'}")
     assert result.returncode == 0, result.stderr[-3000:]
-    result = train(*quick, "strategy=ddp_powersgd", "devices=2", "strategy.start_powersgd_iter=2", f"hydra.run.dir={root / 'two'}")
+    result = train_here(*quick, "strategy=ddp_powersgd", "devices=2", "strategy.start_powersgd_iter=2", f"hydra.run.dir={root / 'two'}")
     assert result.returncode == 0, result.stderr[-3000:]
     return root
 
@@ -720,14 +722,15 @@ def test_cli_weak_scaling_from_real_runs(runs, tmp_path):
 
 @pytest.mark.slow
 def test_report_includes_the_scaling_table(runs, tmp_path):
-    result = run_cli("src.report", str(runs), "--out", str(tmp_path / "report"))
+    """src.report's own entry in this process (test_report.py starts the command)."""
+    result = call_main(report_main, str(runs), "--out", str(tmp_path / "report"))
     assert result.returncode == 0, result.stderr
     report = (tmp_path / "report" / "report.md").read_text()
     assert "# Predicted scaling" in report and "No predictions here" in report  # CPU runs, no probe saved
     assert "| powersgd | 832, 832, 5,748 | 7,412 |" in report and "NVLink" not in report
     with_probe = Path(shutil.copytree(runs, tmp_path / "runs"))
     write_probe(with_probe / "probe.json")
-    result = run_cli("src.report", str(with_probe))
+    result = call_main(report_main, str(with_probe))
     assert result.returncode == 0, result.stderr
     report = (with_probe / "report.md").read_text()
     assert "| gloo here, 2 proc. | powersgd |" in report and "](scaling_lenet.png)" in report

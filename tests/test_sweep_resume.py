@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from tests.helpers import epoch_lines, train
+from tests.helpers import epoch_lines, train, train_here
 from tests.test_resume import LONGER, assert_matches_unbroken
 from tests.test_stopping import Run
 
@@ -41,7 +41,7 @@ def results(folder: Path) -> dict[str, int]:
 @pytest.mark.slow
 def test_a_sweep_killed_mid_job_resumes_and_its_interrupted_job_ends_with_the_unbroken_weights(tmp_path, data_root):
     unbroken = tmp_path / "unbroken"  # the interrupted job's settings in a run of its own: the weights it must end with
-    result = train(*JOB, "seed=2", f"hydra.run.dir={unbroken}", timeout=900)
+    result = train_here(*JOB, "seed=2", f"hydra.run.dir={unbroken}")  # its ranks are processes; it is read, not heard
     assert result.returncode == 0, result.stderr[-3000:]
 
     sweep = tmp_path / "sweep"

@@ -15,7 +15,7 @@ from torch import nn
 from src.strategies.sync_batchnorm import AllReduceBatchNorm, AllReduceBatchNorm1d, AllReduceBatchNorm2d, SyncBatchNormPlugin
 from tests.equivalence import checkpoint, deviation
 from tests.helpers import start_ranks
-from tests.helpers import train as run_train
+from tests.helpers import train as run_train, train_here
 from tests.test_equivalence import LENET, RESNET
 
 WORLD = 2
@@ -238,7 +238,7 @@ def in_float64(args: tuple[str, ...]) -> list[str]:
 @pytest.mark.parametrize("case", list(FLOAT64_ORACLE))
 def test_sync_batchnorm_on_two_gloo_ranks_ends_where_one_process_does_in_float64(tmp_path, data_root, case):
     common = [f"data.root={data_root}", *in_float64(FLOAT64_ORACLE[case])]
-    one = run_train(*common, f"hydra.run.dir={tmp_path / 'one'}")
+    one = train_here(*common, f"hydra.run.dir={tmp_path / 'one'}")
     assert one.returncode == 0, one.stderr[-3000:]
     two = run_train(*common, "strategy=ddp", "devices=2", "sync_batchnorm=true", f"hydra.run.dir={tmp_path / 'two'}")
     assert two.returncode == 0, two.stderr[-3000:]
