@@ -19,7 +19,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from tests.helpers import INTERPRETER, start_cli, QUICK, REPO, assert_finished_run, cpu_precision, scalars, train, user_env
+from tests.helpers import (INTERPRETER, QUICK, REPO, assert_finished_run, cpu_precision, scalars, start_cli, train,
+                           train_here, user_env)
 from tests.test_stopping import checkpointed_epoch, proc_stat, wait_for
 
 PRECISION = cpu_precision()  # what precision=auto uses here
@@ -29,8 +30,11 @@ SEEDS = [f"lenet_auto_1dev_{PRECISION}_seed={seed}" for seed in (1, 2)]
 TIMES = r"\(elapsed \d+:\d\d, (about \d+:\d\d left|time left not known yet)\)"
 
 
-def sweep(folder: Path, *args: str) -> subprocess.CompletedProcess:
-    return train("-m", *args, *QUICK, f"hydra.sweep.dir={folder}", timeout=900)
+def sweep(folder: Path, *args: str, here: bool = False) -> subprocess.CompletedProcess:
+    """A sweep as a user types it: in a new process, or with `here` in this one (where what is checked is what the
+    sweep prints and writes, and its jobs run one after another or as processes of their own)."""
+    command = ["-m", *args, *QUICK, f"hydra.sweep.dir={folder}"]
+    return train_here(*command) if here else train(*command, timeout=900)
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +46,7 @@ def two_sweeps(tmp_path_factory, data_root) -> dict[str, tuple[subprocess.Comple
         # Without the disturbance marks: whether an epoch competed with the suite's other test process differs
         # between the two sweeps, and the result lines would say so.
         sweeps[launcher] = sweep(folder, f"hydra/launcher={launcher}", "seed=1,2", SHOW_PLACEMENT,
-                                 "~callbacks.disturbance"), folder
+                                 "~callbacks.disturbance", here=launcher == "sequential"), folder
     return sweeps
 
 
@@ -70,10 +74,11 @@ def relative_files(run: Path) -> set[str]:
 
 
 def log_lines(run: Path, sweep_dir: Path) -> list[str]:
-    """train.log without what differs from run to run: times, figures, paths, and the entry module's logger name
-    (a job of its own process runs the entry module as multiprocessing names it)."""
+    """train.log without what differs from run to run: times, figures, paths, the entry module's logger name (a job
+    of its own process runs the entry module as multiprocessing names it), and the line that says how busy the machine
+    was at the start (which only a job that may use every core says)."""
     text = (run / "train.log").read_text().replace(str(sweep_dir), "<sweep>").replace("__mp_main__", "__main__")
-    return [re.sub(r"\d+(\.\d+)?", "N", line) for line in text.splitlines()]
+    return [re.sub(r"\d+(\.\d+)?", "N", line) for line in text.splitlines() if "the machine is busy: " not in line]
 
 
 def threads_of(config: str) -> int:
@@ -173,7 +178,7 @@ def test_a_job_that_dies_side_by_side_fails_alone(tmp_path, data_root):
 @pytest.mark.slow
 def test_a_bad_job_fails_alone_and_the_sweep_exits_non_zero(tmp_path, data_root):
     folder = tmp_path / "sweep"
-    result = sweep(folder, "strategy=auto,ddp", "devices=2")
+    result = sweep(folder, "strategy=auto,ddp", "devices=2", here=True)  # the DDP job's ranks are processes
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1].startswith(
         "error: 1 sweep job failed: lenet_auto_2dev_") and "strategy=auto runs on one device" in result.stderr
@@ -183,11 +188,10 @@ def test_a_bad_job_fails_alone_and_the_sweep_exits_non_zero(tmp_path, data_root)
     assert result.stdout.splitlines()[-1] == f"sweep of 2 jobs: 1 done, 0 resumed, 0 skipped, 1 failed; report: {folder / 'report.md'}"
 
 
-@pytest.mark.slow
 def test_a_parallel_launcher_setting_out_of_range_stops_the_sweep_in_one_line(tmp_path, data_root):
     folder = tmp_path / "sweep"
     cores = len(os.sched_getaffinity(0))
-    result = sweep(folder, PARALLEL, f"hydra.launcher.jobs={cores + 1}", "seed=1,2")
+    result = sweep(folder, PARALLEL, f"hydra.launcher.jobs={cores + 1}", "seed=1,2", here=True)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         f"error: hydra.launcher.jobs={cores + 1} is not allowed: it must be a whole number from 1 to {cores} (this "
