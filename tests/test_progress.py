@@ -9,6 +9,7 @@ import threading
 from pathlib import Path
 
 import pytest
+from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, JobStatus
 from omegaconf import OmegaConf
 from tqdm import tqdm
@@ -268,6 +269,39 @@ def test_the_slurm_launcher_says_each_start_and_end_as_it_polls(tmp_path, monkey
     jobs[1].paths.result_pickle.unlink()  # a job that SLURM ended without a result: its last words instead
     jobs[1].stderr = lambda: "error: run stopped by SIGTERM\n"
     assert str(slurm_launcher.result(jobs[1], ["seed=2"])._return_value) == "run stopped by SIGTERM (SLURM job 7_1)"
+
+
+def test_a_slurm_job_heeds_a_stop_signal_from_its_first_step_where_submitits_handler_only_logs_it(tmp_path, monkeypatch):
+    """`scancel` of a job still starting: submitit's SIGTERM handler only logs it, so the job trained on until SLURM's
+    SIGKILL. The job's first step puts the run's stop handler in place, before the task runs."""
+    import signal
+    from types import SimpleNamespace
+
+    from src.launch import stops
+
+    slurm_launcher = pytest.importorskip("src.launch.slurm_launcher")
+    heard = {}
+
+    def run_job(hydra_context, task_function, config, job_dir_key, job_subdir_key):
+        heard["handler"] = signal.getsignal(signal.SIGTERM)
+        return JobReturn(overrides=[], status=JobStatus.COMPLETED, _return_value=DONE)
+
+    monkeypatch.setattr(slurm_launcher, "run_job", run_job)
+    monkeypatch.setattr(slurm_launcher.submitit, "JobEnvironment", lambda: SimpleNamespace(job_id="7_0", global_rank=0))
+    launcher = slurm_launcher.SlurmLauncher.__new__(slurm_launcher.SlurmLauncher)
+    launcher.config, launcher.task_function = OmegaConf.create({}), lambda cfg: None
+    job_config = {"hydra": {"job": {"id": None, "num": None, "name": "train"}}, "ckpt_path": None}
+    launcher.hydra_context = SimpleNamespace(config_loader=SimpleNamespace(
+        load_sweep_config=lambda config, overrides: OmegaConf.create(job_config)))
+    saved = {signum: signal.getsignal(signum) for signum in stops.STOP_SIGNALS}
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)  # as submitit's `bypass`
+    try:
+        returned = launcher(["seed=1"], "hydra.sweep.dir", 0, "job_id_for_0", Singleton.get_state())
+    finally:
+        for signum, handler in saved.items():
+            signal.signal(signum, handler)
+    assert returned.return_value == DONE
+    assert heard["handler"] is stops._raise_stop
 
 
 # ---------------------------------------------------------------- where the parallel launcher puts jobs

@@ -24,7 +24,7 @@ from src.errors import RunFailed, UsageError
 from src.launch.naming import job_folder_name
 from src.launch.progress import Progress, failure, last_error_line, value
 from src.launch.sequential_launcher import resumes
-from src.launch.stops import RankFailed, RunStopped, ignore_stop_signals
+from src.launch.stops import RankFailed, RunStopped, handle_stop_signals, ignore_stop_signals
 from src.slurm import slurm_output
 
 log = logging.getLogger(__name__)
@@ -78,6 +78,9 @@ class SlurmLauncher(SubmititSlurmLauncher):
     def __call__(self, sweep_overrides: list[str], job_dir_key: str, job_num: int, job_id: str,
                  singleton_state: dict[type, Singleton]) -> JobReturn:
         assert self.hydra_context is not None and self.config is not None and self.task_function is not None
+        # submitit's own handler only logs SIGTERM (it waits for a requeue), and Lightning's start installs the run's:
+        # until then, `scancel` of a starting job went unheard and the job trained on until SLURM's SIGKILL
+        handle_stop_signals()
         Singleton.set_state(singleton_state)
         setup_globals()
         config = self.hydra_context.config_loader.load_sweep_config(self.config, sweep_overrides)
