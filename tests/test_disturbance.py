@@ -6,6 +6,7 @@ import logging
 import os
 
 import pytest
+import torch
 
 from src.callbacks.disturbance import Disturbance, EpochLoad, is_disturbed
 from src.launch import cli, load
@@ -35,11 +36,14 @@ def test_the_work_ready_beside_a_start_is_the_median_of_a_few_readings_less_the_
     assert others_runnable_now(lambda: None, waits.append) is None
 
 
-def test_a_machine_is_busy_when_other_work_alone_fills_its_cores_and_the_line_says_what_to_do():
-    assert busy_line(None, 2) is None and busy_line(1, 2) is None and busy_line(15, 16) is None
-    line = busy_line(5, 2)
-    assert line.startswith("the machine is busy: 5 tasks of other work are ready to run on its 2 cores")
+def test_a_machine_is_busy_when_the_run_and_other_work_want_more_than_its_cores_and_the_line_says_what_to_do():
+    assert busy_line(None, 2, 2) is None and busy_line(0, 2, 2) is None  # unknown, or nothing beside the run
+    assert busy_line(3, 4, 16) is None and busy_line(1, 1, 2) is None  # there is room beside the run
+    line = busy_line(1, 2, 2)  # a 2-thread run beside one busy loop on 2 cores
+    assert line.startswith("the machine is busy: 1 task of other work is ready to run beside this run's 2 threads "
+                           "on 2 cores, so its times will be slow and uneven")
     assert "on a quiet machine" in line and "OMP_NUM_THREADS=1" in line and "\n" not in line
+    assert "beside this sweep's 1 thread on 1 core," in busy_line(4, 1, 1, "sweep")
 
 
 @pytest.fixture
@@ -55,14 +59,15 @@ def machine(monkeypatch):
 def test_a_run_started_on_a_busy_machine_says_so_in_one_line_before_it_trains(tmp_path, machine, caplog, capsys):
     cores, ready = machine
     trained = []
-    for name, others in (("quiet", cores - 1), ("busy", cores + 3)):
+    threads = torch.get_num_threads()  # what a run of one process computes with, here
+    for name, others in (("quiet", 0), ("busy", 1)):
         ready["tasks"] = others + 1
         caplog.clear()
         cfg = job_config(*QUICK, run_dir=tmp_path / name)
         with caplog.at_level(logging.INFO):
             cli.run_job(cfg, lambda cfg: trained.append(caplog.text) or Result({}, "done"))
         warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-        assert warned == ([] if name == "quiet" else [busy_line(cores + 3, cores)])
+        assert warned == ([] if name == "quiet" else [busy_line(1, threads, cores)])
     assert "the machine is busy" in trained[-1], "said before the run started"
 
 
@@ -71,7 +76,7 @@ def test_a_process_on_some_cores_and_a_rank_torchrun_started_say_nothing(tmp_pat
     ready["tasks"] = cores + 5
     monkeypatch.setattr(load, "usable_cores", lambda: [0])  # a job of a side-by-side sweep, or a `taskset`
     with caplog.at_level(logging.INFO):
-        load.say_if_busy()
+        load.say_if_busy(1)
     assert not caplog.records
     monkeypatch.setattr(load, "usable_cores", lambda: list(range(cores)))
     for name, value in (("RANK", "0"), ("GROUP_RANK", "0"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "1"),

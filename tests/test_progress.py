@@ -385,11 +385,12 @@ def test_a_parallel_launch_takes_the_next_job_only_when_a_place_frees_and_tells_
     monkeypatch.setattr(launcher, "places", lambda alike: Places(range(2), 2, None, 1))
     monkeypatch.setattr(launcher, "start", start)
     monkeypatch.setattr(parallel_launcher, "ended_jobs", ended_jobs)
-    monkeypatch.setattr(parallel_launcher, "say_if_busy", lambda: events.append("busy?"))  # once, for the whole sweep
+    monkeypatch.setattr(parallel_launcher, "say_if_busy",  # once, for the whole sweep, which takes both cores
+                        lambda own, whose: events.append(f"busy? {whose} of {own} threads"))
     told = lambda number, job: events.append(f"told {number}")  # noqa: E731
     returns = launcher.run(jobs(), Progress(3, 0, tmp_path, clock=Clock(), say=lambda line: None, on_end=told),
                            tmp_path, [])
-    assert events == ["busy?", "asked 0", "started 0", "asked 1", "started 1", "told 0", "asked 2", "started 2", "told 1",
+    assert events == ["busy? sweep of 2 threads", "asked 0", "started 0", "asked 1", "started 1", "told 0", "asked 2", "started 2", "told 1",
                       "told 2"]
     assert sorted(returns) == [0, 1, 2] and all(job.return_value == DONE for job in returns.values())
 

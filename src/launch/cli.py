@@ -124,7 +124,7 @@ def run_job(cfg: DictConfig, task: Callable[[DictConfig], Result],
                 if ranks.is_rank_zero():
                     save_records(cfg)
                 if ranks.external_rank() is None:  # torchrun's or SLURM's other ranks start beside this one
-                    load.say_if_busy()
+                    load.say_if_busy(int(cfg.threads) * workers.processes_per_node(cfg))
                 return workers.launch(task, cfg)
             except Exception as error:
                 if ours and said(error) is not None:

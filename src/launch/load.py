@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from src.launch.console import counted
 from src.launch.ranks import usable_cores
 
 PROC_STAT = Path("/proc/stat")
@@ -41,20 +42,25 @@ def others_runnable_now(read: Callable[[], int | None] = runnable_tasks, wait: C
     return int(statistics.median_low(readings))
 
 
-def busy_line(others: int | None, cores: int) -> str | None:
-    """What a run starting beside `others` ready tasks on `cores` cores should know, where that work alone fills every
-    core: its threads will wait for cores, so its times measure the load (and fewer threads lose less to it)."""
-    if others is None or others < cores:
+def busy_line(others: int | None, own: int, cores: int, whose: str = "run") -> str | None:
+    """What a run (or a sweep) whose processes compute with `own` threads in all should know when it starts beside
+    `others` ready tasks and together they want more than the `cores`: its threads will wait for cores, so its times
+    measure the load, and fewer threads lose less to it."""
+    if not others or others + own <= cores:
         return None
-    return (f"the machine is busy: {others} tasks of other work are ready to run on its {cores} cores, so this run's "
-            "times will be slow and uneven; time settings against each other on a quiet machine, or give a run that "
-            "must share fewer threads (OMP_NUM_THREADS=1)")
+    ready = f"{counted(others, 'task')} of other work {'is' if others == 1 else 'are'} ready to run"
+    return (f"the machine is busy: {ready} beside this {whose}'s {counted(own, 'thread')} on {counted(cores, 'core')}, "
+            "so its times will be slow and uneven; time settings against each other on a quiet machine, or give a run "
+            "that must share fewer threads (OMP_NUM_THREADS=1)")
 
 
-def say_if_busy() -> None:
+def say_if_busy(own: int, whose: str = "run") -> None:
     """`busy_line`, logged by the process that starts a run or a side-by-side sweep, before it starts anything. Only
     where it may use every core: a parallel sweep's job, or a `taskset`, shares the machine by design, and what runs
     on the other cores does not slow it."""
     cores = os.cpu_count() or 1
-    if len(usable_cores()) == cores and (line := busy_line(others_runnable_now(runnable_tasks), cores)) is not None:
+    if len(usable_cores()) != cores:
+        return
+    line = busy_line(others_runnable_now(runnable_tasks), own, cores, whose)
+    if line is not None:
         log.warning(line)

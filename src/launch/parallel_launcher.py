@@ -145,7 +145,7 @@ class ParallelLauncher(ProjectLauncher):
 
     def run(self, jobs: Iterable[Job], progress: Progress, sweep_dir: Path, alike: list[Job]) -> dict[int, JobReturn]:
         places = self.places([with_needs(job) for job in alike])
-        say_if_busy()  # its jobs, each on a slot of cores, do not ask: the others are their neighbours
+        say_if_busy(len(places.cores), "sweep")  # its jobs, each on a slot of cores, do not ask: the others are theirs
         (sweep_dir / ".parallel").mkdir(exist_ok=True)
         log.info(f"{counted(progress.count, 'job')}, {len(places.cores)} at a time, in {sweep_dir}; each job's output "
                  f"in {sweep_dir / '.parallel'}")
