@@ -1,6 +1,9 @@
 """Session fixtures: the data copy, runs trained once for the tests that read them, and checks every test passes."""
 
+import fcntl
+import json
 import multiprocessing.process
+import os
 import subprocess
 
 import pytest
@@ -64,10 +67,19 @@ def exact_cuda_math():
 
 
 def _trained(tmp_path_factory: pytest.TempPathFactory, name: str, *args: str, here: bool = False) -> Run:
-    """A run trained once for the tests that read it: in this process where one process trains it."""
-    run_dir = tmp_path_factory.mktemp(name) / "run"
-    result = (command_here("src.train", *args, f"hydra.run.dir={run_dir}") if here
-              else train(*args, f"hydra.run.dir={run_dir}"))
+    """A run trained once for the tests that read it (in this process where one process trains it), by the first test
+    process of the suite that asks (`-n`): the others wait for it, and read its folder and output."""
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # the folder above each test process's own
+    run_dir, said = shared / name / "run", shared / f"{name}.json"  # the run's folder alone in its parent
+    with open(shared / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not said.is_file():
+            result = (command_here("src.train", *args, f"hydra.run.dir={run_dir}") if here
+                      else train(*args, f"hydra.run.dir={run_dir}"))
+            said.write_text(json.dumps([result.args, result.returncode, result.stdout, result.stderr]))
+    result = subprocess.CompletedProcess(*json.loads(said.read_text()))
     assert result.returncode == 0, result.stderr[-3000:]
     return Run(result, run_dir)
 

@@ -82,18 +82,18 @@ class KillIn(Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-class TermAfterCheckpoints(ModelCheckpoint):
-    """SIGTERMs this process once, in epoch `epoch`, right after the epoch's checkpoints are written and before
-    Lightning logs its `train/*` points (a checkpoint callback runs last, after the others); it saves nothing."""
+class SignalAfterCheckpoints(ModelCheckpoint):
+    """Sends this process the signal `name` once, in epoch `epoch`, right after the epoch's checkpoints are written and
+    before Lightning logs its `train/*` points (a checkpoint callback runs last, after the others); it saves nothing."""
 
-    def __init__(self, epoch: int, mark: str) -> None:
+    def __init__(self, epoch: int, mark: str, name: str = "SIGTERM") -> None:
         super().__init__(save_top_k=0, every_n_epochs=0)
-        self.epoch, self.mark = epoch, Path(mark)
+        self.epoch, self.mark, self.signum = epoch, Path(mark), getattr(signal, name)
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.current_epoch == self.epoch and not self.mark.exists():
             self.mark.touch()
-            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), self.signum)
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         pass

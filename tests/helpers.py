@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -190,6 +191,15 @@ def command_here(module: str, *args: str, cwd: Path | None = None) -> subprocess
 def train_here(*args: str) -> subprocess.CompletedProcess:
     """`python -m src.train <args>` in this process (`command_here`)."""
     return command_here("src.train", *args)
+
+
+def train_with_ranks(capfd: pytest.CaptureFixture[str], *args: str) -> subprocess.CompletedProcess:
+    """`train_here` with what its DDP ranks wrote, as a terminal shows a run: the ranks share this process's standard
+    output and error (pytest's `capfd` reads them), and their lines come before the launcher's last ones."""
+    capfd.readouterr()
+    result = train_here(*args)
+    ranks = capfd.readouterr()
+    return subprocess.CompletedProcess(result.args, result.returncode, ranks.out + result.stdout, ranks.err + result.stderr)
 
 
 def on_a_trainer(module):

@@ -25,7 +25,7 @@ from src.checkpoints import check_checkpoint, open_checkpoint, resolve_ckpt_path
 from src.errors import TrainingDiverged, UsageError
 from src.models.module import Classifier
 from src.tasks import build, check_model
-from tests.helpers import QUICK, command_here, composed, hparams, train
+from tests.helpers import QUICK, command_here, composed, hparams, train_with_ranks
 
 
 def here(*args: str):
@@ -365,10 +365,10 @@ def test_a_resumed_run_keeps_its_folder_when_its_input_is_bad(tmp_path, quick_ru
 
 
 @pytest.mark.slow
-def test_lightning_refusals_inside_ddp_fit_give_one_line(tmp_path, data_root):
+def test_lightning_refusals_inside_ddp_fit_give_one_line(tmp_path, data_root, capfd):
     """`val_check_interval` above the batches is refused by Lightning in every DDP process: one line, no folder."""
     run_dir = tmp_path / "run"
-    result = train(*QUICK, "strategy=ddp", "devices=2", "trainer.val_check_interval=50", f"hydra.run.dir={run_dir}")
+    result = train_with_ranks(capfd, *QUICK, "strategy=ddp", "devices=2", "trainer.val_check_interval=50", f"hydra.run.dir={run_dir}")
     assert result.returncode == 2, result.stderr[-3000:]
     lines = result.stderr.strip().splitlines()
     assert lines[-1].startswith("error: trainer.val_check_interval: `val_check_interval` (50) must be less than")
@@ -390,9 +390,9 @@ def test_a_diverging_loss_stops_the_run_naming_step_and_rate(tmp_path, data_root
 
 
 @pytest.mark.slow
-def test_a_diverging_loss_under_ddp_stops_every_process_with_one_line(tmp_path, data_root):
+def test_a_diverging_loss_under_ddp_stops_every_process_with_one_line(tmp_path, data_root, capfd):
     run_dir = tmp_path / "run"
-    result = train(*QUICK, "strategy=ddp", "devices=2", "optim.lr=1e30", f"hydra.run.dir={run_dir}")
+    result = train_with_ranks(capfd, *QUICK, "strategy=ddp", "devices=2", "optim.lr=1e30", f"hydra.run.dir={run_dir}")
     assert result.returncode == 1, result.stderr[-3000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and errors[0].startswith("error: train/loss is nan at step ")

@@ -32,7 +32,7 @@ from src.models.lenet import LeNet
 from src.models.resnet import resnet18
 from src.strategies.comm import CommMeter
 from src.strategies.ddp import HOOKS, CommHookDDPStrategy, lay_out_in_backward_order, one_bucket_cap_mb
-from tests.helpers import composed, free_port, scalars, start_ranks, train as run_train, train_here
+from tests.helpers import composed, free_port, scalars, start_ranks, train_here, train_with_ranks
 
 BATCHES = 4  # training batches per run: one optimizer step each, unless accumulating
 WARMUP = 2  # plain all-reduce steps before PowerSGD compresses
@@ -176,9 +176,10 @@ def test_bad_option_fails_with_one_line(tmp_path: Path, data_root: Path, overrid
 
 @pytest.mark.slow  # the strategy refuses it inside each rank, once it knows the rank's device: the ranks are the point
 @pytest.mark.parametrize("override", ["strategy.process_group_backend=nccl"])
-def test_bad_option_found_in_the_ranks_fails_with_one_line(tmp_path: Path, data_root: Path, override: str) -> None:
+def test_bad_option_found_in_the_ranks_fails_with_one_line(tmp_path: Path, data_root: Path, override: str,
+                                                           capfd: pytest.CaptureFixture[str]) -> None:
     run_dir = tmp_path / "run"
-    result = run_train(f"data.root={data_root}", f"hydra.run.dir={run_dir}", "strategy=ddp", "devices=2", override, timeout=300)
+    result = train_with_ranks(capfd, f"data.root={data_root}", f"hydra.run.dir={run_dir}", "strategy=ddp", "devices=2", override)
     assert_refused_in_one_line(result, override, run_dir)
 
 

@@ -59,10 +59,9 @@ def test_cli_dp_on_one_cpu_device_trains_and_logs(tmp_path, data_root):
     assert (run_dir / "checkpoints" / "last.ckpt").is_file()
 
 
-@pytest.mark.slow
 def test_cli_dp_on_two_cpu_devices_fails_with_one_line(tmp_path, data_root):
     run_dir = tmp_path / "run"
-    result = train(*QUICK, "strategy=dp", "devices=2", "accelerator=cpu", f"hydra.run.dir={run_dir}")
+    result = train_here(*QUICK, "strategy=dp", "devices=2", "accelerator=cpu", f"hydra.run.dir={run_dir}")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1].startswith("error: strategy=dp devices=2 needs CUDA GPUs")
     assert "Traceback" not in result.stderr and not run_dir.exists()

@@ -3,7 +3,8 @@
 (a) the book's from-scratch data parallelism, written out below, equals one process at the same global batch;
 (b) the real command line under DDP with 2 and 4 processes ends with one process's LeNet parameters;
 (c) dp's reduction (the loss of the gathered logits) gives the one-device gradient, also for uneven shards;
-(d) ResNet-18's BatchNorm makes 2-process DDP differ from one process, and sync_batchnorm=true restores it.
+(d) ResNet-18's BatchNorm makes 2-process DDP differ from one process, and sync_batchnorm=true restores it: in float64,
+    where only rounding parts them, in tests/test_sync_batchnorm.py.
 
 Distances are in lengths of one SGD step (tests/equivalence.py), so a tolerance reads as
 "the runs ended this fraction of a step apart".
@@ -21,7 +22,7 @@ from torch.func import functional_call
 from src.data.fashion_mnist import FashionMNISTDataModule
 from src.models.lenet import LeNet
 from src.models.module import Classifier
-from tests.equivalence import checkpoint, deviation, distance, last_step_norm, running_stats
+from tests.equivalence import checkpoint, deviation, distance, last_step_norm
 from tests.helpers import hparams, train_here
 
 SGD = dict(lr=0.1, momentum=0.9, weight_decay=1e-3)
@@ -30,9 +31,6 @@ BATCH, STEPS = 32, 4
 SAME_RESULT = 1e-5
 # Relative gradient error of float32 sums in another order: measured up to 2.4e-6 in (c).
 SAME_GRADIENT = 2e-5
-# ReLU networks: float32 rounding may flip an activation that sits within rounding of 0, which
-# changes the gradient of the layers below it by that activation's share; measured 2.5e-3 in (d).
-SAME_RESULT_RELU_FLIPS = 2e-2
 # Wrong reductions and per-process BatchNorm statistics: measured 0.6 to 1.0 of a step apart.
 DIFFERENT_RESULT = 0.1
 
@@ -112,7 +110,7 @@ def test_a_summing_without_dividing_by_the_world_is_caught(real_batches):
     assert deviation(state(replicas[0], optimizers[0]), state(*one_process(net, real_batches))) > DIFFERENT_RESULT
 
 
-# ---- (b) and (d): the real command line.
+# ---- (b): the real command line.
 
 # fp32: equivalence up to fp32 rounding is the claim; bf16 autocast rounds differently per batch split.
 COMMON = ("precision=32", "optim.lr=0.1", "optim.momentum=0.9", "optim.weight_decay=0.001", "trainer.limit_val_batches=0",
@@ -216,21 +214,3 @@ def test_c_averaging_per_replica_losses_is_wrong_for_uneven_shards(real_batches)
     net.zero_grad()
     torch.stack([nn.functional.cross_entropy(net(xs), ys) for xs, ys in zip(x.chunk(4), y.chunk(4))]).mean().backward()
     assert max(relative_error(p.grad, g) for p, g in zip(net.parameters(), right)) > DIFFERENT_RESULT
-
-
-# ---- (d) BatchNorm.
-
-@pytest.mark.slow
-def test_d_per_process_batchnorm_statistics_change_the_result_and_sync_batchnorm_restores_it(cli):
-    one = checkpoint(cli("resnet_one", *RESNET))
-    per_process = checkpoint(cli("resnet_ddp2", *RESNET, "strategy=ddp", "devices=2"))
-    synced = checkpoint(cli("resnet_ddp2_sync", *RESNET, "strategy=ddp", "devices=2", "sync_batchnorm=true"))
-    assert deviation(per_process, one) > DIFFERENT_RESULT
-    assert deviation(synced, one) < SAME_RESULT_RELU_FLIPS
-
-    # Running statistics start at mean 0, variance 1; compare with how far they moved (measured: 0.12 and 5e-7).
-    start = {k: torch.zeros_like(v) if k.endswith("mean") else torch.ones_like(v)
-             for k, v in running_stats(one["state_dict"]).items()}
-    moved = distance(running_stats(one["state_dict"]), start)
-    assert distance(running_stats(per_process["state_dict"]), running_stats(one["state_dict"])) > 0.02 * moved
-    assert distance(running_stats(synced["state_dict"]), running_stats(one["state_dict"])) < 1e-4 * moved

@@ -1,4 +1,5 @@
-"""`python -m src.eval`: a saved model's test accuracy and loss, on any strategy and number of processes."""
+"""`python -m src.eval`: a saved model's test accuracy and loss, on any strategy and number of processes (DDP's:
+tests/test_evaluation.py)."""
 
 import shutil
 
@@ -6,7 +7,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from src.eval import as_trained, with_checkpoint_model
-from tests.helpers import DATA_ROOT, QUICK, command_here, hparams, run_cli, scalars
+from tests.helpers import DATA_ROOT, QUICK, command_here, hparams, scalars
 
 SCORE = [f"data.root={DATA_ROOT}", "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false"]
 
@@ -40,16 +41,6 @@ def test_eval_scores_a_checkpoint_as_the_training_run_did_without_training(tmp_p
     # An evaluation is no training: it adds no row to TensorBoard's HParams table, and says its line as src.eval.
     assert hparams(run_dir) == {}
     assert "[src.eval]" in result.stdout + result.stderr
-
-
-@pytest.mark.slow
-def test_eval_on_two_ddp_processes_gives_the_same_score_from_a_run_folder(tmp_path, trained):
-    run_dir = tmp_path / "eval"
-    result = run_cli("src.eval", *SCORE, f"ckpt_path={trained}", "strategy=ddp", "devices=2", f"hydra.run.dir={run_dir}",
-                     timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert scalars(run_dir)["test/acc"] == scalars(trained)["test/acc"]
-    assert "2 processes" in result.stdout
 
 
 def test_eval_into_the_training_folder_hides_none_of_its_points(tmp_path, trained):

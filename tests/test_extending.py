@@ -14,7 +14,7 @@ import torch
 from omegaconf import OmegaConf
 
 from src import config
-from tests.helpers import DATA_ROOT, QUICK, REPO, composed, hparams, run_cli, scalars, train, train_here
+from tests.helpers import DATA_ROOT, QUICK, REPO, command_here, composed, hparams, scalars, train_here, train_with_ranks
 from tests.test_bad_input import hydra_refusal
 
 DOC = REPO / "docs" / "extending.md"
@@ -57,7 +57,6 @@ def test_searchpath_options_are_known_to_the_checks(searchpath):
     assert hydra_refusal("model=mlp").startswith("model=mlp is not an option")
 
 
-@pytest.mark.slow
 def test_a_new_model_trains_and_its_checkpoint_is_scored_by_eval(tmp_path, data_root, searchpath):
     run_dir = tmp_path / "run"
     config, checkpoint = finished(train_here(*QUICK, searchpath, "model=mlp", "model.net.hidden=32", f"hydra.run.dir={run_dir}"),
@@ -67,8 +66,8 @@ def test_a_new_model_trains_and_its_checkpoint_is_scored_by_eval(tmp_path, data_
     assert hparams(run_dir)["model"] == "mlp"
     # src.eval rebuilds the model as the run built it (hidden=32 without repeating it), through the same search path.
     eval_dir = tmp_path / "eval"
-    result = run_cli("src.eval", "debug=quick", f"data.root={DATA_ROOT}", searchpath, f"ckpt_path={run_dir}",
-                     f"hydra.run.dir={eval_dir}")
+    result = command_here("src.eval", "debug=quick", f"data.root={DATA_ROOT}", searchpath, f"ckpt_path={run_dir}",
+                          f"hydra.run.dir={eval_dir}")
     assert result.returncode == 0, result.stderr[-3000:]
     assert scalars(eval_dir)["test/acc"] == scalars(run_dir)["test/acc"], "the same weights on the same test batches"
 
@@ -125,16 +124,16 @@ def test_a_bad_hook_state_is_one_line(tmp_path, args, message):
 
 
 @pytest.mark.slow  # only a rank builds the strategy, and its hook state with it: the ranks are the point
-def test_a_hook_state_that_cannot_be_located_is_one_line_from_the_ranks(tmp_path):
-    result = train(*QUICK, "strategy=ddp", "devices=2", "strategy.hook=tests.examples.hooks.fp16_after_warmup_hook",
+def test_a_hook_state_that_cannot_be_located_is_one_line_from_the_ranks(tmp_path, capfd):
+    result = train_with_ranks(capfd, *QUICK, "strategy=ddp", "devices=2", "strategy.hook=tests.examples.hooks.fp16_after_warmup_hook",
                    "strategy.hook_state={_target_:tests.examples.hooks.Nothing,_partial_:true}",
                    f"hydra.run.dir={tmp_path / 'run'}")
     assert_one_line(result, "error: strategy: Error locating target 'tests.examples.hooks.Nothing'", tmp_path / "run")
 
 
 @pytest.mark.slow  # the config rules take any import path; only a rank imports the hook, as it builds DDP
-def test_an_unknown_hook_path_is_one_line(tmp_path):
-    result = train(*QUICK, "strategy=ddp", "devices=2", "strategy.hook=tests.examples.hooks.nothing_here",
+def test_an_unknown_hook_path_is_one_line(tmp_path, capfd):
+    result = train_with_ranks(capfd, *QUICK, "strategy=ddp", "devices=2", "strategy.hook=tests.examples.hooks.nothing_here",
                    f"hydra.run.dir={tmp_path / 'run'}")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1].startswith(

@@ -17,8 +17,8 @@ from src.errors import UsageError
 from src.loggers import RUN_IDS, CSVRunLogger, WandbRunLogger, close_loggers, takes_purge_step
 from src.records import result as recorded
 from src.report import main as report_main
-from tests.helpers import (INTERPRETER, QUICK, REPO, call_main, command_here, composed, cpu_precision, hparams, run_cli,
-                           scalar_steps, scalars, train, train_here, user_env)
+from tests.helpers import (INTERPRETER, QUICK, REPO, call_main, command_here, composed, cpu_precision, hparams,
+                           scalar_steps, scalars, train_here, user_env)
 
 # What W&B adds to each history row: its own counters, and Lightning's step as the x-axis.
 WANDB_COUNTERS = {"_step", "_runtime", "_timestamp", "trainer/global_step"}
@@ -111,8 +111,8 @@ def every_logger(tmp_path_factory, data_root) -> tuple[Path, str]:
     """A run logged to TensorBoard, CSV, MLflow (a store of its own) and W&B at once: its folder and MLflow store."""
     folder = tmp_path_factory.mktemp("loggers")
     run_dir, tracking_uri = folder / "run", f"sqlite:///{folder / 'mlflow.db'}"
-    result = train(*QUICK, "logger=[tensorboard,csv,mlflow,wandb]", f"logger.mlflow.tracking_uri={tracking_uri}",
-                   f"hydra.run.dir={run_dir}")
+    result = train_here(*QUICK, "logger=[tensorboard,csv,mlflow,wandb]", f"logger.mlflow.tracking_uri={tracking_uri}",
+                        f"hydra.run.dir={run_dir}")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "test/acc=" in result.stdout.strip().splitlines()[-1]  # the result line stays the run's last
     return run_dir, tracking_uri
@@ -154,11 +154,10 @@ def test_every_logger_list_keeps_tensorboard(logger):
     assert next(iter(composed(f"logger={logger}").logger)) == "tensorboard"
 
 
-@pytest.mark.slow
 def test_logger_csv_writes_tensorboard_too_and_a_run_without_event_files_is_reported_from_its_metrics_csv(tmp_path,
                                                                                                           data_root):
     run_dir = tmp_path / "run"
-    result = train(*QUICK, "logger=csv", f"hydra.run.dir={run_dir}")
+    result = command_here("src.train", *QUICK, "logger=csv", f"hydra.run.dir={run_dir}")
     assert result.returncode == 0, result.stderr[-3000:]
     [events] = run_dir.glob("events.out.tfevents.*")
     events.unlink()  # as a run logged before every list kept TensorBoard
@@ -169,29 +168,6 @@ def test_logger_csv_writes_tensorboard_too_and_a_run_without_event_files_is_repo
     assert float(row["test_acc"]) == pytest.approx(recorded(run_dir).metrics["test/acc"])
     assert row["precision"] == cpu_precision()  # the precision used, from the CSV logger's hparams.yaml
     assert float(row["epoch_s"]) > 0 and float(row["samples_per_s"]) > 0
-
-
-@pytest.mark.slow
-def test_logger_mlflow_uses_the_default_store_and_the_report_says_what_it_cannot_read(tmp_path, data_root):
-    env = {name: value for name, value in user_env().items() if name != "MLFLOW_TRACKING_URI"}
-    env["PYTHONPATH"] = str(REPO)
-    result = run_cli("src.train", *QUICK, "logger=mlflow", cwd=tmp_path, env=env)
-    assert result.returncode == 0, result.stderr[-3000:]
-    [run_dir] = (tmp_path / "outputs" / "runs").iterdir()
-    assert (tmp_path / "outputs" / "mlflow.db").is_file()  # the default store: outputs/ of the folder the command ran in
-    _, run = mlflow_run(f"sqlite:///{tmp_path / 'outputs' / 'mlflow.db'}", run_dir)
-    assert run.info.status == "FINISHED"
-    assert run.data.metrics["test/acc"] == pytest.approx(recorded(run_dir).metrics["test/acc"])
-    assert run.data.params["model"] == "lenet" and FROM_CALLBACKS <= run.data.metrics.keys()
-    assert not (run_dir / "csv").exists()
-
-    assert call_main(report_main, str(run_dir), "--out", str(tmp_path / "report_tb")).returncode == 0  # its TensorBoard
-    [events] = run_dir.glob("events.out.tfevents.*")
-    events.unlink()  # as a run logged before every list kept TensorBoard
-    report = call_main(report_main, str(run_dir), "--out", str(tmp_path / "report"))
-    assert report.returncode == 2
-    [line] = report.stderr.strip().splitlines()
-    assert line.startswith(f"error: {run_dir}: left out (") and "MLflow or W&B" in line, line
 
 
 @pytest.mark.slow
@@ -228,17 +204,32 @@ def test_each_csv_row_names_its_epoch_and_step_as_tensorboard_does(tmp_path, dat
     assert {row["epoch"] for row in rows if "time/epoch_s" in row or "time/epoch_s_median" in row} == {"0", "1"}
 
 
-def test_mlflow_keeps_its_artifacts_beside_its_store_under_outputs_not_in_mlruns(tmp_path, data_root, monkeypatch):
+def test_logger_mlflow_uses_the_default_store_beside_its_artifacts_and_the_report_says_what_it_cannot_read(
+        tmp_path, data_root, monkeypatch):
     """The default store is outputs/mlflow.db of the folder the command runs in; MLflow's own artifact root would be
-    ./mlruns there."""
+    ./mlruns there. A run logged to MLflow alone (its event files gone) is one the report cannot read."""
     from mlflow.tracking import MlflowClient
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     result = command_here("src.train", *QUICK, "logger=mlflow", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
+    [run_dir] = (tmp_path / "outputs" / "runs").iterdir()
     assert not (tmp_path / "mlruns").exists()
     experiment = MlflowClient(f"sqlite:///{tmp_path / 'outputs' / 'mlflow.db'}").get_experiment_by_name("dptrain")
     assert experiment.artifact_location == (tmp_path / "outputs" / "mlartifacts").as_uri()
+    _, run = mlflow_run(f"sqlite:///{tmp_path / 'outputs' / 'mlflow.db'}", run_dir)
+    assert run.info.status == "FINISHED"
+    assert run.data.metrics["test/acc"] == pytest.approx(recorded(run_dir).metrics["test/acc"])
+    assert run.data.params["model"] == "lenet" and FROM_CALLBACKS <= run.data.metrics.keys()
+    assert not (run_dir / "csv").exists()
+
+    assert call_main(report_main, str(run_dir), "--out", str(tmp_path / "report_tb")).returncode == 0  # its TensorBoard
+    [events] = run_dir.glob("events.out.tfevents.*")
+    events.unlink()  # as a run logged before every list kept TensorBoard
+    report = call_main(report_main, str(run_dir), "--out", str(tmp_path / "report"))
+    assert report.returncode == 2
+    [line] = report.stderr.strip().splitlines()
+    assert line.startswith(f"error: {run_dir}: left out (") and "MLflow or W&B" in line, line
 
 
 def test_a_resumed_csv_logger_keeps_the_rows_before_its_checkpoint(tmp_path, recwarn):
@@ -290,7 +281,7 @@ def test_the_loggers_that_take_a_resumed_runs_purge_step():
 def stopped_after_epoch_one(run_dir: Path, *args: str, cwd: Path | None = None) -> list[str]:
     """A run of two epochs stopped by SIGTERM right after its first epoch's checkpoints, in this process (run from
     `cwd`); what its resume types again (the stop, which a resume never takes from the records, and `args`)."""
-    again = ["+callbacks.term._target_=tests.faults.TermAfterCheckpoints", "+callbacks.term.epoch=0",
+    again = ["+callbacks.term._target_=tests.faults.SignalAfterCheckpoints", "+callbacks.term.epoch=0",
              f"+callbacks.term.mark={(cwd or run_dir.parent) / 'stopped'}", *args]
     result = command_here("src.train", *QUICK, "max_epochs=2", *again, f"hydra.run.dir={run_dir}", cwd=cwd)
     assert result.returncode == 143, result.stderr[-3000:]

@@ -1,5 +1,5 @@
-"""Hydra multirun sweeps through the real command line: one job after another (the default launcher) and
-side by side (`hydra/launcher=parallel`), with their progress lines, failures and stops.
+"""Hydra multirun sweeps through the command's own entry: one job after another (the default launcher) and side by side
+(`hydra/launcher=parallel`), with their progress lines, failures and stops; stop signals through the real command line.
 
 A sweep over strategies and devices that runs each job in its own folder: tests/test_readme.py,
 which runs the README's sweep (`-m strategy=ddp,ddp_fp16 devices=1,2,4`) and checks every job's folder.
@@ -19,7 +19,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from tests.helpers import (INTERPRETER, QUICK, REPO, assert_finished_run, cpu_precision, scalars, start_cli, train,
+from tests.helpers import (INTERPRETER, QUICK, REPO, assert_finished_run, cpu_precision, scalars, start_cli,
                            train_here, user_env)
 from tests.test_stopping import checkpointed_epoch, proc_stat, wait_for
 
@@ -30,11 +30,11 @@ SEEDS = [f"lenet_auto_1dev_{PRECISION}_seed={seed}" for seed in (1, 2)]
 TIMES = r"\(elapsed \d+:\d\d, (about \d+:\d\d left|time left not known yet)\)"
 
 
-def sweep(folder: Path, *args: str, here: bool = False) -> subprocess.CompletedProcess:
-    """A sweep as a user types it: in a new process, or with `here` in this one (where what is checked is what the
-    sweep prints and writes, and its jobs run one after another or as processes of their own)."""
-    command = ["-m", *args, *QUICK, f"hydra.sweep.dir={folder}"]
-    return train_here(*command) if here else train(*command, timeout=900)
+def sweep(folder: Path, *args: str) -> subprocess.CompletedProcess:
+    """A sweep as a user types it, in this process: what is checked is what the sweep prints and writes; its jobs run
+    one after another here, or as processes of their own (side by side, or a DDP job's ranks). What only the sweep's
+    own process shows, its stop signals, is tested below with the command line."""
+    return train_here("-m", *args, *QUICK, f"hydra.sweep.dir={folder}")
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +46,7 @@ def two_sweeps(tmp_path_factory, data_root) -> dict[str, tuple[subprocess.Comple
         # Without the disturbance marks: whether an epoch competed with the suite's other test process differs
         # between the two sweeps, and the result lines would say so.
         sweeps[launcher] = sweep(folder, f"hydra/launcher={launcher}", "seed=1,2", SHOW_PLACEMENT,
-                                 "~callbacks.disturbance", here=launcher == "sequential"), folder
+                                 "~callbacks.disturbance"), folder
     return sweeps
 
 
@@ -178,7 +178,7 @@ def test_a_job_that_dies_side_by_side_fails_alone(tmp_path, data_root):
 @pytest.mark.slow
 def test_a_bad_job_fails_alone_and_the_sweep_exits_non_zero(tmp_path, data_root):
     folder = tmp_path / "sweep"
-    result = sweep(folder, "strategy=auto,ddp", "devices=2", here=True)  # the DDP job's ranks are processes
+    result = sweep(folder, "strategy=auto,ddp", "devices=2")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1].startswith(
         "error: 1 sweep job failed: lenet_auto_2dev_") and "strategy=auto runs on one device" in result.stderr
@@ -191,7 +191,7 @@ def test_a_bad_job_fails_alone_and_the_sweep_exits_non_zero(tmp_path, data_root)
 def test_a_parallel_launcher_setting_out_of_range_stops_the_sweep_in_one_line(tmp_path, data_root):
     folder = tmp_path / "sweep"
     cores = len(os.sched_getaffinity(0))
-    result = sweep(folder, PARALLEL, f"hydra.launcher.jobs={cores + 1}", "seed=1,2", here=True)
+    result = sweep(folder, PARALLEL, f"hydra.launcher.jobs={cores + 1}", "seed=1,2")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         f"error: hydra.launcher.jobs={cores + 1} is not allowed: it must be a whole number from 1 to {cores} (this "

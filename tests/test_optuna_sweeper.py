@@ -187,9 +187,9 @@ def test_a_search_numbers_its_trials_across_batches_and_says_a_pruned_one_and_th
 
 
 def two_trials(tmp_path_factory: pytest.TempPathFactory, launcher: str) -> tuple[subprocess.CompletedProcess, Path]:
-    """The same search of two trials, by `launcher`: in this process one after another, side by side in processes."""
+    """The same search of two trials, by `launcher`, from this process: one after another here, side by side in processes."""
     folder = tmp_path_factory.mktemp(launcher) / "search"
-    result = search(folder, f"hydra/launcher={launcher}", "hydra.sweeper.n_trials=2", here=launcher == "sequential")
+    result = search(folder, f"hydra/launcher={launcher}", "hydra.sweeper.n_trials=2", here=True)
     return result, folder
 
 
@@ -214,9 +214,10 @@ def dashboard_studies(db: Path) -> list[str]:
     return [study["study_name"] for study in json.loads(body)["study_summaries"]]
 
 
-@pytest.mark.parametrize("launcher", ["sequential", pytest.param("parallel", marks=pytest.mark.slow)])
+@pytest.mark.slow  # a search of two trials; the parallel one's trials are processes
+@pytest.mark.parametrize("launcher", ["sequential", "parallel"])
 def test_a_search_judges_each_trial_by_its_best_validation_accuracy_and_names_the_best(request, launcher):
-    result, folder = request.getfixturevalue(f"{launcher}_search")  # the parallel one's processes stay a slow test's
+    result, folder = request.getfixturevalue(f"{launcher}_search")
     assert result.returncode == 0, result.stderr[-3000:]
     study = study_of(folder)
     assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 2 and dashboard_studies(folder / DB) == ["search"]
@@ -325,10 +326,11 @@ def test_a_refused_resume_leaves_its_trial_to_a_resume_that_goes_through(tmp_pat
     assert study.trials[0].state == TrialState.RUNNING
 
 
+@pytest.mark.slow  # a search stopped, and its resume
 def test_a_stopped_search_whose_folder_moved_goes_on_there_and_a_job_refused_keeps_its_trial(tmp_path, data_root):
     """The study's file was named by the old folder: the resume was refused, and the refusal failed the trial."""
     folder, moved = tmp_path / "search", tmp_path / "moved"
-    stop = ["+callbacks.term._target_=tests.faults.TermAfterCheckpoints", "+callbacks.term.epoch=0",
+    stop = ["+callbacks.term._target_=tests.faults.SignalAfterCheckpoints", "+callbacks.term.epoch=0",
             f"+callbacks.term.mark={tmp_path / 'stopped'}", "hydra.sweeper.n_trials=1"]
     assert search(folder, *stop, here=True).returncode == 143  # stopped after the first of two epochs
     shutil.move(folder, moved)

@@ -103,9 +103,10 @@ AUGMENTED = [*DDP2, "data.random_crop=2", "data.hflip=true", "+callbacks.draws._
 RESUMES = {
     # name: (process arguments, every_n_train_steps, step killed after)
     "one process, mid-epoch checkpoint": ([], 4, 17),
-    "ddp on 2 processes, epoch-end checkpoint": (DDP2, 0, 17),
-    # Plain DDP's mid-epoch case too: the same ranks and checks (exact weights, steps, no step going back), with each
-    # rank's augmentation generators checked besides; the draws callback changes nothing that is computed.
+    # Plain DDP's cases too: the same ranks and checks (exact weights, steps, no step going back), with each rank's
+    # augmentation generators checked besides; the draws callback changes nothing that is computed. Both cases, and
+    # torchrun's restart below, end where one unbroken run does.
+    "ddp on 2 processes with augmentation, epoch-end checkpoint (covers plain ddp)": (AUGMENTED, 0, 17),
     "ddp on 2 processes with augmentation, mid-epoch checkpoint (covers plain ddp)": (AUGMENTED, 4, 17),
     # PowerSGD compresses from step 10 (start_powersgd_iter): the checkpoint at 16 holds its error feedback and Q
     "ddp_powersgd on 2 processes, mid-epoch checkpoint": (["strategy=ddp_powersgd", *DDP2[1:]], 4, 17),
@@ -131,8 +132,13 @@ def test_a_run_killed_mid_epoch_resumes_to_the_unbroken_weights(tmp_path, unbrok
     resumed = train_here(*LONGER, *args, checkpointing, *kill_at(killed_after), "ckpt_path=last", f"hydra.run.dir={run_dir}")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert_matches_unbroken(run_dir, unbroken(*args))
-    for draws in unbroken(*args).glob("draws.*.pt"):  # the generators, too, are where the unbroken run left them
-        assert torch.equal(torch.load(run_dir / draws.name), torch.load(draws)), draws.name
+    assert_same_draws(run_dir, unbroken(*args))
+
+
+def assert_same_draws(run: Path, reference: Path) -> None:
+    """Each rank's augmentation generators, too, are where the unbroken run left them."""
+    for draws in reference.glob("draws.*.pt"):
+        assert torch.equal(torch.load(run / draws.name), torch.load(draws)), draws.name
 
 
 @pytest.mark.slow
@@ -146,8 +152,7 @@ def test_each_rank_draws_augmentations_of_its_own(unbroken):
 @pytest.mark.slow
 def test_torchrun_restart_resumes_from_the_run_folder(tmp_path, unbroken):
     """One worker SIGKILLed mid-epoch under `--max-restarts=1`: the restarted group resumes itself."""
-    run_dir = tmp_path / "run"
-    args = ["strategy=ddp", "devices=2", "trainer.log_every_n_steps=1"]
+    run_dir, args = tmp_path / "run", AUGMENTED
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2", "--max-restarts=1",
         "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
@@ -161,6 +166,7 @@ def test_torchrun_restart_resumes_from_the_run_folder(tmp_path, unbroken):
     assert f"Restoring states from the checkpoint path at {run_dir / 'checkpoints' / 'step.ckpt'}" in result.stdout
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["best-epoch3.ckpt", "last.ckpt", "step.ckpt"]
     assert_matches_unbroken(run_dir, unbroken(*args))
+    assert_same_draws(run_dir, unbroken(*args))
 
 
 @pytest.mark.slow

@@ -71,7 +71,7 @@ def test_a_run_stopped_anywhere_resumes_to_the_unbroken_runs_end(tmp_path, unbro
 @pytest.mark.slow
 def test_a_stop_signal_right_after_the_epochs_checkpoints_keeps_its_points_and_resumes_exactly(tmp_path, unbroken):
     """The signal waits for the epoch's `train/*` points: the resume starts at the next epoch, and would never log them."""
-    run_dir, fault = tmp_path / "run", ["+callbacks.term._target_=tests.faults.TermAfterCheckpoints",
+    run_dir, fault = tmp_path / "run", ["+callbacks.term._target_=tests.faults.SignalAfterCheckpoints",
                                         "+callbacks.term.epoch=1", f"+callbacks.term.mark={tmp_path / 'stopped'}"]
     stopped = train(*RUN, *fault, f"hydra.run.dir={run_dir}", timeout=600)
     assert stopped.returncode == 143, stopped.stderr[-3000:]

@@ -1,5 +1,6 @@
 """Stopping a run: signals, a rank that dies, a rank that hangs, a launcher killed outright.
-The real command line, each run in a process of its own.
+The real command line, each run in a process of its own; the other stop signals, which take SIGTERM's way out, from
+within a run in this process.
 
 Every run is started in its own session, so that a test can signal all of its processes at once
 (as a terminal's Ctrl-C or `kill -- -PGID` does) and find any process it left behind. Nothing here
@@ -29,7 +30,8 @@ from src.launch.stops import STOP_SIGNALS, RunStopped, handle_stop_signals
 from src.launch.workers import StopOnSignal
 from src.loggers import RunLogger
 from src.strategies.ddp import CommHookDDPStrategy
-from tests.helpers import INTERPRETER, QUICK, REPO, composed, cpu_precision, hparams, scalars, start_cli, train, user_env, worker_pids
+from tests.helpers import (INTERPRETER, QUICK, REPO, composed, cpu_precision, hparams, scalars, start_cli, train_here,
+                           user_env, worker_pids)
 
 # Long enough to be signalled: 50 short epochs, each checkpointed in `checkpoints/last.ckpt`.
 LONG = [*QUICK, "max_epochs=50", "data.batch_size=64", "trainer.limit_train_batches=10"]
@@ -70,7 +72,7 @@ class Run:
 
     def __init__(self, run_dir: Path, *args: str, one_stream: bool = False) -> None:
         """`one_stream`: stderr into stdout, as a terminal shows both (progress bars go to stdout)."""
-        self.dir = run_dir
+        self.dir, self.merged = run_dir, one_stream
         self.proc = start_cli("src.train", *args, cwd=REPO, env=user_env(), new_session=True, merged=one_stream)
         self.stdout = self.stderr = ""
 
@@ -113,14 +115,18 @@ class Run:
 
 
 def assert_stopped(run: Run, status: int, line: str, run_dir: Path | None = None) -> str:
-    """The run exited with `status`, said one `error:` line matching `line` and no traceback, left no
-    process behind, kept its logs and scalars, and neither tested nor wrote its HParams summary."""
-    run_dir = run_dir or run.dir
-    assert run.proc.returncode == status, run.stderr[-3000:]
-    errors = [text for text in run.stderr.splitlines() if text.startswith("error:")]
-    assert len(errors) == 1 and re.search(line, errors[0]), run.stderr[-3000:]
-    assert "Traceback" not in run.stderr, run.stderr[-3000:]
+    """The run left no process behind and said its stop as `assert_said_stop` has it."""
     assert live_processes(run.proc.pid) == []
+    return assert_said_stop(run.proc.returncode, run.stdout if run.merged else run.stderr, status, line, run_dir or run.dir)
+
+
+def assert_said_stop(returncode: int, output: str, status: int, line: str, run_dir: Path) -> str:
+    """The run exited with `status`, said one `error:` line matching `line` and no traceback, kept its logs and
+    scalars, and neither tested nor wrote its HParams summary."""
+    assert returncode == status, output[-3000:]
+    errors = [text for text in output.splitlines() if text.startswith("error:")]
+    assert len(errors) == 1 and re.search(line, errors[0]), output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
     assert (run_dir / "train.log").is_file()
     series = scalars(run_dir)
     assert "train/loss" in series and "test/acc" not in series, sorted(series)
@@ -137,29 +143,41 @@ def assert_resumes(error_line: str, run_dir: Path) -> None:
     assert error_line.endswith(f"{last} holds the last finished epoch; resume with: {command}"), error_line
     epoch = checkpointed_epoch(last)
     assert epoch >= 1
-    more = train(*shlex.split(command)[3:], f"max_epochs={epoch + 2}", timeout=WAIT_S)
+    more = train_here(*shlex.split(command)[3:], f"max_epochs={epoch + 2}")  # a DDP run's ranks from this process
     assert more.returncode == 0, more.stderr[-3000:]
     assert checkpointed_epoch(last) == epoch + 1
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["SIGTERM", "SIGINT", "SIGHUP"])
-def test_signal_stops_one_process(tmp_path, data_root, name):
-    signum = getattr(signal, name)
+def test_sigterm_stops_one_process(tmp_path, data_root):
     with Run(tmp_path / "run", *LONG, f"hydra.run.dir={tmp_path / 'run'}") as run:
         run.wait_training()
-        os.kill(run.proc.pid, signum)
+        os.kill(run.proc.pid, signal.SIGTERM)
         run.wait_exit()
-    line = assert_stopped(run, 128 + signum, rf"^error: run stopped by {name} during epoch \d+ \(step \d+\); ")
-    if name == "SIGTERM":
-        assert_resumes(line, run.dir)
+    line = assert_stopped(run, 128 + signal.SIGTERM, r"^error: run stopped by SIGTERM during epoch \d+ \(step \d+\); ")
+    assert_resumes(line, run.dir)
+
+
+@pytest.mark.slow  # trains two epochs
+@pytest.mark.parametrize("name", ["SIGINT", "SIGHUP"])
+def test_every_stop_signal_stops_a_run_as_sigterm_does_with_its_own_status(tmp_path, data_root, name):
+    """The run's own callback sends the signal, to this process, once the second epoch is checkpointed: the handler
+    and the way out are SIGTERM's above, the status (128 + the signal's number) and the line name this one."""
+    run_dir, signum = tmp_path / "run", getattr(signal, name)
+    fault = ["+callbacks.term._target_=tests.faults.SignalAfterCheckpoints", "+callbacks.term.epoch=1",
+             f"+callbacks.term.mark={tmp_path / 'sent'}", f"+callbacks.term.name={name}"]
+    result = train_here(*LONG, *fault, f"hydra.run.dir={run_dir}")
+    # Held until the second epoch's points are logged, the stop ends the run as the third begins.
+    assert_said_stop(result.returncode, result.stderr, 128 + signum, rf"^error: run stopped by {name} during epoch 3 "
+                     rf"\(step 20\); {run_dir / 'checkpoints' / 'last.ckpt'} holds the last finished epoch; ", run_dir)
+    assert checkpointed_epoch(run_dir / "checkpoints" / "last.ckpt") == 1
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("name", "target"), [("SIGTERM", "launcher"), ("SIGINT", "every process"), ("SIGTERM", "rank 1")],
-                         ids=["SIGTERM-launcher", "SIGINT-ctrl_c", "SIGTERM-rank1"])
+@pytest.mark.parametrize(("name", "target"), [("SIGTERM", "launcher"), ("SIGTERM", "rank 1")],
+                         ids=["SIGTERM-launcher", "SIGTERM-rank1"])
 def test_signal_stops_every_ddp_process(tmp_path, data_root, name, target):
-    """To the launcher (`kill`), to every process as a terminal's Ctrl-C sends it, or to one worker."""
+    """To the launcher (`kill`), or to one worker; to every process as a terminal's Ctrl-C sends it, below."""
     signum = getattr(signal, name)
     with Run(tmp_path / "run", *LONG, *DDP, f"hydra.run.dir={tmp_path / 'run'}") as run:
         _, rank1 = run.wait_training(workers=2)
@@ -177,14 +195,16 @@ def test_signal_stops_every_ddp_process(tmp_path, data_root, name, target):
 
 @pytest.mark.slow
 def test_ctrl_c_under_ddp_with_progress_bars_ends_in_one_line_of_its_own(tmp_path, data_root):
-    """As a terminal shows it, the bars and the line in one stream: the line starts at the left edge (not at
-    the end of the bar's line), says where training was and how to resume, and nothing follows it."""
+    """SIGINT to every process, as a terminal's Ctrl-C sends it, and as the terminal shows it, the bars and the line in
+    one stream: the line starts at the left edge (not at the end of the bar's line), says where training was and how
+    to resume, and nothing follows it."""
     with Run(tmp_path / "run", *LONG, *DDP, "trainer.enable_progress_bar=true", f"hydra.run.dir={tmp_path / 'run'}",
              one_stream=True) as run:
         run.wait_training(workers=2)
         os.killpg(run.proc.pid, signal.SIGINT)
         run.wait_exit()
-    assert run.proc.returncode == 130, run.stdout[-3000:]
+    assert_stopped(run, 130, r"^error: run stopped by SIGINT during epoch \d+ \(step \d+\); ")
+    assert "leaked semaphore" not in run.stdout, run.stdout[-3000:]
     lines = run.stdout.rstrip().split("\n")  # a bar redraws its line with \r: only \n starts another
     said = [line for line in lines if "error:" in line]
     assert len(said) == 1 and said[0] == lines[-1], run.stdout[-3000:]

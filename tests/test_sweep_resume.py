@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from tests.helpers import epoch_lines, train, train_here
+from tests.helpers import epoch_lines, train_here
 from tests.test_resume import LONGER, assert_matches_unbroken
 from tests.test_stopping import Run
 
@@ -53,7 +53,7 @@ def test_a_sweep_killed_mid_job_resumes_and_its_interrupted_job_ends_with_the_un
     assert not third.exists()
     before, log = results(first), (first / "train.log").read_text()
 
-    resumed = train(*SWEEP, *kill, f"hydra.sweep.dir={sweep}", "ckpt_path=auto", timeout=900)
+    resumed = train_here(*SWEEP, *kill, f"hydra.sweep.dir={sweep}", "ckpt_path=auto")  # the jobs' ranks are processes
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert results(first) == before, "the finished job was opened again"
     added = (first / "train.log").read_text().removeprefix(log).splitlines()
@@ -61,15 +61,16 @@ def test_a_sweep_killed_mid_job_resumes_and_its_interrupted_job_ends_with_the_un
     assert resumed.stdout.count("finished before, not run again: test/acc=") == 1
     # The interrupted job alone took up where it was (a finished fit restores the best weights to test them); the job
     # that never started ran from the start, with the settings of the job that finished before and its own seed.
-    restored = re.findall(r"Restoring states from the checkpoint path at (\S+)", resumed.stdout)
-    assert [path for path in restored if not Path(path).name.startswith("best-")] == [str(second / "checkpoints" / "step.ckpt")]
+    restoring = r"Restoring states from the checkpoint path at (\S+)"  # Lightning's line, in the job's log
+    restored = {job: [path for path in re.findall(restoring, (job / "train.log").read_text())
+                      if not Path(path).name.startswith("best-")] for job in (second, third)}
+    assert restored == {second: [str(second / "checkpoints" / "step.ckpt")], third: []}
     assert_matches_unbroken(second, unbroken)
     assert [epoch for epoch, _ in epoch_lines((third / "train.log").read_text())] == [1, 2, 3]
     assert OmegaConf.load(third / "config.yaml").seed == 3 and settings(third) == settings(first)
     assert all(job.name in (sweep / "report.md").read_text() for job in (first, second, third))
 
 
-@pytest.mark.slow
 def test_a_sweep_resume_with_another_sweep_is_refused_in_one_line(tmp_path, data_root):
     sweep = tmp_path / "sweep"
     (sweep).mkdir()
@@ -82,7 +83,7 @@ def test_a_sweep_resume_with_another_sweep_is_refused_in_one_line(tmp_path, data
         ("data.batch_size=128", "data.batch_size=128 is not allowed in a resume of the sweep {sweep}: its jobs used "
                                 "data.batch_size=64"),
     ]:
-        result = train("-m", change, f"hydra.sweep.dir={sweep}", "ckpt_path=auto")
+        result = train_here("-m", change, f"hydra.sweep.dir={sweep}", "ckpt_path=auto")
         assert result.returncode == 2
         assert result.stderr.strip().splitlines()[-1].startswith("error: " + said.format(sweep=sweep)), result.stderr
         assert sorted(p.name for p in sweep.iterdir()) == ["multirun.yaml"]

@@ -215,6 +215,7 @@ def test_a_swept_precision_is_shown_as_typed_where_the_name_does_not(tmp_path):
     assert named == {"lenet_auto_1dev_32-true_precision=32,seed=1", "lenet_auto_1dev_bf16-mixed_seed=1"}
 
 
+@pytest.mark.slow  # a sweep of four runs, two of them ResNet-18
 def test_a_sweep_over_models_opens_on_the_swept_keys_not_on_what_follows_from_the_model(tmp_path, data_root):
     """`model=lenet,resnet18 seed=1,2`: LeNet's own keys and the parameter counts differ only because the models
     do; the columns ticked by default are the swept keys and what the runs are."""

@@ -1,31 +1,29 @@
-"""Local DDP workers take the environment and output of their own launch, with the agent's variables over the
-launcher's."""
+"""Local DDP workers take the environment of their own launch, with the agent's variables over the launcher's."""
+
+import re
 
 import pytest
 
-from tests.helpers import QUICK, train
+from tests.helpers import QUICK, train_here
+
+SHOWN = ("LAUNCH_PROBE", "RANK", "WORLD_SIZE")
 
 
 @pytest.mark.slow
-def test_workers_take_the_environment_and_output_of_their_own_launch(tmp_path, data_root, monkeypatch):
-    probe = ["+callbacks.probe._target_=tests.probes.ShowVariable", "+callbacks.probe.name=LAUNCH_PROBE"]
-    seen = {}
+def test_workers_take_the_environment_of_their_own_launch_and_the_agents_variables_over_the_launchers(
+        tmp_path, data_root, monkeypatch, capfd):
+    """Two launches from this process, one after the other, each with its own value of a variable: each launch's
+    workers see its value. RANK and WORLD_SIZE, which the launcher has too (7), are the agent's own in each worker.
+    The workers' lines reach this process's standard output, which they share."""
+    probes = [arg for i, name in enumerate(SHOWN)
+              for arg in (f"+callbacks.probe{i}._target_=tests.probes.ShowVariable", f"+callbacks.probe{i}.name={name}")]
+    monkeypatch.setenv("RANK", "7")
+    monkeypatch.setenv("WORLD_SIZE", "7")
     for value in ("first", "second"):
         monkeypatch.setenv("LAUNCH_PROBE", value)
-        result = train(*QUICK, "strategy=ddp", "devices=2", *probe, f"hydra.run.dir={tmp_path / value}")
+        capfd.readouterr()
+        result = train_here(*QUICK, "strategy=ddp", "devices=2", *probes, f"hydra.run.dir={tmp_path / value}")
         assert result.returncode == 0, result.stderr[-3000:]
-        seen[value] = sorted(line for line in result.stdout.splitlines() if line.startswith("LAUNCH_PROBE="))
-    assert seen == {value: [f"LAUNCH_PROBE={value} rank 0", f"LAUNCH_PROBE={value} rank 1"] for value in seen}
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("name", ["RANK", "WORLD_SIZE"])
-def test_the_agents_variables_stay_over_the_launchers(tmp_path, data_root, monkeypatch, name):
-    """A value the launcher has for one of the agent's variables does not hide the agent's per-worker one."""
-    monkeypatch.setenv(name, "7")
-    probe = ["+callbacks.probe._target_=tests.probes.ShowVariable", f"+callbacks.probe.name={name}"]
-    result = train(*QUICK, "strategy=ddp", "devices=2", *probe, f"hydra.run.dir={tmp_path / 'run'}")
-    assert result.returncode == 0, result.stderr[-3000:]
-    expected = {"RANK": ["0", "1"], "WORLD_SIZE": ["2", "2"]}[name]
-    assert sorted(line for line in result.stdout.splitlines() if line.startswith(f"{name}=")) == [
-        f"{name}={value} rank {rank}" for rank, value in enumerate(expected)]
+        seen = sorted(line for line in capfd.readouterr().out.splitlines() if re.match(rf"({'|'.join(SHOWN)})=", line))
+        assert seen == sorted(f"{name}={shown} rank {rank}" for rank in (0, 1)
+                              for name, shown in (("LAUNCH_PROBE", value), ("RANK", rank), ("WORLD_SIZE", 2)))
