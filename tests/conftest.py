@@ -15,6 +15,7 @@ from hydra.core.hydra_config import HydraConfig
 import hydra_plugins.project_launchers.parallel  # noqa: F401
 import hydra_plugins.project_launchers.sequential  # noqa: F401
 from src.fast_path import float32_math
+from src.launch import progress
 from tests.helpers import DATA_ROOT, LINEAR_LR, QUICK, REPO, Run, command_here, train
 
 OUTPUTS = REPO / "outputs"
@@ -52,9 +53,11 @@ def checkout_outputs_untouched():
 @pytest.fixture(autouse=True)
 def no_hydra_config_left_behind():
     """The config a test set as Hydra's current one (`tests.helpers.composed`, as a job has it) is cleared after it:
-    Hydra's next composition in this process would resolve that config's folders, and claim them."""
+    Hydra's next composition in this process would resolve that config's folders, and claim them. So is the sweep a
+    launcher tallied (Hydra's launcher kit runs our launchers without a command around them)."""
     yield
     HydraConfig.instance().cfg = None
+    progress.tally = None
 
 
 @pytest.fixture

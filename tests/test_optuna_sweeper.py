@@ -33,13 +33,6 @@ OPTUNA = "hydra/sweeper=optuna"
 SETTINGS = dict(n_trials=2, n_jobs=None, sampler="tpe", seed=0, direction="maximize", pruner="median")
 
 
-@pytest.fixture(autouse=True)
-def fresh_sweep():
-    progress.tally = None
-    yield
-    progress.tally = None
-
-
 def search(folder: Path, *args: str, here: bool = False) -> subprocess.CompletedProcess:
     """The search as a user types it: in a new process, or with `here` in this one (the sequential launcher runs its
     trials in the command's process)."""

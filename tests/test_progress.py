@@ -21,6 +21,7 @@ from src.launch.parallel_launcher import Job, Places, checked_setting, packed, s
 from src.launch.progress import Progress, Tally, clock_time
 from src.launch.stops import RankFailed
 from src.records import Result
+from tests.helpers import QUICK, train_here
 
 
 class Clock:
@@ -35,10 +36,8 @@ class Clock:
 
 @pytest.fixture(autouse=True)
 def fresh_sweep():
-    """Each test starts as a command does: no sweep tallied, no bar on screen."""
-    progress.tally = None
+    """No bar left on screen after a test (nor a sweep tallied: tests/conftest.py)."""
     yield
-    progress.tally = None
     for bar in open_progress_bars():
         bar.close()
 
@@ -107,6 +106,16 @@ def test_the_summary_counts_each_ending_once_and_names_the_report(tmp_path):
         f"sweep of 6 jobs: 2 done, 1 resumed, 1 skipped, 1 failed, 1 not run; report: {tmp_path / 'report.md'}")
     assert [(f.name, f.line, f.status) for f in progress.tally.failures] == [("job3", "ValueError: x", 1)]
     assert Tally(total=1, done=1).summary(None) == "sweep of 1 job: 1 done, 0 resumed, 0 skipped, 0 failed; report: none written"
+
+
+def test_a_command_tallies_its_own_sweep_only(tmp_path, data_root):
+    """A sweep that ended before in this process (a program that calls the entry twice) is not the next command's: a
+    single run ends on its result line, with no sweep summary after it."""
+    progress.tally = Tally(total=6, done=6)
+    one_batch = ("trainer.limit_train_batches=1", "trainer.limit_val_batches=1", "trainer.limit_test_batches=1")
+    result = train_here(*QUICK, *one_batch, f"hydra.run.dir={tmp_path / 'run'}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "test/acc=" in result.stdout.splitlines()[-1] and "sweep of" not in result.stdout, result.stdout[-3000:]
 
 
 def test_a_skipped_job_says_so():

@@ -154,6 +154,7 @@ def main(hydra_main: Callable[[], object], config_name: str, report: bool = Fals
     `run_job`'s, for `CheckFirst`."""
     global _prepare
     _prepare = prepare
+    progress.tally = None  # the command's own sweep: none yet, whatever ran before it in this process
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises its refusals here, where they become one line
     stops.handle_stop_signals()
     args = sys.argv[1:]
