@@ -246,7 +246,8 @@ def test_sync_batchnorm_on_two_gloo_ranks_ends_where_one_process_does_in_float64
     for name, args in runs.items():  # the ranks are processes this one starts
         result = train_here(*common, *args, f"hydra.run.dir={tmp_path / name}")
         assert result.returncode == 0, result.stderr[-3000:]
-    assert (hparams(tmp_path / "synced")["precision_used"], hparams(tmp_path / "synced")["world_size"]) == ("64-true", 2)
+    settings = hparams(tmp_path / "synced")
+    assert (settings["precision_used"], settings["world_size"]) == ("64-true", 2)
     one, synced = checkpoint(tmp_path / "one"), checkpoint(tmp_path / "synced")
     assert deviation(synced, one) < SAME_IN_FLOAT64
     if case == "resnet18":
