@@ -1,9 +1,6 @@
 """Session fixtures: the data copy, runs trained once for the tests that read them, and checks every test passes."""
 
-import fcntl
-import json
 import multiprocessing.process
-import os
 import subprocess
 
 import pytest
@@ -16,7 +13,7 @@ import hydra_plugins.project_launchers.parallel  # noqa: F401
 import hydra_plugins.project_launchers.sequential  # noqa: F401
 from src.fast_path import float32_math
 from src.launch import progress
-from tests.helpers import DATA_ROOT, LINEAR_LR, QUICK, REPO, Run, command_here, train
+from tests.helpers import DATA_ROOT, LINEAR_LR, QUICK, REPO, Run, trained_once
 
 OUTPUTS = REPO / "outputs"
 
@@ -69,36 +66,28 @@ def exact_cuda_math():
     torch.backends.cudnn.conv.fp32_precision, torch.backends.cuda.matmul.fp32_precision = saved
 
 
-def _trained(tmp_path_factory: pytest.TempPathFactory, name: str, *args: str, here: bool = False) -> Run:
-    """A run trained once for the tests that read it (in this process where one process trains it), by the first test
-    process of the suite that asks (`-n`): the others wait for it, and read its folder and output."""
-    shared = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        shared = shared.parent  # the folder above each test process's own
-    run_dir, said = shared / name / "run", shared / f"{name}.json"  # the run's folder alone in its parent
-    with open(shared / f"{name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not said.is_file():
-            result = (command_here("src.train", *args, f"hydra.run.dir={run_dir}") if here
-                      else train(*args, f"hydra.run.dir={run_dir}"))
-            said.write_text(json.dumps([result.args, result.returncode, result.stdout, result.stderr]))
-    result = subprocess.CompletedProcess(*json.loads(said.read_text()))
-    assert result.returncode == 0, result.stderr[-3000:]
-    return Run(result, run_dir)
-
-
 @pytest.fixture(scope="session")
 def quick_run(tmp_path_factory, data_root) -> Run:
     """`python -m src.train debug=quick` (LeNet, one process), trained once for every test that reads such a run; a
     test that changes the folder works in a `Run.copy` of it."""
-    return _trained(tmp_path_factory, "quick_run", *QUICK, here=True)
+    return trained_once(tmp_path_factory, "quick_run", *QUICK, here=True)
 
 
 @pytest.fixture(scope="session")
 def ddp_run(tmp_path_factory, data_root) -> Run:
     """The same on 2 DDP processes, with a global batch of 128 and linear learning-rate scaling (`LINEAR_LR`), trained
     once for every test that reads such a run."""
-    return _trained(tmp_path_factory, "ddp_run", *QUICK, "strategy=ddp", "devices=2", *LINEAR_LR)
+    return trained_once(tmp_path_factory, "ddp_run", *QUICK, "strategy=ddp", "devices=2", *LINEAR_LR)
+
+
+@pytest.fixture(scope="session")
+def ddp_sweep(tmp_path_factory, data_root) -> Run:
+    """A sweep of LeNet under DDP on 2 processes and on 1, 2 epochs of 4 steps each, in this process (each job's ranks
+    are processes): the report's and TensorBoard's tests read it. Without the disturbance marks: the suite's other
+    test process competes with these runs, and their speed-ups would be left out of the report."""
+    return trained_once(tmp_path_factory, "ddp_sweep", "-m", "model=lenet", "strategy=ddp", "devices=2,1", *QUICK,
+                    "max_epochs=2", "data.batch_size=64", "trainer.limit_train_batches=4", "trainer.log_every_n_steps=1",
+                    "~callbacks.disturbance", here=True)
 
 
 # Interpreters a test starts (`python -m ...`, a DDP worker, a sweep job), each of which imports torch and Lightning

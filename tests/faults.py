@@ -14,12 +14,14 @@ class KillAtStep(Callback):
     end of the training batch that holds that step (a batch holds several with `steps_per_execution` > 1).
 
     Only a run that started afresh is killed: its resume (`ckpt_path=last`, or torchrun's restarted group with
-    `ckpt_path=auto`) takes the same config, this callback included, and finishes.
+    `ckpt_path=auto`) takes the same config, this callback included, and finishes. With a `mark` the kill comes once,
+    in whichever start reaches the step first: the file says it happened (a resume killed again, by a second fault).
     """
 
-    def __init__(self, step: int, rank: int = 0) -> None:
+    def __init__(self, step: int, rank: int = 0, mark: str | None = None) -> None:
         self.step = step
         self.rank = rank
+        self.mark = Path(mark) if mark else None
         self._batch_start = 0  # the optimizer steps taken when the current training batch began
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch, batch_idx: int) -> None:
@@ -30,7 +32,12 @@ class KillAtStep(Callback):
         return self._batch_start < self.step <= trainer.global_step
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
-        if self.reached(trainer) and trainer.global_rank == self.rank and trainer.ckpt_path is None:
+        if not (self.reached(trainer) and trainer.global_rank == self.rank):
+            return
+        if self.mark is None and trainer.ckpt_path is None:
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif self.mark is not None and not self.mark.exists():
+            self.mark.touch()
             os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -1,8 +1,10 @@
 """Shared test helpers: run the real command line, read TensorBoard scalars, write tiny IDX files."""
 
 import contextlib
+import fcntl
 import gzip
 import io
+import json
 import os
 import re
 import shutil
@@ -62,6 +64,25 @@ class Run:
     def copy(self, folder: Path) -> Path:
         """The run folder copied to `folder/run`, for a test that goes on in it (resumes, or starts there again)."""
         return Path(shutil.copytree(self.dir, folder / "run"))
+
+
+def trained_once(tmp_path_factory: pytest.TempPathFactory, name: str, *args: str, here: bool = False) -> Run:
+    """A run (or a sweep: `-m` in `args`) trained once for the tests that read it (in this process where one process
+    trains it), by the first test process of the suite that asks (`-n`): the others wait for it, and read its folder
+    and output."""
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # the folder above each test process's own
+    run_dir, said = shared / name / "run", shared / f"{name}.json"  # the run's folder alone in its parent
+    with open(shared / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not said.is_file():
+            folder = f"hydra.{'sweep' if '-m' in args else 'run'}.dir={run_dir}"
+            result = command_here("src.train", *args, folder) if here else train(*args, folder)
+            said.write_text(json.dumps([result.args, result.returncode, result.stdout, result.stderr]))
+    result = subprocess.CompletedProcess(*json.loads(said.read_text()))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return Run(result, run_dir)
 
 
 def assert_finished_run(result: subprocess.CompletedProcess, run_dir: Path) -> dict[str, list[float]]:

@@ -11,7 +11,7 @@ from src import fast_path
 from src.fast_path import cudnn_benchmark, keep_freed_memory, one_channel_nchw_pays, resolve_precision, speed_up
 from src.models.lenet import LeNet
 from src.models.resnet import resnet18
-from tests.helpers import QUICK, Run, hparams, train, train_here
+from tests.helpers import QUICK, Run, hparams, train_here
 
 
 @pytest.mark.parametrize(("cpu_bf16", "expected"), [(True, "bf16-mixed"), (False, "32-true")])
@@ -93,10 +93,10 @@ def test_defaults_are_the_fast_path(quick_run: Run):
     assert params["precision_used"] == fast_path.auto_precision("cpu").replace("32", "32-true")
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # compiles
 def test_compile_trains_and_keeps_the_checkpoint_keys(tmp_path):
     run_dir = tmp_path / "run"
-    result = train(*QUICK, "compile=true", "trainer.limit_train_batches=2", f"hydra.run.dir={run_dir}", timeout=600)
+    result = train_here(*QUICK, "compile=true", "trainer.limit_train_batches=2", f"hydra.run.dir={run_dir}")
     assert result.returncode == 0, result.stderr[-3000:]
     assert hparams(run_dir)["compile"] == 1
     state = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)["state_dict"]

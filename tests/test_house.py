@@ -1,13 +1,11 @@
 """The house's measured goals: no import cycle, few private names of other libraries, one composition per Hydra pass."""
 
 import ast
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import QUICK, REPO, user_env
+from tests.helpers import QUICK, REPO, train_here
 
 SOURCES = sorted([*(REPO / "src").rglob("*.py"), *(REPO / "hydra_plugins").rglob("*.py")])
 PROJECT = ("src", "hydra_plugins")
@@ -108,36 +106,25 @@ def test_at_most_five_private_names_of_other_libraries_each_with_a_reason():
         assert "#" in nearby, f"{use}: no comment says why no public way exists"
 
 
-COUNTING = """
-import runpy, sys
-from hydra._internal.config_loader_impl import ConfigLoaderImpl
+def compositions(monkeypatch: pytest.MonkeyPatch, *args: str) -> int:
+    """How often `python -m src.train <args>` composes its config: its own entry, in this process."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
 
-load = ConfigLoaderImpl.load_configuration
+    load, count = ConfigLoaderImpl.load_configuration, []
 
-def counted(self, *args, **kwargs):
-    with open(COUNT, "a") as out:
-        out.write("composed\\n")
-    return load(self, *args, **kwargs)
+    def counted(self, *rest, **kwargs):
+        count.append(rest)
+        return load(self, *rest, **kwargs)
 
-COUNT = sys.argv.pop(1)
-ConfigLoaderImpl.load_configuration = counted
-runpy.run_module("src.train", run_name="__main__", alter_sys=True)
-"""
-
-
-def compositions(tmp_path: Path, *args: str) -> int:
-    """How often `python -m src.train <args>` composes its config."""
-    count = tmp_path / "count.txt"
-    count.unlink(missing_ok=True)
-    result = subprocess.run([sys.executable, "-c", COUNTING, str(count), *args], cwd=REPO, env=user_env(),
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr
-    return len(count.read_text().splitlines())
+    with monkeypatch.context() as patched:
+        patched.setattr(ConfigLoaderImpl, "load_configuration", counted)
+        result = train_here(*args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return len(count)
 
 
-@pytest.mark.slow
-def test_a_run_and_its_resume_compose_the_config_as_hydra_main_does_twice(tmp_path):
+def test_a_run_and_its_resume_compose_the_config_as_hydra_main_does_twice(tmp_path, monkeypatch):
     run = tmp_path / "run"
-    assert compositions(tmp_path, *QUICK, f"hydra.run.dir={run}") == 2
+    assert compositions(monkeypatch, *QUICK, f"hydra.run.dir={run}") == 2
     assert (run / "result.json").is_file()
-    assert compositions(tmp_path, "ckpt_path=last", f"hydra.run.dir={run}") == 2
+    assert compositions(monkeypatch, "ckpt_path=last", f"hydra.run.dir={run}") == 2

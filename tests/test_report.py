@@ -16,15 +16,7 @@ from src.report import COLUMNS, FILES, collect_runs, markdown_table, read_run
 from src.report import main as report_main
 from src.records import Result
 from src.runs import RunFolder
-from tests.helpers import DATA_ROOT, call_main, hparams, run_cli, scalars, train_here
-
-SWEEP = [
-    f"data.root={DATA_ROOT}", "max_epochs=2", "data.batch_size=64", "trainer.limit_train_batches=4",
-    "trainer.limit_val_batches=2", "trainer.limit_test_batches=2", "trainer.enable_progress_bar=false",
-    "trainer.enable_model_summary=false", "trainer.log_every_n_steps=1",
-    "~callbacks.disturbance",  # the suite's other test process competes with these runs: speed-ups would be left out
-]
-
+from tests.helpers import call_main, hparams, run_cli, scalars
 
 def report(*args: str):
     """`python -m src.report <args>`, in this process: the command's start-up is tested once, on the real sweep."""
@@ -48,13 +40,10 @@ def assert_nothing_written(result, *folders: Path) -> None:
 
 # ---- a real sweep: LeNet under DDP on 1 and 2 processes, whose report the sweep writes as it ends ----
 
-@pytest.fixture(scope="module")
-def sweep(tmp_path_factory, data_root) -> Path:
-    """The sweep in this process, its jobs one after another; each job's DDP ranks are processes still."""
-    folder = tmp_path_factory.mktemp("sweep")
-    result = train_here("-m", "model=lenet", "strategy=ddp", "devices=2,1", *SWEEP, f"hydra.sweep.dir={folder}")
-    assert result.returncode == 0, result.stderr[-3000:]
-    return folder
+@pytest.fixture
+def sweep(ddp_sweep) -> Path:
+    """The sweep of LeNet under DDP on 2 processes and 1 (conftest's `ddp_sweep`): read here, never written."""
+    return ddp_sweep.dir
 
 
 @pytest.mark.slow

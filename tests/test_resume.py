@@ -1,6 +1,7 @@
 """Checkpoints and resuming: `last.ckpt` is always the last finished epoch, a run killed with
 SIGKILL resumes to exactly the weights of an unbroken run, with no TensorBoard step twice."""
 
+import hashlib
 import json
 import shutil
 import statistics
@@ -16,7 +17,7 @@ from tensorboard.backend.event_processing.event_file_loader import EventFileLoad
 
 from src.data.fashion_mnist import augment
 from tests.helpers import (QUICK, REPO, Run, free_port, scalar_steps, scalars, steps_going_back, train, train_here,
-                           user_env)
+                           trained_once, user_env)
 
 # Ten batches an epoch, three epochs; the fault callback kills a process after a given step.
 LONGER = [*QUICK, "max_epochs=3", "trainer.limit_train_batches=10", "data.batch_size=128", "optim.momentum=0.9"]
@@ -62,18 +63,13 @@ def assert_matches_unbroken(run: Path, reference: Path) -> None:
 
 @pytest.fixture(scope="module")
 def unbroken(tmp_path_factory, data_root):
-    """Unbroken reference runs, one per process count, shared by the tests below: a run of one process is trained in
-    this one, a DDP run by its own ranks, which this process starts."""
-    runs: dict[str, Path] = {}
+    """Unbroken reference runs of `LONGER`, one per set of arguments, trained once for the suite (test_sweep_resume's
+    interrupted job ends where the DDP run with augmentation does): a run of one process is trained in this one, a
+    DDP run by its own ranks, which this process starts."""
 
     def run(*args: str) -> Path:
-        key = " ".join(args)
-        if key not in runs:
-            run_dir = tmp_path_factory.mktemp("unbroken") / "run"
-            result = train_here(*LONGER, *args, f"hydra.run.dir={run_dir}")
-            assert result.returncode == 0, result.stderr[-3000:]
-            runs[key] = run_dir
-        return runs[key]
+        name = "unbroken_" + hashlib.sha1(" ".join(args).encode()).hexdigest()[:12]
+        return trained_once(tmp_path_factory, name, *LONGER, *args, here=True).dir
 
     return run
 
@@ -100,36 +96,45 @@ class AugmentationDraws(Callback):
 DDP2 = ["strategy=ddp", "devices=2", "trainer.log_every_n_steps=1"]
 # Random crops and flips, each rank its own; what each rank draws after training is left in the run folder.
 AUGMENTED = [*DDP2, "data.random_crop=2", "data.hflip=true", "+callbacks.draws._target_=tests.test_resume.AugmentationDraws"]
+# The newest checkpoint a run killed after step `step` leaves, with 10 steps an epoch and a step checkpoint every 4.
+AFTER_EPOCH_END, MID_EPOCH = (11, (10, "last.ckpt")), (17, (16, "step.ckpt"))
 RESUMES = {
-    # name: (process arguments, every_n_train_steps, step killed after)
-    "one process, mid-epoch checkpoint": ([], 4, 17),
-    # Plain DDP's cases too: the same ranks and checks (exact weights, steps, no step going back), with each rank's
-    # augmentation generators checked besides; the draws callback changes nothing that is computed. Both cases, and
-    # torchrun's restart below, end where one unbroken run does.
-    "ddp on 2 processes with augmentation, epoch-end checkpoint (covers plain ddp)": (AUGMENTED, 0, 17),
-    "ddp on 2 processes with augmentation, mid-epoch checkpoint (covers plain ddp)": (AUGMENTED, 4, 17),
+    # name: (process arguments, the kills in turn: (step killed after, newest checkpoint then)); the run resumes after
+    # each, and ends where the unbroken one did
+    "one process, mid-epoch checkpoint": ([], [MID_EPOCH]),
+    # Plain DDP's case too: the same ranks and checks (exact weights, steps, no step going back), with each rank's
+    # augmentation generators checked besides; the draws callback changes nothing that is computed. Killed after the
+    # epoch's checkpoint (newer than the step checkpoint before it), then, resumed from it, after a step checkpoint.
+    # This case and torchrun's restart below end where one unbroken run does.
+    "ddp on 2 processes with augmentation, epoch-end then mid-epoch checkpoint (covers plain ddp)": (AUGMENTED, [AFTER_EPOCH_END, MID_EPOCH]),
     # PowerSGD compresses from step 10 (start_powersgd_iter): the checkpoint at 16 holds its error feedback and Q
-    "ddp_powersgd on 2 processes, mid-epoch checkpoint": (["strategy=ddp_powersgd", *DDP2[1:]], 4, 17),
+    "ddp_powersgd on 2 processes, mid-epoch checkpoint": (["strategy=ddp_powersgd", *DDP2[1:]], [MID_EPOCH]),
 }
+
+
+def kills(marks: Path, steps: list[int]) -> list[str]:
+    """A fault per step, each killing rank 0 once, in whichever start of the run reaches it first."""
+    return [f"+callbacks.fault{i}.{key}={value}" for i, step in enumerate(steps)
+            for key, value in (("_target_", "tests.faults.KillAtStep"), ("step", step), ("mark", marks / f"killed{i}"))]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", RESUMES)
 def test_a_run_killed_mid_epoch_resumes_to_the_unbroken_weights(tmp_path, unbroken, case):
-    args, every_n, killed_after = RESUMES[case]
+    args, killed = RESUMES[case]
     run_dir = tmp_path / "run"
-    checkpointing = f"checkpoint.every_n_train_steps={every_n}"
-    # The fault kills rank 0: the command's own process where it runs alone, else a rank this process starts
-    command = [*LONGER, *args, checkpointing, *kill_at(killed_after), f"hydra.run.dir={run_dir}"]
-    killed = train_here(*command) if args else train(*command, timeout=600)
-    assert killed.returncode != 0
-    newest = max((load(p)["global_step"], p.name) for p in (run_dir / "checkpoints").glob("*.ckpt"))
-    assert newest == ((16, "step.ckpt") if every_n else (10, "last.ckpt"))
-    log = (run_dir / "train.log").read_text()
-    assert "epoch 1/3 step 10:" in log, "a killed run keeps the log of what it did"
+    # Every start takes the same command, the faults included: a resume takes no `_target_` from the run's records.
+    command = [*LONGER, *args, "checkpoint.every_n_train_steps=4", *kills(tmp_path, [step for step, _ in killed]),
+               f"hydra.run.dir={run_dir}"]
+    for attempt, (step, newest) in enumerate(killed):
+        # The fault kills rank 0: the command's own process where it runs alone, else a rank this process starts
+        again = ["ckpt_path=last"] if attempt else []
+        result = train_here(*command, *again) if args else train(*command, *again, timeout=600)
+        assert result.returncode != 0, f"not killed after step {step}"
+        assert max((load(p)["global_step"], p.name) for p in (run_dir / "checkpoints").glob("*.ckpt")) == newest
+        assert "epoch 1/3 step 10:" in (run_dir / "train.log").read_text(), "a killed run keeps the log of what it did"
 
-    # The fault is a callback of the test's own: a resume takes no `_target_` from the run's records, so it is typed again.
-    resumed = train_here(*LONGER, *args, checkpointing, *kill_at(killed_after), "ckpt_path=last", f"hydra.run.dir={run_dir}")
+    resumed = train_here(*command, "ckpt_path=last")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert_matches_unbroken(run_dir, unbroken(*args))
     assert_same_draws(run_dir, unbroken(*args))

@@ -1,7 +1,8 @@
 """A resume ends as the unbroken run would, wherever the stop came: its result line, checkpoints (the best one too)
 and TensorBoard scalars are the unbroken run's. Each run below is SIGKILLed at one point of its life by a fault
 callback (tests/faults.py: the stop waits on the run reaching that point, never on the clock), then resumed. Only the
-run that is stopped needs a process of its own; the unbroken run and the resumes run in this one."""
+run that is killed needs a process of its own; the unbroken run, the run a stop signal ends and the resumes run in
+this one."""
 
 import json
 from pathlib import Path
@@ -73,7 +74,7 @@ def test_a_stop_signal_right_after_the_epochs_checkpoints_keeps_its_points_and_r
     """The signal waits for the epoch's `train/*` points: the resume starts at the next epoch, and would never log them."""
     run_dir, fault = tmp_path / "run", ["+callbacks.term._target_=tests.faults.SignalAfterCheckpoints",
                                         "+callbacks.term.epoch=1", f"+callbacks.term.mark={tmp_path / 'stopped'}"]
-    stopped = train(*RUN, *fault, f"hydra.run.dir={run_dir}", timeout=600)
+    stopped = train_here(*RUN, *fault, f"hydra.run.dir={run_dir}")  # the signal to this process, handled as a run's
     assert stopped.returncode == 143, stopped.stderr[-3000:]
     assert torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["epoch"] == 1
     resumed = train_here(*RUN, *fault, "ckpt_path=last", f"hydra.run.dir={run_dir}")

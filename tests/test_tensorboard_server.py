@@ -15,7 +15,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from src.runs import find_run_dirs
-from tests.helpers import DATA_ROOT, free_port, hparams, train_here
+from tests.helpers import free_port, hparams
 
 TENSORBOARD = Path(sys.executable).parent / "tensorboard"
 SCALARS = ("train/loss", "train/acc", "val/acc", "test/acc", "time/epoch_s", "time/samples_per_s")
@@ -30,17 +30,9 @@ def get(base: str, path: str, **query: str):
 
 
 @pytest.fixture(scope="module")
-def logdir(tmp_path_factory, data_root) -> Path:
-    """The runs trained in this process, one after another; the DDP job's ranks are processes still."""
-    folder = tmp_path_factory.mktemp("tb")
-    result = train_here(
-        "-m", "model=lenet", "strategy=ddp", "devices=2,1", f"data.root={DATA_ROOT}", "max_epochs=2",
-        "data.batch_size=64", "trainer.limit_train_batches=3", "trainer.limit_val_batches=1",
-        "trainer.limit_test_batches=1", "trainer.enable_progress_bar=false", "trainer.log_every_n_steps=1",
-        f"hydra.sweep.dir={folder}",
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return folder
+def logdir(ddp_sweep) -> Path:
+    """A sweep of two runs, LeNet under DDP on 2 processes and on 1 (conftest's `ddp_sweep`)."""
+    return ddp_sweep.dir
 
 
 @pytest.fixture(scope="module")
