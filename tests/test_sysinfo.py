@@ -1,15 +1,9 @@
 """`src.sysinfo` on this machine, and on A100-, V100-, T4- and P100-like GPUs faked through torch.cuda."""
 
-import json
 import logging
 import os
 import re
-import shutil
-import subprocess
-import sys
 import threading
-import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import lightning
@@ -23,8 +17,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from src import sysinfo
 from src.callbacks.sysinfo import SystemInfoLogger
-from tests.helpers import REPO, run_cli, user_env
-from tests.test_stopping import proc_stat
+from tests.helpers import run_cli
 
 GiB = 2**30
 A100 = SimpleNamespace(name="NVIDIA A100-SXM4-80GB", total_memory=80 * GiB, major=8, minor=0)
