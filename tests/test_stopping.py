@@ -26,7 +26,7 @@ from src import config
 from src.checkpoints import AtomicCheckpointIO
 from src.errors import UsageError
 from src.launch import stops
-from src.launch.stops import STOP_SIGNALS, RunStopped, handle_stop_signals
+from src.launch.stops import STOP_SIGNALS, RunStopped, handle_stop_signals, ignore_stop_signals
 from src.launch.workers import StopOnSignal
 from src.loggers import RunLogger
 from src.strategies.ddp import CommHookDDPStrategy
@@ -275,6 +275,19 @@ def stop_handlers():
     yield
     for signum, handler in saved.items():
         signal.signal(signum, handler)
+
+
+def test_a_stop_handler_put_back_on_the_way_out_stays_quiet(stop_handlers):
+    """A SLURM job that saved itself for its requeue ignores stop signals, then Lightning's teardown put back the handler
+    it had found as the fit began, and the SIGTERM of SLURM's requeue came during the exit: a traceback in the job's
+    output. Once on the way out, the handler stays quiet wherever it is put back; the next run stops again."""
+    found = signal.getsignal(signal.SIGTERM)  # what Lightning's signal connector saves as a fit starts
+    ignore_stop_signals()
+    signal.signal(signal.SIGTERM, found)  # and puts back as it tears down
+    signal.raise_signal(signal.SIGTERM)  # its handler runs before this returns, and raises nothing
+    handle_stop_signals()
+    with pytest.raises(RunStopped):
+        signal.raise_signal(signal.SIGTERM)
 
 
 def test_a_stop_during_a_tensorboard_write_waits_for_the_write_and_the_run_flushes_at_once(tmp_path, stop_handlers):

@@ -55,9 +55,12 @@ position: Callable[[], str] = nowhere
 # Stop signals that came while `held`, raised when it ends; `_holding` counts the `held` blocks the main thread is in.
 _held_signals: list[int] = []
 _holding = 0
+_leaving = False  # set by `ignore_stop_signals`, until `handle_stop_signals` starts a run again
 
 
 def _raise_stop(signum: int, frame: Any) -> None:
+    if _leaving:  # put back on the way out by a library that saved it (Lightning's teardown of its signal handlers)
+        return
     if _holding:
         _held_signals.append(signum)
         return
@@ -94,13 +97,17 @@ def held() -> Iterator[None]:
 
 
 def handle_stop_signals() -> None:
+    global _leaving
+    _leaving = False
     for signum in STOP_SIGNALS:
         signal.signal(signum, _raise_stop)
 
 
 def ignore_stop_signals() -> None:
-    """On the way out: the agent SIGTERMs every worker once one has ended (and Ctrl-C reaches a worker twice); a
-    handler that raised during the exit would print a traceback."""
+    """On the way out: the agent SIGTERMs every worker once one has ended (and Ctrl-C reaches a worker twice), and
+    SLURM's requeue a job that has saved itself; a handler that raised during the exit would print a traceback."""
+    global _leaving
+    _leaving = True
     for signum in STOP_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
 
