@@ -86,8 +86,8 @@ def ddp_sweep(tmp_path_factory, data_root) -> Run:
     are processes): the report's and TensorBoard's tests read it. Without the disturbance marks: the suite's other
     test process competes with these runs, and their speed-ups would be left out of the report."""
     return trained_once(tmp_path_factory, "ddp_sweep", "-m", "model=lenet", "strategy=ddp", "devices=2,1", *QUICK,
-                    "max_epochs=2", "data.batch_size=64", "trainer.limit_train_batches=4", "trainer.log_every_n_steps=1",
-                    "~callbacks.disturbance", here=True)
+                        "max_epochs=2", "data.batch_size=64", "trainer.limit_train_batches=4",
+                        "trainer.log_every_n_steps=1", "~callbacks.disturbance", here=True)
 
 
 # Interpreters a test starts (`python -m ...`, a DDP worker, a sweep job), each of which imports torch and Lightning

@@ -34,11 +34,14 @@ class KillAtStep(Callback):
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
         if not (self.reached(trainer) and trainer.global_rank == self.rank):
             return
-        if self.mark is None and trainer.ckpt_path is None:
-            os.kill(os.getpid(), signal.SIGKILL)
-        elif self.mark is not None and not self.mark.exists():
+        if self.mark is None:
+            if trainer.ckpt_path is not None:
+                return
+        elif self.mark.exists():
+            return
+        else:
             self.mark.touch()
-            os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 class KillSweepAtStep(KillAtStep):

@@ -106,7 +106,8 @@ RESUMES = {
     # augmentation generators checked besides; the draws callback changes nothing that is computed. Killed after the
     # epoch's checkpoint (newer than the step checkpoint before it), then, resumed from it, after a step checkpoint.
     # This case and torchrun's restart below end where one unbroken run does.
-    "ddp on 2 processes with augmentation, epoch-end then mid-epoch checkpoint (covers plain ddp)": (AUGMENTED, [AFTER_EPOCH_END, MID_EPOCH]),
+    "ddp on 2 processes with augmentation, epoch-end then mid-epoch checkpoint (covers plain ddp)":
+        (AUGMENTED, [AFTER_EPOCH_END, MID_EPOCH]),
     # PowerSGD compresses from step 10 (start_powersgd_iter): the checkpoint at 16 holds its error feedback and Q
     "ddp_powersgd on 2 processes, mid-epoch checkpoint": (["strategy=ddp_powersgd", *DDP2[1:]], [MID_EPOCH]),
 }
