@@ -66,23 +66,36 @@ class Run:
         return Path(shutil.copytree(self.dir, folder / "run"))
 
 
-def trained_once(tmp_path_factory: pytest.TempPathFactory, name: str, *args: str, here: bool = False) -> Run:
-    """A run (or a sweep: `-m` in `args`) trained once for the tests that read it (in this process where one process
-    trains it), by the first test process of the suite that asks (`-n`): the others wait for it, and read its folder
-    and output."""
+def once(tmp_path_factory: pytest.TempPathFactory, name: str, make: Callable[[Path], None]) -> Path:
+    """`make(folder)` once for the suite, by the first test process that asks (`-n`): the others wait for it, then read
+    the folder. A `make` that fails is tried again by the next test that asks."""
     shared = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         shared = shared.parent  # the folder above each test process's own
-    run_dir, said = shared / name / "run", shared / f"{name}.json"  # the run's folder alone in its parent
+    folder, done = shared / name, shared / f"{name}.done"
     with open(shared / f"{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not said.is_file():
-            folder = f"hydra.{'sweep' if '-m' in args else 'run'}.dir={run_dir}"
-            result = command_here("src.train", *args, folder) if here else train(*args, folder)
-            said.write_text(json.dumps([result.args, result.returncode, result.stdout, result.stderr]))
-    result = subprocess.CompletedProcess(*json.loads(said.read_text()))
+        if not done.is_file():
+            shutil.rmtree(folder, ignore_errors=True)  # what a failed `make` left
+            folder.mkdir()
+            make(folder)
+            done.touch()
+    return folder
+
+
+def trained_once(tmp_path_factory: pytest.TempPathFactory, name: str, *args: str, here: bool = False) -> Run:
+    """A run (or a sweep: `-m` in `args`) trained `once` for the tests that read it, in this process where one process
+    trains it: its folder, and its output as the command printed it."""
+
+    def make(folder: Path) -> None:
+        where = f"hydra.{'sweep' if '-m' in args else 'run'}.dir={folder / 'run'}"  # the run's folder alone in its parent
+        result = command_here("src.train", *args, where) if here else train(*args, where)
+        (folder / "result.json").write_text(json.dumps([result.args, result.returncode, result.stdout, result.stderr]))
+
+    folder = once(tmp_path_factory, name, make)
+    result = subprocess.CompletedProcess(*json.loads((folder / "result.json").read_text()))
     assert result.returncode == 0, result.stderr[-3000:]
-    return Run(result, run_dir)
+    return Run(result, folder / "run")
 
 
 def assert_finished_run(result: subprocess.CompletedProcess, run_dir: Path) -> dict[str, list[float]]:
@@ -119,6 +132,34 @@ def start_ranks(worker: Callable[..., None], *args: object, nprocs: int) -> None
     import torch.multiprocessing
 
     torch.multiprocessing.start_processes(worker, args, nprocs=nprocs, start_method="spawn")
+
+
+def _torchrun_rank(rank: int, world: int, runs: list[list[str]], ports: list[int], results: str) -> None:
+    import torch.distributed as dist
+
+    said = []
+    for args, port in zip(runs, ports):
+        os.environ.update(RANK=str(rank), GROUP_RANK="0", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                          WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        result = command_here("src.train", *args)
+        if dist.is_initialized():  # torchrun's rank would end here; this one goes on to the next run
+            dist.destroy_process_group()
+        said.append([result.args, result.returncode, result.stdout, result.stderr])
+    Path(f"{results}.{rank}").write_text(json.dumps(said))
+
+
+def train_as_torchrun(runs: list[list[str]], folder: Path, nprocs: int = 2) -> list[subprocess.CompletedProcess]:
+    """`python -m src.train <args>` for each run in turn, on `nprocs` ranks that each run the command line, as torchrun
+    starts a run's ranks, but started once for all the runs: for tests of what DDP runs compute and log, not of how
+    their processes start. Rank 0's exit status and output of each run."""
+    saved = os.environ.get("OMP_NUM_THREADS")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default for several processes a node, in theirs
+    try:
+        start_ranks(_torchrun_rank, nprocs, runs, [free_port() for _ in runs], str(folder / "said"), nprocs=nprocs)
+    finally:
+        if saved is None:
+            del os.environ["OMP_NUM_THREADS"]
+    return [subprocess.CompletedProcess(*said) for said in json.loads((folder / "said.0").read_text())]
 
 
 def free_port() -> int:

@@ -1,14 +1,13 @@
 """DDP communication hooks on CPU: registered, counted, compressing as claimed, checked early.
 
-Each training test runs the real CLI as 2 gloo processes with LeNet for a few steps; runs are
-shared within the module, so the file costs six short trainings. The counting itself is tested
+Each training test reads one of six short trainings of LeNet on 2 gloo processes, each the real
+command line in both ranks (as torchrun runs it), all six on one start of the ranks. The counting itself is tested
 in 2 spawned gloo processes: every collective API on the hook's group, and a Lightning training
 whose hook issues collectives the way no wrapper of `torch.distributed.all_reduce` would see.
 """
 
 import os
 from datetime import timedelta
-from functools import cache
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -32,7 +31,8 @@ from src.models.lenet import LeNet
 from src.models.resnet import resnet18
 from src.strategies.comm import CommMeter
 from src.strategies.ddp import HOOKS, CommHookDDPStrategy, lay_out_in_backward_order, one_bucket_cap_mb
-from tests.helpers import composed, free_port, scalars, start_ranks, train_here, train_with_ranks
+from tests.helpers import (composed, free_port, once, scalars, start_ranks, train_as_torchrun, train_here,
+                           train_with_ranks)
 
 BATCHES = 4  # training batches per run: one optimizer step each, unless accumulating
 WARMUP = 2  # plain all-reduce steps before PowerSGD compresses
@@ -63,27 +63,28 @@ def powersgd_payload(rank: int, element_bytes: int, shapes: list[torch.Size] = P
     return total * element_bytes
 
 
+RUNS = [*((hook, 1) for hook in HOOKS), ("none", 2)]  # (hook, batches accumulated a step)
+
+
 @pytest.fixture(scope="module")
 def train(tmp_path_factory: pytest.TempPathFactory, data_root: Path):
-    """Runs a 2-process LeNet training once per (hook, accumulate) and returns its folder: the ranks are processes,
-    their launcher this one (the tests read the folder, not what the command prints)."""
+    """A 2-process LeNet training of each of `RUNS`, all trained once for the suite on one start of the ranks (they
+    run one after the other, as torchrun's ranks, each with the command line); `train(hook, accumulate)` is a run's
+    folder (the tests read the folders, not what the command prints)."""
 
-    @cache
-    def run(hook: str, accumulate: int = 1) -> Path:
-        run_dir = tmp_path_factory.mktemp(f"{hook}_acc{accumulate}")
-        result = train_here(
-            f"data.root={data_root}", f"hydra.run.dir={run_dir}", "strategy=ddp", f"strategy.hook={hook}",
-            f"strategy.start_powersgd_iter={WARMUP}", f"strategy.bucket_cap_mb={SMALL_BUCKET_MB}", "devices=2",
-            "max_epochs=1", "data.batch_size=32", f"trainer.limit_train_batches={BATCHES}",
-            f"trainer.accumulate_grad_batches={accumulate}",
-            "trainer.limit_val_batches=1", "trainer.limit_test_batches=1", "trainer.num_sanity_val_steps=0",
-            "trainer.log_every_n_steps=1", "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false",
-            *MEASURED_RECIPE,
-        )
-        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-        return run_dir
+    def make(folder: Path) -> None:
+        runs = [[f"data.root={data_root}", f"hydra.run.dir={folder / f'{hook}_acc{accumulate}'}", "strategy=ddp",
+                 f"strategy.hook={hook}", f"strategy.start_powersgd_iter={WARMUP}",
+                 f"strategy.bucket_cap_mb={SMALL_BUCKET_MB}", "devices=2", "max_epochs=1", "data.batch_size=32",
+                 f"trainer.limit_train_batches={BATCHES}", f"trainer.accumulate_grad_batches={accumulate}",
+                 "trainer.limit_val_batches=1", "trainer.limit_test_batches=1", "trainer.num_sanity_val_steps=0",
+                 "trainer.log_every_n_steps=1", "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false",
+                 *MEASURED_RECIPE] for hook, accumulate in RUNS]
+        for result in train_as_torchrun(runs, folder):
+            assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
-    return run
+    folder = once(tmp_path_factory, "comm_hook_runs", make)
+    return lambda hook, accumulate=1: folder / f"{hook}_acc{accumulate}"
 
 
 def final_params(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -227,12 +228,11 @@ def test_powersgd_still_learns(tmp_path: Path, data_root: Path) -> None:
               "optim.momentum=0.9", "optim.schedule=cosine", "model.net.batch_norm=true", "model.net.pool=max", "model.net.init=kaiming",
               "trainer.limit_train_batches=150", "trainer.limit_val_batches=1", "trainer.num_sanity_val_steps=0",
               "trainer.enable_progress_bar=false", "precision=32"]
-    accuracy = {}
-    for name, strategy in (("ddp", ["strategy=ddp"]), ("powersgd", ["strategy=ddp_powersgd", "strategy.powersgd_rank=4"])):
-        run_dir = tmp_path / name
-        result = train_here(*common, *strategy, f"hydra.run.dir={run_dir}")  # the ranks' launcher in this process
-        assert result.returncode == 0, result.stderr[-3000:]
-        accuracy[name] = scalars(run_dir)["test/acc"][-1]
+    strategies = {"ddp": ["strategy=ddp"], "powersgd": ["strategy=ddp_powersgd", "strategy.powersgd_rank=4"]}
+    results = train_as_torchrun([[*common, *strategy, f"hydra.run.dir={tmp_path / name}"]
+                                 for name, strategy in strategies.items()], tmp_path)  # both on one start of the ranks
+    assert all(result.returncode == 0 for result in results), [result.stderr[-3000:] for result in results]
+    accuracy = {name: scalars(tmp_path / name)["test/acc"][-1] for name in strategies}
     assert accuracy["ddp"] > 0.8  # the baseline learned, so the comparison means something
     assert accuracy["powersgd"] >= accuracy["ddp"] - 0.02, accuracy
     assert max(scalars(tmp_path / "powersgd")["xfer/compression_ratio"]) > 10, accuracy  # it really compressed

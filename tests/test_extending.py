@@ -14,7 +14,8 @@ import torch
 from omegaconf import OmegaConf
 
 from src import config
-from tests.helpers import DATA_ROOT, QUICK, REPO, command_here, composed, hparams, scalars, train_here, train_with_ranks
+from tests.helpers import (DATA_ROOT, QUICK, REPO, command_here, composed, hparams, scalars, train_as_torchrun, train_here,
+                           train_with_ranks)
 from tests.test_bad_input import hydra_refusal
 
 DOC = REPO / "docs" / "extending.md"
@@ -82,25 +83,19 @@ def test_a_new_optimizer_is_a_config_file(tmp_path, data_root, searchpath):
 
 
 @pytest.mark.slow
-def test_a_new_comm_hook_is_a_function_and_a_strategy_file(tmp_path, data_root, searchpath):
-    run_dir = tmp_path / "run"
-    config, _ = finished(train_here(*QUICK, searchpath, "strategy=ddp_fp16_example", "devices=2", f"hydra.run.dir={run_dir}"),
-                         run_dir)
-    assert config.strategy.hook == "tests.examples.hooks.fp16_allreduce_hook"
-    series = scalars(run_dir)
+def test_a_new_comm_hook_with_or_without_state_is_a_function_and_a_strategy_file(tmp_path, data_root, searchpath):
+    """Both of the doc's hooks, each a run of two processes, on one start of the ranks."""
+    runs = {"plain": ["strategy=ddp_fp16_example"], "stateful": ["strategy=ddp_fp16_warmup_example", "trainer.log_every_n_steps=1"]}
+    results = train_as_torchrun([[*QUICK, searchpath, *args, "devices=2", f"hydra.run.dir={tmp_path / name}"]
+                                 for name, args in runs.items()], tmp_path)
+    (plain, _), (stateful, _) = (finished(result, tmp_path / name) for result, name in zip(results, runs))
+    assert plain.strategy.hook == "tests.examples.hooks.fp16_allreduce_hook"
     # Only a hook that sends float16 halves the bytes: plain DDP's ratio is 1.
-    assert series["xfer/compression_ratio_epoch"] == [pytest.approx(2.0)]
-    assert hparams(run_dir)["world_size"] == 2
-
-
-@pytest.mark.slow
-def test_a_hook_with_state_gets_it_built_from_the_strategy_file(tmp_path, data_root, searchpath):
-    run_dir = tmp_path / "run"
-    config, _ = finished(train_here(*QUICK, searchpath, "strategy=ddp_fp16_warmup_example", "devices=2",
-                                    "trainer.log_every_n_steps=1", f"hydra.run.dir={run_dir}"), run_dir)
-    assert config.strategy.hook_state.warmup_steps == 2
+    assert scalars(tmp_path / "plain")["xfer/compression_ratio_epoch"] == [pytest.approx(2.0)]
+    assert hparams(tmp_path / "plain")["world_size"] == 2
+    assert stateful.strategy.hook_state.warmup_steps == 2
     # The state lives across calls: fp32 for the first two of the four steps, then float16.
-    assert scalars(run_dir)["xfer/compression_ratio"] == [pytest.approx(r) for r in (1.0, 1.0, 2.0, 2.0)]
+    assert scalars(tmp_path / "stateful")["xfer/compression_ratio"] == [pytest.approx(r) for r in (1.0, 1.0, 2.0, 2.0)]
 
 
 def assert_one_line(result, message: str, run_dir: Path) -> None:

@@ -93,7 +93,9 @@ class AugmentationDraws(Callback):
         torch.save(augment(images, pad=2, hflip=True), Path(trainer.default_root_dir) / f"draws.{trainer.global_rank}.pt")
 
 
-DDP2 = ["strategy=ddp", "devices=2", "trainer.log_every_n_steps=1"]
+# PowerSGD's DDP: besides what every DDP run resumes, each rank's error feedback and Q, from step 10 on (when it starts
+# compressing, `start_powersgd_iter`); before that its all-reduce is plain DDP's.
+DDP2 = ["strategy=ddp_powersgd", "devices=2", "trainer.log_every_n_steps=1"]
 # Random crops and flips, each rank its own; what each rank draws after training is left in the run folder.
 AUGMENTED = [*DDP2, "data.random_crop=2", "data.hflip=true", "+callbacks.draws._target_=tests.test_resume.AugmentationDraws"]
 # The newest checkpoint a run killed after step `step` leaves, with 10 steps an epoch and a step checkpoint every 4.
@@ -102,14 +104,12 @@ RESUMES = {
     # name: (process arguments, the kills in turn: (step killed after, newest checkpoint then)); the run resumes after
     # each, and ends where the unbroken one did
     "one process, mid-epoch checkpoint": ([], [MID_EPOCH]),
-    # Plain DDP's case too: the same ranks and checks (exact weights, steps, no step going back), with each rank's
-    # augmentation generators checked besides; the draws callback changes nothing that is computed. Killed after the
-    # epoch's checkpoint (newer than the step checkpoint before it), then, resumed from it, after a step checkpoint.
-    # This case and torchrun's restart below end where one unbroken run does.
-    "ddp on 2 processes with augmentation, epoch-end then mid-epoch checkpoint (covers plain ddp)":
+    # DDP's case, each rank's augmentation generators checked besides the weights, the steps and no step going back;
+    # the draws callback changes nothing that is computed. Killed after the epoch's checkpoint (newer than the step
+    # checkpoint before it), then, resumed from it, after a step checkpoint, which holds PowerSGD's state. This case,
+    # the sweep's interrupted job (test_sweep_resume.py) and torchrun's restart below end where one unbroken run does.
+    "ddp_powersgd on 2 processes with augmentation, epoch-end then mid-epoch checkpoint":
         (AUGMENTED, [AFTER_EPOCH_END, MID_EPOCH]),
-    # PowerSGD compresses from step 10 (start_powersgd_iter): the checkpoint at 16 holds its error feedback and Q
-    "ddp_powersgd on 2 processes, mid-epoch checkpoint": (["strategy=ddp_powersgd", *DDP2[1:]], [MID_EPOCH]),
 }
 
 

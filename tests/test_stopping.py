@@ -135,15 +135,21 @@ def assert_said_stop(returncode: int, output: str, status: int, line: str, run_d
     return errors[0]
 
 
-def assert_resumes(error_line: str, run_dir: Path) -> None:
-    """`last.ckpt`, named in the line, loads, and the command the line names trains one more epoch from it
-    (with `max_epochs` made one more than the checkpoint's, where the line's command would train on to the end)."""
+def assert_names_its_resume(error_line: str, run_dir: Path) -> str:
+    """The line names `last.ckpt`, which holds a finished epoch, and the command that resumes from it."""
     last = run_dir / "checkpoints" / "last.ckpt"
     command = f"{INTERPRETER} -m src.train ckpt_path=last hydra.run.dir={run_dir}"
     assert error_line.endswith(f"{last} holds the last finished epoch; resume with: {command}"), error_line
+    assert checkpointed_epoch(last) >= 1
+    return command
+
+
+def assert_resumes(error_line: str, run_dir: Path) -> None:
+    """`assert_names_its_resume`, and the command trains one more epoch from the checkpoint (with `max_epochs` made one
+    more than the checkpoint's, where the line's command would train on to the end)."""
+    command, last = assert_names_its_resume(error_line, run_dir), run_dir / "checkpoints" / "last.ckpt"
     epoch = checkpointed_epoch(last)
-    assert epoch >= 1
-    more = train_here(*shlex.split(command)[3:], f"max_epochs={epoch + 2}")  # a DDP run's ranks from this process
+    more = train_here(*shlex.split(command)[3:], f"max_epochs={epoch + 2}")
     assert more.returncode == 0, more.stderr[-3000:]
     assert checkpointed_epoch(last) == epoch + 1
 
@@ -189,8 +195,8 @@ def test_signal_stops_every_ddp_process(tmp_path, data_root, name, target):
     to_rank1 = rf" to rank 1 \(pid {rank1}\)" if target == "rank 1" else ""
     line = assert_stopped(run, 128 + signum, rf"^error: run stopped by {name}{to_rank1} during epoch \d+ \(step \d+\); ")
     assert "leaked semaphore" not in run.stderr, run.stderr[-3000:]
-    if target == "launcher":
-        assert_resumes(line, run.dir)
+    if target == "launcher":  # how its ranks resume from that checkpoint is test_resume.py's
+        assert_names_its_resume(line, run.dir)
 
 
 @pytest.mark.slow

@@ -14,16 +14,16 @@ from tests.helpers import epoch_lines, train_here
 from tests.test_resume import AUGMENTED, LONGER, assert_matches_unbroken, assert_same_draws, unbroken  # noqa: F401
 from tests.test_stopping import Run
 
-# Three DDP jobs of 2 processes with augmentation, each 3 epochs of 10 steps, a mid-epoch checkpoint every 4 steps. The
+# Three PowerSGD DDP jobs of 2 processes with augmentation, each 3 epochs of 10 steps, a mid-epoch checkpoint every 4 steps. The
 # second has the default seed: it is test_resume's unbroken DDP run, broken.
 JOB = [*LONGER, *AUGMENTED, "checkpoint.every_n_train_steps=4"]
 SEEDS = (1, OmegaConf.load(CONF_DIR / "train.yaml").seed, 3)
 SWEEP = ["-m", *JOB, f"seed={','.join(map(str, SEEDS))}"]
-JOBS = [f"lenet_ddp_2dev_{{precision}}_seed={seed}" for seed in SEEDS]
+JOBS = [f"lenet_ddp_powersgd_2dev_{{precision}}_seed={seed}" for seed in SEEDS]
 
 
 def job_dirs(sweep: Path) -> list[Path]:
-    precision = next(sweep.glob("lenet_ddp_2dev_*_seed=1")).name.split("_")[3]
+    precision = next(sweep.glob("lenet_ddp_powersgd_2dev_*_seed=1")).name.split("_")[4]
     return [sweep / job.format(precision=precision) for job in JOBS]
 
 

@@ -14,8 +14,7 @@ from torch import nn
 
 from src.strategies.sync_batchnorm import AllReduceBatchNorm, AllReduceBatchNorm1d, AllReduceBatchNorm2d, SyncBatchNormPlugin
 from tests.equivalence import checkpoint, deviation, distance, running_stats
-from tests.helpers import hparams, start_ranks
-from tests.helpers import train_here
+from tests.helpers import hparams, start_ranks, train_as_torchrun, train_here
 from tests.test_equivalence import DIFFERENT_RESULT, LENET, RESNET
 
 WORLD = 2
@@ -235,28 +234,30 @@ def in_float64(args: tuple[str, ...]) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", list(FLOAT64_ORACLE))
-def test_sync_batchnorm_on_two_gloo_ranks_ends_where_one_process_does_in_float64(tmp_path, data_root, case):
+def test_sync_batchnorm_on_two_gloo_ranks_ends_where_one_process_does_in_float64(tmp_path, data_root):
     """ResNet-18's per-process statistics, too (tests/test_equivalence.py's (d)): without sync_batchnorm its two ranks
-    end far from one process, parameters and running statistics, so the sync is what brings them back."""
-    common = [f"data.root={data_root}", *in_float64(FLOAT64_ORACLE[case])]
-    runs = {"one": [], "synced": ["strategy=ddp", "devices=2", "sync_batchnorm=true"]}
-    if case == "resnet18":
-        runs["per_process"] = ["strategy=ddp", "devices=2"]
-    for name, args in runs.items():  # the ranks are processes this one starts
-        result = train_here(*common, *args, f"hydra.run.dir={tmp_path / name}")
+    end far from one process, parameters and running statistics, so the sync is what brings them back. The runs of
+    two processes, of both models, on one start of the ranks."""
+    common = {case: [f"data.root={data_root}", *in_float64(args)] for case, args in FLOAT64_ORACLE.items()}
+    ddp = {(case, "synced"): ["strategy=ddp", "devices=2", "sync_batchnorm=true"] for case in FLOAT64_ORACLE}
+    ddp["resnet18", "per_process"] = ["strategy=ddp", "devices=2"]
+    for case in FLOAT64_ORACLE:  # one process: in this one
+        result = train_here(*common[case], f"hydra.run.dir={tmp_path / case / 'one'}")
         assert result.returncode == 0, result.stderr[-3000:]
-    settings = hparams(tmp_path / "synced")
-    assert (settings["precision_used"], settings["world_size"]) == ("64-true", 2)
-    one, synced = checkpoint(tmp_path / "one"), checkpoint(tmp_path / "synced")
-    assert deviation(synced, one) < SAME_IN_FLOAT64
-    if case == "resnet18":
-        per_process = checkpoint(tmp_path / "per_process")
-        assert deviation(per_process, one) > DIFFERENT_RESULT
-        # Running statistics start at mean 0, variance 1; compared with how far they moved (measured: 0.12 and 1.2e-14).
-        stats = {name: running_stats(run["state_dict"]) for name, run in (("one", one), ("synced", synced),
-                                                                           ("per_process", per_process))}
-        start = {k: torch.zeros_like(v) if k.endswith("mean") else torch.ones_like(v) for k, v in stats["one"].items()}
-        moved = distance(stats["one"], start)
-        assert distance(stats["per_process"], stats["one"]) > 0.02 * moved
-        assert distance(stats["synced"], stats["one"]) < SAME_IN_FLOAT64 * moved
+    results = train_as_torchrun([[*common[case], *args, f"hydra.run.dir={tmp_path / case / name}"]
+                                 for (case, name), args in ddp.items()], tmp_path)
+    assert all(result.returncode == 0 for result in results), [result.stderr[-3000:] for result in results]
+    for case in FLOAT64_ORACLE:
+        settings = hparams(tmp_path / case / "synced")
+        assert (settings["precision_used"], settings["world_size"]) == ("64-true", 2)
+        one, synced = checkpoint(tmp_path / case / "one"), checkpoint(tmp_path / case / "synced")
+        assert deviation(synced, one) < SAME_IN_FLOAT64, case
+    one, synced, per_process = (checkpoint(tmp_path / "resnet18" / name) for name in ("one", "synced", "per_process"))
+    assert deviation(per_process, one) > DIFFERENT_RESULT
+    # Running statistics start at mean 0, variance 1; compared with how far they moved (measured: 0.12 and 1.2e-14).
+    stats = {name: running_stats(run["state_dict"]) for name, run in (("one", one), ("synced", synced),
+                                                                       ("per_process", per_process))}
+    start = {k: torch.zeros_like(v) if k.endswith("mean") else torch.ones_like(v) for k, v in stats["one"].items()}
+    moved = distance(stats["one"], start)
+    assert distance(stats["per_process"], stats["one"]) > 0.02 * moved
+    assert distance(stats["synced"], stats["one"]) < SAME_IN_FLOAT64 * moved
