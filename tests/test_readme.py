@@ -17,6 +17,8 @@ command runs once; the tests below read what it left. The setup and test command
 (the setup installs, the test command is this suite); they must be the very lines `.ci/run` runs.
 """
 
+import hashlib
+import json
 import re
 import shlex
 import subprocess
@@ -28,7 +30,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from src.config import CONF_DIR
-from tests.helpers import DATA_ROOT, REPO, assert_finished_run, cpu_precision, hparams, scalars, user_env
+from tests.helpers import DATA_ROOT, REPO, assert_finished_run, cpu_precision, hparams, once, scalars, user_env
 
 README = REPO / "README.md"
 CHECKOUT_PARTS = ("src", "conf", "pyproject.toml", ".venv")
@@ -100,10 +102,8 @@ def sweep_jobs(command: str) -> dict[str, dict[str, str]]:
     return {f"{job.get('model', 'lenet')}_{job['strategy']}_{job['devices']}dev_{precision}": job for job in jobs}
 
 
-@pytest.fixture(scope="module")
-def checkout(tmp_path_factory) -> Path:
-    """A checkout root with ../shared/data beside it, and data/ as a first run leaves it."""
-    root = tmp_path_factory.mktemp("fresh")
+def make_checkout(root: Path) -> Path:
+    """A checkout root in `root`, with ../shared/data beside it, and data/ as a first run leaves it."""
     (root / "shared").mkdir()
     (root / "shared" / "data").symlink_to(DATA_ROOT)
     repo = root / "checkout"
@@ -112,6 +112,11 @@ def checkout(tmp_path_factory) -> Path:
         (repo / part).symlink_to(REPO / part)
     (repo / "data").symlink_to(DATA_ROOT)
     return repo
+
+
+@pytest.fixture(scope="module")
+def checkout(tmp_path_factory) -> Path:
+    return make_checkout(tmp_path_factory.mktemp("fresh"))
 
 
 STOCK_PATH = "/usr/local/bin:/usr/bin:/bin"  # what a login shell of stock Debian or Ubuntu has: `python3`, and often no `python`
@@ -158,9 +163,11 @@ SWEEPS = [c for c in TRAIN if is_sweep(c)]
 
 @dataclass(frozen=True)
 class Ran:
-    """A README command's run: its result, the folders it added under outputs/, and this checkout's outputs/ before and after."""
+    """A README command's run: its result, its checkout, the folders it added under outputs/, and this checkout's
+    outputs/ before and after."""
 
     result: subprocess.CompletedProcess
+    checkout: Path
     new: set[Path]
     ours_before: list[Path]
     ours_after: list[Path]
@@ -171,16 +178,23 @@ def snapshot(folder: Path) -> list[Path]:
 
 
 @pytest.fixture(scope="module")
-def ran(checkout) -> Callable[[str], Ran]:
-    """Runs a README command once in the fresh checkout; later calls return what that run left."""
-    runs: dict[str, Ran] = {}
+def ran(tmp_path_factory) -> Callable[[str], Ran]:
+    """Runs a README command once for the suite, in a fresh checkout of its own (`once`: the tests of a command on
+    both test processes read one run); each call returns what that run left."""
 
     def run(command: str) -> Ran:
-        if command not in runs:
-            before, ours = set((checkout / "outputs").glob("*/*")), snapshot(REPO / "outputs")
+        def make(folder: Path) -> None:
+            checkout, ours = make_checkout(folder), snapshot(REPO / "outputs")
             result = fresh_shell(as_run(command), checkout)
-            runs[command] = Ran(result, set((checkout / "outputs").glob("*/*")) - before, ours, snapshot(REPO / "outputs"))
-        return runs[command]
+            (folder / "ran.json").write_text(json.dumps({
+                "result": [result.args, result.returncode, result.stdout, result.stderr],
+                "new": [str(p) for p in (checkout / "outputs").glob("*/*")],
+                "ours": [[str(p) for p in paths] for paths in (ours, snapshot(REPO / "outputs"))]}))
+
+        folder = once(tmp_path_factory, "readme_" + hashlib.sha1(command.encode()).hexdigest()[:12], make)
+        said = json.loads((folder / "ran.json").read_text())
+        return Ran(subprocess.CompletedProcess(*said["result"]), folder / "checkout", {Path(p) for p in said["new"]},
+                   *([Path(p) for p in paths] for paths in said["ours"]))
 
     return run
 
@@ -232,7 +246,7 @@ def test_a_readme_train_command_runs_as_written(ran, command):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("command", SWEEPS)
-def test_the_readme_sweep_runs_each_job_in_its_own_folder(ran, checkout, command):
+def test_the_readme_sweep_runs_each_job_in_its_own_folder(ran, command):
     """Each job in a folder named by its swept values, with its own TensorBoard run, logs and checkpoint; no other folder."""
     run = ran(command)
     assert run.result.returncode == 0, run.result.stderr[-3000:]
@@ -255,19 +269,20 @@ def test_the_readme_sweep_runs_each_job_in_its_own_folder(ran, checkout, command
         assert (job / ".hydra" / "config.yaml").is_file() and (job / "checkpoints" / "last.ckpt").is_file()
     # Workers ran their own job only: no stray sweep or run folders anywhere else.
     assert run.ours_after == run.ours_before
-    assert not (checkout / "lightning_logs").exists() and not (REPO / "lightning_logs").exists()
+    assert not (run.checkout / "lightning_logs").exists() and not (REPO / "lightning_logs").exists()
     assert sum(line.count("test/acc=") for line in run.result.stdout.splitlines() if not line.startswith("job ")) == len(jobs)
     # The sweep writes its report when it ends: one row per job.
     assert (sweep / "report.md").is_file() and len((sweep / "report.csv").read_text().splitlines()) == len(jobs) + 1
 
 
 @pytest.mark.slow
-def test_the_readme_eval_commands_score_the_newest_run(ran, checkout):
-    """After a README train command, the eval block runs as one script: its lines share the shell."""
-    if not any((checkout / "outputs" / "runs").glob("*")):
-        assert ran(TRAIN[0]).result.returncode == 0
+def test_the_readme_eval_commands_score_the_newest_run(ran):
+    """After the README's first train command, in its checkout, the eval block runs as one script: its lines share
+    the shell."""
+    first = ran(TRAIN[0])
+    assert first.result.returncode == 0
     script = "set -e\n" + "\n".join(section_commands("Evaluate a checkpoint"))
-    result = fresh_shell(script, checkout)
+    result = fresh_shell(script, first.checkout)
     assert result.returncode == 0, f"{script}\n{result.stderr[-3000:]}"
     lines = [line for line in result.stdout.splitlines() if re.search(EVAL_RESULT, line)]
     assert len(lines) == len([c for c in section_commands("Evaluate a checkpoint") if "src.eval" in c]) >= 1

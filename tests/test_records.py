@@ -11,11 +11,13 @@ tests/test_crafted_folders.py holds every kind of payload.
 
 from pathlib import Path
 
-import pytest
 import yaml
 
 from src.report import main as report_main
+from src.scaling import timed as timing
 from src.scaling.predict import main as scaling_main
+from src.scaling.timed import Timed
+from src.strategies.ddp import HOOKS
 from tests.helpers import DATA_ROOT, QUICK, Run, call_main, command_here, train_here
 from tests.test_scaling import write_ddp_run
 
@@ -100,8 +102,7 @@ def test_eval_refuses_a_config_yaml_that_builds_other_code_or_calls_a_resolver(t
     assert not (tmp_path / "eval").exists() and not marker.exists()
 
 
-@pytest.mark.slow  # src.scaling times the DDP hooks on spawned processes
-def test_report_and_scaling_leave_a_crafted_run_out_and_never_build_or_resolve_it(tmp_path):
+def test_report_and_scaling_leave_a_crafted_run_out_and_never_build_or_resolve_it(tmp_path, monkeypatch):
     root, marker, made = tmp_path / "outputs", tmp_path / "marker", tmp_path / "made_by_a_resolver"
     good, crafted, resolving = (write_ddp_run(root / name) for name in ("good", "crafted", "resolving"))
     edit(crafted / "config.yaml", lambda data: data["model"].update(
@@ -115,8 +116,12 @@ def test_report_and_scaling_leave_a_crafted_run_out_and_never_build_or_resolve_i
     assert f"warning: {resolving}: left out ({resolving / 'config.yaml'}: strategy_name=" in result.stderr
     assert "| good |" in (root / "report.md").read_text()
 
+    timed = []  # the models src.scaling would time, on processes of their own: what it read of each run's records
+    figures = Timed("cpu", overhead_share=0.25, skew=0.01, hooks=dict.fromkeys(HOOKS, 0.002), reducer=dict.fromkeys(HOOKS, 0.003))
+    monkeypatch.setattr(timing, "time_run", lambda net, *args, **kwargs: timed.append(net) or figures)
     result = call_main(scaling_main, str(root))
     assert result.returncode == 0, result.stderr
+    assert timed and all(net == {"_target_": "src.models.lenet.LeNet"} for net in timed)
     assert (f"warning: {crafted}: left out ({crafted / 'config.yaml'}: model.net._target_=builtins.open is not allowed "
             "in a run's records") in result.stderr
     assert not marker.exists() and not made.exists()

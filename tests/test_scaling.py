@@ -241,8 +241,8 @@ def test_the_lag_is_what_processes_together_take_beyond_their_turns():
 
 
 @pytest.mark.slow
-def test_the_models_own_steps_give_its_lag_and_a_model_that_fails_gives_none(caplog):
-    assert set(stepclock.meeting_lags(LENET, (1, 28, 28), {2: 16}, rounds=4)) == {2}
+def test_a_model_whose_steps_fail_on_several_processes_gives_no_lag(caplog):
+    """LeNet's own lag, timed on 2 processes, is the command line's test's (`timed.lags`, below)."""
     broken = OmegaConf.create({"_target_": "nowhere.Model"})
     assert stepclock.meeting_lags(broken, (1, 28, 28), {2: 16}, rounds=1) == {}
     assert "the model's steps on 2 processes could not be timed" in caplog.text and "probe's lag" in caplog.text
