@@ -1,12 +1,12 @@
 """DDP communication hooks on CPU: registered, counted, compressing as claimed, checked early.
 
 Each training test reads one of six short trainings of LeNet on 2 gloo processes, each the real
-command line in both ranks (as torchrun runs it), all six on one start of the ranks. The counting itself is tested
-in 2 spawned gloo processes: every collective API on the hook's group, and a Lightning training
-whose hook issues collectives the way no wrapper of `torch.distributed.all_reduce` would see.
+command line in both ranks (as torchrun runs it), all six on one start of the ranks. The counting
+itself is tested on every collective API of the hook's group in 2 spawned gloo processes (which
+reduce for real), and in a Lightning training in this process, alone in its group, whose hook
+issues collectives the way no wrapper of `torch.distributed.all_reduce` would see.
 """
 
-import os
 from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
@@ -238,7 +238,7 @@ def test_powersgd_still_learns(tmp_path: Path, data_root: Path) -> None:
     assert max(scalars(tmp_path / "powersgd")["xfer/compression_ratio"]) > 10, accuracy  # it really compressed
 
 
-# ---------------------------------------------------------------- the counting, in 2 spawned gloo processes
+# ---------------------------------------------------------------- the counting
 
 WORLD = 2
 FLOAT = 4
@@ -352,30 +352,37 @@ class RecordSteps(lightning.Callback):
         self.steps.append(trainer.strategy.comm_meter.take())
 
 
-def _training_worker(rank: int, port: int, results: str) -> None:
-    # As a launcher would start it, so that Lightning joins these processes instead of starting its own.
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(WORLD))
+@pytest.fixture
+def launched_world_of_one(monkeypatch):
+    """This process as the one rank a launcher started, so that Lightning joins it instead of starting its own: DDP
+    meets in a gloo group of this process alone, which is gone after the test."""
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    for name, value in (("LOCAL_RANK", "0"), ("NODE_RANK", "0"), ("WORLD_SIZE", "1")):
+        monkeypatch.setenv(name, value)
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def fit_on_one_rank(strategy: CommHookDDPStrategy, model: lightning.LightningModule, steps: int,
+                    *callbacks: lightning.Callback) -> lightning.Trainer:
+    trainer = lightning.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=steps, callbacks=list(callbacks),
+                                logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                                enable_model_summary=False)
+    trainer.fit(model)
+    return trainer
+
+
+def test_training_counts_collectives_a_wrapper_of_all_reduce_missed_and_leaves_it_alone(launched_world_of_one) -> None:
+    """The hook's group counts on one rank as on many: the count is of what this process sends."""
     record = RecordSteps()
-    trainer = lightning.Trainer(
-        accelerator="cpu", devices=WORLD, strategy=ExtraCollectivesStrategy(hook="none", timeout_s=60), max_steps=3,
-        callbacks=[record], logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    trainer.fit(TinyModel())
-    torch.save({"steps": record.steps, "untouched": record.untouched}, f"{results}.{rank}")
-
-
-@pytest.mark.slow
-def test_training_counts_collectives_a_wrapper_of_all_reduce_missed_and_leaves_it_alone(tmp_path: Path) -> None:
-    start_ranks(_training_worker, free_port(), str(tmp_path / "result"), nprocs=WORLD)
+    fit_on_one_rank(ExtraCollectivesStrategy(hook="none", timeout_s=60), TinyModel(), 3, record)
     params = sum(p.numel() for p in TinyModel().parameters())
-    for rank in range(WORLD):
-        result = torch.load(tmp_path / f"result.{rank}", weights_only=False)
-        assert result["untouched"] == [True] * 3
-        steps = result["steps"]
-        assert [s.buckets for s in steps] == [1] * 3
-        # The gradients, plus both extra all-reduces: 3 collectives per step.
-        assert [(s.bytes_sent, s.collectives) for s in steps] == [((params + sum(EXTRA_FLOATS)) * FLOAT, 3)] * 3
+    assert record.untouched == [True] * 3
+    assert [s.buckets for s in record.steps] == [1] * 3
+    # The gradients, plus both extra all-reduces: 3 collectives per step.
+    assert [(s.bytes_sent, s.collectives) for s in record.steps] == [((params + sum(EXTRA_FLOATS)) * FLOAT, 3)] * 3
 
 
 def test_a_hook_of_your_own_is_named_by_its_import_path() -> None:
@@ -417,42 +424,17 @@ def test_a_group_that_cannot_count_leaves_the_run_uncounted_with_one_line(tmp_pa
 SAMPLED_STEPS = 13  # DDP records the timings of iterations 1-10 and every 100th; a step files the one before it
 
 
-class SampleRateSetCalls(lightning.Callback):
-    """DDP's runtime-logging sample rate setter, counted: setting it to 1 made every CUDA step wait for its timers."""
-
-    def __init__(self) -> None:
-        self.calls = 0
-
-    def on_fit_start(self, trainer, pl_module) -> None:
-        original = DistributedDataParallel._set_ddp_runtime_logging_sample_rate
-
-        def counted(ddp, rate):
-            self.calls += 1
-            return original(ddp, rate)
-
-        DistributedDataParallel._set_ddp_runtime_logging_sample_rate = counted
-
-
-def _sampling_worker(rank: int, port: int, results: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(WORLD))
-    setter, comm = SampleRateSetCalls(), CommLogger()
-    trainer = lightning.Trainer(
-        accelerator="cpu", devices=WORLD, strategy=CommHookDDPStrategy(hook="none", timeout_s=60), max_steps=SAMPLED_STEPS,
-        callbacks=[setter, comm], logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    trainer.fit(TinyModel(batches=SAMPLED_STEPS * WORLD))  # one epoch of SAMPLED_STEPS steps on each rank
-    torch.save({"setter_calls": setter.calls, "timings": comm._epoch_values.get("xfer/backward_compute_ms", []),
-                "hook_ms": comm._epoch_values["xfer/hook_ms"]}, f"{results}.{rank}")
-
-
-@pytest.mark.slow
-def test_ddp_keeps_its_own_sample_of_timed_steps_and_they_are_logged(tmp_path: Path) -> None:
-    start_ranks(_sampling_worker, free_port(), str(tmp_path / "result"), nprocs=WORLD)
-    result = torch.load(tmp_path / "result.0", weights_only=False)
-    assert result["setter_calls"] == 0
-    assert len(result["timings"]) == 10 and all(ms > 0 for ms in result["timings"])  # iterations 1-10, not 11 or 12
-    assert len(result["hook_ms"]) == SAMPLED_STEPS  # the hook's own figures, every step
+def test_ddp_keeps_its_own_sample_of_timed_steps_and_they_are_logged(launched_world_of_one, monkeypatch) -> None:
+    """DDP's runtime-logging sample rate is never set (set to 1, it made every CUDA step wait for its timers)."""
+    calls, original = [], DistributedDataParallel._set_ddp_runtime_logging_sample_rate
+    monkeypatch.setattr(DistributedDataParallel, "_set_ddp_runtime_logging_sample_rate",
+                        lambda ddp, rate: calls.append(rate) or original(ddp, rate))
+    comm = CommLogger()
+    fit_on_one_rank(CommHookDDPStrategy(hook="none", timeout_s=60), TinyModel(batches=SAMPLED_STEPS), SAMPLED_STEPS, comm)
+    assert calls == []
+    timings = comm._epoch_values.get("xfer/backward_compute_ms", [])
+    assert len(timings) == 10 and all(ms > 0 for ms in timings)  # iterations 1-10, not 11 or 12
+    assert len(comm._epoch_values["xfer/hook_ms"]) == SAMPLED_STEPS  # the hook's own figures, every step
 
 
 @pytest.fixture

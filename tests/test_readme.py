@@ -217,41 +217,31 @@ def sweep_job(command: str) -> tuple[str, str] | None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("command", TRAIN)
+@pytest.mark.parametrize("command", [c for c in TRAIN if not is_sweep(c) and sweep_job(c) is None])
 def test_a_readme_train_command_runs_as_written(ran, command):
-    if job := sweep_job(command):  # the job's result line, folder and world size, as the command's own run has them
-        sweep, name = job
-        result = ran(sweep).result
-        [run_dir] = [folder / name for folder in ran(sweep).new]
-        lines = [line for line in result.stdout.splitlines()
-                 if re.search(RESULT, line) and not line.startswith("job ") and line.rstrip().endswith(f"/{name}")]
-        assert len(lines) == 1, result.stdout[-3000:]
-        assert_finished_run(result, run_dir)
-        assert hparams(run_dir)["world_size"] == processes(command)
-        return
     result, new = ran(command).result, ran(command).new
     assert result.returncode == 0, f"{as_run(command)}\n{result.stderr[-3000:]}"
-    # A sweep's progress lines (`job n/N done: <job>: <result line> ...`) repeat its jobs' result lines.
-    lines = [line for line in result.stdout.splitlines() if re.search(RESULT, line) and not line.startswith("job ")]
-    if is_sweep(command):  # one result line per job, then its report
-        jobs = [p for sweep in new for p in sweep.iterdir() if (p / "config.yaml").is_file()]
-        assert len(lines) == len(jobs) > 1 and all((sweep / "report.md").is_file() for sweep in new)
-        assert len([line for line in result.stdout.splitlines() if re.match(rf"job \d+/{len(jobs)} done: ", line)]) == len(jobs)
-    else:
-        assert len(lines) == 1 and len(new) == 1
-        run_dir = next(iter(new))
-        assert_finished_run(result, run_dir)
-        assert hparams(run_dir)["world_size"] == processes(command)
+    lines = [line for line in result.stdout.splitlines() if re.search(RESULT, line)]
+    assert len(lines) == 1 and len(new) == 1
+    run_dir = next(iter(new))
+    assert_finished_run(result, run_dir)
+    assert hparams(run_dir)["world_size"] == processes(command)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("command", SWEEPS)
-def test_the_readme_sweep_runs_each_job_in_its_own_folder(ran, command):
-    """Each job in a folder named by its swept values, with its own TensorBoard run, logs and checkpoint; no other folder."""
+def test_a_readme_sweep_runs_as_written_each_job_in_its_own_folder(ran, command):
+    """Each job in a folder named by its swept values, with its own TensorBoard run, logs and checkpoint; no other
+    folder. The README's one-run commands that are jobs of the sweep are checked on those jobs (`sweep_job`)."""
     run = ran(command)
-    assert run.result.returncode == 0, run.result.stderr[-3000:]
+    assert run.result.returncode == 0, f"{as_run(command)}\n{run.result.stderr[-3000:]}"
     [sweep] = run.new
     jobs = sweep_jobs(command)
+    # One result line per job, then its report; the progress lines (`job n/N done: <job>: <result line> ...`) repeat
+    # the jobs' result lines.
+    lines = [line for line in run.result.stdout.splitlines() if re.search(RESULT, line) and not line.startswith("job ")]
+    assert len(lines) == len(jobs) > 1
+    assert len([line for line in run.result.stdout.splitlines() if re.match(rf"job \d+/{len(jobs)} done: ", line)]) == len(jobs)
     assert {p.name for p in sweep.iterdir() if p.is_dir() and p.name != "report"} == set(jobs)
     for name, values in jobs.items():
         job = sweep / name
@@ -273,6 +263,14 @@ def test_the_readme_sweep_runs_each_job_in_its_own_folder(ran, command):
     assert sum(line.count("test/acc=") for line in run.result.stdout.splitlines() if not line.startswith("job ")) == len(jobs)
     # The sweep writes its report when it ends: one row per job.
     assert (sweep / "report.md").is_file() and len((sweep / "report.csv").read_text().splitlines()) == len(jobs) + 1
+    # A README command of one run that is one of these jobs: the job's result line, folder and world size, as the
+    # command's own run has them.
+    for one_run, name in [(c, job[1]) for c in TRAIN if (job := sweep_job(c)) and job[0] == command]:
+        lines = [line for line in run.result.stdout.splitlines()
+                 if re.search(RESULT, line) and not line.startswith("job ") and line.rstrip().endswith(f"/{name}")]
+        assert len(lines) == 1, run.result.stdout[-3000:]
+        assert_finished_run(run.result, sweep / name)
+        assert hparams(sweep / name)["world_size"] == processes(one_run)
 
 
 @pytest.mark.slow

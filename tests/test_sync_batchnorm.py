@@ -14,7 +14,7 @@ from torch import nn
 
 from src.strategies.sync_batchnorm import AllReduceBatchNorm, AllReduceBatchNorm1d, AllReduceBatchNorm2d, SyncBatchNormPlugin
 from tests.equivalence import checkpoint, deviation, distance, running_stats
-from tests.helpers import hparams, start_ranks, train_as_torchrun, train_here
+from tests.helpers import hparams, once, start_ranks, train_as_torchrun, train_here
 from tests.test_equivalence import DIFFERENT_RESULT, LENET, RESNET
 
 WORLD = 2
@@ -89,8 +89,9 @@ def _worker(rank: int, store: str, results: str) -> None:
 
 @pytest.fixture(scope="module")
 def two_processes(tmp_path_factory) -> list[dict[str, object]]:
-    folder = tmp_path_factory.mktemp("gloo")
-    start_ranks(_worker, str(folder / "store"), str(folder / "result"), nprocs=WORLD)
+    """What each of 2 gloo ranks computed, trained once for the suite (`once`)."""
+    folder = once(tmp_path_factory, "sync_batchnorm_gloo",
+                  lambda folder: start_ranks(_worker, str(folder / "store"), str(folder / "result"), nprocs=WORLD))
     return [torch.load(folder / f"result.{rank}", weights_only=False) for rank in range(WORLD)]
 
 

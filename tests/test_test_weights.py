@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import QUICK, command_here, hparams, scalars, train_here
+from tests.helpers import QUICK, command_here, hparams, scalars, train_here, trained_once
 
 # The best checkpoint watches val/acc with mode=min here, so that the "best" epoch is the first one
 # and its weights differ from the last: a run that tested its last weights could not pass for one
@@ -35,15 +35,14 @@ SETTINGS = {"best": [], "last": ["test_weights=last"], "no_val": ["max_epochs=1"
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, data_root):
     """A run of a setting (one process, trained in this process) when a test first asks for it, and its result line:
-    each test process trains only those its tests use."""
-    folder = tmp_path_factory.mktemp("test_weights")
+    trained `once` for the suite, and only if a test uses it."""
 
     @cache
     def run(name: str) -> tuple[Path, str, str]:
-        result = train_here(*TWO_EPOCHS, *SETTINGS[name], f"hydra.run.dir={folder / name}")
-        assert result.returncode == 0, result.stderr[-3000:]
-        line = next(line for line in result.stdout.splitlines() + result.stderr.splitlines() if "test/acc=" in line)
-        return folder / name, line, result.stdout + result.stderr
+        trained = trained_once(tmp_path_factory, f"test_weights_{name}", *TWO_EPOCHS, *SETTINGS[name], here=True)
+        output = "\n".join((trained.result.stdout, trained.result.stderr))
+        line = next(line for line in output.splitlines() if "test/acc=" in line)
+        return trained.dir, line, output
 
     return run
 
