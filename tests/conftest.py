@@ -1,6 +1,7 @@
 """Session fixtures: the data copy, runs trained once for the tests that read them, and checks every test passes."""
 
 import multiprocessing.process
+import os
 import subprocess
 
 import pytest
@@ -55,6 +56,20 @@ def no_hydra_config_left_behind():
     yield
     HydraConfig.instance().cfg = None
     progress.tally = None
+
+
+@pytest.fixture(autouse=True)
+def environment_and_threads_put_back():
+    """What a test changed of this process's environment and torch's thread count ends with it: a run started later
+    takes its threads from them (Lightning's DDP set-up, run in this process, writes OMP_NUM_THREADS), and another
+    thread count sums in another order, so a later run's weights would differ from its reference in the last bits."""
+    environment, threads = dict(os.environ), torch.get_num_threads()
+    yield
+    if dict(os.environ) != environment:
+        os.environ.clear()
+        os.environ.update(environment)
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
 
 
 @pytest.fixture

@@ -66,12 +66,16 @@ class Run:
         return Path(shutil.copytree(self.dir, folder / "run"))
 
 
+def shared_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The suite's temporary folder that every test process (`-n`) sees: the one above each test process's own."""
+    folder = tmp_path_factory.getbasetemp()
+    return folder.parent if os.environ.get("PYTEST_XDIST_WORKER") else folder
+
+
 def once(tmp_path_factory: pytest.TempPathFactory, name: str, make: Callable[[Path], None]) -> Path:
     """`make(folder)` once for the suite, by the first test process that asks (`-n`): the others wait for it, then read
     the folder. A `make` that fails is tried again by the next test that asks."""
-    shared = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        shared = shared.parent  # the folder above each test process's own
+    shared = shared_folder(tmp_path_factory)
     folder, done = shared / name, shared / f"{name}.done"
     with open(shared / f"{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -88,12 +92,13 @@ def trained_once(tmp_path_factory: pytest.TempPathFactory, name: str, *args: str
     trains it: its folder, and its output as the command printed it."""
 
     def make(folder: Path) -> None:
-        where = f"hydra.{'sweep' if '-m' in args else 'run'}.dir={folder / 'run'}"  # the run's folder alone in its parent
+        where = f"hydra.{'sweep' if '-m' in args else 'run'}.dir={folder / 'run'}"
         result = command_here("src.train", *args, where) if here else train(*args, where)
-        (folder / "result.json").write_text(json.dumps([result.args, result.returncode, result.stdout, result.stderr]))
+        said.write_text(json.dumps([result.args, result.returncode, result.stdout, result.stderr]))
 
+    said = shared_folder(tmp_path_factory) / f"{name}.json"  # beside `once`'s folder: the run's folder is alone in it
     folder = once(tmp_path_factory, name, make)
-    result = subprocess.CompletedProcess(*json.loads((folder / "result.json").read_text()))
+    result = subprocess.CompletedProcess(*json.loads(said.read_text()))
     assert result.returncode == 0, result.stderr[-3000:]
     return Run(result, folder / "run")
 
