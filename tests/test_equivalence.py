@@ -1,7 +1,8 @@
 """Data-parallel training computes what one process computes (docs/equivalence.md).
 
 (a) the book's from-scratch data parallelism, written out below, equals one process at the same global batch;
-(b) the real command line under DDP with 2 and 4 processes ends with one process's LeNet parameters;
+(b) the real command line under DDP with 4 processes, and with 2 taking over from dp's first epoch, ends with one
+    process's LeNet parameters;
 (c) dp's reduction (the loss of the gathered logits) gives the one-device gradient, also for uneven shards;
 (d) ResNet-18's BatchNorm makes 2-process DDP differ from one process, and sync_batchnorm=true restores it: in float64,
     where only rounding parts them, in tests/test_sync_batchnorm.py.
