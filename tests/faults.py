@@ -31,17 +31,17 @@ class KillAtStep(Callback):
         """Whether the training batch that has just ended took step `step`."""
         return self._batch_start < self.step <= trainer.global_step
 
+    def due(self, trainer: Trainer) -> bool:
+        """Whether the kill comes at the end of this batch: step `step` taken on rank `rank`, in a start not spared (a
+        resume, or with a `mark`, any start after the one that was killed)."""
+        spared = self.mark.exists() if self.mark is not None else trainer.ckpt_path is not None
+        return self.reached(trainer) and trainer.global_rank == self.rank and not spared
+
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
-        if not (self.reached(trainer) and trainer.global_rank == self.rank):
-            return
-        if self.mark is None:
-            if trainer.ckpt_path is not None:
-                return
-        elif self.mark.exists():
-            return
-        else:
-            self.mark.touch()
-        os.kill(os.getpid(), signal.SIGKILL)
+        if self.due(trainer):
+            if self.mark is not None:
+                self.mark.touch()
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 class KillSweepAtStep(KillAtStep):
@@ -53,8 +53,7 @@ class KillSweepAtStep(KillAtStep):
         self.job = job
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
-        if (self.reached(trainer) and trainer.global_rank == self.rank and trainer.ckpt_path is None
-                and str(trainer.default_root_dir).endswith(self.job)):
+        if self.due(trainer) and str(trainer.default_root_dir).endswith(self.job):
             os.killpg(os.getpgid(0), signal.SIGKILL)
 
 

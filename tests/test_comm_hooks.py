@@ -80,8 +80,7 @@ def train(tmp_path_factory: pytest.TempPathFactory, data_root: Path):
                  "trainer.limit_val_batches=1", "trainer.limit_test_batches=1", "trainer.num_sanity_val_steps=0",
                  "trainer.log_every_n_steps=1", "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false",
                  *MEASURED_RECIPE] for hook, accumulate in RUNS]
-        for result in train_as_torchrun(runs, folder):
-            assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        train_as_torchrun(runs, folder)
 
     folder = once(tmp_path_factory, "comm_hook_runs", make)
     return lambda hook, accumulate=1: folder / f"{hook}_acc{accumulate}"
@@ -229,9 +228,8 @@ def test_powersgd_still_learns(tmp_path: Path, data_root: Path) -> None:
               "trainer.limit_train_batches=150", "trainer.limit_val_batches=1", "trainer.num_sanity_val_steps=0",
               "trainer.enable_progress_bar=false", "precision=32"]
     strategies = {"ddp": ["strategy=ddp"], "powersgd": ["strategy=ddp_powersgd", "strategy.powersgd_rank=4"]}
-    results = train_as_torchrun([[*common, *strategy, f"hydra.run.dir={tmp_path / name}"]
-                                 for name, strategy in strategies.items()], tmp_path)  # both on one start of the ranks
-    assert all(result.returncode == 0 for result in results), [result.stderr[-3000:] for result in results]
+    train_as_torchrun([[*common, *strategy, f"hydra.run.dir={tmp_path / name}"] for name, strategy in strategies.items()],
+                      tmp_path)  # both on one start of the ranks
     accuracy = {name: scalars(tmp_path / name)["test/acc"][-1] for name in strategies}
     assert accuracy["ddp"] > 0.8  # the baseline learned, so the comparison means something
     assert accuracy["powersgd"] >= accuracy["ddp"] - 0.02, accuracy

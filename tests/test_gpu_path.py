@@ -3,7 +3,6 @@
 The runs themselves are in tests/test_gpu.py and tests/test_gpu_ddp.py, for a machine with a GPU.
 """
 
-import os
 import warnings
 from types import SimpleNamespace
 
@@ -63,14 +62,9 @@ def nccl_environment(cfg) -> str | None:
 
 
 @pytest.mark.slow  # the worker is a process; this one is its launcher
-def test_workers_get_nccls_watchdog_that_ends_a_timed_out_rank():
-    saved = dict(os.environ)
-    os.environ.pop("TORCH_NCCL_ASYNC_ERROR_HANDLING", None)
-    try:
-        assert workers.start(nccl_environment, OmegaConf.create({"devices": 1}), 1) == "3"
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+def test_workers_get_nccls_watchdog_that_ends_a_timed_out_rank(monkeypatch):
+    monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)  # and what `start` sets here goes with the test
+    assert workers.start(nccl_environment, OmegaConf.create({"devices": 1}), 1) == "3"
 
 
 def died(exitcode: int, pid: int = 4242) -> ChildFailedError:
