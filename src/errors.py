@@ -3,6 +3,10 @@
 import errno
 import sys
 from pathlib import Path
+from typing import Any
+
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
 
 
 class UsageError(Exception):
@@ -31,6 +35,14 @@ def interpreter() -> str:
 def missing_package(what: str, package: str) -> UsageError:
     return UsageError(f"{what} needs the {package} package, which is not installed; install it with: "
                       f"{interpreter()} -m pip install -e '.[{package}]'")
+
+
+def build(group: str, node: Any, **kwargs: Any) -> Any:
+    """`instantiate(node)`, with Hydra's refusal (a target that cannot be located) as the line of the group's."""
+    try:
+        return instantiate(node, **kwargs)
+    except InstantiationException as error:
+        raise UsageError(f"{group}: {' '.join(str(error).split())}") from None
 
 
 def said(error: BaseException) -> UsageError | RunFailed | None:

@@ -13,8 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from hydra.errors import InstantiationException
-from hydra.utils import instantiate
 from lightning import Callback, LightningModule, Trainer, seed_everything
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
@@ -29,7 +27,7 @@ from src.callbacks.progress import progress_bar
 from src.callbacks.timing import TimeToAccuracy
 from src.checkpoints import (AtomicCheckpointIO, Saved, check_checkpoint, check_something_left, checkpoint_to_evaluate,
                              is_own, resolve_ckpt_path, tested_weights)
-from src.errors import UsageError
+from src.errors import UsageError, build
 from src.fast_path import (LIGHTNING_SPELLING, apply_fast_steps, cudnn_benchmark, float32_math,
                            keep_freed_memory, one_channel_nchw_pays, resolve_accelerator, speed_up)
 from src.hparams import log_hparams, log_settings, run_hparams
@@ -65,13 +63,6 @@ def quiet_known_warnings() -> None:
 
 
 quiet_known_warnings()
-
-
-def build(group: str, node: DictConfig, **kwargs: Any) -> Any:
-    try:
-        return instantiate(node, **kwargs)
-    except InstantiationException as error:
-        raise UsageError(f"{group}: {' '.join(str(error).split())}") from None
 
 
 def check_model(model: object, target: object, sample_shape: tuple[int, ...] | None, num_classes: int | None) -> None:

@@ -14,6 +14,7 @@ import torch
 from omegaconf import OmegaConf
 
 from src import config
+from src.errors import UsageError
 from tests.helpers import (DATA_ROOT, QUICK, REPO, command_here, composed, hparams, scalars, train_as_torchrun, train_here,
                            train_with_ranks)
 from tests.test_bad_input import hydra_refusal
@@ -111,29 +112,25 @@ def assert_one_line(result, message: str, run_dir: Path) -> None:
      "error: strategy.hook_state=3 is not allowed; it must be null or a config with _target_ and _partial_: true"),
     (["strategy.hook=tests.examples.hooks.fp16_after_warmup_hook", "strategy.hook_state={_target_:tests.examples.hooks.WarmupState}"],
      "error: strategy.hook_state={'_target_': 'tests.examples.hooks.WarmupState'} is not allowed; it must be null or a config"),
+    (["strategy.hook=tests.examples.hooks.fp16_after_warmup_hook", "strategy.hook_state={_target_:tests.examples.hooks.Nothing,_partial_:true}"],
+     "error: strategy: Error locating target 'tests.examples.hooks.Nothing'"),
+    (["strategy.hook=tests.examples.hooks.nothing_here"],
+     "error: strategy.hook=tests.examples.hooks.nothing_here: no function of that name can be imported"),
 ])
-def test_a_bad_hook_state_is_one_line(tmp_path, args, message):
-    """Refused by the config rules, before any rank starts: the command in this process."""
+def test_a_bad_hook_or_hook_state_is_one_line(tmp_path, args, message):
+    """Refused before any rank starts, by the config rules or as the launcher builds the strategy (a hook, or its
+    state, that does not import): the command in this process, which starts no rank."""
     assert_one_line(train_here(*QUICK, "strategy=ddp", "devices=2", *args, f"hydra.run.dir={tmp_path / 'run'}"), message,
                     tmp_path / "run")
 
 
-@pytest.mark.slow  # only a rank builds the strategy, and its hook state with it: the ranks are the point
-def test_a_hook_state_that_cannot_be_located_is_one_line_from_the_ranks(tmp_path, capfd):
-    result = train_with_ranks(capfd, *QUICK, "strategy=ddp", "devices=2", "strategy.hook=tests.examples.hooks.fp16_after_warmup_hook",
-                   "strategy.hook_state={_target_:tests.examples.hooks.Nothing,_partial_:true}",
-                   f"hydra.run.dir={tmp_path / 'run'}")
-    assert_one_line(result, "error: strategy: Error locating target 'tests.examples.hooks.Nothing'", tmp_path / "run")
+def test_a_rank_started_elsewhere_refuses_a_hook_that_does_not_import():
+    """Under torchrun or SLURM no launcher of this project builds the strategy first: each rank refuses it as it builds
+    DDP, in the line the launcher gives."""
+    from src.strategies.ddp import CommHookDDPStrategy
 
-
-@pytest.mark.slow  # the config rules take any import path; only a rank imports the hook, as it builds DDP
-def test_an_unknown_hook_path_is_one_line(tmp_path, capfd):
-    result = train_with_ranks(capfd, *QUICK, "strategy=ddp", "devices=2", "strategy.hook=tests.examples.hooks.nothing_here",
-                   f"hydra.run.dir={tmp_path / 'run'}")
-    assert result.returncode == 2
-    assert result.stderr.strip().splitlines()[-1].startswith(
-        "error: strategy.hook=tests.examples.hooks.nothing_here: no function of that name can be imported")
-    assert not (tmp_path / "run").exists()
+    with pytest.raises(UsageError, match=r"^strategy.hook=tests.examples.hooks.nothing_here: no function of that name can be imported$"):
+        CommHookDDPStrategy(hook="tests.examples.hooks.nothing_here").build_hook(group=None)
 
 
 def test_a_new_strategy_is_a_lightning_strategy_class_and_a_file(tmp_path, data_root, searchpath):

@@ -94,7 +94,10 @@ def test_defaults_are_the_fast_path(quick_run: Run):
 
 
 @pytest.mark.slow  # compiles
-def test_compile_trains_and_keeps_the_checkpoint_keys(tmp_path):
+def test_compile_trains_and_keeps_the_checkpoint_keys(tmp_path, monkeypatch):
+    import torch._inductor.config
+
+    monkeypatch.setattr(torch._inductor.config, "compile_threads", 1)  # compiles here, without a pool of compile workers
     run_dir = tmp_path / "run"
     result = train_here(*QUICK, "compile=true", "trainer.limit_train_batches=2", f"hydra.run.dir={run_dir}")
     assert result.returncode == 0, result.stderr[-3000:]

@@ -36,7 +36,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from tqdm import tqdm
 
 from src.data.fashion_mnist import per_process_batch
-from src.errors import RunFailed, UsageError, said
+from src.errors import RunFailed, UsageError, build, said
 from src.fast_path import resolve_accelerator
 from src.launch import stops
 from src.launch.console import close_progress_bars, counted
@@ -44,6 +44,7 @@ from src.launch.ranks import external_rank, usable_cores
 from src.launch.stops import (STOP_SIGNALS, RankFailed, RunStopped, die_with_launcher, handle_stop_signals,
                               ignore_stop_signals, rank_failure, signal_name, timed_out)
 from src.records import Result
+from src.strategies.ddp import CommHookDDPStrategy
 
 # How long a worker that lost its peer waits for the agent, which knows how the peer ended, to end it instead: the
 # agent reports the first worker it finds ended, and this one is 25 ms behind.
@@ -75,7 +76,8 @@ def processes_per_node(cfg: DictConfig) -> int:
 
 def launch(task: Callable[[DictConfig], Result], cfg: DictConfig) -> Result:
     """`task(cfg)` in a worker per device under DDP, one device too, so that this process leaves the GPUs to its ranks;
-    else in this process. First the devices asked for must exist here, and the global batch split over the processes."""
+    else in this process. First the devices asked for must exist here, the global batch split over the processes, and
+    the DDP strategy build here."""
     per_node, cuda, accelerator = processes_per_node(cfg), torch.cuda.is_available(), str(cfg.accelerator)
     if accelerator in ("gpu", "cuda") and not cuda:
         raise UsageError(f"accelerator={accelerator} but this machine has no CUDA device; use accelerator=cpu")
@@ -88,6 +90,9 @@ def launch(task: Callable[[DictConfig], Result], cfg: DictConfig) -> Result:
     if not is_ddp(cfg) or external_rank() is not None:
         with own_process_group():
             return task(cfg)
+    strategy = build("strategy", cfg.strategy, _convert_="all")  # what would fail in every rank fails before they start
+    if isinstance(strategy, CommHookDDPStrategy):
+        strategy.check()
     return start(task, cfg, per_node)
 
 

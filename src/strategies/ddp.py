@@ -150,15 +150,25 @@ class CommHookDDPStrategy(DDPStrategy):
         if self.hook in ALL_REDUCE_HOOKS:
             return group, ALL_REDUCE_HOOKS[self.hook]
         if self.hook not in HOOKS:  # a hook of your own: with its state if it keeps one, else with the process group
-            hook = import_hook(self.hook)
-            if hook is None:
-                raise UsageError(f"strategy.hook={self.hook}: no function of that name can be imported")
-            return (group if self.hook_state is None else self.hook_state(process_group=group)), hook
+            return (group if self.hook_state is None else self.hook_state(process_group=group)), self.own_hook()
         state = powerSGD_hook.PowerSGDState(process_group=group, matrix_approximation_rank=self.powersgd_rank,
                                             start_powerSGD_iter=self.start_powersgd_iter)
         if self.hook == "powersgd_fp16":
             return state, default_hooks.fp16_compress_wrapper(powerSGD_hook.powerSGD_hook)
         return state, powerSGD_hook.powerSGD_hook
+
+    def own_hook(self) -> Hook:
+        """The hook of one's own that `strategy.hook` names by its import path."""
+        hook = import_hook(self.hook)
+        if hook is None:
+            raise UsageError(f"strategy.hook={self.hook}: no function of that name can be imported")
+        return hook
+
+    def check(self) -> None:
+        """What only building DDP would find, asked by the launcher before it starts the ranks (a hook state that cannot
+        be located has failed already, as this strategy was built): a hook of one's own must import."""
+        if self.hook not in HOOKS:
+            self.own_hook()
 
     def register_hook(self) -> None:
         assert isinstance(self.model, DistributedDataParallel)
