@@ -240,16 +240,15 @@ def test_the_lag_is_what_processes_together_take_beyond_their_turns():
     assert lag_share(0.1, 0.19, 4, cores=2) == 0.0  # faster than its turns: noise, not a gain
 
 
-@pytest.mark.slow
-def test_a_model_whose_steps_fail_on_several_processes_gives_no_lag(caplog):
-    """LeNet's own lag, timed on 2 processes, is the command line's test's (`timed.lags`, below)."""
+def test_a_model_that_cannot_be_built_gives_no_lag_and_starts_no_process(caplog):
+    """LeNet's own lag, timed on 2 processes, is the command line's test's (`timed.lags`, below); a model whose steps
+    fail in the processes, `test_ddps_own_cost_is_...`'s."""
     broken = OmegaConf.create({"_target_": "nowhere.Model"})
     assert stepclock.meeting_lags(broken, (1, 28, 28), {2: 16}, rounds=1) == {}
     assert "the model's steps on 2 processes could not be timed" in caplog.text and "probe's lag" in caplog.text
 
 
-@pytest.mark.slow
-def test_hooks_that_cannot_be_timed_are_estimated(caplog):
+def test_hooks_of_a_model_that_cannot_be_built_are_estimated(caplog):
     broken = OmegaConf.create({"_target_": "nowhere.Model"})
     assert stepclock.ddp_times(broken, (1, 28, 28), HOOKS, repeats=1) is None
     assert "the DDP hooks could not be timed" in caplog.text
@@ -608,9 +607,10 @@ def test_a_report_of_gpu_runs_predicts_gpu_links_with_ddps_own_work_assumed_or_m
 def test_ddps_own_cost_is_a_ddp_step_of_world_size_one_against_the_plain_step(caplog):
     costs = stepclock.ddp_step_costs(LENET, (1, 28, 28), 16, "32-true", ("none", "fp16"), device="cpu", repeats=3)
     assert set(costs) == {"none", "fp16"} and all(cost >= 0 for cost in costs.values())
-    broken = OmegaConf.create({"_target_": "src.models.lenet.LeNet", "pool": "median"})
+    # Built here, failing in its process: 3 inputs where the data's images have 784.
+    broken = OmegaConf.create({"_target_": "torch.nn.Linear", "in_features": 3, "out_features": 10})
     assert stepclock.ddp_step_costs(broken, (1, 28, 28), 16, "32-true", ("none",), device="cpu", repeats=1) is None
-    assert "DDP's own cost could not be measured on cpu" in caplog.text
+    assert "DDP's own cost could not be measured on cpu" in caplog.text and "mat1 and mat2 shapes cannot be multiplied" in caplog.text
 
 
 @pytest.mark.slow
@@ -709,7 +709,9 @@ def test_cli_writes_table_plot_and_checks_for_real_runs(runs, tmp_path):
 
 
 @pytest.mark.slow
-def test_cli_weak_scaling_from_real_runs(runs, tmp_path):
+def test_cli_weak_scaling_from_real_runs(runs, tmp_path, monkeypatch):
+    # The hooks' timing in a process of its own is the command line's test's; here they are estimated, as where it fails.
+    monkeypatch.setattr(stepclock, "ddp_times", lambda *args, **kwargs: None)
     out = tmp_path / "weak"
     result = call_main(main, str(runs), "--out", str(out), "--per-process-batch", "64", "--overhead-ms", "0", "--skew", "0")
     assert result.returncode == 0, result.stderr

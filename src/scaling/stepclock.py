@@ -95,17 +95,19 @@ def overhead_share(step: float, batch: int, small_step: float, small_batch: int)
     return min(max(intercept / step, 0.0), 0.99)
 
 
-def in_processes(failed: str, instead: str, work: Callable[..., Any], processes: int, *args: Any,
+def in_processes(failed: str, instead: str, work: Callable[..., Any], processes: int, net: Any, *args: Any,
                  device: str = "cpu") -> Any:
-    """`start_ranks`, its group, DDP's threads and any failure away from the caller's; None, logged, where it fails."""
+    """`work(rank, processes, net, *args)` in `start_ranks`, its group, DDP's threads and any failure away from the
+    caller's; None, logged, where it fails. A net that cannot be built here fails before any process starts."""
     try:
-        return start_ranks(work, processes, *args, device=device)
+        instantiate(net)
+        return start_ranks(work, processes, net, *args, device=device)
     except Exception as error:  # noqa: BLE001  a figure that cannot be timed is estimated or assumed instead
         log.warning(f"{failed} ({reason(error)}); {instead}")
         return None
 
 
-def _each_hook(rank: int, processes: int, measure: Callable[..., T], net: Any, hooks: tuple[str, ...],
+def _each_hook(rank: int, processes: int, net: Any, measure: Callable[..., T], hooks: tuple[str, ...],
                *args: Any) -> dict[str, T]:
     model = instantiate(net)
     return {hook: measure(model, hook, *args) for hook in hooks}
@@ -133,8 +135,8 @@ def ddp_times(net: Any, input_shape: Sequence[int], hooks: Sequence[str], rank: 
               bucket_cap_mb: float = 25.0, repeats: int = 5) -> DDPClock | None:
     """Seconds per step DDP and each hook take besides their transfer, on one thread: on a one-process gloo group
     every all-reduce is a local no-op. None where it fails: the caller then estimates the hooks (`timed.encode_s`)."""
-    timed = in_processes("the DDP hooks could not be timed", "their arithmetic is estimated", _each_hook, 1,
-                         _hook_and_reducer_s, net, tuple(hooks), tuple(input_shape), rank, bucket_cap_mb, repeats)
+    timed = in_processes("the DDP hooks could not be timed", "their arithmetic is estimated", _each_hook, 1, net,
+                         _hook_and_reducer_s, tuple(hooks), tuple(input_shape), rank, bucket_cap_mb, repeats)
     if timed is None:
         return None
     # Still a difference of timings: below zero where DDP's copies are tiny next to the pass.
@@ -171,8 +173,8 @@ def ddp_step_costs(net: Any, input_shape: Sequence[int], batch: int, precision: 
                    bucket_cap_mb: float = 25.0, device: str = "cuda", repeats: int = 10) -> dict[str, float] | None:
     """Seconds a step of a DDP model of world size 1 takes beyond the plain model's, per hook, on `device`: what DDP
     costs a GPU's step besides the transfer. None where it fails, as `ddp_times`."""
-    return in_processes(f"DDP's own cost could not be measured on {device}", "it is assumed", _each_hook, 1,
-                        _added_by_ddp, net, tuple(hooks), tuple(input_shape), batch, precision, rank, bucket_cap_mb,
+    return in_processes(f"DDP's own cost could not be measured on {device}", "it is assumed", _each_hook, 1, net,
+                        _added_by_ddp, tuple(hooks), tuple(input_shape), batch, precision, rank, bucket_cap_mb,
                         device, repeats, device=device)
 
 
