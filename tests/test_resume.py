@@ -3,6 +3,8 @@ SIGKILL resumes to exactly the weights of an unbroken run, with no TensorBoard s
 
 import hashlib
 import json
+import re
+import signal
 import shutil
 import statistics
 import subprocess
@@ -21,10 +23,6 @@ from tests.helpers import (QUICK, REPO, Run, free_port, scalar_steps, scalars, s
 
 # Ten batches an epoch, three epochs; the fault callback kills a process after a given step.
 LONGER = [*QUICK, "max_epochs=3", "trainer.limit_train_batches=10", "data.batch_size=128", "optim.momentum=0.9"]
-
-
-def kill_at(step: int, rank: int = 0) -> list[str]:
-    return ["+callbacks.fault._target_=tests.faults.KillAtStep", f"+callbacks.fault.step={step}", f"+callbacks.fault.rank={rank}"]
 
 
 def load(path: Path) -> dict:
@@ -98,47 +96,29 @@ class AugmentationDraws(Callback):
 DDP2 = ["strategy=ddp_powersgd", "devices=2", "trainer.log_every_n_steps=1"]
 # Random crops and flips, each rank its own; what each rank draws after training is left in the run folder.
 AUGMENTED = [*DDP2, "data.random_crop=2", "data.hflip=true", "+callbacks.draws._target_=tests.test_resume.AugmentationDraws"]
-# The newest checkpoint a run killed after step `step` leaves, with 10 steps an epoch and a step checkpoint every 4.
-AFTER_EPOCH_END, MID_EPOCH = (11, (10, "last.ckpt")), (17, (16, "step.ckpt"))
-RESUMES = {
-    # name: (process arguments, the kills in turn: (step killed after, newest checkpoint then)); the run resumes after
-    # each, and ends where the unbroken one did
-    "one process, mid-epoch checkpoint": ([], [MID_EPOCH]),
-    # DDP's case, each rank's augmentation generators checked besides the weights, the steps and no step going back;
-    # the draws callback changes nothing that is computed. Killed after the epoch's checkpoint (newer than the step
-    # checkpoint before it), then, resumed from it, after a step checkpoint, which holds PowerSGD's state. This case,
-    # the sweep's interrupted job (test_sweep_resume.py) and torchrun's restart below end where one unbroken run does.
-    "ddp_powersgd on 2 processes with augmentation, epoch-end then mid-epoch checkpoint":
-        (AUGMENTED, [AFTER_EPOCH_END, MID_EPOCH]),
-}
 
 
-def kills(marks: Path, steps: list[int]) -> list[str]:
-    """A fault per step, each killing rank 0 once, in whichever start of the run reaches it first."""
-    return [f"+callbacks.fault{i}.{key}={value}" for i, step in enumerate(steps)
-            for key, value in (("_target_", "tests.faults.KillAtStep"), ("step", step), ("mark", marks / f"killed{i}"))]
+def kills(marks: Path, *at: tuple[int, int]) -> list[str]:
+    """A fault per (step, rank), each killing that rank once, in whichever start of the run reaches it first."""
+    return [f"+callbacks.fault{i}.{key}={value}" for i, (step, rank) in enumerate(at)
+            for key, value in (("_target_", "tests.faults.KillAtStep"), ("step", step), ("rank", rank),
+                               ("mark", marks / f"killed{i}"))]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", RESUMES)
-def test_a_run_killed_mid_epoch_resumes_to_the_unbroken_weights(tmp_path, unbroken, case):
-    args, killed = RESUMES[case]
+def test_a_run_killed_mid_epoch_resumes_to_the_unbroken_weights(tmp_path, unbroken):
+    """Killed after step 17, with a step checkpoint every 4 steps: the resume starts from `step.ckpt` at step 16. The
+    killed run is a process of its own; its resume, the same command with `ckpt_path=last`, runs in this one."""
     run_dir = tmp_path / "run"
-    # Every start takes the same command, the faults included: a resume takes no `_target_` from the run's records.
-    command = [*LONGER, *args, "checkpoint.every_n_train_steps=4", *kills(tmp_path, [step for step, _ in killed]),
-               f"hydra.run.dir={run_dir}"]
-    for attempt, (step, newest) in enumerate(killed):
-        # The fault kills rank 0: the command's own process where it runs alone, else a rank this process starts
-        again = ["ckpt_path=last"] if attempt else []
-        result = train_here(*command, *again) if args else train(*command, *again, timeout=600)
-        assert result.returncode != 0, f"not killed after step {step}"
-        assert max((load(p)["global_step"], p.name) for p in (run_dir / "checkpoints").glob("*.ckpt")) == newest
-        assert "epoch 1/3 step 10:" in (run_dir / "train.log").read_text(), "a killed run keeps the log of what it did"
-
+    # Both starts take the same command, the fault included: a resume takes no `_target_` from the run's records.
+    command = [*LONGER, "checkpoint.every_n_train_steps=4", *kills(tmp_path, (17, 0)), f"hydra.run.dir={run_dir}"]
+    killed = train(*command, timeout=600)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    assert max((load(p)["global_step"], p.name) for p in (run_dir / "checkpoints").glob("*.ckpt")) == (16, "step.ckpt")
+    assert "epoch 1/3 step 10:" in (run_dir / "train.log").read_text(), "a killed run keeps the log of what it did"
     resumed = train_here(*command, "ckpt_path=last")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert_matches_unbroken(run_dir, unbroken(*args))
-    assert_same_draws(run_dir, unbroken(*args))
+    assert_matches_unbroken(run_dir, unbroken())
 
 
 def assert_same_draws(run: Path, reference: Path) -> None:
@@ -156,23 +136,29 @@ def test_each_rank_draws_augmentations_of_its_own(unbroken):
 
 
 @pytest.mark.slow
-def test_torchrun_restart_resumes_from_the_run_folder(tmp_path, unbroken):
-    """One worker SIGKILLed mid-epoch under `--max-restarts=1`: the restarted group resumes itself."""
-    run_dir, args = tmp_path / "run", AUGMENTED
+def test_torchrun_restarts_resume_from_the_run_folder_to_the_unbroken_weights(tmp_path, unbroken):
+    """PowerSGD's DDP with augmentation under `torchrun --max-restarts=2`, a worker SIGKILLed twice: rank 0 after step
+    11, past the epoch's checkpoint (newer than the step checkpoint before it); then rank 1 after step 17, past a step
+    checkpoint, which holds PowerSGD's error feedback and Q. Each restarted group resumes itself from the newest
+    checkpoint (`ckpt_path=auto`), and the run ends where the unbroken one does: the weights, each rank's augmentation
+    generators (the draws callback changes nothing that is computed), the steps TensorBoard shows, none going back.
+    The sweep's interrupted job (test_sweep_resume.py) ends there too, resumed by this project's own launcher."""
+    run_dir, checkpoints = tmp_path / "run", tmp_path / "run" / "checkpoints"
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2", "--max-restarts=1",
+        sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2", "--max-restarts=2",
         "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
-        "-m", "src.train", *LONGER, *args, "ckpt_path=auto", "checkpoint.every_n_train_steps=4",
-        *kill_at(17, rank=1), f"hydra.run.dir={run_dir}",
+        "-m", "src.train", *LONGER, *AUGMENTED, "ckpt_path=auto", "checkpoint.every_n_train_steps=4",
+        *kills(tmp_path, (11, 0), (17, 1)), f"hydra.run.dir={run_dir}",
     ]
-    result = subprocess.run(command, cwd=REPO, env=user_env(), capture_output=True, text=True, timeout=600)
+    result = subprocess.run(command, cwd=REPO, env=user_env(), capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    # torchrun names the failed worker it saw first, which is rank 0 when its peer's death stops it within one poll.
-    assert "failed (exitcode:" in result.stderr, "a worker was killed"
-    assert f"Restoring states from the checkpoint path at {run_dir / 'checkpoints' / 'step.ckpt'}" in result.stdout
-    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["best-epoch3.ckpt", "last.ckpt", "step.ckpt"]
-    assert_matches_unbroken(run_dir, unbroken(*args))
-    assert_same_draws(run_dir, unbroken(*args))
+    assert result.stderr.count("failed (exitcode:") >= 2, "a worker was killed in each of the first two groups"
+    restored = re.findall(r"Restoring states from the checkpoint path at (\S+)", result.stdout)
+    assert restored[:2] == [str(checkpoints / "last.ckpt"), str(checkpoints / "step.ckpt")], restored
+    assert "epoch 1/3 step 10:" in (run_dir / "train.log").read_text(), "the killed groups' log is kept"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["best-epoch3.ckpt", "last.ckpt", "step.ckpt"]
+    assert_matches_unbroken(run_dir, unbroken(*AUGMENTED))
+    assert_same_draws(run_dir, unbroken(*AUGMENTED))
 
 
 @pytest.mark.slow
