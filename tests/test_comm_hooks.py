@@ -31,8 +31,7 @@ from src.models.lenet import LeNet
 from src.models.resnet import resnet18
 from src.strategies.comm import CommMeter
 from src.strategies.ddp import HOOKS, CommHookDDPStrategy, lay_out_in_backward_order, one_bucket_cap_mb
-from tests.helpers import (composed, free_port, once, scalars, start_ranks, train_as_torchrun, train_here,
-                           train_with_ranks)
+from tests.helpers import composed, free_port, once, scalars, start_ranks, train_as_torchrun, train_here
 
 BATCHES = 4  # training batches per run: one optimizer step each, unless accumulating
 WARMUP = 2  # plain all-reduce steps before PowerSGD compresses
@@ -166,21 +165,25 @@ def assert_refused_in_one_line(result, override: str, run_dir: Path) -> None:
     assert not run_dir.exists()
 
 
-@pytest.mark.parametrize("override", ["strategy.hook=int8", "strategy.powersgd_rank=0"])
+@pytest.mark.parametrize("override", ["strategy.hook=int8", "strategy.powersgd_rank=0", "strategy.process_group_backend=nccl"])
 def test_bad_option_fails_with_one_line(tmp_path: Path, data_root: Path, override: str) -> None:
-    """Refused by the config rules, before any rank starts: the command in this process."""
+    """Refused before any rank starts, by the config rules or, where the devices decide (NCCL needs CUDA), by the
+    launcher as it builds the strategy: the command in this process, which starts no rank."""
     run_dir = tmp_path / "run"
     result = train_here(f"data.root={data_root}", f"hydra.run.dir={run_dir}", "strategy=ddp", "devices=2", override)
     assert_refused_in_one_line(result, override, run_dir)
 
 
-@pytest.mark.slow  # the strategy refuses it inside each rank, once it knows the rank's device: the ranks are the point
-@pytest.mark.parametrize("override", ["strategy.process_group_backend=nccl"])
-def test_bad_option_found_in_the_ranks_fails_with_one_line(tmp_path: Path, data_root: Path, override: str,
-                                                           capfd: pytest.CaptureFixture[str]) -> None:
-    run_dir = tmp_path / "run"
-    result = train_with_ranks(capfd, f"data.root={data_root}", f"hydra.run.dir={run_dir}", "strategy=ddp", "devices=2", override)
-    assert_refused_in_one_line(result, override, run_dir)
+def test_a_rank_started_elsewhere_refuses_nccl_on_cpu() -> None:
+    """Under torchrun or SLURM no launcher of this project builds the strategy first: the rank refuses it once it knows
+    its device, before any process group."""
+    from lightning.fabric.plugins.environments import LightningEnvironment
+
+    strategy = CommHookDDPStrategy(process_group_backend="nccl")
+    strategy.parallel_devices, strategy.cluster_environment = [torch.device("cpu")], LightningEnvironment()
+    with pytest.raises(UsageError, match=r"^strategy.process_group_backend=nccl needs CUDA devices"):
+        strategy.set_world_ranks()
+    assert not dist.is_initialized()
 
 
 @pytest.mark.parametrize(("override", "named"), [

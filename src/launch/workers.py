@@ -92,7 +92,7 @@ def launch(task: Callable[[DictConfig], Result], cfg: DictConfig) -> Result:
             return task(cfg)
     strategy = build("strategy", cfg.strategy, _convert_="all")  # what would fail in every rank fails before they start
     if isinstance(strategy, CommHookDDPStrategy):
-        strategy.check()
+        strategy.check(resolve_accelerator(accelerator))
     return start(task, cfg, per_node)
 
 

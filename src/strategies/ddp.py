@@ -101,10 +101,15 @@ class CommHookDDPStrategy(DDPStrategy):
         self.warm_iterations = 0  # DDP's iterations before training (`lay_out_in_backward_order`)
 
     def set_world_ranks(self) -> None:
-        """Called once the devices are known, before any process group: the one check src/config.py cannot make."""
-        if self.process_group_backend == "nccl" and self.root_device.type != "cuda":
-            raise UsageError("strategy.process_group_backend=nccl needs CUDA devices; on CPU use null or gloo")
+        """Called once the devices are known, before any process group: in a rank that torchrun or SLURM started, the
+        launcher's `check` has not run."""
+        self.check_backend("gpu" if self.root_device.type == "cuda" else self.root_device.type)
         super().set_world_ranks()
+
+    def check_backend(self, accelerator: str) -> None:
+        """The one check src/config.py cannot make: it needs the devices."""
+        if self.process_group_backend == "nccl" and accelerator != "gpu":
+            raise UsageError("strategy.process_group_backend=nccl needs CUDA devices; on CPU use null or gloo")
 
     def backend(self) -> str:
         if dist.is_initialized():
@@ -164,9 +169,11 @@ class CommHookDDPStrategy(DDPStrategy):
             raise UsageError(f"strategy.hook={self.hook}: no function of that name can be imported")
         return hook
 
-    def check(self) -> None:
-        """What only building DDP would find, asked by the launcher before it starts the ranks (a hook state that cannot
-        be located has failed already, as this strategy was built): a hook of one's own must import."""
+    def check(self, accelerator: str) -> None:
+        """What each rank would find only as it builds DDP, asked by the launcher before it starts them (a hook state
+        that cannot be located has failed already, as this strategy was built): the backend must suit the devices, and a
+        hook of one's own must import."""
+        self.check_backend(accelerator)
         if self.hook not in HOOKS:
             self.own_hook()
 
