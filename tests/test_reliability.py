@@ -28,44 +28,36 @@ def last_line(result) -> str:
 
 
 @pytest.mark.slow
-def test_a_second_writer_of_a_run_folder_is_refused_naming_the_first(tmp_path, data_root):
-    run_dir, released = tmp_path / "run", tmp_path / "released"
-    first = start_cli("src.train", *QUICK, *HOLD, "+callbacks.hold.epoch=0", f"+callbacks.hold.until={released}",
-                      f"hydra.run.dir={run_dir}")
-    try:
-        wait_for(lambda: (run_dir / "checkpoints" / "last.ckpt").is_file(), "the first run's first epoch")
-        assert (run_dir / ".lock").read_text() == f"pid {first.pid} on {socket.gethostname()}\n"
-        # typed as the first was (a resume takes no `_target_` from the records): the lock is what refuses it. The
-        # second runs in this process; the first stays a process of its own, so that the pid named is not the refused
-        # command's own, and a real run is seen to hold its folder, finish and let it go.
-        second = train_here(*QUICK, *HOLD, "+callbacks.hold.epoch=0", f"+callbacks.hold.until={released}",
-                            "ckpt_path=last", f"hydra.run.dir={run_dir}")
-        assert second.returncode == 2
-        assert last_line(second) == (f"error: {run_dir} is in use: pid {first.pid} on {socket.gethostname()} is writing "
-                                     "this run; wait for it to end, or stop it first (one writer per folder)")
-    finally:
-        released.touch()
-        out, err = first.communicate(timeout=300)
-    assert first.returncode == 0, err[-3000:]
-    assert not (run_dir / ".lock").exists(), "released at the end"
-
-
-@pytest.mark.slow
-def test_a_second_resume_of_a_sweep_is_refused_while_the_first_runs(tmp_path, data_root):
+def test_a_second_writer_of_a_sweep_or_of_its_running_job_is_refused_naming_the_first(tmp_path, data_root):
+    """A sweep, held in its first job, holds both its folder and the job's. A second resume of the sweep, and a resume
+    of the job's folder alone, are turned away naming the sweep's process; neither touches what the first wrote.
+    They run in this process; the first stays a process of its own, so that the pid named is not the refused
+    command's own, and a real run is seen to hold its folders, finish and let them go."""
     sweep, released = tmp_path / "sweep", tmp_path / "released"
-    args = [*QUICK, "-m", "seed=1,2", *HOLD, "+callbacks.hold.epoch=0", f"+callbacks.hold.until={released}",
-            f"hydra.sweep.dir={sweep}"]
+    held = [*HOLD, "+callbacks.hold.epoch=0", f"+callbacks.hold.until={released}"]
+    args = [*QUICK, "-m", "seed=1,2", *held, f"hydra.sweep.dir={sweep}"]
     first = start_cli("src.train", *args)
     try:
         wait_for(lambda: any(sweep.glob("*/checkpoints/last.ckpt")), "the first sweep's first job trains")
-        second = train_here(*args, "ckpt_path=auto")  # in this process: the sweep's lock turns it away before any job
+        [job] = [path.parent.parent for path in sweep.glob("*/checkpoints/last.ckpt")]
+        holder = f"pid {first.pid} on {socket.gethostname()}"
+        assert (job / ".lock").read_text() == (sweep / ".lock").read_text() == f"{holder}\n"
+        before = {p: p.stat().st_mtime_ns for p in sweep.rglob("*") if p.is_file()}
+        second = train_here(*args, "ckpt_path=auto")  # the sweep's lock turns it away before any job
         assert second.returncode == 2
-        assert last_line(second).startswith(f"error: {sweep} is in use: pid {first.pid} on ") and "this sweep" in last_line(second)
+        assert last_line(second).startswith(f"error: {sweep} is in use: {holder}") and "this sweep" in last_line(second)
+        # The job's folder resumed alone, typed as its job was (a resume takes no `_target_` from the records): the lock
+        # is what refuses it.
+        alone = train_here(*QUICK, "seed=1", *held, "ckpt_path=last", f"hydra.run.dir='{job}'")
+        assert alone.returncode == 2
+        assert last_line(alone) == (f"error: {job} is in use: {holder} is writing this run; wait for it to end, or stop "
+                                    "it first (one writer per folder)")
+        assert {p: p.stat().st_mtime_ns for p in sweep.rglob("*") if p.is_file() and p in before} == before
     finally:
         released.touch()
-        first.communicate(timeout=600)
-    assert first.returncode == 0
-    assert not (sweep / ".lock").exists(), "released at the end"
+        out, err = first.communicate(timeout=600)
+    assert first.returncode == 0, err[-3000:]
+    assert not (sweep / ".lock").exists() and not list(sweep.glob("*/.lock")), "released at the end"
 
 
 def can_mount() -> bool:
