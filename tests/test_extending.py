@@ -15,8 +15,8 @@ from omegaconf import OmegaConf
 
 from src import config
 from src.errors import UsageError
-from tests.helpers import (DATA_ROOT, QUICK, REPO, command_here, composed, hparams, scalars, train_as_torchrun, train_here,
-                           train_with_ranks)
+from tests.helpers import (DATA_ROOT, QUICK, REPO, command_here, composed, hparams, scalars, train_as_torchrun,
+                           train_here)
 from tests.test_bad_input import hydra_refusal
 
 DOC = REPO / "docs" / "extending.md"
