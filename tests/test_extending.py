@@ -14,7 +14,6 @@ import torch
 from omegaconf import OmegaConf
 
 from src import config
-from src.errors import UsageError
 from tests.helpers import (DATA_ROOT, QUICK, REPO, command_here, composed, hparams, scalars, train_as_torchrun,
                            train_here)
 from tests.test_bad_input import hydra_refusal
@@ -119,18 +118,10 @@ def assert_one_line(result, message: str, run_dir: Path) -> None:
 ])
 def test_a_bad_hook_or_hook_state_is_one_line(tmp_path, args, message):
     """Refused before any rank starts, by the config rules or as the launcher builds the strategy (a hook, or its
-    state, that does not import): the command in this process, which starts no rank."""
+    state, that does not import): the command in this process, which starts no rank. A rank that torchrun or SLURM
+    started refuses the hook itself: test_comm_hooks' `test_a_hook_of_your_own_is_named_by_its_import_path`."""
     assert_one_line(train_here(*QUICK, "strategy=ddp", "devices=2", *args, f"hydra.run.dir={tmp_path / 'run'}"), message,
                     tmp_path / "run")
-
-
-def test_a_rank_started_elsewhere_refuses_a_hook_that_does_not_import():
-    """Under torchrun or SLURM no launcher of this project builds the strategy first: each rank refuses it as it builds
-    DDP, in the line the launcher gives."""
-    from src.strategies.ddp import CommHookDDPStrategy
-
-    with pytest.raises(UsageError, match=r"^strategy.hook=tests.examples.hooks.nothing_here: no function of that name can be imported$"):
-        CommHookDDPStrategy(hook="tests.examples.hooks.nothing_here").build_hook(group=None)
 
 
 def test_a_new_strategy_is_a_lightning_strategy_class_and_a_file(tmp_path, data_root, searchpath):
