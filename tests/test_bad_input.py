@@ -22,9 +22,9 @@ from torch.utils.data import DataLoader, TensorDataset
 from src import config
 from src.callbacks.finite_loss import FiniteLossCheck
 from src.checkpoints import check_checkpoint, open_checkpoint, resolve_ckpt_path
-from src.errors import TrainingDiverged, UsageError
+from src.errors import TrainingDiverged, UsageError, build
 from src.models.module import Classifier
-from src.tasks import build, check_model
+from src.tasks import check_model
 from tests.helpers import QUICK, command_here, composed, free_port, hparams, train_with_ranks
 
 

@@ -7,9 +7,9 @@ from lightning.pytorch.strategies import Strategy
 from omegaconf import OmegaConf
 
 from src.config import CONF_DIR
+from src.errors import build
 from src.models.module import Classifier
 from src.optim import build_optimizer
-from src.tasks import build
 from tests.helpers import composed, on_a_trainer
 from tests.test_bad_input import group_options
 

@@ -4,8 +4,8 @@ SIGKILL resumes to exactly the weights of an unbroken run, with no TensorBoard s
 import hashlib
 import json
 import re
-import signal
 import shutil
+import signal
 import statistics
 import subprocess
 import sys

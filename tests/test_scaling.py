@@ -607,7 +607,7 @@ def test_a_report_of_gpu_runs_predicts_gpu_links_with_ddps_own_work_assumed_or_m
 def test_ddps_own_cost_is_a_ddp_step_of_world_size_one_against_the_plain_step(caplog):
     costs = stepclock.ddp_step_costs(LENET, (1, 28, 28), 16, "32-true", ("none", "fp16"), device="cpu", repeats=3)
     assert set(costs) == {"none", "fp16"} and all(cost >= 0 for cost in costs.values())
-    # Built here, failing in its process: 3 inputs where the data's images have 784.
+    # Built here, failing in its process: a Linear of 3 inputs, given images whose rows have 28 pixels.
     broken = OmegaConf.create({"_target_": "torch.nn.Linear", "in_features": 3, "out_features": 10})
     assert stepclock.ddp_step_costs(broken, (1, 28, 28), 16, "32-true", ("none",), device="cpu", repeats=1) is None
     assert "DDP's own cost could not be measured on cpu" in caplog.text and "mat1 and mat2 shapes cannot be multiplied" in caplog.text

@@ -77,7 +77,7 @@ def processes_per_node(cfg: DictConfig) -> int:
 def launch(task: Callable[[DictConfig], Result], cfg: DictConfig) -> Result:
     """`task(cfg)` in a worker per device under DDP, one device too, so that this process leaves the GPUs to its ranks;
     else in this process. First the devices asked for must exist here, the global batch split over the processes, and
-    the DDP strategy build here."""
+    the DDP strategy built here."""
     per_node, cuda, accelerator = processes_per_node(cfg), torch.cuda.is_available(), str(cfg.accelerator)
     if accelerator in ("gpu", "cuda") and not cuda:
         raise UsageError(f"accelerator={accelerator} but this machine has no CUDA device; use accelerator=cpu")
@@ -92,7 +92,7 @@ def launch(task: Callable[[DictConfig], Result], cfg: DictConfig) -> Result:
             return task(cfg)
     strategy = build("strategy", cfg.strategy, _convert_="all")  # what would fail in every rank fails before they start
     if isinstance(strategy, CommHookDDPStrategy):
-        strategy.check(resolve_accelerator(accelerator))
+        strategy.check(cuda=resolve_accelerator(accelerator) == "gpu")
     return start(task, cfg, per_node)
 
 

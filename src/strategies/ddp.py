@@ -103,12 +103,12 @@ class CommHookDDPStrategy(DDPStrategy):
     def set_world_ranks(self) -> None:
         """Called once the devices are known, before any process group: in a rank that torchrun or SLURM started, the
         launcher's `check` has not run."""
-        self.check_backend("gpu" if self.root_device.type == "cuda" else self.root_device.type)
+        self.check_backend(cuda=self.root_device.type == "cuda")
         super().set_world_ranks()
 
-    def check_backend(self, accelerator: str) -> None:
+    def check_backend(self, cuda: bool) -> None:
         """The one check src/config.py cannot make: it needs the devices."""
-        if self.process_group_backend == "nccl" and accelerator != "gpu":
+        if self.process_group_backend == "nccl" and not cuda:
             raise UsageError("strategy.process_group_backend=nccl needs CUDA devices; on CPU use null or gloo")
 
     def backend(self) -> str:
@@ -169,11 +169,11 @@ class CommHookDDPStrategy(DDPStrategy):
             raise UsageError(f"strategy.hook={self.hook}: no function of that name can be imported")
         return hook
 
-    def check(self, accelerator: str) -> None:
+    def check(self, cuda: bool) -> None:
         """What each rank would find only as it builds DDP, asked by the launcher before it starts them (a hook state
         that cannot be located has failed already, as this strategy was built): the backend must suit the devices, and a
         hook of one's own must import."""
-        self.check_backend(accelerator)
+        self.check_backend(cuda)
         if self.hook not in HOOKS:
             self.own_hook()
 
