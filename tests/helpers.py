@@ -139,7 +139,8 @@ def start_ranks(worker: Callable[..., None], *args: object, nprocs: int) -> None
     torch.multiprocessing.start_processes(worker, args, nprocs=nprocs, start_method="spawn")
 
 
-def _torchrun_rank(rank: int, world: int, runs: list[list[str]], ports: list[int], results: str) -> None:
+def _torchrun_rank(rank: int, world: int, runs: list[list[str]], ports: list[int], also: list[Callable[[int], None]],
+                   results: str) -> None:
     import torch.distributed as dist
 
     said = []
@@ -151,16 +152,22 @@ def _torchrun_rank(rank: int, world: int, runs: list[list[str]], ports: list[int
             dist.destroy_process_group()
         said.append([result.args, result.returncode, result.stdout, result.stderr])
     Path(f"{results}.{rank}").write_text(json.dumps(said))
+    for work in also:
+        work(rank)
 
 
-def train_as_torchrun(runs: list[list[str]], folder: Path, nprocs: int = 2) -> list[subprocess.CompletedProcess]:
+def train_as_torchrun(runs: list[list[str]], folder: Path, nprocs: int = 2, also: list[Callable[[int], None]] = ()
+                      ) -> list[subprocess.CompletedProcess]:
     """`python -m src.train <args>` for each run in turn, on `nprocs` ranks that each run the command line, as torchrun
     starts a run's ranks, but started once for all the runs: for tests of what DDP runs compute and log, not of how
-    their processes start. Every run ends well on every rank; rank 0's output of each run."""
+    their processes start. Every run ends well on every rank; rank 0's output of each run. Then each rank calls each of
+    `also` (importable: the ranks are spawned) with its rank: a test's own collectives, in a process group of their own,
+    on the same start."""
     saved = os.environ.get("OMP_NUM_THREADS")
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default for several processes a node, in theirs
     try:
-        start_ranks(_torchrun_rank, nprocs, runs, [free_port() for _ in runs], str(folder / "said"), nprocs=nprocs)
+        start_ranks(_torchrun_rank, nprocs, runs, [free_port() for _ in runs], list(also), str(folder / "said"),
+                    nprocs=nprocs)
     finally:
         if saved is None:
             del os.environ["OMP_NUM_THREADS"]

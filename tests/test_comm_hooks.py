@@ -1,12 +1,14 @@
 """DDP communication hooks on CPU: registered, counted, compressing as claimed, checked early.
 
-Each training test reads one of six short trainings of LeNet on 2 gloo processes, each the real
-command line in both ranks (as torchrun runs it), all six on one start of the ranks. The counting
-itself is tested on every collective API of the hook's group in 2 spawned gloo processes (which
-reduce for real), and in a Lightning training in this process, alone in its group, whose hook
+Each training test reads one of six short trainings of LeNet on 2 gloo processes, or the two
+longer ones that PowerSGD's learning is judged by, each the real command line in both ranks (as
+torchrun runs it), all eight on one start of the ranks. The counting itself is tested on every
+collective API of the hook's group on the same 2 ranks, in a gloo group made for it (which
+reduces for real), and in a Lightning training in this process, alone in its group, whose hook
 issues collectives the way no wrapper of `torch.distributed.all_reduce` would see.
 """
 
+import functools
 from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
@@ -31,7 +33,7 @@ from src.models.lenet import LeNet
 from src.models.resnet import resnet18
 from src.strategies.comm import CommMeter
 from src.strategies.ddp import HOOKS, CommHookDDPStrategy, lay_out_in_backward_order, one_bucket_cap_mb
-from tests.helpers import composed, free_port, once, scalars, start_ranks, train_as_torchrun, train_here
+from tests.helpers import composed, free_port, once, scalars, train_as_torchrun, train_here
 
 BATCHES = 4  # training batches per run: one optimizer step each, unless accumulating
 WARMUP = 2  # plain all-reduce steps before PowerSGD compresses
@@ -66,10 +68,10 @@ RUNS = [*((hook, 1) for hook in HOOKS), ("none", 2)]  # (hook, batches accumulat
 
 
 @pytest.fixture(scope="module")
-def train(tmp_path_factory: pytest.TempPathFactory, data_root: Path):
-    """A 2-process LeNet training of each of `RUNS`, all trained once for the suite on one start of the ranks (they
-    run one after the other, as torchrun's ranks, each with the command line); `train(hook, accumulate)` is a run's
-    folder (the tests read the folders, not what the command prints)."""
+def ranks(tmp_path_factory: pytest.TempPathFactory, data_root: Path) -> Path:
+    """One start of 2 gloo ranks for the module, shared between test processes: the short trainings of `RUNS`, the
+    two longer ones of `test_powersgd_still_learns`, each the command line in both ranks, as torchrun's ranks, one
+    after the other; then the collectives of `_every_api_worker`. Their folder."""
 
     def make(folder: Path) -> None:
         runs = [[f"data.root={data_root}", f"hydra.run.dir={folder / f'{hook}_acc{accumulate}'}", "strategy=ddp",
@@ -79,10 +81,18 @@ def train(tmp_path_factory: pytest.TempPathFactory, data_root: Path):
                  "trainer.limit_val_batches=1", "trainer.limit_test_batches=1", "trainer.num_sanity_val_steps=0",
                  "trainer.log_every_n_steps=1", "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false",
                  *MEASURED_RECIPE] for hook, accumulate in RUNS]
-        train_as_torchrun(runs, folder)
+        learns = [[f"data.root={data_root}", *LEARNS, *strategy, f"hydra.run.dir={folder / 'learns' / name}"]
+                  for name, strategy in LEARNS_STRATEGIES.items()]
+        counting = functools.partial(_every_api_worker, store=str(folder / "store"), results=str(folder / "counted"))
+        train_as_torchrun([*runs, *learns], folder, also=[counting])
 
-    folder = once(tmp_path_factory, "comm_hook_runs", make)
-    return lambda hook, accumulate=1: folder / f"{hook}_acc{accumulate}"
+    return once(tmp_path_factory, "comm_hook_ranks", make)
+
+
+@pytest.fixture(scope="module")
+def train(ranks: Path):
+    """`train(hook, accumulate)`: the folder of one of `RUNS` (the tests read the folders, not what the command prints)."""
+    return lambda hook, accumulate=1: ranks / f"{hook}_acc{accumulate}"
 
 
 def final_params(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -213,8 +223,17 @@ def test_one_bucket_cap_holds_the_whole_model() -> None:
     assert one_bucket_cap_mb(LeNet()) * 2**20 > PARAMS * 4
 
 
+# `test_powersgd_still_learns`'s two trainings (fp32, so that every CPU runs the same arithmetic whatever
+# `precision=auto` picks there), run by `ranks`.
+LEARNS = ["devices=2", "max_epochs=1", "data.batch_size=128", "optim.lr=0.1", "optim.momentum=0.9", "optim.schedule=cosine",
+          "model.net.batch_norm=true", "model.net.pool=max", "model.net.init=kaiming", "trainer.limit_train_batches=150",
+          "trainer.limit_val_batches=1", "trainer.num_sanity_val_steps=0", "trainer.enable_progress_bar=false",
+          "precision=32"]
+LEARNS_STRATEGIES = {"ddp": ["strategy=ddp"], "powersgd": ["strategy=ddp_powersgd", "strategy.powersgd_rank=4"]}
+
+
 @pytest.mark.slow
-def test_powersgd_still_learns(tmp_path: Path, data_root: Path) -> None:
+def test_powersgd_still_learns(ranks: Path) -> None:
     """PowerSGD ends no more than 2 points of test accuracy below plain all-reduce after the same
     training, scored on all 10,000 test images.
 
@@ -223,20 +242,12 @@ def test_powersgd_still_learns(tmp_path: Path, data_root: Path) -> None:
     is the one of `experiment=lenet_plus` (batch norm, max-pooling, Kaiming init): it passes 0.8
     within an epoch, where the book's N(0, 0.01) start needs several. The cosine schedule ends both
     runs at a learning rate near zero, so the test compares where they settle, not the last steps'
-    noise: at a constant rate the gap was 0.8 points on one CPU and 2.4 on another. fp32, so that
-    every CPU runs the same arithmetic whatever `precision=auto` picks there.
+    noise: at a constant rate the gap was 0.8 points on one CPU and 2.4 on another.
     """
-    common = [f"data.root={data_root}", "devices=2", "max_epochs=1", "data.batch_size=128", "optim.lr=0.1",
-              "optim.momentum=0.9", "optim.schedule=cosine", "model.net.batch_norm=true", "model.net.pool=max", "model.net.init=kaiming",
-              "trainer.limit_train_batches=150", "trainer.limit_val_batches=1", "trainer.num_sanity_val_steps=0",
-              "trainer.enable_progress_bar=false", "precision=32"]
-    strategies = {"ddp": ["strategy=ddp"], "powersgd": ["strategy=ddp_powersgd", "strategy.powersgd_rank=4"]}
-    train_as_torchrun([[*common, *strategy, f"hydra.run.dir={tmp_path / name}"] for name, strategy in strategies.items()],
-                      tmp_path)  # both on one start of the ranks
-    accuracy = {name: scalars(tmp_path / name)["test/acc"][-1] for name in strategies}
+    accuracy = {name: scalars(ranks / "learns" / name)["test/acc"][-1] for name in LEARNS_STRATEGIES}
     assert accuracy["ddp"] > 0.8  # the baseline learned, so the comparison means something
     assert accuracy["powersgd"] >= accuracy["ddp"] - 0.02, accuracy
-    assert max(scalars(tmp_path / "powersgd")["xfer/compression_ratio"]) > 10, accuracy  # it really compressed
+    assert max(scalars(ranks / "learns" / "powersgd")["xfer/compression_ratio"]) > 10, accuracy  # it really compressed
 
 
 # ---------------------------------------------------------------- the counting
@@ -255,6 +266,8 @@ def _measure(meter: CommMeter, issue) -> tuple[int, int]:
 
 
 def _every_api_worker(rank: int, store: str, results: str) -> None:
+    """Each collective API on the hook's group, and one on the default group, counted by the meter; in a gloo group of
+    `WORLD` ranks made for it (`ranks` calls it)."""
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
     try:
         meter = CommMeter()
@@ -288,10 +301,9 @@ def _every_api_worker(rank: int, store: str, results: str) -> None:
 
 
 @pytest.mark.slow
-def test_every_collective_on_the_hooks_group_is_counted_whatever_issued_it(tmp_path: Path) -> None:
-    start_ranks(_every_api_worker, str(tmp_path / "store"), str(tmp_path / "result"), nprocs=WORLD)
+def test_every_collective_on_the_hooks_group_is_counted_whatever_issued_it(ranks: Path) -> None:
     for rank in range(WORLD):
-        result = torch.load(tmp_path / f"result.{rank}", weights_only=False)
+        result = torch.load(ranks / f"counted.{rank}", weights_only=False)
         assert result["counting"]
         assert result["counted"] == {
             "dist.all_reduce": (10 * FLOAT, 1),

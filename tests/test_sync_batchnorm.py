@@ -1,11 +1,13 @@
 """AllReduceBatchNorm against BatchNorm on the whole batch, in a real 2-process gloo group on CPU; on a GPU, torch's
 SyncBatchNorm the same way over NCCL, in both memory layouts; and the command line's `sync_batchnorm=true` on two gloo
-ranks against one process, in float64.
+ranks against one process, in float64. On CPU both gloo checks share one start of their 2 ranks.
 """
 
 import copy
+import functools
 import os
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -88,11 +90,25 @@ def _worker(rank: int, store: str, results: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def two_processes(tmp_path_factory) -> list[dict[str, object]]:
-    """What each of 2 gloo ranks computed, trained once for the suite (`once`)."""
-    folder = once(tmp_path_factory, "sync_batchnorm_gloo",
-                  lambda folder: start_ranks(_worker, str(folder / "store"), str(folder / "result"), nprocs=WORLD))
-    return [torch.load(folder / f"result.{rank}", weights_only=False) for rank in range(WORLD)]
+def gloo_ranks(tmp_path_factory, data_root) -> Path:
+    """One start of 2 gloo ranks for the module, shared between test processes (`once`): the float64 oracle's DDP runs,
+    each the command line in both ranks, as torchrun's ranks; then `_worker`'s layers. Its folder."""
+
+    def make(folder: Path) -> None:
+        ddp = {(case, "synced"): ["strategy=ddp", "devices=2", "sync_batchnorm=true"] for case in FLOAT64_ORACLE}
+        ddp["resnet18", "per_process"] = ["strategy=ddp", "devices=2"]
+        layers = functools.partial(_worker, store=str(folder / "store"), results=str(folder / "result"))
+        train_as_torchrun([[f"data.root={data_root}", *in_float64(FLOAT64_ORACLE[case]), *args,
+                            f"hydra.run.dir={folder / case / name}"] for (case, name), args in ddp.items()],
+                          folder, also=[layers])
+
+    return once(tmp_path_factory, "sync_batchnorm_gloo", make)
+
+
+@pytest.fixture(scope="module")
+def two_processes(gloo_ranks: Path) -> list[dict[str, object]]:
+    """What each of the 2 gloo ranks computed in `_worker`."""
+    return [torch.load(gloo_ranks / f"result.{rank}", weights_only=False) for rank in range(WORLD)]
 
 
 @pytest.mark.slow
@@ -235,24 +251,20 @@ def in_float64(args: tuple[str, ...]) -> list[str]:
 
 
 @pytest.mark.slow
-def test_sync_batchnorm_on_two_gloo_ranks_ends_where_one_process_does_in_float64(tmp_path, data_root):
+def test_sync_batchnorm_on_two_gloo_ranks_ends_where_one_process_does_in_float64(tmp_path, data_root, gloo_ranks):
     """ResNet-18's per-process statistics, too (tests/test_equivalence.py's (d)): without sync_batchnorm its two ranks
     end far from one process, parameters and running statistics, so the sync is what brings them back. The runs of
-    two processes, of both models, on one start of the ranks."""
-    common = {case: [f"data.root={data_root}", *in_float64(args)] for case, args in FLOAT64_ORACLE.items()}
-    ddp = {(case, "synced"): ["strategy=ddp", "devices=2", "sync_batchnorm=true"] for case in FLOAT64_ORACLE}
-    ddp["resnet18", "per_process"] = ["strategy=ddp", "devices=2"]
-    for case in FLOAT64_ORACLE:  # one process: in this one
-        result = train_here(*common[case], f"hydra.run.dir={tmp_path / case / 'one'}")
+    two processes, of both models, are `gloo_ranks`'; those of one process run in this one."""
+    for case, args in FLOAT64_ORACLE.items():
+        result = train_here(f"data.root={data_root}", *in_float64(args), f"hydra.run.dir={tmp_path / case / 'one'}")
         assert result.returncode == 0, result.stderr[-3000:]
-    train_as_torchrun([[*common[case], *args, f"hydra.run.dir={tmp_path / case / name}"]
-                       for (case, name), args in ddp.items()], tmp_path)
     for case in FLOAT64_ORACLE:
-        settings = hparams(tmp_path / case / "synced")
+        settings = hparams(gloo_ranks / case / "synced")
         assert (settings["precision_used"], settings["world_size"]) == ("64-true", 2)
-        one, synced = checkpoint(tmp_path / case / "one"), checkpoint(tmp_path / case / "synced")
+        one, synced = checkpoint(tmp_path / case / "one"), checkpoint(gloo_ranks / case / "synced")
         assert deviation(synced, one) < SAME_IN_FLOAT64, case
-    one, synced, per_process = (checkpoint(tmp_path / "resnet18" / name) for name in ("one", "synced", "per_process"))
+    one = checkpoint(tmp_path / "resnet18" / "one")
+    synced, per_process = (checkpoint(gloo_ranks / "resnet18" / name) for name in ("synced", "per_process"))
     assert deviation(per_process, one) > DIFFERENT_RESULT
     # Running statistics start at mean 0, variance 1; compared with how far they moved (measured: 0.12 and 1.2e-14).
     stats = {name: running_stats(run["state_dict"]) for name, run in (("one", one), ("synced", synced),
