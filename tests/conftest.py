@@ -106,8 +106,8 @@ def ddp_sweep(tmp_path_factory, data_root) -> Run:
 
 
 # Interpreters a test starts (`python -m ...`, a DDP worker, a sweep job), each of which imports torch and Lightning
-# (about 5 s of a core): only a test marked `slow` may, so that `-m "not slow"` starts none. The fixtures seen to
-# start one make every test that uses them slow as well.
+# (5-10 s of a core on 2 cores, by the CPU): only a test marked `slow` may, so that `-m "not slow"` starts none. The
+# fixtures seen to start one make every test that uses them slow as well.
 _started: list[str] = []
 _process_fixtures: set[tuple[str, str]] = set()  # (where defined, name): modules reuse names such as `runs`
 _popen_init, _process_start = subprocess.Popen.__init__, multiprocessing.process.BaseProcess.start
