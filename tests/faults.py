@@ -11,17 +11,19 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 class KillAtStep(Callback):
     """SIGKILLs this process after optimizer step `step` on global rank `rank`, as a crash or `kill -9` would: at the
-    end of the training batch that holds that step (a batch holds several with `steps_per_execution` > 1).
+    end of the training batch that holds that step (a batch holds several with `steps_per_execution` > 1). With
+    `launcher`, the process that started this one instead: a DDP rank's launcher (a sweep job's own process).
 
     Only a run that started afresh is killed: its resume (`ckpt_path=last`, or torchrun's restarted group with
     `ckpt_path=auto`) takes the same config, this callback included, and finishes. With a `mark` the kill comes once,
     in whichever start reaches the step first: the file says it happened (a resume killed again, by a second fault).
     """
 
-    def __init__(self, step: int, rank: int = 0, mark: str | None = None) -> None:
+    def __init__(self, step: int, rank: int = 0, mark: str | None = None, launcher: bool = False) -> None:
         self.step = step
         self.rank = rank
         self.mark = Path(mark) if mark else None
+        self.launcher = launcher
         self._batch_start = 0  # the optimizer steps taken when the current training batch began
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch, batch_idx: int) -> None:
@@ -41,7 +43,7 @@ class KillAtStep(Callback):
         if self.due(trainer):
             if self.mark is not None:
                 self.mark.touch()
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(os.getppid() if self.launcher else os.getpid(), signal.SIGKILL)
 
 
 class KillSweepAtStep(KillAtStep):

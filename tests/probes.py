@@ -39,11 +39,11 @@ def sleeping_allreduce_hook(process_group: dist.ProcessGroup, bucket: dist.GradB
 
 
 class ShowPlacement(Callback):
-    """Writes `placement rank <r>: cores=<c,...> threads=<n> CUDA_VISIBLE_DEVICES=<v>` from every process as
-    training starts: the cores it may run on, torch's threads, and the GPUs it sees."""
+    """Writes `placement rank <r>: cores=<c,...> threads=<n> CUDA_VISIBLE_DEVICES=<v> pid=<pid>` from every process as
+    training starts: the cores it may run on, torch's threads, the GPUs it sees, and which process it is."""
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         cores = ",".join(map(str, sorted(os.sched_getaffinity(0))))
         line = (f"placement rank {trainer.global_rank}: cores={cores} threads={torch.get_num_threads()} "
-                f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')}\n")
+                f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')} pid={os.getpid()}\n")
         os.write(1, line.encode())

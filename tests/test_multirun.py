@@ -123,18 +123,34 @@ def test_each_job_side_by_side_runs_on_a_core_of_its_own(two_sweeps):
 
 
 @pytest.mark.slow
-def test_a_ddp_job_side_by_side_keeps_its_workers_inside_its_cores(tmp_path, data_root):
-    """Two 2-process DDP jobs at once on 2 cores (`jobs=2`): each job's two workers share the one core it holds."""
+def test_ddp_jobs_side_by_side_keep_their_workers_inside_their_cores_and_a_job_killed_fails_alone(tmp_path, data_root):
+    """Two 2-process DDP jobs at once on 2 cores (`jobs=2`): each job's two workers share the one core it holds. Then
+    the first job's own process, its workers' launcher, is SIGKILLed after its second step, as a crash or the kernel's
+    OOM killer would: it fails alone, its workers go with it, and the other job, which never reaches step 1000,
+    finishes."""
     folder = tmp_path / "sweep"
-    result = sweep(folder, PARALLEL, "hydra.launcher.jobs=2", "strategy=ddp", "devices=2", "seed=1,2", SHOW_PLACEMENT)
-    assert result.returncode == 0, result.stderr[-3000:]
-    cores = []
-    for seed in (1, 2):
-        out = (folder / ".parallel" / f"lenet_ddp_2dev_{PRECISION}_seed={seed}.out").read_text()
-        ranks = dict(re.findall(r"placement rank (\d): cores=(\S+) threads=1 ", out))
-        assert set(ranks) == {"0", "1"} and ranks["0"] == ranks["1"], out[-3000:]
-        cores.append(set(ranks["0"].split(",")))
+    fault = ["+callbacks.fault._target_=tests.faults.KillAtStep", "+callbacks.fault.launcher=true",
+             "+callbacks.fault.step=2,1000"]
+    result = sweep(folder, PARALLEL, "hydra.launcher.jobs=2", "strategy=ddp", "devices=2", *fault, SHOW_PLACEMENT)
+    killed, finished = (f"lenet_ddp_2dev_{PRECISION}_callbacks.fault.step={step}" for step in (2, 1000))
+    cores, workers = [], {}
+    for job in (killed, finished):
+        out = (folder / ".parallel" / f"{job}.out").read_text()
+        ranks = {rank: (where, int(pid)) for rank, where, pid in
+                 re.findall(r"placement rank (\d): cores=(\S+) threads=1 .* pid=(\d+)$", out, flags=re.M)}
+        assert set(ranks) == {"0", "1"} and ranks["0"][0] == ranks["1"][0], out[-3000:]
+        cores.append(set(ranks["0"][0].split(",")))
+        workers[job] = [pid for _, pid in ranks.values()]
     assert cores[0].isdisjoint(cores[1]) and all(len(c) == len(os.sched_getaffinity(0)) // 2 for c in cores), cores
+    wait_for(lambda: not any(alive(pid) for pid in workers[killed]), "the killed job's workers gone")
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert re.search(rf"^job 1/2 failed: {re.escape(killed)}: killed by SIGKILL \(see .*{re.escape(killed)}\.out\) ",
+                     result.stdout, flags=re.M), result.stdout
+    assert re.search(rf"^job 2/2 done: {re.escape(finished)}: test/acc=", result.stdout, flags=re.M), result.stdout
+    assert "sweep of 2 jobs: 1 done, 0 resumed, 0 skipped, 1 failed" in result.stdout
+    assert result.stderr.strip().splitlines()[-1].startswith(f"error: 1 sweep job failed: {killed}: killed by SIGKILL")
+    assert_finished_run(subprocess.CompletedProcess(result.args, 0, result.stdout, ""), folder / finished)  # its job's part
+    assert killed in (folder / "report.md").read_text()
 
 
 def weights(run: Path) -> dict[str, torch.Tensor]:
@@ -158,23 +174,6 @@ def test_a_job_side_by_side_ends_with_the_weights_it_ends_with_alone(two_sweeps,
     beside, by_itself = weights(parallel / SEEDS[0]), weights(alone)
     assert beside.keys() == by_itself.keys()
     assert all(torch.equal(beside[name], by_itself[name]) for name in beside)
-
-
-@pytest.mark.slow
-def test_a_job_that_dies_side_by_side_fails_alone(tmp_path, data_root):
-    folder = tmp_path / "sweep"
-    # One job is killed by SIGKILL after its second step, as a crash or the kernel's OOM killer would; the other
-    # job never reaches step 1000.
-    result = sweep(folder, PARALLEL, "+callbacks.fault._target_=tests.faults.KillAtStep", "+callbacks.fault.step=2,1000")
-    killed, finished = (f"lenet_auto_1dev_{PRECISION}_callbacks.fault.step={step}" for step in (2, 1000))
-    assert result.returncode == 1, result.stderr[-3000:]
-    assert re.search(rf"^job 1/2 failed: {re.escape(killed)}: killed by SIGKILL \(see .*{re.escape(killed)}\.out\) ",
-                     result.stdout, flags=re.M), result.stdout
-    assert re.search(rf"^job 2/2 done: {re.escape(finished)}: test/acc=", result.stdout, flags=re.M), result.stdout
-    assert "sweep of 2 jobs: 1 done, 0 resumed, 0 skipped, 1 failed" in result.stdout
-    assert result.stderr.strip().splitlines()[-1].startswith(f"error: 1 sweep job failed: {killed}: killed by SIGKILL")
-    assert_finished_run(subprocess.CompletedProcess(result.args, 0, result.stdout, ""), folder / finished)  # its job's part
-    assert killed in (folder / "report.md").read_text()
 
 
 def test_a_bad_job_fails_alone_and_the_sweep_exits_non_zero(tmp_path, data_root):

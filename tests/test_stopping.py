@@ -1,6 +1,7 @@
-"""Stopping a run: signals, a rank that dies, a rank that hangs, a launcher killed outright.
+"""Stopping a run: signals, a rank that dies, a rank that hangs.
 The real command line, each run in a process of its own; the other stop signals, which take SIGTERM's way out, from
-within a run in this process.
+within a run in this process. A launcher killed outright, whose workers go with it: tests/test_multirun.py's DDP jobs
+side by side, one of which is killed.
 
 Every run is started in its own session, so that a test can signal all of its processes at once
 (as a terminal's Ctrl-C or `kill -- -PGID` does) and find any process it left behind. Nothing here
@@ -233,16 +234,6 @@ def test_stuck_rank_stops_the_run_after_the_collective_timeout(tmp_path, data_ro
     # Rank 0's words, naming the rank it waited for: it continues rank 1 only after it has said them.
     assert_stopped(run, 1, rf"^error: rank 0 \(pid \d+\): a collective waited strategy.timeout_s={STUCK_TIMEOUT_S} s "
                            rf"without an answer from rank 1 \(pid {rank1}\), which is stopped \(SIGSTOP or a debugger\)")
-
-
-@pytest.mark.slow
-def test_killing_the_launcher_leaves_no_worker_behind(tmp_path, data_root):
-    with Run(tmp_path / "run", *LONG, *DDP, f"hydra.run.dir={tmp_path / 'run'}") as run:
-        workers = run.wait_training(workers=2)
-        os.kill(run.proc.pid, signal.SIGKILL)
-        run.wait_exit()
-        assert run.proc.returncode == -signal.SIGKILL
-        assert all(not proc_stat(pid) or proc_stat(pid)[0] == "Z" for pid in workers)
 
 
 @pytest.mark.slow
