@@ -14,7 +14,7 @@ import struct
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -156,7 +156,7 @@ def _torchrun_rank(rank: int, world: int, runs: list[list[str]], ports: list[int
         work(rank)
 
 
-def train_as_torchrun(runs: list[list[str]], folder: Path, nprocs: int = 2, also: list[Callable[[int], None]] = ()
+def train_as_torchrun(runs: list[list[str]], folder: Path, nprocs: int = 2, also: Sequence[Callable[[int], None]] = ()
                       ) -> list[subprocess.CompletedProcess]:
     """`python -m src.train <args>` for each run in turn, on `nprocs` ranks that each run the command line, as torchrun
     starts a run's ranks, but started once for all the runs: for tests of what DDP runs compute and log, not of how
