@@ -1,11 +1,11 @@
-"""Checkpoints and resuming: `last.ckpt` is always the last finished epoch, a run killed with
-SIGKILL resumes to exactly the weights of an unbroken run, with no TensorBoard step twice."""
+"""Checkpoints and resuming: `last.ckpt` is always the last finished epoch, a DDP run killed with
+SIGKILL resumes to exactly the weights of an unbroken run, with no TensorBoard step twice (a run of
+one process, killed at each point of its life: tests/test_resume_exact.py)."""
 
 import hashlib
 import json
 import re
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 
 from src.data.fashion_mnist import augment
-from tests.helpers import (QUICK, REPO, Run, free_port, scalar_steps, scalars, steps_going_back, train, train_here,
+from tests.helpers import (QUICK, REPO, Run, free_port, scalar_steps, scalars, steps_going_back, train_here,
                            trained_once, user_env)
 
 # Ten batches an epoch, three epochs; the fault callback kills a process after a given step.
@@ -62,8 +62,8 @@ def assert_matches_unbroken(run: Path, reference: Path) -> None:
 @pytest.fixture(scope="module")
 def unbroken(tmp_path_factory, data_root):
     """Unbroken reference runs of `LONGER`, one per set of arguments, trained once for the suite (test_sweep_resume's
-    interrupted job ends where the DDP run with augmentation does): a run of one process is trained in this one, a
-    DDP run by its own ranks, which this process starts."""
+    interrupted job ends where the DDP run with augmentation does): a DDP run by its own ranks, which this process
+    starts."""
 
     def run(*args: str) -> Path:
         name = "unbroken_" + hashlib.sha1(" ".join(args).encode()).hexdigest()[:12]
@@ -103,22 +103,6 @@ def kills(marks: Path, *at: tuple[int, int]) -> list[str]:
     return [f"+callbacks.fault{i}.{key}={value}" for i, (step, rank) in enumerate(at)
             for key, value in (("_target_", "tests.faults.KillAtStep"), ("step", step), ("rank", rank),
                                ("mark", marks / f"killed{i}"))]
-
-
-@pytest.mark.slow
-def test_a_run_killed_mid_epoch_resumes_to_the_unbroken_weights(tmp_path, unbroken):
-    """Killed after step 17, with a step checkpoint every 4 steps: the resume starts from `step.ckpt` at step 16. The
-    killed run is a process of its own; its resume, the same command with `ckpt_path=last`, runs in this one."""
-    run_dir = tmp_path / "run"
-    # Both starts take the same command, the fault included: a resume takes no `_target_` from the run's records.
-    command = [*LONGER, "checkpoint.every_n_train_steps=4", *kills(tmp_path, (17, 0)), f"hydra.run.dir={run_dir}"]
-    killed = train(*command, timeout=600)
-    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
-    assert max((load(p)["global_step"], p.name) for p in (run_dir / "checkpoints").glob("*.ckpt")) == (16, "step.ckpt")
-    assert "epoch 1/3 step 10:" in (run_dir / "train.log").read_text(), "a killed run keeps the log of what it did"
-    resumed = train_here(*command, "ckpt_path=last")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert_matches_unbroken(run_dir, unbroken())
 
 
 def assert_same_draws(run: Path, reference: Path) -> None:

@@ -1,8 +1,8 @@
 """A resume ends as the unbroken run would, wherever the stop came: its result line, checkpoints (the best one too)
-and TensorBoard scalars are the unbroken run's. Each run below is SIGKILLed at one point of its life by a fault
-callback (tests/faults.py: the stop waits on the run reaching that point, never on the clock), then resumed. Only the
-run that is killed needs a process of its own; the unbroken run, the run a stop signal ends and the resumes run in
-this one."""
+and TensorBoard scalars and steps are the unbroken run's. Each run below is SIGKILLed at one point of its life by a
+fault callback (tests/faults.py: the stop waits on the run reaching that point, never on the clock), then resumed.
+Only the run that is killed needs a process of its own; the unbroken run, the run a stop signal ends and the resumes
+run in this one."""
 
 import json
 from pathlib import Path
@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import QUICK, scalars, train, train_here
+from tests.helpers import QUICK, scalars, steps_going_back, train, train_here
+from tests.test_resume import assert_same_tensorboard_steps
 
 # Three epochs of ten steps; a step checkpoint every 5 steps, so one falls on each epoch's last step.
 RUN = [*QUICK, "max_epochs=3", "trainer.limit_train_batches=10", "trainer.limit_val_batches=4", "data.batch_size=64",
@@ -55,9 +56,15 @@ def record(run_dir: Path) -> tuple[dict, dict, dict]:
 @pytest.mark.slow
 @pytest.mark.parametrize("stop", STOPS)
 def test_a_run_stopped_anywhere_resumes_to_the_unbroken_runs_end(tmp_path, unbroken, stop):
+    """The same figures, weights and scalars, and TensorBoard's steps too: the same ones, none twice, and none going
+    back in any event file (TensorBoard's reader takes that for a restart and purges by it)."""
     run_dir = tmp_path / "run"
     killed = train(*RUN, *fault(stop, tmp_path / "killed"), f"hydra.run.dir={run_dir}", timeout=600)
     assert killed.returncode == -9, killed.stderr[-3000:]
+    if stop == "during training steps":  # after step 13: the newest checkpoint holds step 10
+        assert max(torch.load(p, map_location="cpu", weights_only=True)["global_step"]
+                   for p in (run_dir / "checkpoints").glob("*.ckpt")) == 10
+        assert "epoch 1/3 step 10:" in (run_dir / "train.log").read_text(), "a killed run keeps the log of what it did"
     # The fault is the test's own callback: a resume takes no `_target_` from a run's records, so it is typed again.
     resumed = train_here(*RUN, *fault(stop, tmp_path / "killed"), "ckpt_path=last", f"hydra.run.dir={run_dir}")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -67,6 +74,10 @@ def test_a_run_stopped_anywhere_resumes_to_the_unbroken_runs_end(tmp_path, unbro
     for name, weights in ours[1].items():
         assert all(torch.equal(weights[k], theirs[1][name][k]) for k in weights), name
     assert ours[2] == theirs[2], "the TensorBoard scalars"
+    assert_same_tensorboard_steps(run_dir, unbroken)
+    # A test resumed after a finished fit logs at the fit's last step, 29, below its checkpoint's purge step, 30: no
+    # other point of those tags lies beyond it for TensorBoard's reader to purge.
+    assert stop == "during the test" or not steps_going_back(run_dir)
 
 
 @pytest.mark.slow
