@@ -75,9 +75,10 @@ def test_a_run_stopped_anywhere_resumes_to_the_unbroken_runs_end(tmp_path, unbro
         assert all(torch.equal(weights[k], theirs[1][name][k]) for k in weights), name
     assert ours[2] == theirs[2], "the TensorBoard scalars"
     assert_same_tensorboard_steps(run_dir, unbroken)
-    # A test resumed after a finished fit logs at the fit's last step, 29, below its checkpoint's purge step, 30: no
-    # other point of those tags lies beyond it for TensorBoard's reader to purge.
-    assert stop == "during the test" or not steps_going_back(run_dir)
+    # A test resumed after a finished fit logs at the fit's last step, 29, after its checkpoint's purge step, 30: the
+    # one step back allowed, as TensorBoard's reader then purges those tags' points beyond 29, of which there are none.
+    allowed = {(29, 30)} if stop == "during the test" else set()
+    assert {(step, latest) for _, step, latest in steps_going_back(run_dir)} <= allowed
 
 
 @pytest.mark.slow
