@@ -60,14 +60,14 @@ def test_a_run_started_on_a_busy_machine_says_so_in_one_line_before_it_trains(tm
     cores, ready = machine
     trained = []
     threads = torch.get_num_threads()  # what a run of one process computes with, here
-    for name, others in (("quiet", 0), ("busy", 1)):
+    for name, others in (("quiet", 0), ("busy", cores)):  # beside the run's threads, as many ready tasks as cores
         ready["tasks"] = others + 1
         caplog.clear()
         cfg = job_config(*QUICK, run_dir=tmp_path / name)
         with caplog.at_level(logging.INFO):
             cli.run_job(cfg, lambda cfg: trained.append(caplog.text) or Result({}, "done"))
         warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-        assert warned == ([] if name == "quiet" else [busy_line(1, threads, cores)])
+        assert warned == ([] if name == "quiet" else [busy_line(cores, threads, cores)])
     assert "the machine is busy" in trained[-1], "said before the run started"
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import QUICK, scalars, steps_going_back, train, train_here
+from tests.helpers import QUICK, run_cli, scalars, steps_going_back, train_here, user_env
 from tests.test_resume import assert_same_tensorboard_steps
 
 # Three epochs of ten steps; a step checkpoint every 5 steps, so one falls on each epoch's last step.
@@ -59,7 +59,9 @@ def test_a_run_stopped_anywhere_resumes_to_the_unbroken_runs_end(tmp_path, unbro
     """The same figures, weights and scalars, and TensorBoard's steps too: the same ones, none twice, and none going
     back in any event file (TensorBoard's reader takes that for a restart and purges by it)."""
     run_dir = tmp_path / "run"
-    killed = train(*RUN, *fault(stop, tmp_path / "killed"), f"hydra.run.dir={run_dir}", timeout=600)
+    # On this process's thread count, as the unbroken run and the resume: another count sums in another order.
+    killed = run_cli("src.train", *RUN, *fault(stop, tmp_path / "killed"), f"hydra.run.dir={run_dir}", timeout=600,
+                     env={**user_env(), "OMP_NUM_THREADS": str(torch.get_num_threads())})
     assert killed.returncode == -9, killed.stderr[-3000:]
     if stop == "during training steps":  # after step 13: the newest checkpoint holds step 10
         assert max(torch.load(p, map_location="cpu", weights_only=True)["global_step"]
