@@ -59,6 +59,11 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         finally:  # no half-written copy left in the run folder
             partial.unlink(missing_ok=True)
 
+    def remove_checkpoint(self, path: str | Path) -> None:
+        """A file or a link itself, never a folder's tree (Lightning's removes recursively, following a link)."""
+        if not os.path.isdir(path) or os.path.islink(path):
+            Path(path).unlink(missing_ok=True)
+
 
 def moved(checkpoint: dict[str, Any], folder: Path) -> dict[str, Any]:
     """The callbacks' paths in the folder it is read from now, so that a moved run folder keeps its best checkpoint."""
@@ -74,7 +79,41 @@ def moved(checkpoint: dict[str, Any], folder: Path) -> dict[str, Any]:
     return checkpoint
 
 
-class StepCheckpoint(ModelCheckpoint):
+class RunCheckpoint(ModelCheckpoint):
+    """Takes from a checkpoint only the paths of files this callback writes in its own folder: Lightning deletes a
+    "worse" best model and the previous last one by the paths in its restored state, and a checkpoint is input."""
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(own_paths(state_dict, self.dirpath, self.filename, self.FILE_EXTENSION))
+
+    @property
+    def state_key(self) -> str:
+        """Lightning's key for its own class: a folder saved under `ModelCheckpoint` resumes into this one."""
+        return super().state_key.replace(RunCheckpoint.__qualname__, ModelCheckpoint.__qualname__, 1)
+
+
+def own_paths(state: dict[str, Any], dirpath: str | None, filename: str | None, extension: str) -> dict[str, Any]:
+    """A checkpoint callback's state as recorded where every path in it is `<dirpath>/<filename's fixed start>...
+    <extension>` (no `..`, no other folder, no URL, no other callback's file) and its best models agree; else the
+    state without paths: a callback then deletes nothing it did not write in this attempt."""
+    start = (filename or "").partition("{")[0]
+
+    def own(path: Any) -> bool:
+        if not (isinstance(path, str) and dirpath and "\0" not in path):
+            return False
+        folder, name = os.path.split(path)
+        return folder == str(dirpath) and name.startswith(start) and name.endswith(extension) and name != extension
+
+    models = state.get("best_k_models", {})
+    paths = [value for key, value in state.items() if key.endswith("_path") and value]
+    if isinstance(models, dict) and all(map(own, [*paths, *models])) and (
+            not models or state.get("kth_best_model_path") in models):
+        return state
+    return {**state, "best_k_models": {}, **{key: "" for key in ("best_model_path", "kth_best_model_path",
+                                                                 "last_model_path")}}
+
+
+class StepCheckpoint(RunCheckpoint):
     """`step.ckpt` every N steps, except at an epoch's last batch: a resume from it would skip the epoch's validation,
     which comes right after; one saved earlier replays the last steps."""
 
@@ -83,7 +122,7 @@ class StepCheckpoint(ModelCheckpoint):
             super().on_train_batch_end(trainer, *args)
 
 
-class BestCheckpoint(ModelCheckpoint):
+class BestCheckpoint(RunCheckpoint):
     """Names its file by the epoch counted from 1, as train.log counts (Lightning's `{epoch}` counts from 0); readers
     find a best file by its `best-` prefix, never by that number, so folders named either way read alike."""
 

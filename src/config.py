@@ -146,7 +146,7 @@ ALIASES = {"precision": {"fp16": "16-mixed", "float16": "16-mixed", "half": "16-
                          "bfloat16": "bf16-mixed", "fp32": "32", "float32": "32", "float": "32", "full": "32",
                          "fp64": "64", "float64": "64", "double": "64"}}
 # Checkpoint callbacks by class name (Lightning's and conf/callbacks' subclass), known without importing them.
-CHECKPOINT_CALLBACKS = ("ModelCheckpoint", "BestCheckpoint", "StepCheckpoint")
+CHECKPOINT_CALLBACKS = ("ModelCheckpoint", "RunCheckpoint", "BestCheckpoint", "StepCheckpoint")
 HOOKS = ("none", "fp16", "bf16", "powersgd", "powersgd_fp16")
 METRICS = ("val/acc", "val/acc_best", "val/loss", "train/acc", "train/loss")  # what a checkpoint callback can watch
 # Loggers whose library is an extra of this project (pyproject.toml): their class, and the package that is the extra.

@@ -7,12 +7,15 @@ torch's own default (and so Lightning's) unsafe. A checkpoint a run writes still
 """
 
 import json
+import os
 import pathlib
 import pickle
 from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from hydra.utils import instantiate
 from lightning import LightningModule, Trainer
 from omegaconf import OmegaConf
@@ -253,3 +256,55 @@ def test_a_new_run_from_another_folders_checkpoint_tests_and_reports_only_what_i
     [own_epoch] = scalars(new)["time/epoch_s"]  # the one epoch this run trained
     assert recorded["metrics"]["time/epoch_s"] == pytest.approx(own_epoch)
     assert "in 4 steps" in result.stdout  # the loss verdict over its own 4 steps, not the old run's too
+
+
+def forge_callback_state(checkpoint: Path, callback: str, **state: object) -> None:
+    """A checkpoint callback's recorded state changed, still plain tensors and strings (a weights-only save)."""
+    saved = read_checkpoint(checkpoint)
+    [key] = [key for key in saved["callbacks"] if key.startswith(callback + "{")]
+    saved["callbacks"][key].update(state)
+    torch.save(saved, checkpoint)
+
+
+def test_a_resume_deletes_no_file_that_a_checkpoints_callback_state_names(tmp_path, quick_run):
+    """Lightning removes a "worse" best model and the previous file by the paths in its restored state, and checks
+    containment with `..` kept: forged paths outside the folder, of another callback and of a URL delete nothing."""
+    run_dir = quick_run.copy(tmp_path)
+    last = run_dir / "checkpoints" / "last.ckpt"
+    outside = [tmp_path / "elsewhere" / name for name in ("best.txt", "last.txt")]
+    outside[0].parent.mkdir()
+    for file in outside:
+        file.write_text("kept")
+    recorded = next(state["dirpath"] for key, state in read_checkpoint(last)["callbacks"].items()
+                    if key.startswith("BestCheckpoint"))
+    best, previous = (f"{recorded}/../../elsewhere/{file.name}" for file in outside)
+    worst = torch.tensor(0.0)  # any val/acc is better: the listed best model is the one to delete
+    forge_callback_state(last, "BestCheckpoint", best_k_models={best: worst}, kth_best_model_path=best,
+                         kth_value=worst, best_model_path=best, best_model_score=worst)
+    forge_callback_state(last, "ModelCheckpoint", best_model_path=previous, last_model_path=previous,
+                         best_k_models={previous: None}, kth_best_model_path=previous)
+    step = run_dir / "checkpoints" / "step.ckpt"  # a file of another callback, listed as this one's best
+    step.write_bytes(b"kept")
+    result = train_here(*QUICK, "ckpt_path=last", "max_epochs=2", f"hydra.run.dir={run_dir}")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert [file.read_text() for file in outside] == ["kept", "kept"]
+    assert (run_dir / "checkpoints" / "best-epoch2.ckpt").is_file()  # the run's own best is saved as ever
+
+
+@settings(max_examples=300, deadline=None)
+@given(paths=st.lists(st.one_of(
+    st.text(alphabet="/.\\ab-:{}\0", max_size=40),
+    st.builds(lambda tail: f"/run/checkpoints/{tail}", st.text(alphabet="/.ab-ckpt:\0", max_size=30)),
+    st.sampled_from(["/run/checkpoints/best-epoch1.ckpt", "/run/checkpoints/../x/best-epoch1.ckpt",
+                     "memory://run/checkpoints/best-epoch1.ckpt", "/run/checkpoints/last.ckpt"])), max_size=4))
+def test_a_checkpoint_callback_keeps_only_paths_of_its_own_files_in_its_folder(paths):
+    from src.checkpoints import own_paths
+
+    state = {"dirpath": "/run/checkpoints", "best_k_models": {p: 0.5 for p in paths}, "best_model_path": paths[0]
+             if paths else "", "kth_best_model_path": paths[-1] if paths else "", "last_model_path": ""}
+    kept = own_paths(state, "/run/checkpoints", "best-epoch{epoch}", ".ckpt")
+    for path in [*kept["best_k_models"], kept["best_model_path"], kept["kth_best_model_path"]]:
+        if path:
+            folder, name = os.path.split(path)
+            assert folder == "/run/checkpoints" and name.startswith("best-epoch") and name.endswith(".ckpt")
+            assert os.path.normpath(path) == path and "\0" not in path
