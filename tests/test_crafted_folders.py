@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from omegaconf import OmegaConf
 
 from src import records, resume
@@ -340,3 +342,30 @@ def test_a_runs_hydra_folder_that_is_a_link_is_refused(tmp_path, capsys, data_ro
     assert status == 2 and line == (f"error: {folder / '.hydra'} is a symbolic link; a run writes only files of its own "
                                     "folder, never through a link: remove the link, or use another folder")
     assert not list(elsewhere.iterdir())
+
+
+# ------------------------------------------------------------------ a sweep job's folder, named by its swept values
+
+
+@pytest.mark.parametrize("label", ["", "lenet_auto_1dev_32-true"])
+def test_a_swept_value_with_a_path_names_one_folder_inside_the_sweep(tmp_path, label):
+    """`data.root=<root>,/../../../<elsewhere>` in multirun.yaml put a resumed job's whole run in <elsewhere>."""
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    escape = "/../../../elsewhere"
+    (sweep / "multirun.yaml").write_text(yaml.safe_dump({"hydra": {"overrides": {"task": [f"data.root=a,{escape}"]}}}))
+    name = naming.sweep_job_dirname([f"data.root={escape}"], 1, str(sweep), label)
+    assert (sweep / name).resolve().parent == sweep.resolve(), name
+    assert name != naming.sweep_job_dirname(["data.root=a"], 0, str(sweep), label)
+
+
+@settings(max_examples=500, deadline=None)
+@given(texts=st.lists(st.text(max_size=300), min_size=2, max_size=2, unique=True))
+def test_every_text_names_one_folder_of_its_own(texts):
+    """Any swept value (a path, `..`, control characters, a long text) is one folder below the sweep, never above it
+    or hidden, at most 255 bytes, and two values never share a folder."""
+    names = [naming.folder_name(text, "job0") for text in texts]
+    for name in names:
+        assert name and "/" not in name and "\0" not in name and not name.startswith(".")
+        assert all(char.isprintable() for char in name) and len(name.encode()) <= 255
+    assert names[0] != names[1] or "" in texts

@@ -1,5 +1,6 @@
 """Names of run and sweep-job folders, so that TensorBoard's run list reads as the runs; the resolvers that make them."""
 
+import hashlib
 import logging
 import os
 import re
@@ -76,10 +77,25 @@ def sweep_job_dirname(job_overrides: list[str], job_num: int, sweep_dir: str, la
     values = {key.lstrip("+"): value for key, value in (item.split("=", 1) for item in job_overrides if "=" in item)}
     swept = [key for key in swept_keys(sweep_args(sweep_dir)) if key in values]
     if not label:  # a job that never started: by every swept value
-        return ",".join(f"{key}={values[key]}" for key in swept) or f"job{job_num}"
+        return folder_name(",".join(f"{key}={values[key]}" for key in swept), f"job{job_num}")
     parts = [f"{key}={values[key]}" for key in swept
              if key not in LABELLED and not (key == "precision" and label.endswith("_" + values[key]))]
-    return "_".join([label, ",".join(parts)]) if parts else label
+    return folder_name("_".join([label, ",".join(parts)]) if parts else label, f"job{job_num}")
+
+
+NAME_BYTES = 200  # a job folder's name at most (file systems take 255)
+
+
+def folder_name(text: str, fallback: str) -> str:
+    """`text` as one folder of the sweep's: `/`, `\\`, control characters and a leading `.` as `_`, at most
+    `NAME_BYTES`; a name changed so ends in a digest of `text`, so that two values stay two folders. `fallback` for
+    none at all."""
+    name = "".join("_" if char in "/\\" or not char.isprintable() else char for char in text)
+    name = "_" + name[1:] if name.startswith(".") else name
+    if name == text and len(name.encode()) <= NAME_BYTES:
+        return name or fallback
+    digest = hashlib.sha256(text.encode(errors="surrogatepass")).hexdigest()[:12]
+    return f"{name.encode()[:NAME_BYTES - 13].decode(errors='ignore')}-{digest}"
 
 
 def job_dirname(config: DictConfig) -> str:
