@@ -369,3 +369,32 @@ def test_every_text_names_one_folder_of_its_own(texts):
         assert name and "/" not in name and "\0" not in name and not name.startswith(".")
         assert all(char.isprintable() for char in name) and len(name.encode()) <= 255
     assert names[0] != names[1] or "" in texts
+
+
+def test_a_study_named_like_a_resolver_reaches_no_job_as_text(tmp_path, monkeypatch):
+    """A study renamed in optuna.db to `${oc.env:...}` was passed to each job as a quoted override, which Hydra's
+    grammar still interpolates: the job printed the variable's value. Jobs get the study's id, a number."""
+    import optuna
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from src.launch.optuna_sweeper import TrialRecord, storage
+    from tests.test_optuna_sweeper import LR, SETTINGS, Batches
+
+    monkeypatch.setenv(SECRET, "leaked")
+    study = optuna.create_study(storage=storage(tmp_path / DB), study_name=f"${{oc.env:{SECRET}}}",
+                                direction="maximize")
+    sweeper = OptunaSweeper(**{**SETTINGS, "n_trials": 1})
+    sweeper.config = OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}, "ckpt_path": "auto"})
+    launcher = sweeper.launcher = Batches(study)
+    given = []
+    launcher.launch = lambda job_overrides, initial_job_idx: given.extend(job_overrides) or []
+    sweeper.check = lambda space: None
+    sweeper.sweep([LR])
+    [overrides] = given
+    job = OmegaConf.create()
+    for override in OverridesParser.create().parse_overrides(overrides):
+        OmegaConf.update(job, override.key_or_group.lstrip("+"), override.value(), force_add=True)
+    resolved = OmegaConf.to_container(job, resolve=True)
+    assert "leaked" not in str(resolved)
+    reached = resolved["callbacks"]["optuna_trial"]
+    assert TrialRecord(reached["db"], reached["study"], reached["trial"]).study.study_name == study.study_name

@@ -15,7 +15,7 @@ import optuna
 import pytest
 import torch
 from hydra.core.utils import JobReturn, JobStatus
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 from optuna.trial import TrialState, create_trial
 
@@ -88,8 +88,15 @@ def trial_of_job(tmp_path: Path) -> tuple[optuna.Study, object]:
     study = optuna.create_study(storage=storage(tmp_path / DB), study_name="s", direction="maximize")
     number = study.ask({"optim.lr": FloatDistribution(0.001, 1.0, log=True)}).number
     cfg = OmegaConf.create({"output_dir": str(tmp_path / "run"), "callbacks": {
-        "optuna_trial": {"db": str(tmp_path / DB), "study": "s", "trial": number}}})
+        "optuna_trial": {"db": str(tmp_path / DB), "study": storage(tmp_path / DB).get_study_id_from_name("s"),
+                         "trial": number}}})
     return study, cfg
+
+
+def job_trial(cfg: DictConfig) -> tuple[str, int, int]:
+    """The study's file, the study's id and the trial's number, as the job's callback gets them."""
+    where = cfg.callbacks.optuna_trial
+    return where.db, where.study, where.trial
 
 
 def test_a_job_tells_its_trial_its_best_validation_accuracy_never_a_test_figure(tmp_path):
@@ -125,7 +132,7 @@ def with_better_trials(study: optuna.Study) -> None:
 def test_a_trial_the_pruner_gives_up_is_recorded_and_told_as_pruned(tmp_path):
     study, cfg = trial_of_job(tmp_path)
     with_better_trials(study)
-    record = TrialRecord(str(tmp_path / DB), "s", 0)
+    record = TrialRecord(*job_trial(cfg))
     assert record.report(0, 0.3) is True
     returned = record.told(Result({"val/acc_best": 0.3, "test/acc": 0.29}, "line"), "run")
     assert study.trials[0].state == TrialState.PRUNED and study.trials[0].user_attrs["pruned after epoch"] == 1
@@ -136,12 +143,12 @@ def test_a_trial_below_the_median_after_its_last_epoch_is_complete_not_pruned(tm
     """With max_epochs=1 every trial below the median was marked pruned after its only epoch."""
     study, cfg = trial_of_job(tmp_path)
     with_better_trials(study)
-    callback = ReportToTrial(str(tmp_path / DB), "s", 0)
+    callback = ReportToTrial(*job_trial(cfg))
     trainer = SimpleNamespace(sanity_checking=False, callback_metrics={"val/acc": torch.tensor(0.3)}, is_global_zero=True,
                               current_epoch=0, max_epochs=1, should_stop=False,
                               strategy=SimpleNamespace(broadcast=lambda value, src: value))
     callback.on_validation_end(trainer, None)
-    returned = TrialRecord(str(tmp_path / DB), "s", 0).told(Result({"val/acc_best": 0.3}, "line"), "run")
+    returned = TrialRecord(*job_trial(cfg)).told(Result({"val/acc_best": 0.3}, "line"), "run")
     assert not trainer.should_stop and not returned.pruned
     assert (study.trials[0].state, study.trials[0].value) == (TrialState.COMPLETE, 0.3)
     assert study.trials[0].intermediate_values == {0: pytest.approx(0.3)}

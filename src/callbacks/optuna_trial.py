@@ -8,7 +8,7 @@ from src.launch.optuna_sweeper import TrialRecord
 class ReportToTrial(Callback):
     """Each epoch's val/acc to the trial; a pruned trial stops after the epoch in every process, then is tested."""
 
-    def __init__(self, db: str, study: str, trial: int) -> None:
+    def __init__(self, db: str, study: int, trial: int) -> None:
         self.where = (db, study, trial)
         self.trial: TrialRecord | None = None
 

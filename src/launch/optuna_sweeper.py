@@ -56,16 +56,17 @@ class TrialResult(Result):
 
 
 class TrialRecord:
-    """One trial of a sweep's study, reached through the study's file by its number, through Optuna's `Trial`."""
+    """One trial of a sweep's study, reached through the study's file by the study's id and the trial's number (never
+    by the study's name: a name is text from the file, and a job's overrides pass through Hydra's grammar)."""
 
-    def __init__(self, db: str, study: str, number: int) -> None:
+    def __init__(self, db: str, study: int, number: int) -> None:
         optuna, store, self.number = optuna_package(), storage(db), number
-        self.study = optuna.load_study(study_name=study, storage=store)
+        self.study = optuna.load_study(study_name=store.get_study_name_from_id(study), storage=store)
         median = self.study.user_attrs.get("pruner") == "median"
         self.study.pruner = optuna.pruners.MedianPruner() if median else optuna.pruners.NopPruner()
         self.reported = set(self.study.trials[number].intermediate_values)  # epochs a stopped attempt reported
         # The id Optuna's `Trial` is made by, which only the storage tells from the trial's number
-        trial_id = store.get_trial_id_from_study_id_trial_number(store.get_study_id_from_name(study), number)
+        trial_id = store.get_trial_id_from_study_id_trial_number(study, number)
         self.trial = optuna.trial.Trial(self.study, trial_id)
 
     def report(self, epoch: int, value: float, last: bool = False) -> bool:
@@ -211,10 +212,11 @@ class OptunaSweeper(Sweeper):
                                         noun="trial", note=lambda: best(study, sweep_dir, note=True))
         new = max(0, n_trials - len(study.trials))
         db, node = quoted(str(sweep_dir.absolute() / DB)), f"+callbacks.{CALLBACK}"
+        study_id = storage(sweep_dir / DB).get_study_id_from_name(study.study_name)
 
         def reaching(number: int) -> list[str]:  # the callback through which a job reaches its trial
             return [f"{node}._target_=src.callbacks.optuna_trial.ReportToTrial", f"{node}.db={db}",
-                    f"{node}.study={quoted(study.study_name)}", f"{node}.trial={number}"]
+                    f"{node}.study={study_id}", f"{node}.trial={number}"]
 
         def next_trial() -> tuple[int, list[str]] | None:
             """The next trial left running by an earlier command, else a new one while the search asks for more."""
