@@ -8,7 +8,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from src import records
+from src import config, records
 from src.errors import UsageError
 from src.launch import cli
 from src.records import Result
@@ -46,10 +46,12 @@ def as_trained(cfg: DictConfig, overrides: list[str], group: str) -> DictConfig:
                          f"{group} with {key}={theirs.get(key)} where {here} has {ours.get(key)}, and a run's config may "
                          f"change the {group}'s values, not what builds it; move that file away to score with {here} "
                          "as configured here")
-    for key in (override.split("=", 1)[0] for override in overrides):  # `<group>.<known key>=` typed here wins
-        if key.startswith(f"{group}."):
-            path = key.removeprefix(f"{group}.")
-            OmegaConf.update(trained, path, OmegaConf.select(cfg[group], path), merge=False)
+    typed = [key.removeprefix(f"{group}.") for key in (override.split("=", 1)[0] for override in overrides)
+             if key.startswith(f"{group}.")]  # `<group>.<known key>=` typed here wins
+    kept = [key for key in config.flatten(OmegaConf.to_container(trained, resolve=False))
+            if not records.carried(f"{group}.{key}") and OmegaConf.select(cfg[group], key) is not None]
+    for path in [*typed, *kept]:  # and where the data lives, and whether it is downloaded, are this command's
+        OmegaConf.update(trained, path, OmegaConf.select(cfg[group], path), merge=False)
     return trained
 
 

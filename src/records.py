@@ -142,9 +142,23 @@ QUOTED = r"'[^'\"\\$\x00-\x1f\x7f]*'|\"[^'\"\\$\x00-\x1f\x7f]*\""
 SCALAR = re.compile(rf"{BARE}|{QUOTED}")
 NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
 SWEEP_FUNCTIONS = re.compile(r"(interval|range|choice)\((.*)\)|tag\(log,\s*interval\((.*)\)\)")
-# Keys a record never sets: where a run writes (its folder is the one typed), what code a strategy calls.
+# Launcher settings a sweep's record never sets: where its jobs write.
 WHERE = re.compile(r"(^|\.)(\w*dir|\w*dirpath|\w*path|\w*folder|\w*_uri|\w*file|filename|root)$")
-NOT_FROM_RECORDS = {"strategy.hook_state": "it names code to run"}
+# The keys a record carries: those that decide what a run computes. Where it reads and writes (data.root and every
+# folder), whether it downloads, what its loggers are named and where they log, and code to call (strategy.hook_state)
+# come from conf/ and the typed command only; a key not listed here is refused, however it is named.
+CARRIED = re.compile(r"""(accelerator|devices|num_nodes|precision|channels_last|compile|cuda_graphs|steps_per_execution
+    |sync_batchnorm|max_epochs|seed|tags|test_weights|checkpoint\.every_n_train_steps
+    |model(\.[A-Za-z]\w*)+|optim\.[A-Za-z]\w*|strategy\.(?!hook_state$)[A-Za-z]\w*|data\.(?!root$|download$)[A-Za-z]\w*
+    |trainer\.(?P<trainer>\w+)|callbacks\.time_to_accuracy\.targets|callbacks\.best_checkpoint\.(monitor|mode))""", re.X)
+
+
+def carried(key: str) -> bool:
+    """Whether a record may set `key` (`CARRIED`; a Trainer argument that conf/trainer's schema names)."""
+    from src.config import RULES  # the schema's Trainer arguments
+
+    found = CARRIED.fullmatch(key)
+    return bool(found) and (found.group("trainer") is None or key in RULES)
 LAUNCHERS, SWEEPERS = ("sequential", "parallel", "slurm"), ("optuna",)
 # A config group's option by its name, found where Hydra looks (conf/ and a search path the command types), never a
 # path to another file.
@@ -189,8 +203,9 @@ def plain(text: str, sweep: bool) -> bool:
 
 def settings(lines: Any, path: Path, sweep: bool = False, typed: set[str] = frozenset()) -> list[str]:
     """A run's (or a sweep's) recorded overrides, taken only as values: a group's option by its name in conf/, a key
-    of the config with a plain value; any other line is refused in one line naming the file and the key. A line
-    whose key is `typed` is the command's, and is not read."""
+    that `carried` names with a plain value. A key of the config that a record does not carry is left to conf/ and
+    the command; any other line is refused in one line naming the file and the key. A line whose key is `typed` is
+    the command's, and is not read."""
     from src.config import DERIVED, GROUPS, TrainConfig, options  # the schema: its keys and groups
 
     top_level = set(TrainConfig.__dataclass_fields__) - set(DERIVED)
@@ -203,13 +218,6 @@ def settings(lines: Any, path: Path, sweep: bool = False, typed: set[str] = froz
         if not KEY.fullmatch(key):
             raise refused(path, key, text, "its key must be a key of the config (plain names joined by dots); a "
                                           "record may not name code, Hydra's settings or a package")
-        head = key.split(".")[0]
-        if head == "hydra" or head not in top_level | set(GROUPS):
-            raise refused(path, key, text, "a resume takes the run's own settings (keys of conf/train.yaml), never "
-                                          "Hydra's or those derived from others")
-        why = NOT_FROM_RECORDS.get(key) or NOT_FROM_RECORDS.get(".".join(key.split(".")[:2]))
-        if why or WHERE.search(key) and key != "data.root":
-            raise refused(path, key, text, f"{why or 'it says where a run writes'}; type it again to resume with it")
         if key in GROUPS and not prefix:
             listed = re.fullmatch(r"\[(.*)\]", text) if key == "logger" else None
             names = (listed.group(1) if listed else text).split(",")
@@ -218,6 +226,10 @@ def settings(lines: Any, path: Path, sweep: bool = False, typed: set[str] = froz
                                                f"{options(key)}), never a path")
             kept.append(f"{key}={text}")
             continue
+        head = key.split(".")[0]
+        if head == "hydra" or head not in top_level | set(GROUPS):
+            raise refused(path, key, text, "a resume takes the run's own settings (keys of conf/train.yaml), never "
+                                          "Hydra's or those derived from others")
         if prefix not in ("", "~") and not (prefix == "+" and head == "trainer"):
             raise refused(path, key, text, "a record may add no key but a lightning.Trainer argument")
         if has_value and not plain(text, sweep):
@@ -225,6 +237,8 @@ def settings(lines: Any, path: Path, sweep: bool = False, typed: set[str] = froz
                                           "one line without $, \\, quotes or control characters")
         if key == "strategy.hook" and scalar(text) not in ("none", "fp16", "bf16", "powersgd", "powersgd_fp16"):
             raise refused(path, key, text, "a hook of one's own (an import path) is typed, never taken from a record")
+        if not (carried(key) or prefix == "~" and re.fullmatch(r"callbacks\.[A-Za-z]\w*", key)):
+            continue  # where it reads, writes or logs, or code: conf/'s or the command's (src.resume compares)
         kept.append(line)  # every part of it a plain value: Hydra reads it as those values alone
     return kept
 

@@ -59,8 +59,6 @@ def with_record(args: list[str]) -> list[str]:
     if multirun:  # the lines typed again as they were are the sweep's too
         check_sweep(config.parse([*recorded, *(line for line in overrides if line in args)]), typed, path.parent)
     taken = [line for line in [*launch, *recorded] if line.partition("=")[0].lstrip("+~") not in typed]
-    if not multirun and any(line.startswith("data.root=") for line in taken) and "data.download" not in typed:
-        taken.append("data.download=false")  # the data a record names is read, never downloaded into
     return [*taken, *args]
 
 
@@ -134,9 +132,10 @@ def check(cfg: DictConfig) -> records.Result | None:
             raise refused(name, old, new, folder, f", over which its learning rate follows optim.schedule="
                           f"{before['optim.schedule']}: another length would change every step of it; start a new run "
                           "to train longer")
-        if records.WHERE.search(name) and isinstance(old, str):
-            raise refused(name, old, new, folder, ", and a resume writes where the run did; type "
-                          f"{name}={config.shown(old)} to go on there, or start a new run (without ckpt_path)")
+        if not records.carried(name):
+            raise refused(name, old, new, folder, ", which a record never sets (where a run writes and logs come "
+                          f"from the command); type {name}={config.shown(old)} to go on with it, or start a new run "
+                          "(without ckpt_path)")
         raise refused(name, old, new, folder, ", and a resume continues the run as it was; leave it out, or start a "
                                               "new run (without ckpt_path) to change it")
     return finished(cfg, folder)

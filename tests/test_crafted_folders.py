@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from omegaconf import OmegaConf
 
-from src import records, resume
+from src import config, records, resume
 from src.checkpoints import AtomicCheckpointIO, clean_partial
 from src.errors import UsageError
 from src.folders import write_file
@@ -61,10 +61,7 @@ def refused_line(path: Path, key: str) -> str:
     ("strategy.hook=os.system", "strategy.hook"),  # a function named by import path
     ("+callbacks.evil._target_=builtins.open", "callbacks.evil._target_"),
     ("model.loss._target_=builtins.open", "model.loss._target_"),
-    ("strategy.hook_state.x=1", "strategy.hook_state.x"),
     ("output_dir={made}", "output_dir"),  # where the run writes
-    ("callbacks.last_checkpoint.dirpath={made}", "callbacks.last_checkpoint.dirpath"),
-    ("logger.mlflow.tracking_uri=sqlite:///{made}/x.db", "logger.mlflow.tracking_uri"),
     ("hydra.job.name={made}", "hydra.job.name"),
     ("hydra.callbacks.evil._target_=builtins.open", "hydra.callbacks.evil._target_"),
     ("tags=[one\nline]", "tags"),
@@ -89,10 +86,51 @@ def test_a_runs_plain_settings_are_taken_as_recorded_and_the_typed_ones_win(tmp_
                         "+trainer.overfit_batches=2", "~callbacks.step_checkpoint", "strategy.hook=powersgd",
                         "trainer.max_time=00:01:00:00", "ckpt_path=/elsewhere/x.ckpt")
     args = resume_run(folder, "optim.lr=0.1")
-    assert args == ["model=lenet", "tags=[a,b]", "precision=bf16-mixed", "data.root='/data/a b'",
+    assert args == ["model=lenet", "tags=[a,b]", "precision=bf16-mixed",
                     "+trainer.overfit_batches=2", "~callbacks.step_checkpoint", "strategy.hook=powersgd",
-                    "trainer.max_time=00:01:00:00", "data.download=false", "ckpt_path=last", f"hydra.run.dir={folder}",
-                    "optim.lr=0.1"]
+                    "trainer.max_time=00:01:00:00", "ckpt_path=last", f"hydra.run.dir={folder}", "optim.lr=0.1"]
+
+
+WHERE_AND_WHO = ["data.root=/elsewhere", "data.download=true", "logger.tensorboard.version=../../x",
+                 "logger.tensorboard.name=x", "logger.csv.name=x", "logger.mlflow.artifact_location=/elsewhere",
+                 "logger.wandb.offline=false", "logger.mlflow.tracking_uri=sqlite:////elsewhere/x.db",
+                 "callbacks.last_checkpoint.dirpath=/elsewhere", "callbacks.best_checkpoint.filename=x",
+                 "strategy.hook_state.x=1", "trainer.default_root_dir=/elsewhere", "+trainer.weights_save_path=x"]
+
+
+@pytest.mark.parametrize("word", ["last", "auto"])
+def test_where_a_run_reads_writes_and_logs_is_never_taken_from_its_record(tmp_path, word):
+    """A logger's `version` in a record moved the resumed run's events two folders up; `data.root` with
+    `data.download=true` downloaded into a recorded folder; `offline=false` would upload: a record carries only what
+    the run computes, and these come from conf/ and the command."""
+    folder = run_folder(tmp_path, *WHERE_AND_WHO)
+    assert resume_run(folder, word=word) == ["model=lenet", "optim.lr=0.05", f"ckpt_path={word}",
+                                             f"hydra.run.dir={folder}"]
+
+
+KEYS = st.one_of(st.sampled_from(sorted({*config.RULES, *(line.partition("=")[0].lstrip("+") for line in WHERE_AND_WHO)})),
+                 st.from_regex(r"[a-z]{1,8}(\.[a-z_]{1,12}){0,3}", fullmatch=True))
+VALUES = st.one_of(st.sampled_from(["1", "0.5", "true", "null", "x", "/elsewhere", "../..", "'a b'", "[a,b]"]),
+                   st.text(max_size=12))
+
+
+@settings(max_examples=400, deadline=None)
+@given(lines=st.lists(st.tuples(st.sampled_from(["", "+", "~", "++"]), KEYS, VALUES), max_size=6))
+def test_a_record_yields_only_carried_keys_with_plain_values_or_a_one_line_refusal(tmp_path_factory, lines):
+    """Whatever a run's record holds, what a resume takes from it is a key `records.carried` names (or a group's
+    option, or a callback left out) with a plain value; anything else is skipped or refused in one line."""
+    path = tmp_path_factory.mktemp("record") / "overrides.yaml"
+    recorded = [f"{prefix}{key}={value}" for prefix, key, value in lines]
+    try:
+        taken = records.settings(recorded, path)
+    except UsageError as refused:
+        assert str(refused).startswith(f"{path}: ") and "\n" not in str(refused)
+        return
+    for line in taken:
+        prefix = re.match(r"\+\+|\+|~|", line).group()
+        key, _, value = line[len(prefix):].partition("=")
+        assert key in config.GROUPS or records.carried(key) or prefix == "~" and key.startswith("callbacks.")
+        assert records.plain(value, sweep=False) or key in config.GROUPS
 
 
 def test_a_recorded_hook_of_ones_own_is_refused_but_typed_again_it_is_the_commands(tmp_path):
@@ -398,3 +436,23 @@ def test_a_study_named_like_a_resolver_reaches_no_job_as_text(tmp_path, monkeypa
     assert "leaked" not in str(resolved)
     reached = resolved["callbacks"]["optuna_trial"]
     assert TrialRecord(reached["db"], reached["study"], reached["trial"]).study.study_name == study.study_name
+
+
+def test_a_loggers_version_in_a_record_never_moves_where_a_resume_writes(tmp_path, quick_run):
+    """`logger.tensorboard.version=../../x` in overrides.yaml and config.yaml: the resume wrote its events two folders
+    above the run. The record does not carry it, and the run's config holds it: one line that says to type it."""
+    from tests.helpers import QUICK, train_here
+
+    run_dir = quick_run.copy(tmp_path)
+    overrides = run_dir / ".hydra" / "overrides.yaml"
+    overrides.write_text(yaml.safe_dump([*yaml.safe_load(overrides.read_text()), "logger.tensorboard.version=../../x"]))
+    recorded = run_dir / "config.yaml"
+    recorded.write_text(recorded.read_text().replace("    version: ''", "    version: ../../x", 1))
+    before = sorted(p for p in tmp_path.rglob("*") if p.name != ".lock")
+    result = train_here(*QUICK, "ckpt_path=last", "max_epochs=2", f"hydra.run.dir={run_dir}")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"error: logger.tensorboard.version= is not allowed in a resume of {run_dir}: the run used "
+        "logger.tensorboard.version=../../x, which a record never sets (where a run writes and logs come from the "
+        "command); type logger.tensorboard.version=../../x to go on with it, or start a new run (without ckpt_path)"]
+    assert sorted(p for p in tmp_path.rglob("*") if p.name != ".lock") == before
