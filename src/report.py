@@ -9,6 +9,7 @@ import io
 import itertools
 import logging
 import math
+import re
 import statistics
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
@@ -194,8 +195,27 @@ def collect_runs(root: Path) -> list[Run]:
     return collect(root)[0]
 
 
+def markdown_cell(value: Any) -> str:
+    """Text from a record or a folder name as one line of Markdown that shows it as written: whoever wrote the record
+    adds no heading, link, emphasis, table cell or HTML to the report."""
+    text = records.shown(value).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+    # An underscore inside a word emphasises nothing (CommonMark): run names keep theirs.
+    return re.sub(r"[\\`*\[\]|#~]|(?<![^\W_])_|_(?![^\W_])", r"\\\g<0>", text)
+
+
+CSV_FORMULA = ("=", "+", "-", "@", "\t", "\r")  # how a spreadsheet cell starts a formula
+CSV_NUMBER = re.compile(r"-?[0-9]+(\.[0-9]+)?(e[-+]?[0-9]+)?")
+
+
+def csv_cell(value: Any) -> Any:
+    """A cell a spreadsheet shows as written: text that would start a formula gets a leading `'`, a number stays one."""
+    if isinstance(value, str) and value.startswith(CSV_FORMULA) and not CSV_NUMBER.fullmatch(value):
+        return "'" + value
+    return value
+
+
 def _cell(value: Any, digits: int) -> str:
-    return "" if value is None else f"{value:.{digits}f}" if isinstance(value, float) else str(value)
+    return "" if value is None else f"{value:.{digits}f}" if isinstance(value, float) else markdown_cell(value)
 
 
 def _table(header: Sequence[str], rows: Iterable[list[str]], rule: str = "") -> str:
@@ -205,7 +225,7 @@ def _table(header: Sequence[str], rows: Iterable[list[str]], rule: str = "") -> 
 
 def _write_csv(path: Path, header: Iterable[str], rows: Iterable[Iterable[Any]]) -> None:
     text = io.StringIO(newline="")
-    csv.writer(text).writerows([header, *rows])
+    csv.writer(text).writerows([csv_cell(cell) for cell in row] for row in [header, *rows])
     write_file(path, text.getvalue())
 
 
@@ -232,7 +252,7 @@ def disturbance_note(runs: list[Run]) -> str:
     """Below the table, where some run's epochs competed with other work."""
     if not any(run.disturbed_epochs for run in runs):
         return ""
-    left_out = [f"{run.run} ({run.speedup_left_out})" for run in runs if run.speedup_left_out]
+    left_out = [markdown_cell(f"{run.run} ({run.speedup_left_out})") for run in runs if run.speedup_left_out]
     return ("\\* Other work ran beside some epochs (`disturbed epochs`: `usage/disturbed` in TensorBoard, at least "
             "half a core's worth of other runnable tasks with the cores oversubscribed, and the run got under 0.8 of "
             "its threads' CPU time): their times measured the machine's load as well as the setting, and so does any "
@@ -444,8 +464,8 @@ def markdown_report(runs: list[Run], root: Path, seeds: list[list[str]], scaling
     speedup = ("Speed-up: the median epoch time of the one-device runs (devices x num_nodes = 1) alike but for devices "
                "(model, strategy, precision, batches, epochs, ...) over this run's; empty where there is none, and for "
                "those runs themselves where there are several. ") if by_devices else ""
-    parts = [f"# Report: {root}", f"{counted(len(runs), 'run')}. Epoch times exclude validation. {speedup}".rstrip(),
-             markdown_table(runs)]
+    parts = [f"# Report: {markdown_cell(root)}",
+             f"{counted(len(runs), 'run')}. Epoch times exclude validation. {speedup}".rstrip(), markdown_table(runs)]
     if disturbance_note(runs):
         parts.append(disturbance_note(runs))
     if time_to[1]:
@@ -453,25 +473,31 @@ def markdown_report(runs: list[Run], root: Path, seeds: list[list[str]], scaling
                   "as epoch times count them) until val/acc first reached each target, at the validation that showed "
                   "it (`trainer.val_check_interval` makes them finer). The median over the seeds, a seed that never "
                   "reached the target counting as slowest, then [fastest, slowest] of those that did, and how many did "
-                  "(`time_to_accuracy.csv`).", _table(*time_to),
+                  "(`time_to_accuracy.csv`).", _setting_table(*time_to),
                   "![validation accuracy against training seconds](acc_time.png)"]
     if failed:
         parts += [f"{counted(len(failed), 'job')} failed:", _table(["job", "error"], (
-            [job.replace("|", "\\|"), line.replace("|", "\\|")] for job, line in failed.items()))]
+            [markdown_cell(job), markdown_cell(line)] for job, line in failed.items()))]
     if evaluations:
         parts += ["## Evaluations", "Checkpoints scored by `python -m src.eval`, apart from the training runs above.",
                   _table(["evaluation", "checkpoint", "test acc"],
-                         ([run.run, run.checkpoint, _cell(run.test_acc, 4)] for run in evaluations), "|---|---|---:|")]
+                         ([markdown_cell(run.run), markdown_cell(run.checkpoint), _cell(run.test_acc, 4)]
+                          for run in evaluations), "|---|---|---:|")]
     if seeds:
         parts += ["## Seeds", "Runs of one setting that differ only in their seed: mean, sample standard deviation and "
                   "the 95 % confidence interval of the mean (Student t, n - 1 degrees of freedom) over the seeds "
-                  "(`seeds.csv`).", _table(SEED_COLUMNS, seeds)]
+                  "(`seeds.csv`).", _setting_table(SEED_COLUMNS, seeds)]
     parts.append("![validation accuracy per epoch](val_acc.png)")
     if by_devices:
         parts.append("![median epoch time against devices](epoch_time.png)")
     if scaling:
         parts += ["# Predicted scaling (scaling.md, `python -m src.scaling`)", scaling]
     return "\n\n".join(parts) + "\n"
+
+
+def _setting_table(header: Sequence[str], rows: list[list[str]]) -> str:
+    """A table of settings: the header names targets and the first column labels a setting, both from records."""
+    return _table([markdown_cell(title) for title in header], ([markdown_cell(row[0]), *row[1:]] for row in rows))
 
 
 def reached_cell(run: Run, target: str) -> Any:
@@ -496,7 +522,7 @@ def write_report(root: Path, out: Path | None = None, failed: dict[str, str] | N
         try:
             scaling = write_scaling(root, out, load_probe(root / "probe.json"), report=True, opened=opened)
         except UsageError as error:
-            log.info(f"no scaling prediction: {error}")
+            log.info(f"no scaling prediction: {records.shown(error)}")
     seeds, time_to, targets = seed_rows(runs), time_to_rows(runs), targets_of(runs)
     write_file(out / "report.md", markdown_report(runs, root, seeds, scaling, failed, evaluations, time_to))
     _write_csv(out / "report.csv", [*COLUMNS, *(f"s_to_val_acc_{target}" for target in targets)],
@@ -518,7 +544,7 @@ def write_sweep_report(sweep_dir: Path, failed: dict[str, str]) -> Path | None:
     try:
         runs = write_report(sweep_dir, failed=failed)
     except UsageError as error:
-        log.warning(f"no sweep report: {error}")
+        log.warning(f"no sweep report: {records.shown(error)}")
         return None
     from torch.utils.tensorboard import SummaryWriter
 
@@ -539,9 +565,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=None, help="where to write the report (default: the folder)")
     with usage_errors_exit():
         args = parser.parse_args(argv)
-        with saying(f"reading the runs below {args.folder} and writing their report"):
+        with saying(f"reading the runs below {records.shown(args.folder)} and writing their report"):
             runs = write_report(args.folder, args.out)
-    print(f"{counted(len(runs), 'run')} -> {(args.out or args.folder) / 'report.md'}")
+    print(f"{counted(len(runs), 'run')} -> {records.shown((args.out or args.folder) / 'report.md')}")
 
 
 if __name__ == "__main__":

@@ -148,7 +148,7 @@ def read_runs(root: Path, read: Callable[[RunFolder], T | None],
         except Exception as error:
             reason = str(error) if isinstance(error, UsageError) else \
                 f"{type(error).__name__}: {' '.join(str(error).split())}"
-            unreadable.append(f"{run_dir}: left out ({reason})")
+            unreadable.append(records.shown(f"{run_dir}: left out ({reason})"))
             continue
         if item is not None:
             found.append(item)
@@ -190,5 +190,5 @@ def usage_errors_exit() -> Iterator[None]:
     try:
         yield
     except UsageError as error:
-        print_error(str(error))
+        print_error(records.shown(error))  # it may name a folder, or quote a record
         sys.exit(2)

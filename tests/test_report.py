@@ -252,3 +252,24 @@ def test_the_report_prints_its_own_lines_once_each(synthetic, caplog, monkeypatc
     assert readings and sorted(readings) == sorted(set(readings)), "a folder's event files read twice"
     rows = {row["run"]: row for row in read_csv(synthetic / "report.csv")}
     assert float(rows["deep/er/four"]["epoch_s"]) == statistics.median([1.0, 2.0, 6.0])
+
+
+def test_a_crafted_folder_name_and_setting_reach_the_report_and_the_terminal_as_text(tmp_path):
+    """Anyone may have written a run folder: its name and its records show in report.md as written (no HTML, heading
+    or extra cell), start no formula in report.csv, and print no terminal escape."""
+    name, model = "=1+2|<img src=x onerror=alert(1)>\x1b[2J", "-2+3 *x* `y`\n# Injected"
+    write_run(tmp_path / name, {**config("ddp", 1), "model_name": model}, {"time/epoch_s": [2.0], "test/acc": [-0.5]})
+    write_run(tmp_path / "bad\x1b[31m", config("ddp", 1), {"time/epoch_s": [1.0]})
+    (tmp_path / "bad\x1b[31m" / "config.yaml").write_text("devices: [\n")
+    result = report(str(tmp_path), "--out", str(tmp_path / "out"))
+    assert result.returncode == 0, result.stderr
+    assert "\x1b" not in result.stdout + result.stderr
+    assert f"warning: {tmp_path}/bad\\x1b[31m: left out ({tmp_path}/bad\\x1b[31m/config.yaml: " in result.stderr
+
+    markdown = (tmp_path / "out" / "report.md").read_text()
+    [row] = [line for line in markdown.splitlines() if "onerror" in line]
+    assert row.startswith(r"| =1+2\|&lt;img src=x onerror=alert(1)&gt;\\x1b\[2J | -2+3 \*x\* \`y\`\\n\# Injected | ddp |")
+    assert "<" not in markdown and "\x1b" not in markdown and not any(line.startswith("# Injected")
+                                                                      for line in markdown.splitlines())
+    [run] = read_csv(tmp_path / "out" / "report.csv")
+    assert (run["run"], run["model"], run["test_acc"]) == ("'" + name, "'" + model, "-0.5")  # a number stays one

@@ -297,26 +297,33 @@ def settings(trial: Any) -> str:
 
 
 def best(study: Any, sweep_dir: Path, note: bool = False) -> str:
-    """The best trial's settings, objective, test accuracy and folder, and the study's file; as a progress line's
-    `note`, the objective and the trial alone."""
+    """The best trial's settings, objective, test accuracy and folder, and the study's file, as a terminal shows
+    them (the study's file may have been written by anyone); as a progress line's `note`, the objective and the trial
+    alone."""
     top = next(iter(study.best_trials), None)
     if note:
         return "" if top is None else f"best {OBJECTIVE}={top.value:.4f} (trial {top.number + 1})"
     dashboard = f"the study: optuna-dashboard sqlite:///{sweep_dir.absolute() / DB}"
     if top is None:
-        return f"no trial of {len(study.trials)} completed; {dashboard}"
+        return records.shown(f"no trial of {len(study.trials)} completed; {dashboard}")
     test, folder = top.user_attrs.get("test/acc"), top.user_attrs.get("folder")
-    return (f"best of {len(study.trials)} trials: trial {top.number + 1}, {settings(top)}: {OBJECTIVE}={top.value:.4f}"
-            + (f" test/acc={test:.4f}" if test is not None else "") + (f" -> {sweep_dir / folder}" if folder else "")
-            + f"; {dashboard}")
+    return records.shown(
+        f"best of {len(study.trials)} trials: trial {top.number + 1}, {settings(top)}: {OBJECTIVE}={top.value:.4f}"
+        + (f" test/acc={test:.4f}" if test is not None else "") + (f" -> {sweep_dir / folder}" if folder else "")
+        + f"; {dashboard}")
 
 
 def trials_table(study: Any, sweep_dir: Path) -> str:
-    """The trials, for the sweep's report."""
+    """The trials, for the sweep's report; what the study's file says, in Markdown that shows it as written."""
+    from src.report import markdown_cell
+
     states = {"COMPLETE": "complete", "PRUNED": "pruned", "FAIL": "failed", "RUNNING": "stopped", "WAITING": "waiting"}
-    rows = [f"| {t.number + 1} | {states[t.state.name]}" + (f" after epoch {t.user_attrs[PRUNED_AFTER]}" if PRUNED_AFTER
-            in t.user_attrs else "") + "".join(f" | {t.user_attrs[name]:.4f}" if name in t.user_attrs else " | " for name
-            in (OBJECTIVE, "test/acc")) + f" | {settings(t)} | {t.user_attrs.get('folder', '')} |" for t in study.trials]
+    rows = [f"| {t.number + 1} | {states[t.state.name]}"
+            + (f" after epoch {markdown_cell(t.user_attrs[PRUNED_AFTER])}" if PRUNED_AFTER in t.user_attrs else "")
+            + "".join(f" | {t.user_attrs[name]:.4f}" if name in t.user_attrs else " | " for name in (OBJECTIVE, "test/acc"))
+            + f" | {markdown_cell(settings(t))} | {markdown_cell(t.user_attrs.get('folder', ''))} |"
+            for t in study.trials]
     return "\n".join(["", f"## Trials (hydra/sweeper=optuna, {OBJECTIVE} {study.direction.name.lower()}d)", "",
-                      best(study, sweep_dir), "", f"| trial | state | {OBJECTIVE} | test/acc | settings | folder |",
+                      markdown_cell(best(study, sweep_dir)), "",
+                      f"| trial | state | {OBJECTIVE} | test/acc | settings | folder |",
                       "| --- | --- | --- | --- | --- | --- |", *rows, ""])

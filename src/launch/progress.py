@@ -15,6 +15,7 @@ from hydra.core.utils import JobReturn, JobStatus
 from src.errors import RunFailed, UsageError
 from src.launch.console import print_line
 from src.launch.stops import RankFailed
+from src.records import shown
 
 
 @dataclass(frozen=True)
@@ -44,9 +45,9 @@ def failure(job: JobReturn, name: str) -> Failure | None:
         return None
     error = value(job)
     own = isinstance(error, (UsageError, RunFailed, RankFailed))  # exceptions that are their own line
-    line = " ".join((str(error) if own else f"{type(error).__name__}: {error}").split())
+    line = shown(" ".join((str(error) if own else f"{type(error).__name__}: {error}").split()))
     status = 2 if isinstance(error, UsageError) else 1
-    return Failure(name, line, status, error if isinstance(error, BaseException) else None)
+    return Failure(shown(name), line, status, error if isinstance(error, BaseException) else None)
 
 
 def last_error_line(text: str) -> str | None:
@@ -124,7 +125,7 @@ class Progress:
         self.running[number] = self.clock()
         self.tally.widest = max(self.tally.widest, len(self.running))
         said = "resumed" if resumes else "started"
-        self.say(f"{self.tally.noun} {number + 1}/{self.tally.total} {said}: {name} ({self.times()})")
+        self.say(f"{self.tally.noun} {number + 1}/{self.tally.total} {said}: {shown(name)} ({self.times()})")
 
     def ended(self, number: int, name: str, job: JobReturn) -> None:
         if self.on_end is not None:
@@ -134,19 +135,21 @@ class Progress:
         failed = failure(job, name)
         if failed is not None:
             self.tally.failures.append(failed)
-            said = f"failed: {name}: {failed.line}"
+            said = f"failed: {failed.name}: {failed.line}"
         else:
             result = job.return_value
             counted = next((word for word in ("skipped", "pruned", "resumed") if getattr(result, word, False)), "done")
             setattr(self.tally, counted, getattr(self.tally, counted) + 1)
             line = getattr(result, "line", "")
-            said = f"{'done after resuming' if counted == 'resumed' else counted}: {name}" + (f": {line}" if line else "")
+            said = f"{'done after resuming' if counted == 'resumed' else counted}: {shown(name)}" + (
+                f": {shown(line)}" if line else "")
         self.say(f"{self.tally.noun} {number + 1}/{self.tally.total} {said} ({self.times()})")
 
     def stopped(self, number: int, name: str, line: str) -> None:
         """A job ended by the sweep's stop signal; it counts as not run."""
         self.running.pop(number, None)
-        self.say(f"{self.tally.noun} {number + 1}/{self.tally.total} stopped: {name}: {line} ({self.times()})")
+        self.say(f"{self.tally.noun} {number + 1}/{self.tally.total} stopped: {shown(name)}: {shown(line)} "
+                 f"({self.times()})")
 
     def left(self) -> float | None:
         """Seconds until the last job ends; None before any has ended."""
