@@ -28,6 +28,7 @@ from src.loggers import purge_step
 from src.models.module import Classifier
 from tests.helpers import DATA_ROOT, QUICK, command_here, train_here
 from tests.helpers import composed
+from tests.sandbox import sandbox
 
 UNSAFE = "is not a safe checkpoint: it holds objects that cannot be loaded safely"
 
@@ -285,9 +286,10 @@ def test_a_resume_deletes_no_file_that_a_checkpoints_callback_state_names(tmp_pa
                          best_k_models={previous: None}, kth_best_model_path=previous)
     step = run_dir / "checkpoints" / "step.ckpt"  # a file of another callback, listed as this one's best
     step.write_bytes(b"kept")
-    result = train_here(*QUICK, "ckpt_path=last", "max_epochs=2", f"hydra.run.dir={run_dir}")
+    with sandbox(run_dir) as box:
+        result = train_here(*QUICK, "ckpt_path=last", "max_epochs=2", f"hydra.run.dir={run_dir}")
     assert result.returncode == 0, result.stderr[-2000:]
-    assert [file.read_text() for file in outside] == ["kept", "kept"]
+    assert [file.read_text() for file in outside] == ["kept", "kept"] and box.outside == []
     assert (run_dir / "checkpoints" / "best-epoch2.ckpt").is_file()  # the run's own best is saved as ever
 
 

@@ -1,0 +1,87 @@
+"""The boundary of a run folder held for inputs nobody listed: commands run in this process under `tests.sandbox`,
+which sees every write, removal, rename, folder, link and process, on folders whose records Hypothesis rewrites
+(`SANDBOX_EXAMPLES=<n>` for a longer search; the suite's is short and seeded)."""
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, seed, settings
+from hypothesis import strategies as st
+
+from tests.helpers import QUICK, train_here
+from tests.sandbox import sandbox
+
+EXAMPLES = int(os.environ.get("SANDBOX_EXAMPLES", "6"))
+CANARY = "SANDBOX_CANARY_VALUE"
+
+
+def test_the_sandbox_sees_writes_removals_links_and_processes_outside_and_nothing_inside(tmp_path):
+    inside, outside = tmp_path / "inside", tmp_path / "outside"
+    inside.mkdir(), outside.mkdir()
+    (inside / "link").symlink_to(outside / "target")
+    (outside / "old").write_text("")
+    with sandbox(inside) as box:
+        (inside / "file").write_text("x")
+        (inside / "sub").mkdir()
+        (inside / "file").unlink()
+        (outside / "written").write_text("x")
+        (inside / "link").write_text("through the link")
+        (outside / "old").unlink()
+        os.rename(inside / "sub", outside / "sub")
+        subprocess.run(["true"], check=True)
+    assert [line.split()[0] for line in box.outside] == ["open", "open", "os.remove", "os.rename"]
+    assert box.outside[1].startswith(f"open {inside / 'link'}")
+    assert len(box.processes) == 1 and box.processes[0].startswith("subprocess.Popen")
+
+
+# What a record's value may become: traversal, resolvers, escapes, look-alikes, control characters, huge and
+# wrong-typed values.
+NASTY = st.one_of(
+    st.sampled_from(["../../x", "/../../x", "${oc.env:SANDBOX_CANARY}", "$\\{oc.env:SANDBOX_CANARY\\}", "\\x1b[2J",
+                     "${claim_dir:/tmp/x}", "\uff04{oc.env:SANDBOX_CANARY}", "a\nb", "x" * 5000, "[a,b]", "{a: 1}",
+                     "null", "-1", "1e308", "true", "'quoted'", "range(0,300000000)"]),
+    st.text(max_size=20))
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, data_root):
+    run_dir = tmp_path_factory.mktemp("sandboxed") / "run"
+    result = train_here(*QUICK, f"hydra.run.dir={run_dir}")
+    assert result.returncode == 0, result.stderr[-2000:]
+    return run_dir
+
+
+@seed(74)
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+@given(record=st.sampled_from(["overrides", "config"]), index=st.integers(0, 400), value=NASTY,
+       word=st.sampled_from(["last", "auto"]))
+def test_a_resume_of_a_folder_whose_records_were_rewritten_stays_inside_it(tmp_path_factory, finished_run,
+                                                                            monkeypatch, record, index, value, word):
+    """Each value of a finished run's overrides.yaml or config.yaml rewritten: the resume finishes or is refused in
+    one line, writes only in its folder, starts no process, and prints no variable's value."""
+    import shutil
+
+    run_dir = Path(shutil.copytree(finished_run, tmp_path_factory.mktemp("case") / "run"))
+    path = run_dir / (".hydra/overrides.yaml" if record == "overrides" else "config.yaml")
+    if record == "overrides":
+        lines = yaml.safe_load(path.read_text())
+        key = lines[index % len(lines)].partition("=")[0]
+        lines.append(f"{key}={value}")
+        path.write_text(yaml.safe_dump(lines))
+    else:
+        text = path.read_text().splitlines()
+        at = index % len(text)
+        key, colon, _ = text[at].partition(":")
+        text[at] = f"{key}: {yaml.safe_dump(value).strip()}" if colon else text[at]
+        path.write_text("\n".join(text) + "\n")
+    monkeypatch.setenv("SANDBOX_CANARY", CANARY)
+    with sandbox(run_dir) as box:
+        result = train_here(*QUICK, f"ckpt_path={word}", f"hydra.run.dir={run_dir}")
+    assert result.returncode in (0, 2), result.stderr[-2000:]
+    if result.returncode == 2:
+        assert len(result.stderr.strip().splitlines()) == 1, result.stderr[-2000:]
+    assert box.outside == [] and box.processes == []
+    assert CANARY not in result.stdout + result.stderr
