@@ -4,6 +4,7 @@ YAML, never resolved (a resolver could act), and may build only classes this pro
 import errno
 import functools
 import json
+import math
 import os
 import re
 import stat
@@ -201,6 +202,19 @@ def plain(text: str, sweep: bool) -> bool:
     return numbers and (len(args) == 2 if name in ("interval", "log") else 2 <= len(args) <= 3)
 
 
+SWEPT_LIMIT = 10_000  # values of one key a sweep's record may hold: each is a job, and a range may name millions
+
+
+def swept_count(text: str) -> int:
+    """How many values a plain swept value names: a `range(...)`'s length, a list's items, 1 for anything else."""
+    function = SWEEP_FUNCTIONS.fullmatch(text)
+    if function and function.group(1) == "range":
+        args = items(function.group(2)) or []
+        start, stop, step = [*([0] if len(args) == 1 else []), *args, 1][:3]
+        return max(0, math.ceil((stop - start) / step)) if step else 0
+    return len(items(text) or [None]) if not function and not text.startswith("[") else 1
+
+
 def settings(lines: Any, path: Path, sweep: bool = False, typed: set[str] = frozenset()) -> list[str]:
     """A run's (or a sweep's) recorded overrides, taken only as values: a group's option by its name in conf/, a key
     that `carried` names with a plain value. A key of the config that a record does not carry is left to conf/ and
@@ -235,6 +249,9 @@ def settings(lines: Any, path: Path, sweep: bool = False, typed: set[str] = froz
         if has_value and not plain(text, sweep):
             raise refused(path, key, text, "its value must be a number, true, false, null, a word or quoted text on "
                                           "one line without $, \\, quotes or control characters")
+        if sweep and swept_count(text) > SWEPT_LIMIT:
+            raise refused(path, key, text[:80], f"a sweep's record names at most {SWEPT_LIMIT:,} values of a key "
+                                                "(each is a job); type the sweep again to run more")
         if key == "strategy.hook" and scalar(text) not in ("none", "fp16", "bf16", "powersgd", "powersgd_fp16"):
             raise refused(path, key, text, "a hook of one's own (an import path) is typed, never taken from a record")
         if not (carried(key) or prefix == "~" and re.fullmatch(r"callbacks\.[A-Za-z]\w*", key)):

@@ -456,3 +456,15 @@ def test_a_loggers_version_in_a_record_never_moves_where_a_resume_writes(tmp_pat
         "logger.tensorboard.version=../../x, which a record never sets (where a run writes and logs come from the "
         "command); type logger.tensorboard.version=../../x to go on with it, or start a new run (without ckpt_path)"]
     assert sorted(p for p in tmp_path.rglob("*") if p.name != ".lock") == before
+
+
+def test_a_sweep_record_naming_millions_of_jobs_is_one_line(tmp_path):
+    """`seed=range(0,300000000)` in multirun.yaml: a resume hung building the jobs."""
+    sweep = sweep_folder(tmp_path, ["seed=range(0,300000000)"])
+    with pytest.raises(UsageError) as refused:
+        resume.with_record(["-m", f"hydra.sweep.dir={sweep}", "ckpt_path=auto"])
+    assert re.match(refused_line(sweep / "multirun.yaml", "seed"), str(refused.value))
+    assert "at most 10,000 values of a key" in str(refused.value) and "\n" not in str(refused.value)
+    (tmp_path / "small").mkdir()
+    small = sweep_folder(tmp_path / "small", ["seed=range(0,3)"])
+    assert resume.with_record(["-m", f"hydra.sweep.dir={small}", "ckpt_path=auto"])[0] == "seed=range(0,3)"
