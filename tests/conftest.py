@@ -1,5 +1,11 @@
 """Session fixtures: the data copy, runs trained once for the tests that read them, and checks every test passes."""
 
+import warnings
+
+# The warning filters that the imports below install, pytest drops once it has loaded this file; a command run in the
+# test process has them, as a new process of it has them from its own imports (tests.helpers.note_import_filters).
+_filters_before_imports = warnings.filters[:]
+
 import multiprocessing.process
 import os
 import subprocess
@@ -15,7 +21,10 @@ import hydra_plugins.project_launchers.sequential  # noqa: F401
 from src.fast_path import float32_math
 from src.launch import progress
 from src.launch.ranks import usable_cores
-from tests.helpers import DATA_ROOT, LINEAR_LR, QUICK, REPO, Run, trained_once
+import src.tasks  # noqa: F401  the run's own modules, torch's and Lightning's, with the filters they install
+from tests.helpers import DATA_ROOT, LINEAR_LR, QUICK, REPO, Run, note_import_filters, trained_once
+
+note_import_filters(_filters_before_imports)
 
 OUTPUTS = REPO / "outputs"
 
@@ -36,6 +45,16 @@ def pytest_configure(config):
     workers = getattr(config, "workerinput", {}).get("workercount", 1)
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, len(usable_cores()) // workers))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_collection(session):
+    """The warning filters that the test modules' imports install, which pytest drops once it has collected them."""
+    before = warnings.filters[:]
+    try:
+        return (yield)
+    finally:
+        note_import_filters(before)
 
 
 def pytest_collection_modifyitems(config, items):

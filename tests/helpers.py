@@ -1,11 +1,14 @@
 """Shared test helpers: run the real command line, read TensorBoard scalars, write tiny IDX files."""
 
 import contextlib
+import copy
 import fcntl
 import gzip
 import io
 import json
+import logging
 import os
+import random
 import re
 import shutil
 import signal
@@ -14,9 +17,11 @@ import struct
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -51,6 +56,9 @@ def cpu_precision() -> str:
 # scaling from a base batch of 32, so that one run also shows the rate that scaling gives.
 LINEAR_LR = ["data.batch_size=128", "optim.lr=0.05", "optim.lr_scaling=linear", "optim.base_batch_size=32"]
 EVENTS = "events.out.tfevents.*"
+# A warning as Python prints it (`warnings.formatwarning`): `<file>:<line>: <Category>: <message>`, or as Lightning's
+# formatter prints its own, `<file>:<line>: <message>`.
+WARNING_LINE = re.compile(r"^.+\.py:\d+: .*$", re.M)
 INTERFACE_SCALARS = {"train/loss", "train/acc", "val/acc", "test/acc", "time/epoch_s", "time/samples_per_s"}
 
 
@@ -218,52 +226,219 @@ def call_main(main: Callable[[list[str]], object], *args: str) -> subprocess.Com
     return subprocess.CompletedProcess(list(args), status, stdout.getvalue(), stderr.getvalue())
 
 
+# Warning filters that modules installed as this process imported them, where the filters were put back afterwards
+# (pytest puts them back once it has loaded conftest.py, once it has collected, and after each test): a new process of
+# a command has them from its own imports. conftest.py notes them (`note_import_filters`).
+IMPORT_FILTERS: list[tuple] = []
+# The project's own modules, whose globals a command may rebind or fill (naming's claimed folders, cli's `_prepare`).
+PROJECT_MODULES = ("src", "hydra_plugins.project_launchers")
+LIGHTNING_PACKAGES = ("lightning", "lightning_fabric", "pytorch_lightning", "lightning_utilities")
+
+
+def note_import_filters(before: Sequence[tuple]) -> None:
+    """Keep the warning filters installed since `before` was read, by the imports in between, for `command_here`."""
+    IMPORT_FILTERS[:0] = [f for f in warnings.filters if f not in before and f not in IMPORT_FILTERS]
+
+
+def new_process_filters() -> list[tuple]:
+    """The warning filters of a new process of a command once it has imported its modules: those `IMPORT_FILTERS`
+    keeps, over the ones this process started with (Python's own, its -W options, and those of imports outside any
+    `catch_warnings`: `_warnings.filters` is the list that `catch_warnings` puts back last)."""
+    import _warnings
+
+    return [*IMPORT_FILTERS, *(f for f in _warnings.filters if f not in IMPORT_FILTERS)]
+
+
+def _show_as_python_does(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                         file: Any = None, line: str | None = None) -> None:
+    """`warnings.showwarning`'s text, on the standard error as it is now (the command's), where pytest records it."""
+    (sys.stderr if file is None else file).write(warnings.formatwarning(message, category, filename, lineno, line))
+
+
+class Bound:
+    """An object, compared by identity, and what it held when it was read (a copy), compared by value."""
+
+    def __init__(self, value: object, held: object = None) -> None:
+        self.value, self.held = value, held
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Bound) and self.value is other.value and self.held == other.held
+
+    def __repr__(self) -> str:
+        return f"Bound({type(self.value).__name__} at {id(self.value):#x}, {self.held!r})"
+
+
+def _modules(packages: Sequence[str]) -> dict[str, Any]:
+    return {name: module for name, module in list(sys.modules.items())
+            if module is not None and any(name == p or name.startswith(f"{p}.") for p in packages)}
+
+
+def _project_globals() -> dict[str, dict[str, Bound]]:
+    """Each global of the project's modules: what it is bound to and, for a dict, list or set, what that holds."""
+    return {name: {key: Bound(value, copy.copy(value) if type(value) in (dict, list, set) else None)
+                   for key, value in list(vars(module).items()) if not key.startswith("__")}
+            for name, module in _modules(PROJECT_MODULES).items()}
+
+
+def _warned_once() -> list[set]:
+    """Lightning's sets of the messages it warns of once a process (`WarningCache`): a new process starts them empty."""
+    kind = getattr(sys.modules.get("lightning_utilities.core.rank_zero"), "WarningCache", None)
+    if kind is None:
+        return []
+    found = {id(value): value for module in _modules(LIGHTNING_PACKAGES).values()
+             for value in list(vars(module).values()) if isinstance(value, kind)}
+    return list(found.values())
+
+
+def _rank_zero_only() -> list[Callable]:
+    """Lightning's `rank_zero_only` (one function, or one a package), whose `rank` says which rank this process logs as."""
+    found = {}
+    for name in ("lightning_utilities.core.rank_zero", "lightning.fabric.utilities.rank_zero",
+                 "lightning_fabric.utilities.rank_zero", "lightning.pytorch.utilities.rank_zero",
+                 "pytorch_lightning.utilities.rank_zero"):
+        function = getattr(sys.modules.get(name), "rank_zero_only", None)
+        if function is not None:
+            found[id(function)] = function
+    return list(found.values())
+
+
+def _loggers() -> dict[str, logging.Logger]:
+    return {"": logging.root, **{name: logger for name, logger in list(logging.Logger.manager.loggerDict.items())
+                                 if isinstance(logger, logging.Logger)}}
+
+
+def _random_states() -> dict[str, object]:
+    """Python's, numpy's and torch's global random states, as `seed_everything` sets them (torch's where imported)."""
+    name, key, position, has_gauss, gauss = np.random.get_state()
+    states = {"random": random.getstate(), "numpy": (name, key.tobytes(), position, has_gauss, gauss)}
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        states["torch"] = torch.random.get_rng_state().numpy().tobytes()
+        if torch.cuda.is_initialized():
+            states["cuda"] = tuple(state.numpy().tobytes() for state in torch.cuda.get_rng_state_all())
+    return states
+
+
+def _signal_handlers() -> dict[int, object]:
+    handlers = {}
+    for signum in signal.valid_signals():
+        with contextlib.suppress(ValueError, OSError):
+            handlers[signum] = signal.getsignal(signum)
+    return handlers
+
+
+def process_state() -> dict[str, object]:
+    """What a command run in this process may change of it, each part comparable with ==: `command_here` puts it back,
+    and a test compares it before and after."""
+    return {
+        "argv": list(sys.argv), "cwd": os.getcwd(), "environ": dict(os.environ), "signals": _signal_handlers(),
+        "loggers": {name: (logger.level, logger.propagate, logger.disabled, tuple(logger.handlers), tuple(logger.filters))
+                    for name, logger in _loggers().items()},
+        "logging_disabled": logging.root.manager.disable,
+        "warnings": (list(warnings.filters), dict(warnings.onceregistry), warnings.showwarning),
+        "warned_once": [Bound(cache, set(cache)) for cache in _warned_once()],
+        "random": _random_states(),
+        "rank_zero_only": [Bound(function, getattr(function, "rank", None)) for function in _rank_zero_only()],
+        "modules": _project_globals(),
+    }
+
+
+def put_back(state: dict[str, Any]) -> None:
+    """`state` (`process_state`) again; a handler a logger got since is closed. Modules and loggers new since are left
+    as their imports made them."""
+    sys.argv = list(state["argv"])
+    os.chdir(state["cwd"])
+    if dict(os.environ) != state["environ"]:
+        os.environ.clear()
+        os.environ.update(state["environ"])
+    for signum, handler in state["signals"].items():
+        if handler is not None and signal.getsignal(signum) != handler:
+            signal.signal(signum, handler)
+    loggers, kept = _loggers(), {handler for *_, handlers, _ in state["loggers"].values() for handler in handlers}
+    for name, (level, propagate, disabled, handlers, filters) in state["loggers"].items():
+        logger = loggers[name]
+        for handler in logger.handlers:
+            if handler not in kept:
+                handler.close()
+        logger.handlers[:], logger.filters[:], logger.propagate, logger.disabled = handlers, filters, propagate, disabled
+        if logger.level != level:
+            logger.setLevel(level)
+    logging.disable(state["logging_disabled"])
+    filters, once, show = state["warnings"]
+    if warnings.filters != filters:
+        warnings.filters[:] = filters
+    if warnings.onceregistry != once:
+        warnings.onceregistry.clear()
+        warnings.onceregistry.update(once)
+    warnings.showwarning = show
+    for cache in state["warned_once"]:
+        cache.value.clear()
+        cache.value.update(cache.held)
+    _put_back_random(state["random"])
+    for function in state["rank_zero_only"]:
+        if function.held is None:
+            vars(function.value).pop("rank", None)
+        else:
+            function.value.rank = function.held
+    for name, bound in state["modules"].items():
+        names = vars(sys.modules[name]) if name in sys.modules else {}
+        for key, saved in bound.items():
+            if names.get(key) is not saved.value:
+                names[key] = saved.value
+            if saved.held is not None and saved.value != saved.held:
+                if isinstance(saved.value, list):
+                    saved.value[:] = saved.held
+                else:
+                    saved.value.clear()
+                    saved.value.update(saved.held)
+
+
+def _put_back_random(states: dict[str, Any]) -> None:
+    random.setstate(states["random"])
+    name, key, position, has_gauss, gauss = states["numpy"]
+    np.random.set_state((name, np.frombuffer(key, dtype=np.uint32), position, has_gauss, gauss))
+    torch = sys.modules.get("torch")
+    if "torch" in states:
+        torch.random.set_rng_state(torch.frombuffer(bytearray(states["torch"]), dtype=torch.uint8))
+    if "cuda" in states:
+        torch.cuda.set_rng_state_all([torch.frombuffer(bytearray(state), dtype=torch.uint8) for state in states["cuda"]])
+
+
 def command_here(module: str, *args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
     """`python -m <module> <args>` (src.train, src.eval) through its own entry in this process, for what a command says
     and leaves rather than what only a process shows (signals, ranks, a new interpreter's environment): its exit
-    status and output as `run_cli` returns them, run from `cwd` where one is given. Hydra's, logging's and the signal
-    handlers' state is put back, and so are the working directory and the environment."""
+    status and output as `run_cli` returns them, run from `cwd` where one is given. It starts as a new process of it
+    would: its modules' warning filters in force (`new_process_filters`), nothing warned of once yet, and the warnings
+    it gives printed on its standard error as Python prints them. What it changed of this process is put back
+    (`process_state`), and Hydra's current config is cleared."""
     import importlib
-    import logging
 
     from hydra.core.global_hydra import GlobalHydra
-
-    from src.launch import naming, progress
-    from src.launch.stops import STOP_SIGNALS
 
     entry = importlib.import_module(module)
     HydraConfig.instance().cfg = None  # a config a test composed before would be resolved again, and claim its folders
     GlobalHydra.instance().clear()
-    saved = sys.argv, {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}, logging.root.handlers[:], \
-        logging.root.level, dict(os.environ)  # torch's agent and Lightning set variables that end with a process
+    saved = process_state()
     stdout, stderr, status = io.StringIO(), io.StringIO(), 0
     sys.argv = [f"{module.replace('.', '/')}.py", *args]
     os.environ["HYDRA_MAIN_MODULE"] = "__main__"  # Hydra then finds conf/ beside the entry's file, as `python -m` does
-    here = os.getcwd()
     try:
-        if cwd is not None:
-            os.chdir(cwd)
-        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-            entry.command()
+        with warnings.catch_warnings():
+            warnings.filters[:] = new_process_filters()
+            warnings.showwarning = _show_as_python_does
+            warnings.onceregistry.clear()
+            for cache in _warned_once():
+                cache.clear()
+            if cwd is not None:
+                os.chdir(cwd)
+            with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+                entry.command()
     except SystemExit as exit_:
         status = exit_.code if isinstance(exit_.code, int) else 1
     finally:
-        os.chdir(here)
-        sys.argv = saved[0]
-        for signum, handler in saved[1].items():
-            signal.signal(signum, handler)
-        for handler in logging.root.handlers[:]:
-            if handler not in saved[2]:
-                logging.root.removeHandler(handler)
-                handler.close()
-        logging.root.handlers[:] = saved[2]
-        logging.root.setLevel(saved[3])
-        os.environ.clear()
-        os.environ.update(saved[4])
+        put_back(saved)
         GlobalHydra.instance().clear()
         HydraConfig.instance().cfg = None
-        progress.tally = None
-        naming._claimed.clear()
     return subprocess.CompletedProcess([module, *args], status, stdout.getvalue(), stderr.getvalue())
 
 

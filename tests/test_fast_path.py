@@ -11,7 +11,7 @@ from src import fast_path
 from src.fast_path import cudnn_benchmark, keep_freed_memory, one_channel_nchw_pays, resolve_precision, speed_up
 from src.models.lenet import LeNet
 from src.models.resnet import resnet18
-from tests.helpers import QUICK, Run, hparams, train_here
+from tests.helpers import QUICK, WARNING_LINE, Run, hparams, train_here
 
 
 @pytest.mark.parametrize(("cpu_bf16", "expected"), [(True, "bf16-mixed"), (False, "32-true")])
@@ -67,6 +67,7 @@ def test_a_cpu_run_convolves_every_layer_in_channels_last(request, fixture):
     assert weight.shape[1] == 1 and weight.stride() == torch.empty(weight.shape, memory_format=torch.channels_last).stride()
     logs = "".join(log.read_text() for log in run.dir.glob("train*.log"))
     assert "Grad strides do not match" not in run.result.stderr + logs
+    assert not WARNING_LINE.findall(run.result.stderr)  # nor any other: those known to be harmless are filtered
 
 
 def faults_of_a_fresh_block() -> int:

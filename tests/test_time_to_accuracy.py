@@ -4,6 +4,7 @@ timer's clock; kept over a resume, recorded as typed values, and compared per se
 import csv
 import json
 import math
+import re
 import statistics
 
 import pytest
@@ -147,7 +148,9 @@ def test_a_real_run_records_its_times_to_accuracy(tmp_path, data_root):
     assert points["time/trained_s"][0] == pytest.approx(low["seconds"])
     # Each epoch says what it competed with; how much depends on what else this machine runs.
     assert len(points["usage/disturbed"]) == len(points["time/epoch_s"]) == 2
-    assert set(points["usage/disturbed"]) <= {0.0, 1.0} and all(share > 0 for share in points["usage/cpu_share"])
+    said = re.search(r"(\d+) of 2 epoch times disturbed", result.stdout + result.stderr)  # the result line's count
+    assert sum(points["usage/disturbed"]) == (int(said[1]) if said else 0) and set(points["usage/disturbed"]) <= {0.0, 1.0}
+    assert all(share > 0 for share in points["usage/cpu_share"])
     assert len(points["usage/others_runnable"]) == 2  # Linux: read from /proc/stat
 
 
