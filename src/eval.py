@@ -50,8 +50,10 @@ def as_trained(cfg: DictConfig, overrides: list[str], group: str) -> DictConfig:
              if key.startswith(f"{group}.")]  # `<group>.<known key>=` typed here wins
     kept = [key for key in config.flatten(OmegaConf.to_container(trained, resolve=False))
             if not records.carried(f"{group}.{key}") and OmegaConf.select(cfg[group], key) is not None]
-    for path in [*typed, *kept]:  # and where the data lives, and whether it is downloaded, are this command's
+    for path in [*typed, *kept]:  # and whether the data is downloaded is this command's
         OmegaConf.update(trained, path, OmegaConf.select(cfg[group], path), merge=False)
+    if group == "data" and "root" not in typed:
+        trained.download = False  # the data a record names is read, never downloaded into
     return trained
 
 

@@ -1,13 +1,10 @@
 """A run folder's records, read as data: anyone who can write a shared folder may have written one, so it is plain
 YAML, never resolved (a resolver could act), and may build only classes this project's conf/ names."""
 
-import errno
 import functools
 import json
 import math
-import os
 import re
-import stat
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,7 +12,7 @@ from typing import Any
 import yaml
 
 from src.errors import UsageError
-from src.folders import write_file
+from src.folders import read_bytes, shown, write_file
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
@@ -32,30 +29,14 @@ class NoAliases(yaml.SafeLoader):
         return super().compose_node(parent, index)
 
 
-def load(path: Path) -> Any:
-    """A record's data: plain YAML (JSON too), at most `LIMIT` bytes, no aliases, never through a link's target."""
+def load(path: Path, root: Path | None = None) -> Any:
+    """A record's data: plain YAML (JSON too), at most `LIMIT` bytes, no aliases, never through a link below `root`
+    (the run or sweep folder; by default the record's own folder)."""
     try:
-        return yaml.load(read_bytes(Path(path), LIMIT), Loader=NoAliases)
+        return yaml.load(read_bytes(Path(path), LIMIT, root), Loader=NoAliases)
     except (OSError, UnicodeDecodeError, yaml.YAMLError, RecursionError) as error:
         reason = getattr(error, "strerror", None) or " ".join(str(error).split())[:200]
-        raise UsageError(f"{path}: cannot be read as a record ({reason})") from None
-
-
-def read_bytes(path: Path, limit: int) -> bytes:
-    """A regular file's bytes, refused where it is larger than `limit` or is not a plain file (a FIFO would block)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    with os.fdopen(fd, "rb") as file:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EINVAL, "not a regular file", str(path))
-        data = file.read(limit + 1)
-    if len(data) > limit:
-        raise OSError(errno.EFBIG, f"larger than {limit // 2**20} MiB", str(path))
-    return data
-
-
-def shown(value: Any) -> str:
-    """A value read from a record as one printable line: control characters (a newline, a terminal escape) escaped."""
-    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in str(value))
+        raise UsageError(f"{shown(path)}: cannot be read as a record ({reason})") from None
 
 
 @functools.cache
@@ -95,7 +76,13 @@ def targets_for(slot: str) -> frozenset[str]:
 
 
 def refused(path: Path, key: str, value: Any, why: str) -> UsageError:
-    return UsageError(f"{path}: {shown(key)}={shown(value)} is not allowed in a run's records; {why}")
+    """One line naming the file and the key, quoting at most `SHOWN` characters of each."""
+    value = shown(value)
+    return UsageError(f"{shown(path)}: {shown(key)[:SHOWN]}={value[:SHOWN]}{'...' * (len(value) > SHOWN)} is not "
+                      f"allowed in a run's records; {why}")
+
+
+SHOWN = 80  # characters of a refused record's key and of its value quoted
 
 
 def check_data(node: Any, path: Path, key: str = "", targets: bool = True) -> None:
@@ -145,12 +132,13 @@ NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
 SWEEP_FUNCTIONS = re.compile(r"(interval|range|choice)\((.*)\)|tag\(log,\s*interval\((.*)\)\)")
 # Launcher settings a sweep's record never sets: where its jobs write.
 WHERE = re.compile(r"(^|\.)(\w*dir|\w*dirpath|\w*path|\w*folder|\w*_uri|\w*file|filename|root)$")
-# The keys a record carries: those that decide what a run computes. Where it reads and writes (data.root and every
-# folder), whether it downloads, what its loggers are named and where they log, and code to call (strategy.hook_state)
-# come from conf/ and the typed command only; a key not listed here is refused, however it is named.
+# The keys a record carries: those that decide what a run computes, and where its data is read (never downloaded
+# there: src.resume and src.eval set data.download=false with it). Where it writes, whether it downloads, what its
+# loggers are named and where they log, and code to call (strategy.hook_state) come from conf/ and the typed command
+# only; a key not listed here is not taken, however it is named.
 CARRIED = re.compile(r"""(accelerator|devices|num_nodes|precision|channels_last|compile|cuda_graphs|steps_per_execution
     |sync_batchnorm|max_epochs|seed|tags|test_weights|checkpoint\.every_n_train_steps
-    |model(\.[A-Za-z]\w*)+|optim\.[A-Za-z]\w*|strategy\.(?!hook_state$)[A-Za-z]\w*|data\.(?!root$|download$)[A-Za-z]\w*
+    |model(\.[A-Za-z]\w*)+|optim\.[A-Za-z]\w*|strategy\.(?!hook_state$)[A-Za-z]\w*|data\.(?!download$)[A-Za-z]\w*
     |trainer\.(?P<trainer>\w+)|callbacks\.time_to_accuracy\.targets|callbacks\.best_checkpoint\.(monitor|mode))""", re.X)
 
 

@@ -9,6 +9,7 @@ import io
 import itertools
 import logging
 import math
+import os
 import re
 import statistics
 from collections import defaultdict
@@ -19,7 +20,7 @@ from typing import Any
 
 from src import records
 from src.errors import UsageError
-from src.folders import figure_bytes, write_file
+from src.folders import figure_bytes, open_folder, write_file
 from src.launch.console import counted, saying
 from src.runs import ArgumentParser, RunFolder, median, output_folder, read_runs, usage_errors_exit
 
@@ -513,7 +514,7 @@ def write_report(root: Path, out: Path | None = None, failed: dict[str, str] | N
     out = output_folder(root if out is None else out)
     opened: dict[Path, RunFolder] = {}  # the scaling section reads the same folders
     runs, evaluations = collect(root, opened)
-    out.mkdir(parents=True, exist_ok=True)
+    os.close(open_folder(root, out, create=True))  # `<sweep>/report` a folder of the sweep's own, never a link
     scaling = ""
     if any(run.ddp for run in runs):  # without DDP, the runs asked nothing of communication
         # It reads what `python -m src.scaling <folder> --probe` saved: a sweep's report follows in seconds.

@@ -53,12 +53,14 @@ def with_record(args: list[str]) -> list[str]:
         if not path.is_file():
             raise UsageError(f"{path} is missing: a resume takes the run's settings from it; resume a folder that a "
                              "run wrote, or start a new run elsewhere")
-        recorded, launch = records.settings(records.load(path), path, typed=set(typed)), []
+        recorded, launch = records.settings(records.load(path, root=folder), path, typed=set(typed)), []
     else:
         return args
     if multirun:  # the lines typed again as they were are the sweep's too
         check_sweep(config.parse([*recorded, *(line for line in overrides if line in args)]), typed, path.parent)
     taken = [line for line in [*launch, *recorded] if line.partition("=")[0].lstrip("+~") not in typed]
+    if any(line.startswith("data.root=") for line in taken) and "data.download" not in typed:
+        taken.append("data.download=false")  # the data a record names is read, never downloaded into
     return [*taken, *args]
 
 

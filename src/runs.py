@@ -3,6 +3,7 @@ shell those commands share."""
 
 import argparse
 import csv
+import io
 import logging
 import re
 import statistics
@@ -17,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from src import records
 from src.errors import UsageError
+from src.folders import read_bytes
 from src.launch.console import print_error
 
 RESOLVED_CONFIG = "config.yaml"
@@ -42,7 +44,7 @@ class RunFolder:
     @cached_property
     def hydra(self) -> Any:
         hydra_yaml = self.path / ".hydra" / "hydra.yaml"
-        return records.select(records.load(hydra_yaml), "hydra") if hydra_yaml.is_file() else None
+        return records.select(records.load(hydra_yaml, root=self.path), "hydra") if hydra_yaml.is_file() else None
 
     @property
     def evaluation(self) -> bool:
@@ -72,7 +74,8 @@ class RunFolder:
                              "it has neither: a run logged only to MLflow or W&B is read in their own tools "
                              "(logger=[mlflow,csv] logs to both)")
         series: dict[str, list[tuple[int, float]]] = {}
-        with (self.path / CSV_METRICS).open(newline="") as file:
+        metrics = read_bytes(self.path / CSV_METRICS, records.LIMIT * 64, root=self.path).decode(errors="replace")
+        with io.StringIO(metrics, newline="") as file:
             for row in csv.DictReader(file):
                 for tag, value in row.items():
                     if tag != "step" and value:
@@ -94,7 +97,8 @@ class RunFolder:
     def hparams(self) -> dict[str, Any]:
         """The run's HParams summary, or the CSV logger's record of it where the run has no event files."""
         if not any(self.path.glob(EVENT_FILES)):
-            return dict(records.load(self.path / CSV_HPARAMS) or {}) if (self.path / CSV_HPARAMS).is_file() else {}
+            saved = self.path / CSV_HPARAMS
+            return dict(records.load(saved, root=self.path) or {}) if saved.is_file() else {}
         try:
             content = self._events.PluginTagToContent("hparams")["_hparams_/session_start_info"]
         except KeyError:

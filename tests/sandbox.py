@@ -28,9 +28,10 @@ class Sandbox:
 
     def inside(self, path: object, dir_fd: object = None, follow: bool = False) -> bool:
         """Whether `path` is in an allowed folder: where a link there leads, for what follows it (`open`)."""
-        if isinstance(path, int) or dir_fd not in (None, -100) and not os.path.isabs(os.fsdecode(path)):
-            return True  # a descriptor, or a name relative to a folder the command opened: its opening was seen
-        path = os.path.abspath(os.fsdecode(path))
+        name = path if isinstance(path, int) else os.fsdecode(path)
+        if isinstance(name, int) or not os.path.isabs(name) and (dir_fd not in (None, -100) or os.sep not in name):
+            return True  # a descriptor, or a name in a folder opened by descriptor (`open` events do not say which)
+        path = os.path.abspath(name)
         where = Path(os.path.realpath(path) if follow else os.path.join(os.path.realpath(os.path.dirname(path)),
                                                                         os.path.basename(path)))
         return str(where).startswith(DEVICES) or any(where.is_relative_to(folder) for folder in self.allowed)

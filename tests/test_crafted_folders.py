@@ -86,12 +86,13 @@ def test_a_runs_plain_settings_are_taken_as_recorded_and_the_typed_ones_win(tmp_
                         "+trainer.overfit_batches=2", "~callbacks.step_checkpoint", "strategy.hook=powersgd",
                         "trainer.max_time=00:01:00:00", "ckpt_path=/elsewhere/x.ckpt")
     args = resume_run(folder, "optim.lr=0.1")
-    assert args == ["model=lenet", "tags=[a,b]", "precision=bf16-mixed",
+    assert args == ["model=lenet", "tags=[a,b]", "precision=bf16-mixed", "data.root='/data/a b'",
                     "+trainer.overfit_batches=2", "~callbacks.step_checkpoint", "strategy.hook=powersgd",
-                    "trainer.max_time=00:01:00:00", "ckpt_path=last", f"hydra.run.dir={folder}", "optim.lr=0.1"]
+                    "trainer.max_time=00:01:00:00", "data.download=false", "ckpt_path=last", f"hydra.run.dir={folder}",
+                    "optim.lr=0.1"]
 
 
-WHERE_AND_WHO = ["data.root=/elsewhere", "data.download=true", "logger.tensorboard.version=../../x",
+WHERE_AND_WHO = ["data.download=true", "logger.tensorboard.version=../../x",
                  "logger.tensorboard.name=x", "logger.csv.name=x", "logger.mlflow.artifact_location=/elsewhere",
                  "logger.wandb.offline=false", "logger.mlflow.tracking_uri=sqlite:////elsewhere/x.db",
                  "callbacks.last_checkpoint.dirpath=/elsewhere", "callbacks.best_checkpoint.filename=x",
@@ -100,12 +101,15 @@ WHERE_AND_WHO = ["data.root=/elsewhere", "data.download=true", "logger.tensorboa
 
 @pytest.mark.parametrize("word", ["last", "auto"])
 def test_where_a_run_reads_writes_and_logs_is_never_taken_from_its_record(tmp_path, word):
-    """A logger's `version` in a record moved the resumed run's events two folders up; `data.root` with
-    `data.download=true` downloaded into a recorded folder; `offline=false` would upload: a record carries only what
-    the run computes, and these come from conf/ and the command."""
+    """A logger's `version` in a record moved the resumed run's events two folders up; `data.download=true` beside
+    a recorded `data.root` downloaded into it; `offline=false` would upload: a record carries only what the run
+    computes and where its data is read, and these come from conf/ and the command."""
     folder = run_folder(tmp_path, *WHERE_AND_WHO)
     assert resume_run(folder, word=word) == ["model=lenet", "optim.lr=0.05", f"ckpt_path={word}",
                                              f"hydra.run.dir={folder}"]
+    sweep = sweep_folder(tmp_path, ["seed=1,2", "data.root=/elsewhere", *WHERE_AND_WHO])
+    assert resume.with_record(["-m", f"hydra.sweep.dir={sweep}", "ckpt_path=auto"]) == [
+        "seed=1,2", "data.root=/elsewhere", "data.download=false", "-m", f"hydra.sweep.dir={sweep}", "ckpt_path=auto"]
 
 
 KEYS = st.one_of(st.sampled_from(sorted({*config.RULES, *(line.partition("=")[0].lstrip("+") for line in WHERE_AND_WHO)})),
@@ -377,8 +381,8 @@ def test_a_runs_hydra_folder_that_is_a_link_is_refused(tmp_path, capsys, data_ro
     folder.mkdir()
     (folder / ".hydra").symlink_to(elsewhere, target_is_directory=True)
     status, line = run_job_here(*QUICK, run_dir=folder, capsys=capsys)
-    assert status == 2 and line == (f"error: {folder / '.hydra'} is a symbolic link; a run writes only files of its own "
-                                    "folder, never through a link: remove the link, or use another folder")
+    assert status == 2 and line == (f"error: {folder / '.hydra'} is a symbolic link; a run reads and writes only files of "
+                                    "its own folder, never through a link: remove the link, or use another folder")
     assert not list(elsewhere.iterdir())
 
 

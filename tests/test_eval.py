@@ -89,24 +89,27 @@ def test_eval_builds_the_model_the_run_built_with_this_commands_model_overrides_
     assert as_trained(cfg, [], "model") is cfg.model
 
 
-def test_eval_reads_the_data_where_the_command_says_never_where_the_runs_record_says(tmp_path, trained):
+def test_eval_as_the_readme_writes_it_scores_offline_with_the_runs_data(tmp_path, trained):
+    """No data.root given, in a folder without data: the run's own data settings, not the default `data/`."""
+    result = command_here("src.eval", f"ckpt_path={trained}", "trainer.enable_progress_bar=false", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert scalars(next((tmp_path / "outputs" / "eval").iterdir()))["test/acc"] == scalars(trained)["test/acc"]
+    assert not (tmp_path / "data").exists()
+
+
+def test_eval_never_downloads_into_the_folder_a_runs_record_names(tmp_path, trained):
     """A run's config.yaml naming `data.root=<elsewhere>` with `data.download=true` made src.eval download into it:
-    where the data lives and whether it is downloaded are this command's; the run's other data settings stay."""
+    the data a record names is read there, never downloaded into it."""
     run_dir = Path(shutil.copytree(trained, tmp_path / "run"))
     elsewhere = tmp_path / "elsewhere"
     recorded = run_dir / "config.yaml"
     text = recorded.read_text()
     assert f"  root: {DATA_ROOT}\n" in text and "  download: true\n" in text
     recorded.write_text(text.replace(f"  root: {DATA_ROOT}\n", f"  root: {elsewhere}\n", 1))
-    result = command_here("src.eval", f"ckpt_path={run_dir}", "data.download=false", "trainer.enable_progress_bar=false",
-                          cwd=tmp_path)
+    result = command_here("src.eval", f"ckpt_path={run_dir}", "trainer.enable_progress_bar=false", cwd=tmp_path)
     assert result.returncode == 2 and not elsewhere.exists()
-    assert result.stderr.strip().splitlines()[-1].startswith("error: data.root=data: Fashion-MNIST not found")
-    result = command_here("src.eval", f"ckpt_path={run_dir}", f"data.root={DATA_ROOT}",
-                          "trainer.enable_progress_bar=false", cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert scalars(next((tmp_path / "outputs" / "eval").iterdir()))["test/acc"] == scalars(trained)["test/acc"]
-    assert not elsewhere.exists()
+    assert result.stderr.strip().splitlines()[-1].startswith(f"error: data.root={elsewhere}: Fashion-MNIST not found")
+    assert "(data.download=false)" in result.stderr.strip().splitlines()[-1]
 
 
 def test_a_failed_eval_leaves_no_folder_behind(tmp_path, trained):

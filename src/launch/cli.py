@@ -62,11 +62,10 @@ def save_records(cfg: DictConfig) -> None:
     """`.hydra/` as Hydra writes it, and `config.yaml` resolved, once the checks pass (Hydra's own writing is off,
     `hydra.output_subdir: null`, so that a refused resume rewrites nothing)."""
     folder = Path(cfg.output_dir)
-    no_link(folder / ".hydra").mkdir(parents=True, exist_ok=True)
-    write_file(folder / ".hydra" / "config.yaml", OmegaConf.to_yaml(cfg))
-    write_file(folder / ".hydra" / "hydra.yaml", OmegaConf.to_yaml(HydraConfig.instance().cfg))
-    write_file(folder / ".hydra" / "overrides.yaml", OmegaConf.to_yaml(HydraConfig.get().overrides.task))
-    write_file(folder / "config.yaml", OmegaConf.to_yaml(OmegaConf.to_container(cfg, resolve=True)))
+    write_file(folder / ".hydra" / "config.yaml", OmegaConf.to_yaml(cfg), root=folder)
+    write_file(folder / ".hydra" / "hydra.yaml", OmegaConf.to_yaml(HydraConfig.instance().cfg), root=folder)
+    write_file(folder / ".hydra" / "overrides.yaml", OmegaConf.to_yaml(HydraConfig.get().overrides.task), root=folder)
+    write_file(folder / "config.yaml", OmegaConf.to_yaml(OmegaConf.to_container(cfg, resolve=True)), root=folder)
 
 
 # The running entry's step before its config is checked (src.eval takes the scored run's model), set by `main`.

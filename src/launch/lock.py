@@ -6,12 +6,12 @@ import fcntl
 import logging
 import os
 import socket
-import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from src.errors import UsageError
+from src.folders import own_file
 
 log = logging.getLogger(__name__)
 LOCK = ".lock"
@@ -52,10 +52,7 @@ def open_lock(path: Path) -> int:
         if error.errno != errno.ELOOP:
             raise
         raise UsageError(f"{path} is a symbolic link; a lock is a file of the folder's own: remove the link") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise UsageError(f"{path} is not a regular file; a lock is a file of the folder's own: remove it")
-    return fd
+    return own_file(fd, path, writing=True)
 
 
 def _same_file(fd: int, path: Path) -> bool:

@@ -12,8 +12,8 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from src.config import options
-from src.errors import interpreter
-from src.folders import missing, no_link, remove_empty
+from src.errors import UsageError, interpreter
+from src.folders import linked, missing, own_file, remove_empty
 from src.records import load, overrides, select
 from src.launch.lock import LOCK
 from src.launch.ranks import external_rank, run_stamp
@@ -113,10 +113,10 @@ def job_folder_name(sweep_dir: Path, job_overrides: list[str], job_num: int) -> 
     sweep runs again (its command adds overrides of its own), by the job number it recorded; else its swept values."""
     numbered = None
     for saved in sorted(sweep_dir.glob("*/.hydra/overrides.yaml")):
-        if load(saved) == list(job_overrides):
+        if load(saved, root=sweep_dir) == list(job_overrides):
             return saved.parent.parent.name
         hydra_yaml = saved.parent / "hydra.yaml"
-        if numbered is None and hydra_yaml.is_file() and select(load(hydra_yaml), "hydra.job.num") == job_num:
+        if numbered is None and hydra_yaml.is_file() and select(load(hydra_yaml, root=sweep_dir), "hydra.job.num") == job_num:
             numbered = saved.parent.parent.name
     return numbered or sweep_job_dirname(job_overrides, job_num, str(sweep_dir))
 
@@ -182,12 +182,19 @@ def untouched(folder: Path) -> bool:
 
 
 def check_own_logs(folder: Path) -> None:
-    """This process's log in the folder is a file of its own: a link there is closed unwritten, and refused."""
+    """This process's log in the folder is a file of its own: a link there, or a file with another name (a hard
+    link), is closed unwritten, and refused."""
     for handler in own_logs(folder):
-        if Path(handler.baseFilename).is_symlink():
+        path = Path(handler.baseFilename)
+        try:
+            if path.is_symlink():
+                raise linked(path)
+            if handler.stream is not None:
+                os.close(own_file(os.dup(handler.stream.fileno()), path, writing=True))
+        except UsageError:
             logging.root.removeHandler(handler)
             handler.close()
-            no_link(Path(handler.baseFilename))
+            raise
 
 
 def own_logs(folder: Path) -> list[logging.FileHandler]:

@@ -3,6 +3,7 @@ Each trial is a job of the sweep's launcher; the study, `<sweep>/optuna.db`, out
 `n_trials`), and a job reaches its trial through that file (`TrialRecord`) to report and be pruned."""
 
 import logging
+import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -19,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from src.config import NULL, must_be, not_allowed, one_of, rule_for, shown, whole
 from src import records
 from src.errors import ResumeRefused, UsageError, missing_package
-from src.folders import write_file
+from src.folders import open_file, write_file
 from src.launch import progress
 from src.launch.console import print_line
 from src.launch.sequential_launcher import ProjectLauncher
@@ -270,6 +271,8 @@ class OptunaSweeper(Sweeper):
         if db.exists() and OmegaConf.select(self.config, "ckpt_path") != "auto":
             raise UsageError(f"hydra.sweep.dir={sweep_dir} holds the study of an earlier search ({db}); continue it with "
                              "ckpt_path=auto, or give another folder")
+        if os.path.lexists(db):  # the study is a file of the sweep's own: never a link, a FIFO or a hard link
+            os.close(open_file(db, os.O_RDWR, root=sweep_dir))
         try:
             names = optuna.get_all_study_names(storage(db)) if db.exists() else [sweep_dir.name]
             study = optuna.create_study(storage=storage(db), study_name=names[0], direction=direction, load_if_exists=True)

@@ -24,6 +24,7 @@ from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, JobStatus, run_job, setup_globals
 
 from src.errors import UsageError
+from src.folders import open_file, open_folder
 from src.launch.console import counted
 from src.launch.load import say_if_busy
 from src.launch.progress import Progress, last_error_line, value
@@ -146,7 +147,7 @@ class ParallelLauncher(ProjectLauncher):
     def run(self, jobs: Iterable[Job], progress: Progress, sweep_dir: Path, alike: list[Job]) -> dict[int, JobReturn]:
         places = self.places([with_needs(job) for job in alike])
         say_if_busy(len(places.cores), "sweep")  # its jobs, each on a slot of cores, do not ask: the others are theirs
-        (sweep_dir / ".parallel").mkdir(exist_ok=True)
+        os.close(open_folder(sweep_dir, sweep_dir / ".parallel", create=True))
         log.info(f"{counted(progress.count, 'job')}, {len(places.cores)} at a time, in {sweep_dir}; each job's output "
                  f"in {sweep_dir / '.parallel'}")
         waiting, running, returns, started, stopped = iter(jobs), {}, {}, 0, 0
@@ -190,7 +191,9 @@ class ParallelLauncher(ProjectLauncher):
         assert self.hydra_context is not None and self.task_function is not None
         payload = cloudpickle.dumps((self.hydra_context, self.task_function, job.config, Singleton.get_state()))
         out = sweep_dir / ".parallel" / f"{job.name}.out"
-        start = out.stat().st_size if out.is_file() else 0
+        fd = open_file(out, os.O_WRONLY | os.O_APPEND | os.O_CREAT, root=sweep_dir)  # a file of the sweep's own
+        start = os.fstat(fd).st_size
+        os.close(fd)
         context = multiprocessing.get_context("spawn")
         results, sending = context.Pipe(duplex=False)
         receiving, payload_out = context.Pipe(duplex=False)
@@ -300,8 +303,10 @@ def last_words(job: Running) -> str:
     """How a job that sent no result ended: its last `error:` line (a stop line, say), else its exit."""
     code = job.process.exitcode or 0
     try:
-        said = last_error_line(job.out.read_bytes()[job.out_start:].decode(errors="replace"))
-    except OSError:
+        with os.fdopen(open_file(job.out, os.O_RDONLY), "rb") as file:  # its last MiB: the line is near the end
+            file.seek(max(job.out_start, os.fstat(file.fileno()).st_size - 2**20))
+            said = last_error_line(file.read(2**20).decode(errors="replace"))
+    except (OSError, UsageError):
         said = None
     return said or (f"killed by {signal_name(-code)}" if code < 0 else f"ended with exit status {code} and no result")
 

@@ -10,6 +10,7 @@ from hydra.plugins.launcher import Launcher
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, open_dict
 
+from src.folders import check_below
 from src.launch.naming import job_dirname
 from src.launch.progress import Progress
 from src.records import CKPT_WORDS, has_checkpoints
@@ -80,8 +81,9 @@ class ProjectLauncher(Launcher):
         config = self.hydra_context.config_loader.load_sweep_config(self.config, overrides)
         with open_dict(config):
             config.hydra.job.id = config.hydra.job.num = number
-        name = job_dirname(config)
-        return Job(number, overrides, config, name, resumes=resumes(config, Path(str(self.config.hydra.sweep.dir)) / name))
+        name, sweep_dir = job_dirname(config), Path(str(self.config.hydra.sweep.dir))
+        check_below(sweep_dir, sweep_dir / name)  # a job writes in a folder of the sweep's own, never through a link
+        return Job(number, overrides, config, name, resumes=resumes(config, sweep_dir / name))
 
     def run(self, jobs: Iterable[Job], progress: Progress, sweep_dir: Path, alike: list[Job]) -> dict[int, JobReturn]:
         """Each job's JobReturn, by its number, the jobs taken one at a time as they can start; `alike` stands for
