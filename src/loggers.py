@@ -214,14 +214,17 @@ class MLflowRunLogger(MLFlowLogger):
 
     def _take_up(self, run_id: str) -> None:
         """The earlier run running again, its tags as now (`run_dir`, where the folder moved); where this store has no
-        such run (another tracking_uri), a new run."""
+        such run (another tracking_uri), or the run is another folder's (tagged with a folder that is there and is
+        not this one: the id is read from the folder, which anyone may have written), a new run."""
         from mlflow.exceptions import MlflowException
 
         try:
             found = self._mlflow_client.get_run(run_id)
         except MlflowException:
             found = None
-        if found is None or found.info.lifecycle_stage == "deleted":
+        here, tagged = (self.tags or {}).get("run_dir"), found and found.data.tags.get("run_dir")
+        others = tagged != here and (tagged is None or here is None or os.path.lexists(tagged))
+        if found is None or found.info.lifecycle_stage == "deleted" or others:
             self._run_id = None
             return
         self._mlflow_client.update_run(run_id, status="RUNNING")

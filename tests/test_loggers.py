@@ -350,3 +350,22 @@ def test_a_run_moved_with_its_checkout_resumes_there_into_the_same_mlflow_run(tm
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     client, run = mlflow_run(f"sqlite:///{moved / 'outputs' / 'mlflow.db'}", moved / "outputs" / "runs" / "run")
     assert run.info.status == "FINISHED" and len(mlflow_points(client, run)["val/acc"]) == 2
+
+
+def test_a_resume_never_logs_into_another_folders_mlflow_run(tmp_path, data_root):
+    """`logger_runs.json` pointing at another folder's MLflow run made a resume rewrite that run's tags, metrics and
+    end time: a run tagged with a folder that is there and is not this one is never taken up."""
+    run_dir, other_dir, tracking_uri = tmp_path / "run", tmp_path / "other", f"sqlite:///{tmp_path / 'mlflow.db'}"
+    again = stopped_after_epoch_one(run_dir, "logger=mlflow", f"logger.mlflow.tracking_uri={tracking_uri}")
+    client, stopped = mlflow_run(tracking_uri, run_dir)
+    other_dir.mkdir()
+    other = client.create_run(stopped.info.experiment_id, tags={"run_dir": str(other_dir)})
+    client.set_terminated(other.info.run_id, status="FINISHED")
+    before = client.get_run(other.info.run_id)
+    (run_dir / RUN_IDS).write_text(json.dumps({"mlflow": other.info.run_id}))
+    resumed = train_here(*QUICK, "ckpt_path=last", *again, f"hydra.run.dir={run_dir}")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    after = client.get_run(other.info.run_id)
+    assert (after.data.tags, after.data.metrics, after.info.end_time, after.info.status) == (
+        before.data.tags, before.data.metrics, before.info.end_time, before.info.status)
+    assert json.loads((run_dir / RUN_IDS).read_text())["mlflow"] not in (other.info.run_id, stopped.info.run_id)
