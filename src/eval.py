@@ -2,6 +2,7 @@
 under any strategy. The model is the one the checkpoint's run built (its `config.yaml`), this command's `model.*` on it."""
 
 import sys
+from pathlib import Path
 from typing import Any
 
 import hydra
@@ -81,9 +82,19 @@ def with_checkpoint_model(args: list[str]) -> list[str]:
     return [*args, f"model={model}"] if model else args
 
 
+def check_own_folder(args: list[str]) -> None:
+    """An evaluation writes its records into a folder of its own: a training run's folder (it holds checkpoints or
+    a result) is refused before anything is written there, its config, records and result kept."""
+    given = [arg.split("=", 1)[1] for arg in args if arg.startswith("hydra.run.dir=")]
+    if given and (records.has_checkpoints(Path(given[-1])) or (Path(given[-1]) / records.RESULT).exists()):
+        raise UsageError(f"hydra.run.dir={given[-1]} holds a run; src.eval writes into a folder of its own: leave "
+                         "hydra.run.dir out (outputs/eval/<date>_<time>_...), or give a new folder")
+
+
 def command() -> None:
     """`python -m src.eval`: the run's model chosen from its checkpoint's folder, then the Hydra entry."""
     try:
+        check_own_folder(sys.argv[1:])
         sys.argv = [sys.argv[0], *with_checkpoint_model(sys.argv[1:])]
     except UsageError as error:
         cli.end_run(str(error), 2)

@@ -44,14 +44,15 @@ def test_eval_scores_a_checkpoint_as_the_training_run_did_without_training(tmp_p
     assert "[src.eval]" in result.stdout + result.stderr
 
 
-def test_eval_into_the_training_folder_hides_none_of_its_points(tmp_path, trained):
-    run_dir = tmp_path / "copy"
-    shutil.copytree(trained, run_dir)
-    before = scalars(run_dir)
+def test_eval_into_a_runs_folder_is_refused_and_leaves_it_as_it_was(tmp_path, trained):
+    """`hydra.run.dir=<a finished training run>` overwrote its config.yaml, .hydra/* and result.json."""
+    run_dir = Path(shutil.copytree(trained, tmp_path / "copy"))
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
     result = command_here("src.eval", *SCORE, f"ckpt_path={run_dir / 'checkpoints' / 'last.ckpt'}", f"hydra.run.dir={run_dir}")
-    assert result.returncode == 0, result.stderr[-3000:]
-    after = scalars(run_dir)
-    assert all(after[tag][: len(values)] == values for tag, values in before.items())
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+        f"error: hydra.run.dir={run_dir} holds a run; src.eval writes into a folder of its own: leave hydra.run.dir "
+        "out (outputs/eval/<date>_<time>_...), or give a new folder"]
+    assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
 
 
 @pytest.mark.parametrize("args, message", [
