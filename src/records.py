@@ -100,6 +100,9 @@ def check_data(node: Any, path: Path, key: str = "", targets: bool = True) -> No
             check_data(value, path, f"{key}[{index}]", targets)
     elif isinstance(node, str) and ("$" in node or "\\" in node):
         raise refused(path, key, node, "a resolver or escape could act when it is read")
+    elif not isinstance(node, (str, int, float, bool, type(None))):  # YAML's dates, binary, sets
+        raise refused(path, key, node, f"it is a {type(node).__name__}, where a record holds text, numbers, true, "
+                                       "false, null, lists and mappings")
 
 
 def select(data: Any, dotted: str) -> Any:
@@ -124,8 +127,8 @@ def overrides(lines: Any, path: Path) -> list[str]:
 
 # What a record's override line may hold, read here and never by Hydra's grammar: a key of plain names, and values
 # that are numbers, booleans, null, words or quoted one-line text without `$`, `\`, quotes or control characters.
-KEY = re.compile(r"[A-Za-z]\w*(\.[A-Za-z]\w*)*")
-BARE = r"[^\s,\[\](){}'\"\\$=\x00-\x1f\x7f]+"
+KEY = re.compile(r"[A-Za-z]\w*(\.[A-Za-z]\w*)*", re.ASCII)
+BARE = r"[^\s,\[\](){}'\"\\$=\x00-\x1f\x7f-\U0010ffff]+"  # printable ASCII, as Hydra's lexer reads a bare value
 QUOTED = r"'[^'\"\\$\x00-\x1f\x7f]*'|\"[^'\"\\$\x00-\x1f\x7f]*\""
 SCALAR = re.compile(rf"{BARE}|{QUOTED}")
 NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
@@ -139,7 +142,8 @@ WHERE = re.compile(r"(^|\.)(\w*dir|\w*dirpath|\w*path|\w*folder|\w*_uri|\w*file|
 CARRIED = re.compile(r"""(accelerator|devices|num_nodes|precision|channels_last|compile|cuda_graphs|steps_per_execution
     |sync_batchnorm|max_epochs|seed|tags|test_weights|checkpoint\.every_n_train_steps
     |model(\.[A-Za-z]\w*)+|optim\.[A-Za-z]\w*|strategy\.(?!hook_state$)[A-Za-z]\w*|data\.(?!download$)[A-Za-z]\w*
-    |trainer\.(?P<trainer>\w+)|callbacks\.time_to_accuracy\.targets|callbacks\.best_checkpoint\.(monitor|mode))""", re.X)
+    |trainer\.(?P<trainer>\w+)|callbacks\.time_to_accuracy\.targets|callbacks\.best_checkpoint\.(monitor|mode))""",
+    re.X | re.ASCII)
 
 
 def carried(key: str) -> bool:

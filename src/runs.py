@@ -190,9 +190,14 @@ class ArgumentParser(argparse.ArgumentParser):
 
 @contextmanager
 def usage_errors_exit() -> Iterator[None]:
-    """A UsageError inside ends the command with one `error: ...` line and exit status 2."""
+    """A UsageError inside ends the command with one `error: ...` line and exit status 2; an OSError (a full disk)
+    with one line and exit status 1."""
     try:
         yield
     except UsageError as error:
         print_error(records.shown(error))  # it may name a folder, or quote a record
         sys.exit(2)
+    except OSError as error:  # a full disk, a folder not writable: what stopped a valid command
+        print_error(records.shown(f"{error.filename}: {error.strerror}" if error.filename and error.strerror
+                                  else f"{type(error).__name__}: {error}"))
+        sys.exit(1)

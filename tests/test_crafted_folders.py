@@ -472,3 +472,60 @@ def test_a_sweep_record_naming_millions_of_jobs_is_one_line(tmp_path):
     (tmp_path / "small").mkdir()
     small = sweep_folder(tmp_path / "small", ["seed=range(0,3)"])
     assert resume.with_record(["-m", f"hydra.sweep.dir={small}", "ckpt_path=auto"])[0] == "seed=range(0,3)"
+
+
+# ------------------------------------------------------------------ what used to end in a traceback
+
+
+def test_a_yaml_date_in_a_runs_config_is_one_line(tmp_path):
+    """`seed: 2026-12-07` in config.yaml is a date to YAML: src.eval ended in a traceback."""
+    (tmp_path / "config.yaml").write_text("seed: 2026-12-07\nmodel_name: lenet\n")
+    with pytest.raises(UsageError, match=r"config\.yaml: seed=2026-12-07 is not allowed in a run's records; it is a "
+                                         r"date, where a record holds text"):
+        records.config(tmp_path / "config.yaml")
+
+
+@pytest.mark.parametrize("value", ["\uff04{oc.env:X}", "caf\u00e9", "\u0455eed"])
+def test_a_look_alike_character_in_a_record_is_refused_naming_its_key(tmp_path, value):
+    """A fullwidth `$` or `{` passed the pattern, and Hydra's lexer then blamed the first typed argument."""
+    path = tmp_path / "overrides.yaml"
+    with pytest.raises(UsageError, match=refused_line(path, "tags")):
+        records.settings([f"tags=[{value}]"], path)
+    with pytest.raises(UsageError):
+        records.settings([f"{value}=1"], path)
+    assert records.settings([f"tags=['{value}']"], path) == [f"tags=['{value}']"]  # quoted, Hydra reads any text
+
+
+def test_a_trial_attribute_that_is_text_is_shown_as_text(tmp_path):
+    """A non-numeric `test/acc` in a study's trial ended the search's summary in a traceback."""
+    import optuna
+
+    from src.launch.optuna_sweeper import best, storage, trials_table
+
+    study = optuna.create_study(storage=storage(tmp_path / DB), study_name="s", direction="maximize")
+    trial = study.ask()
+    trial.suggest_float("optim.lr", 0.01, 0.1)
+    trial.set_user_attr("test/acc", "\x1b[2Jhigh")
+    trial.set_user_attr("val/acc_best", [1])
+    study.tell(trial, 0.5)
+    assert "test/acc=\\x1b[2Jhigh" in best(study, tmp_path)
+    row = trials_table(study, tmp_path).splitlines()[-1]
+    assert "\\x1b\\[2Jhigh" in row and "\\[1\\]" in row and "\x1b" not in row
+
+
+def test_a_full_disk_while_reporting_is_one_line(tmp_path, monkeypatch, capsys):
+    import errno
+
+    import src.report
+
+    write_ddp_run(tmp_path / "sweep" / "run")
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "sweep" / "report" / "report.md"))
+
+    monkeypatch.setattr(src.report, "write_file", full)
+    with pytest.raises(SystemExit) as ended:
+        report_main([str(tmp_path / "sweep")])
+    assert ended.value.code == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"error: {tmp_path / 'sweep' / 'report' / 'report.md'}: No space left on device")

@@ -312,8 +312,13 @@ def best(study: Any, sweep_dir: Path, note: bool = False) -> str:
     test, folder = top.user_attrs.get("test/acc"), top.user_attrs.get("folder")
     return records.shown(
         f"best of {len(study.trials)} trials: trial {top.number + 1}, {settings(top)}: {OBJECTIVE}={top.value:.4f}"
-        + (f" test/acc={test:.4f}" if test is not None else "") + (f" -> {sweep_dir / folder}" if folder else "")
+        + (f" test/acc={figure(test)}" if test is not None else "") + (f" -> {sweep_dir / folder}" if folder else "")
         + f"; {dashboard}")
+
+
+def figure(value: Any) -> str:
+    """A trial's accuracy as four decimals; anything else the study's file holds there, as text."""
+    return f"{value:.4f}" if isinstance(value, (int, float)) and not isinstance(value, bool) else records.shown(value)
 
 
 def trials_table(study: Any, sweep_dir: Path) -> str:
@@ -323,7 +328,8 @@ def trials_table(study: Any, sweep_dir: Path) -> str:
     states = {"COMPLETE": "complete", "PRUNED": "pruned", "FAIL": "failed", "RUNNING": "stopped", "WAITING": "waiting"}
     rows = [f"| {t.number + 1} | {states[t.state.name]}"
             + (f" after epoch {markdown_cell(t.user_attrs[PRUNED_AFTER])}" if PRUNED_AFTER in t.user_attrs else "")
-            + "".join(f" | {t.user_attrs[name]:.4f}" if name in t.user_attrs else " | " for name in (OBJECTIVE, "test/acc"))
+            + "".join(f" | {markdown_cell(figure(t.user_attrs[name]))}" if name in t.user_attrs else " | "
+                      for name in (OBJECTIVE, "test/acc"))
             + f" | {markdown_cell(settings(t))} | {markdown_cell(t.user_attrs.get('folder', ''))} |"
             for t in study.trials]
     return "\n".join(["", f"## Trials (hydra/sweeper=optuna, {OBJECTIVE} {study.direction.name.lower()}d)", "",
