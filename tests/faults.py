@@ -108,3 +108,15 @@ class SignalAfterCheckpoints(ModelCheckpoint):
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         pass
+
+
+class SignalAtStep(Callback):
+    """Sends signal `name` to this process at the end of the training batch that takes optimizer step `step`, as a
+    terminal's Ctrl-C in the first seconds of a run."""
+
+    def __init__(self, step: int, name: str = "SIGINT") -> None:
+        self.step, self.signum = step, getattr(signal, name)
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
+        if trainer.global_step >= self.step:
+            signal.raise_signal(self.signum)

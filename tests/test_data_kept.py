@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from src.launch import cli
-from tests.helpers import QUICK, REPO, Run, composed, user_env
+from tests.helpers import QUICK, REPO, Run, composed, train_here, user_env
 
 
 def tree(folder: Path) -> dict[str, int]:
@@ -95,3 +95,23 @@ def test_a_full_disk_keeps_the_finished_epochs_and_the_run_resumes(tmp_path, dat
     assert {"last.ckpt", "best-epoch1.ckpt"} <= set((tmp_path / "kept").read_text().split())
     assert result.returncode == 0, result.stderr[-3000:]
     assert "test/acc=" in result.stdout
+
+
+def test_a_failing_command_keeps_the_empty_folder_the_user_made(tmp_path, data_root):
+    """`hydra.run.dir=<their own empty folder>` with data that is not there removed that folder."""
+    own = tmp_path / "own"
+    own.mkdir()
+    result = train_here(*QUICK, f"data.root={tmp_path / 'nodata'}", "data.download=false", f"hydra.run.dir={own}")
+    assert result.returncode == 2 and "Fashion-MNIST not found" in result.stderr
+    assert own.is_dir()
+
+
+def test_ctrl_c_before_the_first_checkpoint_leaves_no_folder(tmp_path, data_root):
+    """A run stopped in its first seconds left an empty run folder behind, one that looked like a run."""
+    run_dir = tmp_path / "runs" / "run"
+    result = train_here(*QUICK, "+callbacks.stop._target_=tests.faults.SignalAtStep", "+callbacks.stop.step=1",
+                        f"hydra.run.dir={run_dir}")
+    assert result.returncode == 130
+    assert result.stderr.strip().splitlines()[-1].startswith("error: run stopped by SIGINT during epoch 1")
+    assert result.stderr.strip().endswith("no epoch finished, so there is no checkpoint (nor its folder)")
+    assert not run_dir.exists()

@@ -18,7 +18,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from src import config, resume
-from src.records import Result
+from src.records import Result, has_checkpoints
 from src.errors import RunFailed, UsageError, interpreter, said
 from src.folders import no_link, remove_empty, write_file
 from src.launch import load, lock, naming, progress, ranks, stops
@@ -45,7 +45,7 @@ def kept(output_dir: Path) -> str:
     again = (f"{python} -m src.train -m {folder_argument('hydra.sweep.dir', HydraConfig.get().sweep.dir)} ckpt_path=auto"
              if sweep else f"{python} -m src.train ckpt_path=last {folder_argument('hydra.run.dir', output_dir)}")
     if not any((output_dir / "checkpoints").glob("*.ckpt")) and not sweep:
-        return "no epoch finished, so there is no checkpoint"
+        return "no epoch finished, so there is no checkpoint" + ("" if output_dir.exists() else " (nor its folder)")
     last = output_dir / "checkpoints" / "last.ckpt"
     held = f"{last} holds the last finished epoch" if last.is_file() else "no epoch finished yet"
     return f"{held}; resume with: {again}"
@@ -125,6 +125,10 @@ def run_job(cfg: DictConfig, task: Callable[[DictConfig], Result],
                 if ranks.external_rank() is None:  # torchrun's or SLURM's other ranks start beside this one
                     load.say_if_busy(int(cfg.threads) * workers.processes_per_node(cfg))
                 return workers.launch(task, cfg)
+            except RunStopped:
+                if ours and not has_checkpoints(output_dir):  # stopped before its first checkpoint: nothing to resume
+                    naming.unclaim_dir(output_dir)
+                raise
             except Exception as error:
                 if ours and said(error) is not None:
                     naming.unclaim_dir(output_dir)  # still held: what this command made, and never a checkpoint
@@ -157,6 +161,7 @@ def main(hydra_main: Callable[[], object], config_name: str, report: bool = Fals
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises its refusals here, where they become one line
     stops.handle_stop_signals()
     args = sys.argv[1:]
+    naming.note_given(args)
     status = 0
     try:
         config.check_args(args)

@@ -18,9 +18,20 @@ from src.records import load, overrides, select
 from src.launch.lock import LOCK
 from src.launch.ranks import external_rank, run_stamp
 
-# Folders this process claimed, by the name asked for (Hydra may resolve one twice); the folders each claim created.
+# Folders this process claimed, by the name asked for (Hydra may resolve one twice); the folders each claim created;
+# the run folder the command typed where it was there before (the user's, even empty).
 _claimed: dict[str, str] = {}
 _created: dict[str, list[Path]] = {}
+_given: set[str] = set()
+
+
+def note_given(args: list[str]) -> None:
+    """Keep `hydra.run.dir=<folder>` of the command where the folder is there already: a failing command never
+    removes a folder it did not make."""
+    _given.clear()
+    for arg in args:
+        if arg.startswith("hydra.run.dir=") and os.path.isdir(arg.partition("=")[2]):
+            _given.add(os.path.abspath(arg.partition("=")[2]))
 
 
 def swept_keys(args: list[str]) -> list[str]:
@@ -174,8 +185,10 @@ def remove_tree(folder: Path) -> None:
 
 def untouched(folder: Path) -> bool:
     """Whether a folder holds nothing but its lock and this run's logs (this process's, and its other ranks' under
-    torchrun or SLURM: `train_rank_1.log`): a command made it, and may take it back if it fails; a folder any other
-    command wrote in stays."""
+    torchrun or SLURM: `train_rank_1.log`), and the command did not find it there: a command made it, and may take
+    it back if it fails; a folder any other command wrote in, or the user made, stays."""
+    if os.path.abspath(folder) in _given:
+        return False
     stems = [Path(handler.baseFilename).stem for handler in own_logs(folder)]
     ours = [re.compile(rf"{re.escape(stem)}(_rank_\d+)?\.log") for stem in stems]
     return folder.is_dir() and all(p.name == LOCK or any(log.fullmatch(p.name) for log in ours) for p in folder.iterdir())
