@@ -2,11 +2,13 @@
 `checkpoint.every_n_train_steps=N`) and `best-epoch<k>.ckpt` (the best `val/acc`, of epoch k counted from 1 as train.log
 counts, tested unless `test_weights=last`; folders written before name it by the epoch from 0)."""
 
+import errno
 import io
 import logging
 import os
 import pickle
 import re
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -174,6 +176,8 @@ def check_something_left(saved: Saved | None, given: object, run_dir: Path, max_
 
 def open_checkpoint(path: Path) -> Saved:
     try:  # mapped: the tensors' bytes are read only where they are used
+        if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO would block the read, a device never end it
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
         return Saved(path, contents=read_checkpoint(path, mmap=True))
     except Exception as error:  # kept for the check that names what is wrong with the file
         return Saved(path, error=error)

@@ -310,3 +310,17 @@ def test_a_checkpoint_callback_keeps_only_paths_of_its_own_files_in_its_folder(p
             folder, name = os.path.split(path)
             assert folder == "/run/checkpoints" and name.startswith("best-epoch") and name.endswith(".ckpt")
             assert os.path.normpath(path) == path and "\0" not in path
+
+
+def test_a_fifo_where_a_checkpoint_is_read_is_one_line_not_a_hang(tmp_path, quick_run):
+    """A FIFO at `best-*.ckpt` made src.eval wait for a writer forever."""
+    run_dir = quick_run.copy(tmp_path)
+    best = next((run_dir / "checkpoints").glob("best-*.ckpt"))
+    best.unlink()
+    os.mkfifo(best)
+    result = command_here("src.eval", f"data.root={DATA_ROOT}", f"ckpt_path={run_dir}",
+                          f"hydra.run.dir={tmp_path / 'eval'}")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"error: ckpt_path={run_dir} is not allowed; {best} is not a checkpoint file (not a regular file); beside it: "
+        "last.ckpt, which ckpt_path=<file> takes"]

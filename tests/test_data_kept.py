@@ -1,6 +1,7 @@
 """A failing command deletes only what it made itself, while it holds the folder's lock, and never a checkpoint: a
 command that the lock turns away touches nothing, and a run on a full disk keeps its finished epochs to resume."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -115,3 +116,19 @@ def test_ctrl_c_before_the_first_checkpoint_leaves_no_folder(tmp_path, data_root
     assert result.stderr.strip().splitlines()[-1].startswith("error: run stopped by SIGINT during epoch 1")
     assert result.stderr.strip().endswith("no epoch finished, so there is no checkpoint (nor its folder)")
     assert not run_dir.exists()
+
+
+@pytest.mark.parametrize("kind", ["fifo", "hard link", "link"])
+def test_a_log_file_that_is_not_the_runs_own_is_refused_before_it_is_opened(tmp_path, kind):
+    """A FIFO at `train.log` blocked the command before it said anything; a hard link or a link carried the log's
+    lines into another file."""
+    run_dir, elsewhere = tmp_path / "run", tmp_path / "elsewhere.txt"
+    run_dir.mkdir()
+    elsewhere.write_text("kept")
+    log_file = run_dir / "train.log"
+    {"fifo": lambda: os.mkfifo(log_file), "hard link": lambda: os.link(elsewhere, log_file),
+     "link": lambda: log_file.symlink_to(elsewhere)}[kind]()
+    result = train_here(*QUICK, "ckpt_path=last", f"hydra.run.dir={run_dir}")
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
+    assert result.stderr.startswith(f"error: {log_file} is ")
+    assert elsewhere.read_text() == "kept"

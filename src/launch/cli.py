@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from src import config, resume
 from src.records import Result, has_checkpoints
 from src.errors import RunFailed, UsageError, interpreter, said
-from src.folders import no_link, remove_empty, write_file
+from src.folders import no_link, open_file, own_file, remove_empty, write_file
 from src.launch import load, lock, naming, progress, ranks, stops
 from src.launch.console import counted, print_error, print_line
 from src.launch.stops import RankFailed, RunStopped, signal_name
@@ -165,6 +165,7 @@ def main(hydra_main: Callable[[], object], config_name: str, report: bool = Fals
     status = 0
     try:
         config.check_args(args)
+        check_log_file(args, config_name)
         if answered_help(config_name, args):
             sys.exit(0)
         sweep_dir = typed_sweep_dir(args)
@@ -210,6 +211,16 @@ def answered_help(config_name: str, args: list[str]) -> bool:
         return False
     print(text, flush=True)
     return True
+
+
+def check_log_file(args: list[str], config_name: str) -> None:
+    """Hydra opens `<run folder>/<entry>.log` before the project checks anything: there a FIFO would block it, a link
+    or a second name (hard link) carry its lines elsewhere; refused first, in one line."""
+    for arg in args:
+        if arg.startswith("hydra.run.dir="):
+            log_file = Path(arg.partition("=")[2]) / f"{config_name}.log"
+            if os.path.lexists(log_file):
+                os.close(own_file(open_file(log_file, os.O_RDONLY), log_file, writing=True))
 
 
 def typed_sweep_dir(args: list[str]) -> Path | None:
