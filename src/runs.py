@@ -23,6 +23,7 @@ from src.launch.console import print_error
 
 RESOLVED_CONFIG = "config.yaml"
 EVENT_FILES = "events.out.tfevents.*"
+EVENTS_LIMIT = 64 * 2**20  # bytes of a run's event files the readers read; a long ResNet-18 run's are under 1 MiB
 CSV_METRICS, CSV_HPARAMS = Path("csv", "metrics.csv"), Path("csv", "hparams.yaml")  # conf/logger/csv.yaml
 
 T = TypeVar("T")
@@ -57,6 +58,14 @@ class RunFolder:
     @cached_property
     def _events(self) -> Any:
         from tensorboard.backend.event_processing import event_accumulator
+
+        files = sorted(self.path.glob(EVENT_FILES))
+        if any(file.is_symlink() or not file.is_file() for file in files):
+            raise UsageError(f"one of its event files ({EVENT_FILES}) is a link or not a regular file; the readers "
+                             "read only files of the run's own")
+        if sum(file.stat().st_size for file in files) > EVENTS_LIMIT:
+            raise UsageError(f"its event files hold more than {EVENTS_LIMIT // 2**20} MiB, far more than a run's "
+                             "scalars take; move them away, or read them in TensorBoard")
 
         events = event_accumulator.EventAccumulator(str(self.path), size_guidance={event_accumulator.SCALARS: 0,
                                                                                    event_accumulator.TENSORS: 0})

@@ -529,3 +529,20 @@ def test_a_full_disk_while_reporting_is_one_line(tmp_path, monkeypatch, capsys):
     assert ended.value.code == 1
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         f"error: {tmp_path / 'sweep' / 'report' / 'report.md'}: No space left on device")
+
+
+@pytest.mark.parametrize("kind", ["flood", "fifo"])
+def test_a_run_whose_event_files_would_flood_or_block_a_reader_is_left_out_in_one_line(tmp_path, kind, capsys):
+    """A 135 MB event file of repeated records, or a FIFO in its place, made src.report hang."""
+    run = write_ddp_run(tmp_path / "sweep" / "run")
+    events = run / "events.out.tfevents.1.host.1.1"
+    if kind == "flood":
+        with open(events, "wb") as file:
+            file.truncate(65 * 2**20)  # sparse: no disk taken
+    else:
+        os.mkfifo(events)
+    result = call_main(report_main, str(tmp_path / "sweep"))
+    assert result.returncode == 2
+    why = "its event files hold more than 64 MiB" if kind == "flood" else "one of its event files"
+    assert result.stderr.strip().splitlines() == [line for line in result.stderr.strip().splitlines()
+                                                  if line.startswith(f"error: {run}: left out ({why}")] != []
