@@ -136,7 +136,7 @@ def check(cfg: DictConfig) -> records.Result | None:
                           "to train longer")
         if not records.carried(name):
             raise refused(name, old, new, folder, ", which a record never sets (where a run writes and logs come "
-                          f"from the command); type {name}={config.shown(old)} to go on with it, or start a new run "
+                          f"from the command); type {name}={quoted(old)} to go on with it, or start a new run "
                           "(without ckpt_path)")
         raise refused(name, old, new, folder, ", and a resume continues the run as it was; leave it out, or start a "
                                               "new run (without ckpt_path) to change it")
@@ -165,8 +165,15 @@ GROUP_NAMES = {"model_name": "model", "strategy_name": "strategy"}  # refused by
 
 def refused(name: str, old: Any, new: Any, folder: Path, why: str) -> ResumeRefused:
     name = GROUP_NAMES.get(name, name)
-    return ResumeRefused(f"{name}={config.shown(new)} is not allowed in a resume of {folder}: the run used "
-                         f"{name}={config.shown(old)}{why}")
+    return ResumeRefused(f"{name}={quoted(new)} is not allowed in a resume of {folder}: the run used "
+                         f"{name}={quoted(old)}{why}")
+
+
+def quoted(value: Any) -> str:
+    """A value as the command line types it, on one printable line of at most `records.SHOWN` characters: the run's
+    config.yaml may say anything."""
+    text = records.shown(config.shown(value))
+    return text[:records.SHOWN] + "..." * (len(text) > records.SHOWN)
 
 
 def finished(cfg: DictConfig, folder: Path) -> records.Result | None:

@@ -54,14 +54,29 @@ def finished_run(tmp_path_factory, data_root):
     return run_dir
 
 
+def entry(command: str, run_dir: Path) -> tuple[subprocess.CompletedProcess, Path]:
+    """One entry point on the folder, in this process, and the folder it may write in."""
+    from src.report import main as report_main
+    from tests.helpers import DATA_ROOT, call_main, command_here
+
+    if command == "eval":
+        scored = run_dir.parent / "eval"
+        return command_here("src.eval", f"data.root={DATA_ROOT}", f"ckpt_path={run_dir}", f"hydra.run.dir={scored}",
+                            "trainer.enable_progress_bar=false"), scored
+    if command == "report":
+        return call_main(report_main, str(run_dir.parent)), run_dir.parent
+    return train_here(*QUICK, f"ckpt_path={command}", f"hydra.run.dir={run_dir}"), run_dir
+
+
 @seed(74)
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
 @given(record=st.sampled_from(["overrides", "config"]), index=st.integers(0, 400), value=NASTY,
-       word=st.sampled_from(["last", "auto"]))
-def test_a_resume_of_a_folder_whose_records_were_rewritten_stays_inside_it(tmp_path_factory, finished_run,
-                                                                            monkeypatch, record, index, value, word):
-    """Each value of a finished run's overrides.yaml or config.yaml rewritten: the resume finishes or is refused in
-    one line, writes only in its folder, starts no process, and prints no variable's value."""
+       command=st.sampled_from(["last", "auto", "eval", "report"]))
+def test_a_command_on_a_folder_whose_records_were_rewritten_stays_inside_it(tmp_path_factory, finished_run,
+                                                                             monkeypatch, record, index, value, command):
+    """Each value of a finished run's overrides.yaml or config.yaml rewritten: a resume (`ckpt_path=last|auto`),
+    `src.eval` of the folder and `src.report` of the folder above it finish or are refused in one line, write only
+    in their own folder, start no process, and print no variable's value."""
     import shutil
 
     run_dir = Path(shutil.copytree(finished_run, tmp_path_factory.mktemp("case") / "run"))
@@ -78,10 +93,12 @@ def test_a_resume_of_a_folder_whose_records_were_rewritten_stays_inside_it(tmp_p
         text[at] = f"{key}: {yaml.safe_dump(value).strip()}" if colon else text[at]
         path.write_text("\n".join(text) + "\n")
     monkeypatch.setenv("SANDBOX_CANARY", CANARY)
-    with sandbox(run_dir) as box:
-        result = train_here(*QUICK, f"ckpt_path={word}", f"hydra.run.dir={run_dir}")
+    allowed = run_dir.parent / "eval" if command == "eval" else run_dir.parent if command == "report" else run_dir
+    with sandbox(allowed) as box:
+        result, _ = entry(command, run_dir)
     assert result.returncode in (0, 2), result.stderr[-2000:]
     if result.returncode == 2:
-        assert len(result.stderr.strip().splitlines()) == 1, result.stderr[-2000:]
+        errors = [line for line in result.stderr.strip().splitlines() if line.startswith("error: ")]
+        assert len(errors) == 1 and result.stderr.strip().endswith(errors[0]), result.stderr[-2000:]
     assert box.outside == [] and box.processes == []
     assert CANARY not in result.stdout + result.stderr
