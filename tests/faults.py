@@ -120,3 +120,28 @@ class SignalAtStep(Callback):
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
         if trainer.global_step >= self.step:
             signal.raise_signal(self.signum)
+
+
+class SweepLockProbe(Callback):
+    """Writes to `mark` whether the sweep folder above this job's folder was locked as the job trained: `held` where
+    another writer would be turned away."""
+
+    def __init__(self, mark: str) -> None:
+        self.mark = Path(mark)
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        import fcntl
+
+        sweep_lock = Path(trainer.default_root_dir).parent / ".lock"
+        try:
+            fd = os.open(sweep_lock, os.O_RDONLY)
+        except FileNotFoundError:
+            self.mark.write_text("no lock")
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            self.mark.write_text("free")
+        except BlockingIOError:
+            self.mark.write_text("held")
+        finally:
+            os.close(fd)

@@ -18,8 +18,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from tests.helpers import (INTERPRETER, QUICK, REPO, assert_finished_run, cpu_precision, scalars, start_cli,
-                           train_here, user_env)
+from tests.helpers import (INTERPRETER, QUICK, REPO, assert_finished_run, command_here, cpu_precision, scalars,
+                           start_cli, train_here, user_env)
 from tests.test_stopping import checkpointed_epoch, proc_stat, wait_for
 
 PRECISION = cpu_precision()  # what precision=auto uses here
@@ -315,3 +315,15 @@ def test_a_job_is_pinned_to_its_slot_and_leaves_its_ranks_to_divide_its_cores(mo
     threads = torch.get_num_threads()
     take_slot(Placement(0, (1,), None))
     assert pinned == [(0, (1,))] and "OMP_NUM_THREADS" not in os.environ and torch.get_num_threads() == threads
+
+
+def test_a_new_sweep_holds_its_folder_from_its_first_job(tmp_path, data_root):
+    """A second command on the folder of a new sweep (its name made by the first, not typed) was not refused: both
+    split the jobs. The sweep's launcher holds the folder's lock while its jobs run."""
+    mark = tmp_path / "lock"
+    result = command_here("src.train", "-m", *QUICK, "seed=1", "+callbacks.probe._target_=tests.faults.SweepLockProbe",
+                          f"+callbacks.probe.mark={mark}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert mark.read_text() == "held"
+    [sweep] = (tmp_path / "outputs" / "multirun").iterdir()
+    assert not (sweep / ".lock").exists()  # and let go of once the sweep ended

@@ -62,14 +62,23 @@ def _same_file(fd: int, path: Path) -> bool:
         return False
 
 
+_holding: set[str] = set()  # folders this process holds: a sweep's command and its launcher both ask
+
+
 @contextmanager
 def held(folder: Path, what: str = "run") -> Iterator[None]:
-    """`folder` locked while the block runs; then its lock file goes (a writer that ended otherwise leaves it,
-    unlocked)."""
+    """`folder` locked while the block runs (already, where this process holds it); then its lock file goes (a
+    writer that ended otherwise leaves it, unlocked)."""
+    key = os.path.abspath(folder)
+    if key in _holding:
+        yield
+        return
     fd = acquire(folder, what)
+    _holding.add(key)
     try:
         yield
     finally:
+        _holding.discard(key)
         if fd is not None:
             if _same_file(fd, folder / LOCK):
                 (folder / LOCK).unlink()

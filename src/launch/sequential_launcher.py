@@ -11,6 +11,7 @@ from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, open_dict
 
 from src.folders import check_below
+from src.launch import lock
 from src.launch.naming import job_dirname
 from src.launch.progress import Progress
 from src.records import CKPT_WORDS, has_checkpoints
@@ -45,9 +46,10 @@ class ProjectLauncher(Launcher):
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         sweep_dir = self.begin()
-        # every job composed before the first runs: a bad value in a sweep is refused before any job has run
-        jobs = [self.job(number, list(overrides)) for number, overrides in enumerate(job_overrides, initial_job_idx)]
-        returns = self.run(jobs, Progress(len(jobs), initial_job_idx, sweep_dir), sweep_dir, jobs)
+        with lock.held(sweep_dir, "sweep"):  # one writer a sweep folder from its first job, a new one's too
+            # every job composed before the first runs: a bad value in a sweep is refused before any job has run
+            jobs = [self.job(number, list(overrides)) for number, overrides in enumerate(job_overrides, initial_job_idx)]
+            returns = self.run(jobs, Progress(len(jobs), initial_job_idx, sweep_dir), sweep_dir, jobs)
         return [returns[job.number] for job in jobs]
 
     def launch_each(self, next_job: Callable[[], tuple[int, list[str]] | None], count: int, first: int,
@@ -63,7 +65,8 @@ class ProjectLauncher(Launcher):
 
         assert self.config is not None
         alike = [Job(first, [], self.config, "")] * min(count, at_once or count)  # how many fit, as the command asks
-        returns = self.run(jobs(), Progress(count, first, sweep_dir, on_end=ended), sweep_dir, alike)
+        with lock.held(sweep_dir, "sweep"):
+            returns = self.run(jobs(), Progress(count, first, sweep_dir, on_end=ended), sweep_dir, alike)
         return list(returns.values())
 
     def begin(self) -> Path:
