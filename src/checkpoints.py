@@ -20,6 +20,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from src.errors import UsageError
+from src.folders import remove, write_file
 from src.launch.console import counted
 from src.launch.stops import held
 from src.records import CKPT_WORDS, has_checkpoints
@@ -44,27 +45,17 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
     @held()  # a stop signal during a save lets it finish: last.ckpt then holds the epoch that just ended
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | Path, storage_options: Any | None = None) -> None:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
         saved = io.BytesIO()  # serialized first: a full disk is then the OSError it is, not torch's zip writer's
         torch.save(checkpoint, saved)
-        try:
-            partial.unlink(missing_ok=True)
-            with os.fdopen(os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644), "wb") as file:
-                file.write(saved.getbuffer())
-                file.flush()
-                os.fsync(file.fileno())
-            os.replace(partial, path)
+        try:  # no half-written copy left; a linked checkpoints/ followed only where the user linked it to their own
+            write_file(Path(path), saved.getbuffer(), root=Path(path).parent.parent, durable=True)
         except OSError as error:
             raise OSError(error.errno, error.strerror, str(path)) from None
-        finally:  # no half-written copy left in the run folder
-            partial.unlink(missing_ok=True)
 
     def remove_checkpoint(self, path: str | Path) -> None:
         """A file or a link itself, never a folder's tree (Lightning's removes recursively, following a link)."""
         if not os.path.isdir(path) or os.path.islink(path):
-            Path(path).unlink(missing_ok=True)
+            remove(Path(path))
 
 
 def moved(checkpoint: dict[str, Any], folder: Path) -> dict[str, Any]:
@@ -198,8 +189,8 @@ def no_checkpoint(ckpt_path: object, run_dir: Path, hint: str = "") -> UsageErro
 def clean_partial(run_dir: Path) -> None:
     """The `.partial` files of an attempt killed while writing: the run holding the folder is its only writer."""
     for partial in [*(run_dir / "checkpoints").glob(".*.ckpt.*.partial"), *run_dir.glob(".*.*.partial")]:
-        if re.fullmatch(r"\..+\.\d+\.partial", partial.name) and not partial.is_symlink():
-            partial.unlink(missing_ok=True)
+        if re.fullmatch(r"\..+\.\d+\.partial", partial.name):
+            remove(partial, root=run_dir)
 
 
 def check_new_run(run_dir: Path) -> None:

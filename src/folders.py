@@ -123,10 +123,10 @@ def read_bytes(path: Path, limit: int, root: Path | None = None) -> bytes:
     return data
 
 
-def write_file(path: Path, data: str | bytes, root: Path | None = None) -> None:
+def write_file(path: Path, data: str | bytes | memoryview, root: Path | None = None, durable: bool = False) -> None:
     """`data` written beside `path`, then renamed over it, in the folder reached from `root` without a link: a reader
     never sees half a file, and a link at `path` or a folder between (to a start-up file, say) is refused in one
-    line, never written through."""
+    line, never written through. `durable`: on the disk before the rename (a checkpoint outlives a power cut)."""
     path = no_link(Path(path))
     folder = open_folder(root or path.parent, path.parent, create=True)
     partial = f".{path.name}.{os.getpid()}.partial"
@@ -136,11 +136,39 @@ def write_file(path: Path, data: str | bytes, root: Path | None = None) -> None:
         with os.fdopen(os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644,
                                dir_fd=folder), "wb") as file:
             file.write(data.encode() if isinstance(data, str) else data)
+            if durable:
+                file.flush()
+                os.fsync(file.fileno())
         os.replace(partial, path.name, src_dir_fd=folder, dst_dir_fd=folder)
     finally:
         with suppress(FileNotFoundError):
             os.unlink(partial, dir_fd=folder)
         os.close(folder)
+
+
+def remove(path: Path, root: Path | None = None) -> None:
+    """`path` itself, a file or a link (never what a link points to), in the folder reached from `root` without a
+    link; nothing where it is gone already."""
+    path = Path(path)
+    folder = open_folder(root or path.parent, path.parent)
+    try:
+        with suppress(FileNotFoundError):
+            os.unlink(path.name, dir_fd=folder)
+    finally:
+        os.close(folder)
+
+
+def remove_tree(folder: Path) -> None:
+    """`folder` and what it holds. `shutil.rmtree` holds a descriptor per level; this one holds one at a time, for a
+    command that failed at the limit of open files. A link is removed, never followed."""
+    with suppress(OSError):
+        for name in os.listdir(folder):
+            path = folder / name
+            if path.is_dir() and not path.is_symlink():
+                remove_tree(path)
+            else:
+                path.unlink()
+        folder.rmdir()
 
 
 def shown(value: object) -> str:

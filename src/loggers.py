@@ -2,6 +2,7 @@
 
 import csv
 import fcntl
+import io
 import json
 import os
 import re
@@ -23,7 +24,7 @@ from torch.utils.tensorboard.summary import custom_scalars
 from src import records
 from src.checkpoints import Saved
 from src.errors import UsageError
-from src.folders import write_file
+from src.folders import read_bytes, write_file
 from src.launch.stops import RunStopped, held
 from src.records import TO_TARGET
 
@@ -171,7 +172,7 @@ class CSVRunLogger(CSVLogger):
         super().__init__(*args, **kwargs)
         saved, self._kept = Path(self.log_dir, "metrics.csv"), []
         if purge_step is not None and saved.is_file():
-            with saved.open(newline="") as file:
+            with io.StringIO(read_bytes(saved, 64 * records.LIMIT).decode(errors="replace"), newline="") as file:
                 rows = [{k: v for k, v in row.items() if v} for row in csv.DictReader(file)]
             self._kept = [row for row in rows if int(row["step"]) < purge_step]
 

@@ -128,3 +128,49 @@ def test_a_run_and_its_resume_compose_the_config_as_hydra_main_does_twice(tmp_pa
     assert compositions(monkeypatch, *QUICK, f"hydra.run.dir={run}") == 2
     assert (run / "result.json").is_file()
     assert compositions(monkeypatch, "ckpt_path=last", f"hydra.run.dir={run}") == 2
+
+
+# Calls that open, write or remove files by path, which under a run, sweep or study folder go through src/folders.py:
+# Path's methods, os's and shutil's functions, and the built-in `open`.
+PATH_METHODS = {"open", "write_text", "write_bytes", "read_text", "read_bytes", "unlink", "rmdir", "rename",
+                "symlink_to", "hardlink_to", "touch"}
+OS_FUNCTIONS = {"open", "remove", "unlink", "rmdir", "replace", "rename", "truncate", "mkfifo", "symlink", "link",
+                "rmtree"}
+# The calls outside the layer, by module and what they touch: none of them a run, sweep or study folder's contents.
+OUTSIDE_FOLDERS = {
+    "src/records.py": {"read_text"},  # conf/ of the checkout
+    "src/loggers.py": {"open"},  # the MLflow store's lock, beside the store
+    "src/callbacks/disturbance.py": {"read_text"},  # /proc
+    "src/callbacks/hardware.py": {"write_text", "read_text"},  # /proc/self
+    "src/sysinfo.py": {"read_text"},  # /proc/cpuinfo
+    "src/launch/load.py": {"read_text"},  # /proc
+    "src/scaling/probe.py": {"read_text", "write_text"},  # the probe's own temporary folder
+    "src/launch/workers.py": {"read_text", "write_text", "open"},  # the launch's temporary folder, /proc
+    "src/launch/parallel_launcher.py": {"os.open"},  # the job's output, made through the layer before the job starts
+}
+
+
+def file_calls(path: Path) -> set[str]:
+    """The file-touching calls in `path`: `x.read_text()`, `os.replace(...)`, `shutil.rmtree(...)`, `open(...)`."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.Call):
+            continue
+        function = node.func
+        if isinstance(function, ast.Name) and function.id == "open":
+            found.add("open")
+        elif isinstance(function, ast.Attribute):
+            module = function.value.id if isinstance(function.value, ast.Name) else None
+            if module in ("os", "shutil") and function.attr in OS_FUNCTIONS or module not in ("os", "shutil") \
+                    and function.attr in PATH_METHODS:
+                found.add(f"{module}.{function.attr}" if module in ("os", "shutil") else function.attr)
+    return found
+
+
+def test_files_under_a_folder_are_touched_through_one_layer():
+    """Every read and write of a run, sweep or study folder's files passes src/folders.py; a new call elsewhere fails
+    here until it goes through the layer or is listed as touching no such folder."""
+    calls = {path.relative_to(REPO).as_posix(): file_calls(path) for path in SOURCES}
+    outside = {name: found for name, found in calls.items() if found and name != "src/folders.py"}
+    assert {name: found - OUTSIDE_FOLDERS.get(name, set()) for name, found in outside.items()
+            if found - OUTSIDE_FOLDERS.get(name, set())} == {}

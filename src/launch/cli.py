@@ -17,10 +17,10 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from src import config, resume
+from src import config, records, resume
 from src.records import Result, has_checkpoints
 from src.errors import RunFailed, UsageError, interpreter, said
-from src.folders import no_link, open_file, own_file, remove_empty, write_file
+from src.folders import no_link, open_file, own_file, read_bytes, remove_empty, write_file
 from src.launch import load, lock, naming, progress, ranks, stops
 from src.launch.console import counted, print_error, print_line
 from src.launch.stops import RankFailed, RunStopped, signal_name
@@ -256,5 +256,5 @@ def write_report(sweep_dir: Path, failures: list[progress.Failure], appendix: st
 
     written = write_sweep_report(sweep_dir, {f.name: f.line for f in failures})
     if written is not None and appendix:
-        write_file(written, written.read_text() + appendix)
+        write_file(written, read_bytes(written, records.LIMIT).decode() + appendix)
     return written

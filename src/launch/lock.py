@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from src.errors import UsageError
-from src.folders import own_file
+from src.folders import open_file, remove
 
 log = logging.getLogger(__name__)
 LOCK = ".lock"
@@ -45,14 +45,9 @@ def acquire(folder: Path, what: str) -> int | None:
 
 
 def open_lock(path: Path) -> int:
-    """The lock file, never through a link (its holder line would overwrite the link's target) nor a FIFO (it blocks)."""
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
-    except OSError as error:
-        if error.errno != errno.ELOOP:
-            raise
-        raise UsageError(f"{path} is a symbolic link; a lock is a file of the folder's own: remove the link") from None
-    return own_file(fd, path, writing=True)
+    """The lock file, never through a link (its holder line would overwrite the link's target), a FIFO (it blocks) or
+    a second name of another file (a hard link)."""
+    return open_file(path, os.O_RDWR | os.O_CREAT, root=path.parent)
 
 
 def _same_file(fd: int, path: Path) -> bool:
@@ -81,5 +76,5 @@ def held(folder: Path, what: str = "run") -> Iterator[None]:
         _holding.discard(key)
         if fd is not None:
             if _same_file(fd, folder / LOCK):
-                (folder / LOCK).unlink()
+                remove(folder / LOCK)
             os.close(fd)

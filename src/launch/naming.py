@@ -13,7 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from src.config import options
 from src.errors import UsageError, interpreter
-from src.folders import linked, missing, own_file, remove_empty
+from src.folders import linked, missing, own_file, remove_empty, remove_tree
 from src.records import load, overrides, select
 from src.launch.lock import LOCK
 from src.launch.ranks import external_rank, run_stamp
@@ -168,19 +168,6 @@ def unclaim_dir(folder: Path) -> None:
         handler.close()
     remove_tree(Path(folder))
     remove_empty(_created.get(str(Path(folder).absolute()), [Path(folder)]))
-
-
-def remove_tree(folder: Path) -> None:
-    """`shutil.rmtree` holds a descriptor per level; this one holds one at a time, for a command that failed at the
-    limit of open files. A symlink is removed, never followed."""
-    with suppress(OSError):
-        for name in os.listdir(folder):
-            path = folder / name
-            if path.is_dir() and not path.is_symlink():
-                remove_tree(path)
-            else:
-                path.unlink()
-        folder.rmdir()
 
 
 def untouched(folder: Path) -> bool:

@@ -17,6 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from src.folders import read_bytes, write_file
+from src.records import LIMIT
 
 SIZES = tuple(4 * 16**k for k in range(5)) + (2**20, 4 * 2**20, 16 * 2**20, 32 * 2**20)  # 4 B, 64 B, ... 32 MiB
 PROCESSES = (2, 4)
@@ -160,12 +162,13 @@ def run_probe(processes: Sequence[int] = PROCESSES, sizes: Sequence[int] = SIZES
 
 def save(probe: Probe, path: Path) -> None:
     fits = {n: {"latency_s": lat, "bandwidth_bytes_per_s": bw} for n, (lat, bw) in probe.fits().items()}
-    path.write_text(json.dumps({"cores": probe.cores, "fits": fits, "lag_shares": probe.lags, "points": probe.points}, indent=1))
+    write_file(path, json.dumps({"cores": probe.cores, "fits": fits, "lag_shares": probe.lags, "points": probe.points},
+                                indent=1))
 
 
 def load(path: Path) -> Probe:
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(read_bytes(path, LIMIT))
         points = [(int(n), int(b), float(t)) for n, b, t in data["points"]]
         lags = {int(n): float(s) for n, s in data.get("lag_shares", {}).items()}  # a probe saved before lags were timed: none
         return Probe(points, int(data["cores"]), lags)

@@ -12,6 +12,8 @@ from typing import Any
 import torch
 from hydra.utils import instantiate
 
+from src.folders import read_bytes, write_file
+from src.records import LIMIT
 from src.scaling import stepclock
 from src.scaling.probe import median_s
 from src.strategies.ddp import HOOKS
@@ -100,7 +102,7 @@ def load(path: Path) -> dict[str, Timed]:
     if not path.is_file():
         return {}
     try:
-        saved = json.loads(path.read_text())
+        saved = json.loads(read_bytes(path, LIMIT))
         return {name: Timed(**{**figures, "lags": {int(n): lag for n, lag in figures.get("lags", {}).items()}})
                 for name, figures in saved.items()}
     except (ValueError, TypeError, AttributeError) as error:
@@ -109,4 +111,4 @@ def load(path: Path) -> dict[str, Timed]:
 
 
 def save(path: Path, figures: dict[str, Timed]) -> None:
-    path.write_text(json.dumps({name: asdict(timed) for name, timed in figures.items()}, indent=1) + "\n")
+    write_file(path, json.dumps({name: asdict(timed) for name, timed in figures.items()}, indent=1) + "\n")
