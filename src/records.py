@@ -128,10 +128,15 @@ def overrides(lines: Any, path: Path) -> list[str]:
 # What a record's override line may hold, read here and never by Hydra's grammar: a key of plain names, and values
 # that are numbers, booleans, null, words or quoted one-line text without `$`, `\`, quotes or control characters.
 KEY = re.compile(r"[A-Za-z]\w*(\.[A-Za-z]\w*)*", re.ASCII)
-BARE = r"[^\s,\[\](){}'\"\\$=\x00-\x1f\x7f-\U0010ffff]+"  # printable ASCII, as Hydra's lexer reads a bare value
+BARE = r"[A-Za-z0-9_/+.%*@?|:-]+"  # the characters of a bare value in Hydra's lexer, less `$` and `\`
 QUOTED = r"'[^'\"\\$\x00-\x1f\x7f]*'|\"[^'\"\\$\x00-\x1f\x7f]*\""
 SCALAR = re.compile(rf"{BARE}|{QUOTED}")
-NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
+# Hydra's lexer's numbers (OverrideLexer.g4), so that a value is read here as Hydra reads it: `00` is text, `1_000` a
+# whole number, `inf` and `.5` numbers.
+_UNSIGNED = r"(0|[1-9](_?\d)*)"
+_POINT = rf"({_UNSIGNED}\.|{_UNSIGNED}?\.\d(_?\d)*)"
+FLOAT = re.compile(rf"[+-]?({_POINT}|({_UNSIGNED}|{_POINT})[eE][+-]?\d(_?\d)*|[Ii][Nn][Ff]|[Nn][Aa][Nn])")
+INT = re.compile(rf"[+-]?{_UNSIGNED}")
 SWEEP_FUNCTIONS = re.compile(r"(interval|range|choice)\((.*)\)|tag\(log,\s*interval\((.*)\)\)")
 # Launcher settings a sweep's record never sets: where its jobs write.
 WHERE = re.compile(r"(^|\.)(\w*dir|\w*dirpath|\w*path|\w*folder|\w*_uri|\w*file|filename|root)$")
@@ -159,14 +164,17 @@ OPTION = re.compile(r"[A-Za-z0-9][\w-]*")
 
 
 def scalar(token: str) -> Any:
-    """A token as Hydra types a bare value: null, a boolean, a whole number, a number, else text."""
+    """A token as Hydra types a bare value (its lexer's rules, first match on a tie): a number, a whole number, a
+    boolean or null in any case, else text; quoted, text."""
     if token[:1] in "'\"":
         return token[1:-1]
-    if token in ("null", "true", "false", "True", "False"):
-        return None if token == "null" else token.lower() == "true"
-    if re.fullmatch(r"[+-]?\d+", token):
-        return int(token)
-    return float(token) if NUMBER.fullmatch(token) else token
+    if FLOAT.fullmatch(token):
+        return float(token.replace("_", ""))
+    if INT.fullmatch(token):
+        return int(token.replace("_", ""))
+    if token.lower() in ("true", "false", "null"):
+        return None if token.lower() == "null" else token.lower() == "true"
+    return token
 
 
 def items(text: str) -> list[Any] | None:

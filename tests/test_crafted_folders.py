@@ -546,3 +546,47 @@ def test_a_run_whose_event_files_would_flood_or_block_a_reader_is_left_out_in_on
     why = "its event files hold more than 64 MiB" if kind == "flood" else "one of its event files"
     assert result.stderr.strip().splitlines() == [line for line in result.stderr.strip().splitlines()
                                                   if line.startswith(f"error: {run}: left out ({why}")] != []
+
+
+@settings(max_examples=400, deadline=None)
+@given(key=KEYS, value=st.one_of(VALUES, st.from_regex(r"[ -~]{1,12}", fullmatch=True),
+                                 st.lists(st.sampled_from(["1", "x", "0.5", "'a b'", "true"]), min_size=1, max_size=3)
+                                 .map(lambda items: "[" + ",".join(items) + "]")))
+def test_what_a_record_hands_to_hydra_reads_back_as_the_value_it_was_checked_as(tmp_path_factory, key, value):
+    """A kept record line reaches Hydra only where Hydra reads it as exactly the typed value the record's own reader
+    read: a number, a boolean, null, a word, quoted text or a list of them, never an interpolation or a function."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    path = tmp_path_factory.mktemp("typed") / "overrides.yaml"
+    try:
+        [line] = records.settings([f"{key}={value}"], path) or [None]
+    except (UsageError, ValueError):
+        return
+    if line is None or line.partition("=")[0] in config.GROUPS:
+        return
+    [override] = OverridesParser.create().parse_overrides([line])
+    text = line.partition("=")[2]
+    typed = records.items(text[1:-1]) if text.startswith("[") else records.scalar(text)
+    read = override.value()
+    assert repr(read) == repr(typed) and type(read) is type(typed)  # repr: nan is nan, -0.0 is not 0.0
+    assert "${" not in str(read)
+
+
+@settings(max_examples=300, deadline=None)
+@given(key=KEYS, swept=st.lists(st.one_of(VALUES, st.from_regex(r"[ -~]{1,8}", fullmatch=True)), min_size=2,
+                                 max_size=4))
+def test_a_sweeps_recorded_values_read_back_as_the_values_they_were_checked_as(tmp_path_factory, key, swept):
+    """The same for a sweep's record: each swept value Hydra reads is the typed value the record's reader read."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    path = tmp_path_factory.mktemp("swept") / "multirun.yaml"
+    try:
+        [line] = records.settings([f"{key}={','.join(swept)}"], path, sweep=True) or [None]
+    except (UsageError, ValueError):
+        return
+    if line is None or line.partition("=")[0] in config.GROUPS:
+        return
+    [override] = OverridesParser.create().parse_overrides([line])
+    typed = records.items(line.partition("=")[2])
+    read = [getattr(v, "text", v) for v in override.sweep_iterator()]  # a QuotedString is its text in a job
+    assert [repr(v) for v in read] == [repr(v) for v in typed]
