@@ -1,4 +1,5 @@
-"""What a command does to the file system and which processes it starts, seen through Python's audit hooks
+"""What a command does to the file system, which processes it starts and which modules it imports anew, seen through
+Python's audit hooks
 (`sys.addaudithook`): a test names the folders a command may write in, and every write, removal, rename, folder, link
 or process outside them is a finding. A hook cannot be taken back, so one is added for the test process and records
 only while a `Sandbox` is open."""
@@ -25,6 +26,7 @@ class Sandbox:
     allowed: list[Path]
     outside: list[str] = field(default_factory=list)
     processes: list[str] = field(default_factory=list)
+    imports: list[str] = field(default_factory=list)  # modules imported for the first time in this process
 
     def inside(self, path: object, dir_fd: object = None, follow: bool = False) -> bool:
         """Whether `path` is in an allowed folder: where a link there leads, for what follows it (`open`)."""
@@ -49,6 +51,8 @@ class Sandbox:
                     self.outside.append(f"{event} {args[index]}")
         elif event.startswith(PROCESSES):
             self.processes.append(f"{event} {args[:2]}")
+        elif event == "import" and args[0] not in sys.modules:
+            self.imports.append(args[0])
 
 
 _open: list[Sandbox] = []

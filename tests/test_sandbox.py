@@ -32,9 +32,11 @@ def test_the_sandbox_sees_writes_removals_links_and_processes_outside_and_nothin
         (outside / "old").unlink()
         os.rename(inside / "sub", outside / "sub")
         subprocess.run(["true"], check=True)
+        import tabnanny  # noqa: F401  a module nothing here imports
     assert [line.split()[0] for line in box.outside] == ["open", "open", "os.remove", "os.rename"]
     assert box.outside[1].startswith(f"open {inside / 'link'}")
     assert len(box.processes) == 1 and box.processes[0].startswith("subprocess.Popen")
+    assert "tabnanny" in box.imports
 
 
 # What a record's value may become: traversal, resolvers, escapes, look-alikes, control characters, huge and
@@ -48,9 +50,16 @@ NASTY = st.one_of(
 
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory, data_root):
+    """A finished quick run, on which each entry point has run once as it is (`entry`): what a clean run imports is
+    imported."""
+    import shutil
+
     run_dir = tmp_path_factory.mktemp("sandboxed") / "run"
     result = train_here(*QUICK, f"hydra.run.dir={run_dir}")
     assert result.returncode == 0, result.stderr[-2000:]
+    for command in ("last", "auto", "eval", "report"):
+        warm = Path(shutil.copytree(run_dir, tmp_path_factory.mktemp("warm") / "run"))
+        assert entry(command, warm)[0].returncode == 0
     return run_dir
 
 
@@ -101,4 +110,5 @@ def test_a_command_on_a_folder_whose_records_were_rewritten_stays_inside_it(tmp_
         errors = [line for line in result.stderr.strip().splitlines() if line.startswith("error: ")]
         assert len(errors) == 1 and result.stderr.strip().endswith(errors[0]), result.stderr[-2000:]
     assert box.outside == [] and box.processes == []
+    assert box.imports == []  # each entry ran on the folder as it was first (`warmed`): a record adds no module
     assert CANARY not in result.stdout + result.stderr
