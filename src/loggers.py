@@ -46,12 +46,14 @@ DESCRIPTIONS = {
                       "against time",
     "usage/cpu_share": "the process's CPU seconds over the epoch's wall seconds times its threads: below 1 where it "
                        "waited, for other work or for itself (Python, data, communication)",
-    "usage/others_runnable": "mean runnable tasks on the machine beyond the run's own (its processes here times their "
-                             "threads), sampled through the epoch (Linux)",
+    "usage/others_share": "the share of the run's cores' time that processes outside the run used this epoch: the "
+                          "cores' busy time less the run's processes' (/proc; Linux)",
+    "usage/cpu_wait": "the share of the run's threads' time on or waiting for a CPU that they spent waiting "
+                      "(/proc/<pid>/task/*/schedstat; Linux)",
     "usage/gpu_util": "mean utilization of rank 0's GPU through the epoch, % (NVML)",
-    "usage/disturbed": "1 where the epoch competed with other work (usage/others_runnable at least 0.5 with the "
-                       "cores oversubscribed, and usage/cpu_share under 0.8): its time measured the machine's "
-                       "load too",
+    "usage/disturbed": "1 where the epoch competed with other work (usage/others_share and usage/cpu_wait at least "
+                       "0.1: other processes took a tenth of the run's cores while its threads waited): its time "
+                       "measured the machine's load too",
     "usage/tflops_per_s": "model TFLOP/s per device this epoch: FLOPs of forward and backward per image (torch's "
                           "FLOP counter) x time/samples_per_s / devices",
     "usage/mfu": "model FLOPs utilisation: usage/tflops_per_s over the device's peak for the precision used "
@@ -91,7 +93,7 @@ LAYOUT = {
     "time": {"epoch seconds (validation excluded)": ["Multiline", ["time/epoch_s$", "time/epoch_s_median$"]],
              "images per second": ["Multiline", ["time/samples_per_s$", "time/samples_per_s_median$"]],
              "training seconds to each val/acc target": ["Multiline", ["time/to_val_acc_"]],
-             "what each epoch competed with": ["Multiline", ["usage/others_runnable$", "usage/disturbed$"]]},
+             "what each epoch competed with": ["Multiline", ["usage/others_share$", "usage/cpu_wait$", "usage/disturbed$"]]},
     "hardware use": {"model TFLOP/s per device": ["Multiline", ["usage/tflops_per_s$", "usage/tflops_per_s_median$"]],
                      "MFU (share of the peak)": ["Multiline", ["usage/mfu$", "usage/mfu_median$"]],
                      "peak memory MiB": ["Multiline", ["usage/peak_memory_mib$"]]},

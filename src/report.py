@@ -254,10 +254,9 @@ def disturbance_note(runs: list[Run]) -> str:
     if not any(run.disturbed_epochs for run in runs):
         return ""
     left_out = [markdown_cell(f"{run.run} ({run.speedup_left_out})") for run in runs if run.speedup_left_out]
-    return ("\\* Other work ran beside some epochs (`disturbed epochs`: `usage/disturbed` in TensorBoard, at least "
-            "half a core's worth of other runnable tasks with the cores oversubscribed, and the run got under 0.8 of "
-            "its threads' CPU time): their times measured the machine's load as well as the setting, and so does any "
-            "comparison drawn from them. "
+    return ("\\* Other work ran beside some epochs (`disturbed epochs`: `usage/disturbed` in TensorBoard, other "
+            "processes took at least a tenth of the run's cores while its threads waited for a CPU): their times "
+            "measured the machine's load as well as the setting, and so does any comparison drawn from them. "
             + (f"Speed-ups left out: {'; '.join(left_out)}." if left_out else "")).rstrip()
 
 

@@ -2,13 +2,16 @@
 time is marked on the result line and in the report, and a speed-up from mostly disturbed runs is left out."""
 
 import csv
+import json
 import logging
 import os
+from pathlib import Path
 
 import pytest
 import torch
 
-from src.callbacks.disturbance import Disturbance, EpochLoad, is_disturbed
+from src.callbacks.disturbance import (Competition, Disturbance, EpochLoad, competition, core_ticks, descendants,
+                                      process_ticks, read_proc, run_root, thread_times)
 from src.launch import cli, load
 from src.launch.load import busy_line, others_runnable_now, runnable_tasks
 from src.records import Result
@@ -86,36 +89,120 @@ def test_a_process_on_some_cores_and_a_rank_torchrun_started_say_nothing(tmp_pat
     assert not [r for r in caplog.records if r.levelno == logging.WARNING]
 
 
-def test_an_epoch_beside_other_work_is_disturbed_and_its_cpu_share_falls():
+FIXTURES = Path(__file__).parent / "fixtures" / "disturbance"  # recorded by tests/fixtures/disturbance/record.py
+
+
+def recorded(name: str, cores: list[int] | None = None) -> Competition:
+    """A recorded interval's figures, on the cores it was recorded with unless told others."""
+    fixture = json.loads((FIXTURES / f"{name}.json").read_text())
+    return competition(fixture["start"], fixture["end"], fixture["cores"] if cores is None else cores)
+
+
+@pytest.mark.parametrize("name", ["oversubscribed_quiet", "ddp4_quiet"])
+def test_a_run_with_more_threads_than_cores_waits_for_itself_and_is_not_disturbed(name):
+    measured = recorded(name)  # 4 busy processes, or the README's `strategy=ddp devices=4`, on 2 cores
+    assert measured.waited > 0.3  # its own processes queue for the cores
+    assert measured.others < 0.05 and not measured.disturbed()
+
+
+@pytest.mark.parametrize("name", ["oversubscribed_busy", "ddp4_busy"])
+def test_the_same_run_beside_a_busy_loop_is_disturbed(name):
+    measured = recorded(name)
+    assert measured.others > 0.15 and measured.disturbed()
+
+
+def test_a_taskset_run_is_judged_on_its_own_cores():
+    quiet, busy = recorded("taskset_quiet"), recorded("taskset_busy")  # one process on core 0 of 2
+    assert quiet.others < 0.05 and not quiet.disturbed()  # the busy loop ran on core 1
+    assert recorded("taskset_quiet", cores=[0, 1]).others > 0.4  # on the machine's cores it would have counted
+    assert busy.others > 0.4 and busy.disturbed()  # the busy loop ran on core 0 too
+
+
+def test_other_work_on_cores_the_run_leaves_idle_does_not_disturb_it():
+    measured = recorded("fits_beside")  # one busy process and one busy loop on 2 cores
+    assert measured.others > 0.4 and measured.waited < 0.05 and not measured.disturbed()
+
+
+def test_the_rule_needs_both_other_work_on_the_run_s_cores_and_the_run_waiting():
+    assert Competition(others=0.1, waited=0.1).disturbed()
+    assert not Competition(others=0.09, waited=0.9).disturbed() and not Competition(others=0.9, waited=0.09).disturbed()
+    assert Competition(others=0.5, waited=None).disturbed()  # no thread times (a kernel without schedstat)
+
+
+STAT = """cpu  30 0 10 100 5 0 0 2 0 0
+cpu0 10 0 5 60 5 0 0 0 0 0
+cpu1 20 0 5 40 0 0 0 2 0 0
+ctxt 99
+"""
+
+
+def test_busy_ticks_are_all_but_idle_and_iowait_of_the_cores_asked_for():
+    assert core_ticks(STAT, [1]) == (27, 67)
+    assert core_ticks(STAT, [0, 1]) == (42, 147) and core_ticks(STAT, [5]) == (0, 0)
+
+
+def test_a_process_s_ticks_are_its_own_and_its_waited_for_children_s_whatever_its_name():
+    line = "4321 (pt (main) 1) S 77 4321 1 0 -1 4194560 10 0 0 0 120 30 7 3 20 0 9 0 500 1000 100"
+    assert process_ticks(line) == (4321, 77, 160)
+    assert thread_times("1049670697 333557 26\n") == (1049670697, 333557)
+
+
+def test_the_run_is_the_tree_below_its_root():
+    parents = {1: 0, 10: 1, 11: 10, 12: 10, 13: 11, 20: 1}  # 10 launches ranks 11 and 12; 13 is a rank's worker
+    assert descendants(parents, 10) == {10, 11, 12, 13} and descendants(parents, 13) == {13}
+
+
+def test_a_process_that_ended_still_counts_as_the_run_s_through_its_parent():
+    line = "{pid} (python) S {ppid} 0 0 0 -1 0 0 0 0 0 {utime} 0 {cutime} 0 20 0 1 0 1 1 1"
+    start = {"/proc/stat": "cpu0 100 0 0 100 0 0 0 0\n",
+             "/proc/10/stat": line.format(pid=10, ppid=1, utime=20, cutime=0),
+             "/proc/11/stat": line.format(pid=11, ppid=10, utime=50, cutime=0)}
+    # The root used 20 ticks more; its worker 30 more, then ended, and its 80 are the root's now. Others used 40.
+    end = {"/proc/stat": "cpu0 190 0 0 110 0 0 0 0\n", "/proc/10/stat": line.format(pid=10, ppid=1, utime=40, cutime=80)}
+    assert competition(start, end, [0]).others == pytest.approx(40 / 100)
+
+
+def test_this_process_reads_its_own_tree_and_threads_from_proc():
+    pid = os.getpid()
+    first, second = read_proc(pid), read_proc(pid)
+    assert f"/proc/{pid}/stat" in first and f"/proc/{pid}/task/{pid}/schedstat" in first and "/proc/stat" in first
+    measured = competition(first, second, sorted(os.sched_getaffinity(0)))
+    assert 0 <= measured.others <= 1 and (measured.waited is None or 0 <= measured.waited <= 1)
+
+
+def test_a_rank_s_run_is_its_launcher_s_tree(monkeypatch):
+    for name in ("RANK", "GROUP_RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("SLURM_NTASKS", raising=False)
+    assert run_root() == os.getpid()
+    for name, value in (("RANK", "1"), ("GROUP_RANK", "0"), ("LOCAL_RANK", "1"), ("LOCAL_WORLD_SIZE", "4")):
+        monkeypatch.setenv(name, value)
+    assert run_root() == os.getppid()
+
+
+def test_an_epoch_logs_what_other_work_took_its_cpu_share_and_the_mark():
+    fixture = json.loads((FIXTURES / "oversubscribed_busy.json").read_text())
     wall, cpu = Clock(), Clock()
-    epoch = EpochLoad(own=2, threads=2, cores=2, clock=wall, cpu_clock=cpu)
-    for runnable in (4, 3, 5, 2):  # the run's 2 threads and 2, 1, 3, 0 others
-        wall.now += 1.0
-        cpu.now += 1.0  # half of what two threads could have used
-        epoch.sample(runnable)
-    figures = epoch.figures()
-    assert figures["usage/others_runnable"] == pytest.approx(1.5)
-    assert figures["usage/cpu_share"] == pytest.approx(0.5)
-    assert figures["usage/disturbed"] == 1.0
+    epoch = EpochLoad(threads=2, cores=fixture["cores"], start=fixture["start"], clock=wall, cpu_clock=cpu)
+    wall.now, cpu.now = 4.0, 4.0  # half of what two threads could have used
+    figures = epoch.figures(fixture["end"])
+    assert figures["usage/others_share"] == pytest.approx(recorded("oversubscribed_busy").others)
+    assert figures["usage/cpu_share"] == pytest.approx(0.5) and figures["usage/disturbed"] == 1.0
+    unmeasured = EpochLoad(threads=1, cores=[0], start=None, clock=Clock(), cpu_clock=Clock()).figures(None)
+    assert unmeasured == {"usage/cpu_share": 1.0, "usage/disturbed": 0.0}  # no /proc: not measured, not marked
 
 
-def test_other_work_that_fits_beside_the_run_does_not_disturb_it():
-    assert not is_disturbed(others=3.0, own=4, cores=16, cpu_share=0.5)  # a 16-core machine with room to spare
-    assert not is_disturbed(others=0.2, own=2, cores=2, cpu_share=0.5)  # a passing blip
-    assert not is_disturbed(others=None, own=2, cores=2, cpu_share=0.5)  # not measured (no /proc)
-    # A quiet 2-rank DDP run on 2 cores: its communication is runnable beside its compute threads, and it got its CPU.
-    assert not is_disturbed(others=1.0, own=2, cores=2, cpu_share=0.93)
-    assert is_disturbed(others=2.1, own=2, cores=2, cpu_share=0.34)  # the same run beside one busy loop
-
-
-def test_samples_are_taken_every_half_second_at_most():
+def test_gpu_utilization_is_sampled_every_half_second_at_most():
     wall = Clock()
-    epoch = EpochLoad(own=1, threads=1, cores=2, clock=wall, cpu_clock=Clock())
+    epoch = EpochLoad(threads=1, cores=[0], start=None, clock=wall, cpu_clock=Clock())
     assert not epoch.due()
     wall.now = 0.6
     assert epoch.due()
-    epoch.sample(1)
-    assert not epoch.due() and epoch.others == [0]
+    epoch.sample(40.0)
+    assert not epoch.due()
+    wall.now = 1.2
+    epoch.sample(60.0)
+    assert epoch.figures(None)["usage/gpu_util"] == pytest.approx(50.0)
 
 
 def test_the_verdict_counts_the_disturbed_epochs_and_survives_a_resume():

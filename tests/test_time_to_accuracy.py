@@ -151,7 +151,7 @@ def test_a_real_run_records_its_times_to_accuracy(tmp_path, data_root):
     said = re.search(r"(\d+) of 2 epoch times disturbed", result.stdout + result.stderr)  # the result line's count
     assert sum(points["usage/disturbed"]) == (int(said[1]) if said else 0) and set(points["usage/disturbed"]) <= {0.0, 1.0}
     assert all(share > 0 for share in points["usage/cpu_share"])
-    assert len(points["usage/others_runnable"]) == 2  # Linux: read from /proc/stat
+    assert len(points["usage/others_share"]) == len(points["usage/cpu_wait"]) == 2  # Linux: read from /proc
 
 
 # ---- the report on made-up runs ----
