@@ -41,9 +41,8 @@ HPARAM_METRICS = tuple(tag for tag, _, _ in METRICS)
 
 def time_to_metrics(targets: Iterable[str]) -> list[tuple[str, str, str]]:
     """The time-to-accuracy columns (`src.callbacks.timing.TimeToAccuracy`), by target name (`0.85`), after the
-    epoch time: blank where a run never reached the target."""
-    return [(f"{records.TO_TARGET}{name}", f"s to val acc {name}",
-             f"training seconds (validation excluded) until val/acc first reached {name}; blank where it never did")
+    epoch time: a value for every run, so that the parallel coordinates draw each one."""
+    return [(f"{records.HPARAMS_TO_TARGET}{name}", f"s to val acc {name}", records.hparams_target(name))
             for name in sorted(set(targets), key=float)]
 
 
@@ -225,12 +224,17 @@ def log_settings(loggers: list[Logger], params: dict[str, Any]) -> None:
 
 @held()  # see RunLogger
 def log_hparams(loggers: list[Logger], params: dict[str, Any], run_dir: Path, step: int = 0,
-                targets: Iterable[str] = ()) -> None:
-    """At the last step, so no event goes back; a sweep job writes only its session (the sweep adds the experiment)."""
+                targets: Iterable[str] = (), reached: Mapping[str, float] = {}) -> None:
+    """At the last step, so no event goes back; a sweep job writes only its session (the sweep adds the experiment).
+    `reached`: the seconds to each target the run reached, by name; HParams' column of every other is
+    `records.NOT_REACHED`."""
     for logger in loggers:
         if not isinstance(logger, RunLogger):
             logger.log_hyperparams(params)
-        elif not has_hparams(run_dir):  # a resumed run keeps the record it began with
+            continue
+        logger.log_metrics({f"{records.HPARAMS_TO_TARGET}{name}": reached.get(name, records.NOT_REACHED)
+                            for name in targets}, step)
+        if not has_hparams(run_dir):  # a resumed run keeps the record it began with
             sweep_job = str(records.select(hydra_record(run_dir), "mode")) == "MULTIRUN"
             saved = run_dir / ".hydra" / "overrides.yaml"
             overrides = [str(o) for o in records.load(saved) or []] if saved.is_file() and not sweep_job else []

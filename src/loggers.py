@@ -78,6 +78,8 @@ TRANSFERS = {
 DESCRIPTIONS |= TRANSFERS | {f"{tag}_epoch": f"mean over the epoch of {tag}: {text}" for tag, text in TRANSFERS.items()}
 
 def description(tag: str) -> str | None:
+    if tag.startswith(records.HPARAMS_TO_TARGET):
+        return records.hparams_target(tag[len(records.HPARAMS_TO_TARGET):])
     if tag.startswith(TO_TARGET):
         return (f"training seconds (as time/epoch_s counts them) until val/acc first reached {tag[len(TO_TARGET):]}, "
                 "at that step; no point where it never did")

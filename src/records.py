@@ -304,6 +304,14 @@ def has_checkpoints(run_dir: Path) -> bool:
 
 
 TO_TARGET = "time/to_val_acc_"  # and a target's name: the scalar of the seconds it took to reach it
+HPARAMS_TO_TARGET = "hparams/s_to_val_acc_"  # and a target's name: the same, HParams' column, for every run
+NOT_REACHED = -1.0  # that column where the run did not reach the target: HParams' parallel coordinates draw numbers
+
+
+def hparams_target(name: str) -> str:
+    """What HParams' time-to-accuracy column says of itself."""
+    return (f"training seconds (as time/epoch_s counts them) until val/acc first reached {name}; {NOT_REACHED:g} where "
+            "the run did not reach it (a number, so that HParams' parallel coordinates draw every run)")
 
 
 def target_name(target: float) -> str:

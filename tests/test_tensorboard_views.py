@@ -23,7 +23,8 @@ from tests.helpers import QUICK, cpu_precision, free_port, scalars, train_here
 PRECISION = cpu_precision()  # what precision=auto uses here
 LABEL = f"lenet_auto_1dev_{PRECISION}"
 TARGETS = "callbacks.time_to_accuracy.targets=[0.05,0.999]"  # one that chance beats, one that no quick run reaches
-FIRST_METRICS = ["test/acc", "val/acc_best", "time/epoch_s_median", "time/to_val_acc_0.05", "time/to_val_acc_0.999"]
+FIRST_METRICS = ["test/acc", "val/acc_best", "time/epoch_s_median", "hparams/s_to_val_acc_0.05",
+                 "hparams/s_to_val_acc_0.999"]
 SHOWN = 5  # hparams and metric columns the HParams tab ticks by default
 
 
@@ -112,6 +113,17 @@ def test_hparams_opens_on_what_differs_and_the_metrics_that_answer(served_sweep)
     assert infos["tags"]["domainDiscrete"] == ["smoke"]
 
 
+def test_hparams_parallel_coordinates_draw_every_run_on_every_ticked_metric(served_sweep):
+    """A sweep where no run reached a target had no value in that column for any run: TensorBoard's parallel
+    coordinates, which draw a run only where it has every ticked column, drew no line at all. Every session has
+    every metric column the tab ticks."""
+    experiment = served_sweep.experiment()
+    columns = set(default_columns(experiment)[1])
+    groups = served_sweep.session_groups(experiment)
+    drawn = [{value["name"]["tag"] for value in group["metricValues"]} for group in groups]
+    assert groups and [columns - tags for tags in drawn] == [set()] * len(groups)
+
+
 def test_hparams_figures_are_those_of_the_run_and_the_report(served_sweep, sweep):
     groups = served_sweep.session_groups(served_sweep.experiment())
     assert len(groups) == 2
@@ -129,9 +141,9 @@ def test_hparams_figures_are_those_of_the_run_and_the_report(served_sweep, sweep
         assert metrics["time/epoch_s_median"] == pytest.approx(statistics.median(logged["time/epoch_s"]))
         assert metrics["time/samples_per_s_median"] == pytest.approx(statistics.median(logged["time/samples_per_s"]))
         assert metrics["test/acc"] == pytest.approx(logged["test/acc"][-1])
-        assert metrics["time/to_val_acc_0.05"] == pytest.approx(logged["time/trained_s"][0])  # the first validation
-        assert "time/to_val_acc_0.999" not in metrics  # never reached: blank
-        assert float(report[run]["s_to_val_acc_0.05"]) == pytest.approx(metrics["time/to_val_acc_0.05"], rel=1e-6)
+        assert metrics["hparams/s_to_val_acc_0.05"] == pytest.approx(logged["time/to_val_acc_0.05"][0])
+        assert metrics["hparams/s_to_val_acc_0.999"] == -1.0  # never reached: a number, so the run is drawn
+        assert float(report[run]["s_to_val_acc_0.05"]) == pytest.approx(metrics["hparams/s_to_val_acc_0.05"], rel=1e-6)
         assert report[run]["s_to_val_acc_0.999"] == "never"
         assert float(report[run]["epoch_s"]) == pytest.approx(metrics["time/epoch_s_median"])  # the report's epoch s (median)
 
@@ -167,7 +179,7 @@ def test_single_run_is_named_by_the_precision_used_and_opens_on_what_was_typed(s
     experiment = Served(single).experiment()
     hparams, metrics = default_columns(experiment)
     assert hparams == ["data.val_size", "lr", "lr_used", "model", "strategy"]  # typed, then what the run is
-    assert metrics == [*FIRST_METRICS[:3], "time/to_val_acc_0.80", "time/to_val_acc_0.85"]  # the default targets
+    assert metrics == [*FIRST_METRICS[:3], "hparams/s_to_val_acc_0.80", "hparams/s_to_val_acc_0.85"]  # the default targets
     [group] = Served(single).session_groups(experiment)  # what was typed first: the table cuts trial ids short
     assert group["name"].startswith(f"debug=quick optim.lr=0.05 data.val_size=1000 {LABEL} #"), group["name"]
 
