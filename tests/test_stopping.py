@@ -9,6 +9,7 @@ bounds how long a stop takes: a loaded machine may be slow; each wait is for an 
 """
 
 import gc
+import json
 import os
 import re
 import shlex
@@ -341,3 +342,20 @@ def test_a_stop_at_an_epochs_end_names_the_step_its_checkpoint_holds(stop_handle
     del trainer, stopped
     gc.collect()
     assert stops.position() == ""  # the trainer, and its model, are not held by it
+
+
+def test_the_run_folders_log_ends_with_how_the_run_ended(tmp_path, data_root):
+    """`error: run stopped by ...` went to the terminal only: a `nohup` or SLURM run's folder could not tell a stopped
+    run from a running one. Its train.log ends with the same line; a finished run's with its result line."""
+    run_dir = tmp_path / "run"
+    fault = ["+callbacks.term._target_=tests.faults.SignalAfterCheckpoints", "+callbacks.term.epoch=0",
+             f"+callbacks.term.mark={tmp_path / 'sent'}"]
+    stopped = train_here(*QUICK, "max_epochs=2", *fault, f"hydra.run.dir={run_dir}")
+    assert stopped.returncode == 143
+    said = stopped.stderr.strip().splitlines()[-1]
+    assert said.startswith("error: run stopped by SIGTERM") and "resume with: " in said
+    assert (run_dir / "train.log").read_text().strip().splitlines()[-1].endswith(said)
+    finished = train_here(*QUICK, "max_epochs=2", *fault, "ckpt_path=last", f"hydra.run.dir={run_dir}")
+    assert finished.returncode == 0, finished.stderr[-2000:]
+    assert (run_dir / "train.log").read_text().strip().splitlines()[-1].endswith(
+        json.loads((run_dir / "result.json").read_text())["line"])

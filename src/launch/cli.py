@@ -3,6 +3,7 @@ is one `error:` line, exit status 2 (a diverged loss: 1), and no folder left; a 
 what is kept; a sweep prints a summary, writes its report, and fails with its jobs."""
 
 import copy
+import logging
 import os
 import re
 import shlex
@@ -51,11 +52,24 @@ def kept(output_dir: Path) -> str:
     return f"{held}; resume with: {again}"
 
 
-def end_run(line: str, status: int) -> NoReturn:
+def end_run(line: str, status: int, ended: bool = False) -> NoReturn:
+    """`line` on the terminal; where it `ended` a run (stopped or failed, not refused), in its log too."""
+    if ended:
+        log_ending(line)
     if ranks.is_rank_zero():
         with suppress(OSError, ValueError):  # SIGHUP: the terminal may be gone
             print_error(line)
     sys.exit(status)
+
+
+def log_ending(line: str) -> None:
+    """How the run ended, as the last line of its own log files (`train.log`): a folder that a `nohup` or SLURM run
+    left says whether it was stopped, failed or is still running. Not on the terminal, which `end_run` writes."""
+    record = logging.LogRecord("src.train", logging.ERROR, __file__, 0, f"error: {line}", None, None)
+    for handler in logging.root.handlers:
+        if isinstance(handler, logging.FileHandler):
+            with suppress(OSError, ValueError):
+                handler.handle(record)
 
 
 def save_records(cfg: DictConfig) -> None:
@@ -136,18 +150,22 @@ def run_job(cfg: DictConfig, task: Callable[[DictConfig], Result],
                     remove_empty([output_dir])  # the folder Hydra made again for this rank, if it holds nothing
                 raise
     except RunStopped as stop:
-        end_run(f"run stopped by {signal_name(stop.signum)}{stop.where}; {kept(output_dir)}", 128 + stop.signum)
+        end_run(f"run stopped by {signal_name(stop.signum)}{stop.where}; {kept(output_dir)}", 128 + stop.signum,
+                ended=True)
     except Exception as error:
         line = said(error)  # the user's input, or the machine's refusal (a full disk)
         if line is not None:
             if HydraConfig.get().mode == RunMode.MULTIRUN:
+                if not isinstance(line, UsageError):
+                    log_ending(str(line))
                 raise line from None  # the job fails alone: its launcher says so, and the sweep goes on
-            end_run(str(line), 2 if isinstance(line, UsageError) else 1)  # one line: Hydra would add one of its own
+            # one line: Hydra would add one of its own; a refusal is no ending of the run
+            end_run(str(line), 2 if isinstance(line, UsageError) else 1, ended=not isinstance(line, UsageError))
         # under torchrun or SLURM: a collective that lost its peer or timed out
         failure = error if isinstance(error, RankFailed) else stops.rank_failure(error, cfg)
         if failure is None:
             raise
-        end_run(f"{failure.line}; {kept(output_dir)}", 1)
+        end_run(f"{failure.line}; {kept(output_dir)}", 1, ended=True)
 
 
 def main(hydra_main: Callable[[], object], config_name: str, report: bool = False,
