@@ -441,7 +441,9 @@ def explain(error: Exception, args: list[str]) -> str | None:
         return str(grammar(next((a for a in args if "=" in a), ""), error))
     if isinstance(error, MissingConfigException) and getattr(error, "options", None) is not None:
         group, _, option = str(error.missing_cfg_file).rpartition("/")
-        return f"{group}={option} is not an option; choose one of: {', '.join(sorted(error.options))}"
+        close = difflib.get_close_matches(option, sorted(error.options), n=1, cutoff=0.6)
+        return (f"{group}={option} is not an option; " + (f"did you mean {group}={close[0]}? " if close else "")
+                + f"choose one of: {', '.join(sorted(error.options))}")
     if not isinstance(error, HydraException):
         return None
     cause, text = error.__cause__, str(error)
@@ -454,10 +456,14 @@ def explain(error: Exception, args: list[str]) -> str | None:
         return str(not_allowed(key, value, must_be(key, value, rule) if rule else str(cause).splitlines()[0]))
     if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and typed and typed.group(1):
         key, parent = typed.group(1), getattr(cause, "parent_node", None)
-        prefix = key.rpartition(".")[0]
+        missing = str(getattr(cause, "full_key", None) or key)  # the first part of `key` the config lacks
+        missing = missing if key == missing or key.startswith(missing + ".") else key
+        prefix = missing.rpartition(".")[0]
         known = {f"{prefix}.{name}" if prefix else str(name) for name in (parent or {}) if name != "hydra"}
         choice = next((a for a in args if a.split("=", 1)[0] == key.split(".")[0] and key.split(".")[0] in GROUPS), "")
-        return unknown_key(key, known, choice)
+        said, name = unknown_key(missing, known, choice), missing.rpartition(".")[2]
+        return said if missing == key else said.replace(
+            f"{missing} is not a known key", f"{key} is not a known key: {prefix or 'the config'} has no {name}", 1)
     if typed and typed.group(2):
         return f"+{typed.group(2)}: {typed.group(2)} is already in the config; set it with {typed.group(2)}=..."
     return " ".join(line.strip() for line in text.splitlines() if line.strip())

@@ -202,6 +202,10 @@ UNKNOWN_KEYS = {  # refused by Hydra while it composes, said in one line
     "+optim.lr=0.1": "+optim.lr: optim.lr is already in the config; set it with optim.lr=...",
     "optim=rmsprop": "optim=rmsprop is not an option; choose one of: adam, sgd",
     "debug=slow": "debug=slow is not an option; choose one of: quick",
+    "model=resnet19": "model=resnet19 is not an option; did you mean model=resnet18? choose one of: lenet, resnet18",
+    # a key below one that is not there: its parent's keys, never a key that does not exist either
+    "model.optimizer.lr=0.1": "model.optimizer.lr is not a known key: model has no optimizer (model's keys: _recursive_, "
+                              "loss, net, num_classes)",
     "optim.lr=[": "optim.lr=[ is not allowed; it must follow Hydra's override grammar",
 }
 
