@@ -395,6 +395,13 @@ def grammar(arg: str, error: Exception) -> UsageError:
     return UsageError(f"{arg} is not allowed; it must follow Hydra's override grammar ({reason}); quote odd values: key='...'")
 
 
+# Why a group cannot be left empty, where a template's habit (`logger=null`, `callbacks=null`) would.
+EMPTY_GROUP = {"logger": "every run logs to TensorBoard, whose figures are the run's record (logger=tensorboard is "
+                         "TensorBoard alone); ",
+               "callbacks": "its callbacks write the run's checkpoints and figures (leave one out with "
+                            "~callbacks.<name>); "}
+
+
 def check_args(args: list[str]) -> None:
     """Refuse a flag Hydra does not know (`--name value`), and keys a command line may not set."""
     for index, arg in enumerate(args):
@@ -410,6 +417,9 @@ def check_args(args: list[str]) -> None:
             raise UsageError(f"{key}= is not allowed; it must name a folder (the run's files would land in this one)")
         if override.is_delete() and key in GROUPS and key != "experiment":
             raise UsageError(f"~{key} is not allowed; choose {key}=<option> instead")
+        if key in GROUPS and not override.is_sweep_override() and override.value() in (None, []):
+            why = "it is the default: leave it out, or " if key in ("experiment", "debug") else EMPTY_GROUP.get(key, "")
+            raise UsageError(f"{override.input_line} is not allowed; {why}choose {key}=<option> ({options(key)})")
         new_callback = override.is_add() and re.fullmatch(r"callbacks\.\w+\._target_", key)
         if key.endswith("_target_") and not new_callback:
             raise UsageError(f"{key} is set by the config group; choose {key.split('.')[0]}=<option> (a file under conf/)")

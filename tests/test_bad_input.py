@@ -226,6 +226,12 @@ TYPED = {  # refused as typed, before Hydra composes anything
     "model.net._target_=torch.nn.Identity": "model.net._target_ is set by the config group; choose model=<option>",
     "optim._target_=torch.optim.Adam": "optim._target_ is set by the config group; choose optim=<option>",
     "--devices": "--devices is not an option; settings are typed key=value: devices=...",
+    # a template's habits: an empty group is refused in one line, not Hydra's traceback
+    "logger=[]": "logger=[] is not allowed; every run logs to TensorBoard, whose figures are the run's record "
+                 "(logger=tensorboard is TensorBoard alone); choose logger=<option> (csv, mlflow, tensorboard, wandb)",
+    "logger=null": "logger=null is not allowed; every run logs to TensorBoard",
+    "callbacks=null": "callbacks=null is not allowed; its callbacks write the run's checkpoints and figures",
+    "debug=null": "debug=null is not allowed; it is the default: leave it out, or choose debug=<option> (quick)",
     "optim.lr=[": "optim.lr=[ is not allowed; it must follow Hydra's override grammar",
 }
 
