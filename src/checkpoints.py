@@ -288,6 +288,7 @@ def check_checkpoint(saved: Saved | None, given: object, module: torch.nn.Module
     expected = {k: tuple(v.shape) for k, v in module.state_dict().items()}
     found = {k: tuple(v.shape) for k, v in weights.items() if isinstance(v, torch.Tensor)}
     if expected == found:
+        check_optimizer_state(saved, given, [tuple(p.shape) for p in module.parameters()])
         return
     differences = [f"{k} {found[k]} here {expected[k]}" for k in expected.keys() & found.keys()
                    if expected[k] != found[k]]
@@ -296,3 +297,18 @@ def check_checkpoint(saved: Saved | None, given: object, module: torch.nn.Module
     raise UsageError(f"ckpt_path={given} is not allowed; it holds another model than model={model_name} "
                      f"({len(differences)} weights differ, e.g. {sorted(differences)[0]}); "
                      "use the model it was trained with")
+
+
+def check_optimizer_state(saved: Saved, given: object, shapes: list[tuple[int, ...]]) -> None:
+    """The optimizer's state (momentum, Adam's moments) shaped as the parameters it belongs to, in their order (the
+    Classifier hands the optimizer `parameters()`): else the resume failed at its first step with torch's traceback."""
+    for optimizer in saved.contents.get("optimizer_states") or []:
+        state = optimizer.get("state") if isinstance(optimizer, dict) else None
+        for index, values in (state or {}).items() if isinstance(state, dict) else ():
+            for name, value in (values or {}).items() if isinstance(values, dict) else ():
+                if isinstance(value, torch.Tensor) and value.dim() > 0 and (
+                        not isinstance(index, int) or not 0 <= index < len(shapes) or tuple(value.shape) != shapes[index]):
+                    here = shapes[index] if isinstance(index, int) and 0 <= index < len(shapes) else "no such parameter"
+                    raise UsageError(f"ckpt_path={given} is not allowed; {saved.path}'s optimizer state {name} of "
+                                     f"parameter {index} is shaped {tuple(value.shape)}, the parameter {here}: it is "
+                                     "damaged or of another model; resume from another checkpoint")

@@ -324,3 +324,21 @@ def test_a_fifo_where_a_checkpoint_is_read_is_one_line_not_a_hang(tmp_path, quic
     assert result.stderr.strip().splitlines() == [
         f"error: ckpt_path={run_dir} is not allowed; {best} is not a checkpoint file (not a regular file); beside it: "
         "last.ckpt, which ckpt_path=<file> takes"]
+
+
+def test_an_optimizer_state_of_another_shape_is_one_line(tmp_path, quick_run):
+    """A last.ckpt whose momentum buffer had another shape than its parameter: the resume ended in torch's traceback
+    at its first step."""
+    run_dir = quick_run.copy(tmp_path)
+    last = run_dir / "checkpoints" / "last.ckpt"
+    saved = read_checkpoint(last)
+    [state] = saved["optimizer_states"]
+    index, values = next((i, v) for i, v in state["state"].items() if "momentum_buffer" in v)
+    values["momentum_buffer"] = torch.zeros(3, 3)
+    torch.save(saved, last)
+    result = train_here(*QUICK, "ckpt_path=last", "max_epochs=2", f"hydra.run.dir={run_dir}")
+    assert result.returncode == 2
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith(f"error: ckpt_path=last is not allowed; {last}'s optimizer state momentum_buffer of "
+                           f"parameter {index} is shaped (3, 3), the parameter (")
+    assert line.endswith(": it is damaged or of another model; resume from another checkpoint")
