@@ -134,3 +134,17 @@ def test_a_sweep_requests_the_resources_of_its_shared_devices_value(monkeypatch)
     environment = trainer_for(job).strategy.cluster_environment
     with pytest.raises(ValueError, match="ntasks-per-node"):
         environment.validate_settings(num_devices=job.devices, num_nodes=job.num_nodes)  # as fit() does first
+
+
+def test_the_slurm_launcher_where_there_is_no_slurm_is_one_line(tmp_path, monkeypatch, data_root):
+    """`hydra/launcher=slurm` on a machine without SLURM ended in submitit's traceback."""
+    import src.launch.slurm_launcher as slurm
+    from tests.helpers import QUICK, command_here
+
+    monkeypatch.setattr(slurm.shutil, "which", lambda name: None)
+    result = command_here("src.train", "-m", "hydra/launcher=slurm", *QUICK, "seed=1",
+                          f"hydra.sweep.dir={tmp_path / 'sweep'}")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: hydra/launcher=slurm needs a SLURM cluster, and this machine has no sbatch or srun on its PATH; "
+        "submit from a SLURM login node, or choose hydra/launcher=sequential or parallel")

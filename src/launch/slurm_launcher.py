@@ -4,6 +4,7 @@ one line. Each task runs as rank N, resumes when requeued (`ckpt_path=auto`), an
 
 import logging
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -41,6 +42,9 @@ class SlurmLauncher(SubmititSlurmLauncher):
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         assert self.config is not None
+        if shutil.which("sbatch") is None or shutil.which("srun") is None:  # else submitit's traceback
+            raise UsageError("hydra/launcher=slurm needs a SLURM cluster, and this machine has no sbatch or srun on its "
+                             "PATH; submit from a SLURM login node, or choose hydra/launcher=sequential or parallel")
         params = dict(self.params)
         folder = str(params.pop("submitit_folder"))
         base = Path(folder.split("%", 1)[0])  # `<sweep>/.submitit/%j`: the folder above the jobs' own
