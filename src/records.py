@@ -280,8 +280,9 @@ def launch_settings(lines: Any, path: Path) -> list[str]:
 @dataclass(frozen=True)
 class Result:
     """A run's `result.json`. `resumed`: it went on from a checkpoint of its folder; `skipped`: it only repeated the
-    record of a run that had finished; `time_to_accuracy`: each target val/acc with the training seconds and the
-    optimizer step at which the run first reached it, both None where it never did."""
+    record of a run that had finished; `time_to_accuracy`: each target val/acc with the training seconds (warm-up
+    included), the optimizer step at which the run first reached it and the warm-up seconds in them (`warmup_s`,
+    absent from records written before), all None where it did not."""
 
     metrics: dict[str, float]
     line: str
@@ -348,6 +349,10 @@ def reached_targets(data: Any) -> list[dict[str, float | int | None]]:
         if (seconds is None) != (step is None) or seconds is not None and not (
                 number(seconds) and seconds >= 0 and isinstance(step, int) and not isinstance(step, bool)):
             return []
+        warmup = entry.get("warmup_s")
+        if warmup is not None and not (number(warmup) and 0 <= warmup <= (seconds or 0)):
+            return []
         typed.append({"target": float(entry["target"]), "seconds": None if seconds is None else float(seconds),
-                      "step": step})
+                      "step": step, **({"warmup_s": None if warmup is None else float(warmup)}
+                                       if "warmup_s" in entry else {})})
     return typed

@@ -32,9 +32,9 @@ COLUMNS = {
     "precision": "precision", "seed": "seed", "finished": "finished", "test_acc": "test acc",
     "epoch_s": "epoch s (median)", "samples_per_s": "samples/s (median)", "tflops_per_s": "TFLOP/s a device (median)",
     "mfu": "MFU (median)", "peak_memory_mib": "peak memory MiB", "comm_bytes_per_step": "comm bytes/step (median)",
-    "disturbed": "disturbed epochs", "speedup": "speed-up",
+    "disturbed": "disturbed epochs", "speedup": "speed-up", "speedup_all": "speed-up, disturbed runs too",
 }
-DIGITS = {"test_acc": 4, "epoch_s": 3, "samples_per_s": 1, "tflops_per_s": 4, "mfu": 3, "speedup": 2}
+DIGITS = {"test_acc": 4, "epoch_s": 3, "samples_per_s": 1, "tflops_per_s": 4, "mfu": 3, "speedup": 2, "speedup_all": 2}
 MEASURED = ("tflops_per_s", "mfu", "peak_memory_mib", "comm_bytes_per_step")  # shown where some run measured them
 FILES = ("report.md", "report.csv", "val_acc.png", "epoch_time.png", "time_to_accuracy.csv", "acc_time.png")  # where they apply
 NOT_A_SETTING = ("seed", "tags", "ckpt_path")  # repeats with other seeds are one setting
@@ -66,12 +66,15 @@ class Run:
     params: dict[str, Any] = field(default_factory=dict)  # its HParams record
     evaluation: bool = False  # a folder of `python -m src.eval`: a checkpoint scored, nothing trained
     checkpoint: str = ""  # the checkpoint it started from, or scored
-    to_target: dict[str, float | None] = field(default_factory=dict)  # target val/acc: training seconds, None: never
+    to_target: dict[str, float | None] = field(default_factory=dict)  # target val/acc: training seconds, None: not
     acc_time: list[tuple[float, float]] = field(default_factory=list)  # (training seconds, val/acc) at each validation
+    stopped_early: bool = False  # stopped before its last epoch: a target it did not reach may still come
+    warmup_s: float | None = None  # warm-up seconds (compiling, graph capture) in its times to accuracy
     disturbed_epochs: int = 0  # epochs that competed with other work (usage/disturbed)
     timed_epochs: int = 0  # epochs whose competition was measured
     speedup_marked: bool = False  # a side of it had disturbed epochs
-    speedup_left_out: str = ""  # why it is not shown
+    speedup_all: float | None = None  # the speed-up with the mostly disturbed one-device runs too, where it differs
+    speedup_left_out: int = 0  # mostly disturbed one-device runs that `speedup` leaves out
 
     @property
     def disturbed(self) -> str | None:
@@ -84,6 +87,13 @@ class Run:
         if not self.disturbed_epochs:
             return ""
         return "most" if 2 * self.disturbed_epochs >= self.timed_epochs else "some"
+
+    @property
+    def interval_s(self) -> float | None:
+        """The training seconds between its validations (the median gap): a time to accuracy is known to within it."""
+        seconds = [0.0, *(x for x, _ in self.acc_time)]
+        gaps = [later - earlier for earlier, later in zip(seconds, seconds[1:]) if later > earlier]
+        return statistics.median(gaps) if gaps else None
 
     @property
     def setting(self) -> tuple:
@@ -114,6 +124,10 @@ def read_run(run: RunFolder) -> Run:
     seed = params.get("seed", run.value("seed"))
     result = records.result(run.path)
     disturbed = run.values("usage/disturbed")
+    epochs, max_epochs = len(run.values("time/epoch_s")), run.value("max_epochs")
+    stopped = isinstance(max_epochs, int) and not isinstance(max_epochs, bool) and 0 < epochs < max_epochs
+    warmups = [entry["warmup_s"] for entry in (result.time_to_accuracy if result else [])
+               if entry.get("warmup_s") is not None]
     return Run(
         run=run.name, model=str(run.value("model_name")), strategy=str(run.value("strategy_name")),
         devices=int(run.value("devices")), num_nodes=int(run.value("num_nodes")),
@@ -128,7 +142,8 @@ def read_run(run: RunFolder) -> Run:
         val_acc=val_acc, ddp="hook" in (run.value("strategy") or {}), params=params, evaluation=run.evaluation,
         checkpoint=str(run.value("ckpt_path") or ""), to_target=time_to_targets(run, result),
         acc_time=accuracy_against_time(run), disturbed_epochs=sum(1 for flag in disturbed if flag),
-        timed_epochs=len(disturbed),
+        timed_epochs=len(disturbed), stopped_early=not run.evaluation and (result is None or stopped),
+        warmup_s=max(warmups) if warmups else None,
     )
 
 
@@ -168,13 +183,14 @@ def add_speedups(runs: list[Run]) -> None:
             continue  # one of several one-device runs: against their median it would show seed noise
         if not baseline or not run.epoch_s:
             continue
-        sides = [run, *(other for other in baseline if other is not run)]
-        spoilt = [side.run for side in sides if side.disturbance == "most"]
-        if spoilt:  # the figure would compare the machine's load
-            run.speedup_left_out = f"{', '.join(spoilt)}: half the epochs or more disturbed"
-            continue
-        run.speedup = statistics.median(side.epoch_s for side in baseline) / run.epoch_s
-        run.speedup_marked = any(side.disturbance for side in sides)
+        # Mostly disturbed one-device runs would compare the machine's load: the figure leaves them out where others
+        # remain, and `speedup_all` shows it with them.
+        quiet = [side for side in baseline if side.disturbance != "most"] or baseline
+        run.speedup = statistics.median(side.epoch_s for side in quiet) / run.epoch_s
+        if len(quiet) < len(baseline):
+            run.speedup_all = statistics.median(side.epoch_s for side in baseline) / run.epoch_s
+            run.speedup_left_out = len(baseline) - len(quiet)
+        run.speedup_marked = any(side.disturbance for side in [run, *quiet])
 
 
 def varies(runs: list[Run], attribute: str) -> bool:
@@ -234,30 +250,37 @@ def markdown_table(runs: list[Run]) -> str:
     """A measured figure only where some run measured it (MFU: on a GPU in Lightning's peak table)."""
     shown = {"seed": varies(runs, "seed"), "finished": any(run.finished != "yes" for run in runs),
              "speedup": varies(runs, "total_devices"), "disturbed": any(run.disturbed_epochs for run in runs),
+             "speedup_all": any(run.speedup_all is not None for run in runs),
              **{key: any(getattr(run, key) is not None for run in runs) for key in MEASURED}}
     columns = [key for key in COLUMNS if shown.get(key, True)]
     return _table([COLUMNS[key] for key in columns], ([_marked(run, key) for key in columns] for run in runs))
 
 
 def _marked(run: Run, key: str) -> str:
-    """A cell; a time measured beside other work has `*`, a speed-up left out for it says so."""
+    """A cell; a time measured beside other work, or a figure drawn from one, has `*`."""
     text = _cell(getattr(run, key), DIGITS.get(key, 0))
-    if key in ("epoch_s", "samples_per_s") and run.disturbance and text:
-        return text + "*"
-    if key == "speedup":
-        return "left out*" if run.speedup_left_out else text + ("*" if run.speedup_marked and text else "")
-    return text
+    marked = {"epoch_s": run.disturbance, "samples_per_s": run.disturbance, "speedup": run.speedup_marked,
+              "speedup_all": True}.get(key, False)
+    return text + "*" if marked and text else text
 
 
 def disturbance_note(runs: list[Run]) -> str:
     """Below the table, where some run's epochs competed with other work."""
     if not any(run.disturbed_epochs for run in runs):
         return ""
-    left_out = [markdown_cell(f"{run.run} ({run.speedup_left_out})") for run in runs if run.speedup_left_out]
-    return ("\\* Other work ran beside some epochs (`disturbed epochs`: `usage/disturbed` in TensorBoard, other "
-            "processes took at least a tenth of the run's cores while its threads waited for a CPU): their times "
-            "measured the machine's load as well as the setting, and so does any comparison drawn from them. "
-            + (f"Speed-ups left out: {'; '.join(left_out)}." if left_out else "")).rstrip()
+    left_out = [f"{markdown_cell(run.run)} ({counted(run.speedup_left_out, 'run')})" for run in runs
+                if run.speedup_left_out]
+    every = all(run.disturbed_epochs for run in runs)
+    return " ".join(part for part in [
+        "\\* Other work ran beside some epochs (`disturbed epochs`: `usage/disturbed` in TensorBoard, other processes "
+        "took at least a tenth of the run's cores while its threads waited for a CPU): their times measured the "
+        "machine's load as well as the setting, and so does any comparison drawn from them; each such figure is marked "
+        "`*` here, in the seeds' statistics and in the plots.",
+        f"Speed-ups without their mostly disturbed one-device runs, which `speed-up, disturbed runs too` counts: "
+        f"{'; '.join(left_out)}." if left_out else "",
+        "Every run was disturbed: no figure here compares the settings alone." if every else "",
+        "To compare settings, not the machine's load, run again on a quiet machine, or give the runs cores of their own "
+        "(`taskset -c`, `OMP_NUM_THREADS`: docs/results.md, threads on a shared machine)."] if part)
 
 
 T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
@@ -289,11 +312,13 @@ SEED_COLUMNS = ("setting", "seeds", "n", "test acc mean", "test acc sd", "test a
 
 
 def seed_rows(runs: list[Run]) -> list[list[str]]:
-    """A row per setting run with more than one seed, one run per seed (two runs of one seed are not two samples)."""
+    """A row per setting run with more than one seed, one run per seed (two runs of one seed are not two samples); the
+    epoch-time statistics have `*` where a run's epochs competed with other work."""
     repeated = [group for group in by_setting(runs) if len(group) > 1 and all(run.seed is not None for run in group)]
     return [[label, ",".join(str(run.seed) for run in group), str(len(group)),
              *spread_cells([run.test_acc for run in group if run.test_acc is not None], 4, 0.0, 1.0),
-             *spread_cells([run.epoch_s for run in group if run.epoch_s is not None], 3, 0.0, math.inf)]
+             *(cell + "*" if cell and any(run.disturbance for run in group) else cell
+               for cell in spread_cells([run.epoch_s for run in group if run.epoch_s is not None], 3, 0.0, math.inf))]
             for label, group in zip(_labels([group[0] for group in repeated], with_seed=False), repeated)]
 
 
@@ -309,35 +334,72 @@ def targets_of(runs: list[Run]) -> list[str]:
     return sorted({name for run in runs for name in run.to_target}, key=float)
 
 
-def time_to_cell(seconds: list[float | None], marked: bool) -> str:
+def resolution_digits(interval: float | None) -> int:
+    """The decimals a time to accuracy has: a target is reached somewhere in the validation interval before it, so
+    8 s between validations gives whole seconds, 0.5 s tenths, 25 s tens (-1). One decimal where it is not known."""
+    return 1 if not interval else -math.floor(math.log10(interval))
+
+
+def seconds_text(value: float, digits: int) -> str:
+    return f"{round(value, digits):.{max(digits, 0)}f}"
+
+
+def time_to_cell(seconds: list[float | None], marked: bool, digits: int = 1, pending: int = 0) -> str:
     """`median [fastest, slowest] (reached/n)`: the median over the seeds, a seed that never reached the target
-    counting as slower than any (so `never` where half of them or more did not), as MLPerf ranks by the median run."""
-    if not seconds:
+    counting as slower than any (so `never` where half of them or more did not), as MLPerf ranks by the median run.
+    `pending`: seeds stopped before their last epoch without reaching it, in neither the median nor `never`."""
+    if not seconds and not pending:
         return ""
     reached = sorted(value for value in seconds if value is not None)
+    count = f"({len(reached)}/{len(seconds) + pending}" + (f", {pending} not reached yet)" if pending else ")")
+    if not seconds:
+        return f"not reached yet {count}"
     middle = statistics.median(reached + [math.inf] * (len(seconds) - len(reached)))
-    text = "never" if math.isinf(middle) else f"{middle:.1f}" + ("*" if marked else "")
-    spread = f" [{reached[0]:.1f}, {reached[-1]:.1f}]" if len(reached) > 1 else ""
-    return f"{text}{spread} ({len(reached)}/{len(seconds)})"
+    text = "never" if math.isinf(middle) else seconds_text(middle, digits) + ("*" if marked else "")
+    spread = f" [{seconds_text(reached[0], digits)}, {seconds_text(reached[-1], digits)}]" if len(reached) > 1 else ""
+    few = f" (n={len(seconds)}: too few seeds for a median)" if len(seconds) < 3 and reached else ""
+    return f"{text}{spread} {count}{few}"
+
+
+def setting_time_to(runs: list[Run], target: str, digits: int) -> str:
+    """The cell of `runs`, one setting's seeds, for one target."""
+    timed = [run for run in runs if target in run.to_target]
+    pending = [run for run in timed if run.stopped_early and run.to_target[target] is None]
+    return time_to_cell([run.to_target[target] for run in timed if run not in pending],
+                        any(run.disturbance for run in timed), digits, len(pending))
 
 
 def time_to_rows(runs: list[Run]) -> tuple[list[str], list[list[str]]]:
-    """A row per setting: training seconds to each target over its seeds. A run with half its epochs or more
-    disturbed is left out of the median, and counted apart."""
+    """A row per setting: training seconds to each target over its seeds, at the precision the validation interval
+    allows. Runs with half their epochs or more disturbed are left out of the figure and counted in a second one
+    beside it; where every run was, the figure is theirs, marked."""
     targets = targets_of(runs)
     if not targets:
         return [], []
+    warmups = any(run.warmup_s is not None for run in runs)
     groups = by_setting(runs)
     rows = []
     for label, group in zip(_labels([group[0] for group in groups], with_seed=False), groups):
-        counted_runs = [run for run in group if run.disturbance != "most"]
-        cells = [time_to_cell([run.to_target[target] for run in counted_runs if target in run.to_target],
-                              any(run.disturbance for run in counted_runs if target in run.to_target))
-                 if counted_runs else "left out*" for target in targets]
-        left_out = len(group) - len(counted_runs)
-        seeds = ",".join("" if run.seed is None else str(run.seed) for run in group)
-        rows.append([label, seeds + (f" ({left_out} left out: disturbed)" if left_out else ""), *cells])
-    return ["setting", "seeds", *(f"s to val acc {target}" for target in targets)], rows
+        quiet = [run for run in group if run.disturbance != "most"]
+        left_out = len(group) - len(quiet)
+        intervals = [run.interval_s for run in group if run.interval_s]
+        interval = statistics.median(intervals) if intervals else None
+        digits = resolution_digits(interval)
+        cells = []
+        for target in targets:
+            cell = setting_time_to(quiet or group, target, digits)
+            if quiet and left_out:
+                cell += f"; with the {left_out} disturbed: {setting_time_to(group, target, digits)}"
+            cells.append(cell)
+        seeds = counted(len(group), "seed") + (
+            "" if not left_out else f" ({left_out} mostly disturbed: counted only after `;`)" if quiet
+            else " (all mostly disturbed: figures marked *)")
+        every = "" if interval is None else f"{interval:.2g} s" if interval < 100 else f"{interval:.0f} s"
+        warm = [run.warmup_s for run in group if run.warmup_s is not None]
+        warmup = [seconds_text(statistics.median(warm), digits) if warm else ""] if warmups else []
+        rows.append([label, seeds, every, *warmup, *cells])
+    header = ["setting", "seeds", "validated every", *(["warm-up s (included)"] if warmups else [])]
+    return [*header, *(f"s to val acc {target}" for target in targets)], rows
 
 
 def _labels(runs: list[Run], with_seed: bool = True) -> list[str]:
@@ -431,7 +493,7 @@ def plot_acc_time(runs: list[Run], path: Path) -> None:
             axes.fill_between(xs, low, high, color=colour(index), alpha=0.2, linewidth=0)
     for target in targets_of(runs):
         axes.axhline(float(target), color="grey", linewidth=0.5, linestyle=":")
-    axes.set(xlabel="training seconds (validation excluded)", ylabel="val/acc", title="Validation accuracy against "
+    axes.set(xlabel="training seconds (warm-up included, validation excluded)", ylabel="val/acc", title="Validation accuracy against "
              "training time (mean over seeds, band: lowest to highest)", xlim=(0, None))
     axes.grid(alpha=0.3)
     if axes.lines:
@@ -441,18 +503,27 @@ def plot_acc_time(runs: list[Run], path: Path) -> None:
 
 
 def plot_epoch_time(runs: list[Run], path: Path) -> None:
-    """One line per setting but for devices."""
+    """One line per setting but for devices; a point with a disturbed run in it is circled in black and its setting's
+    label has `*`, as the tables mark its times."""
     points: dict[tuple, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
+    disturbed: set[tuple[tuple, int]] = set()
     first: dict[tuple, Run] = {}
     for run in runs:
         if run.epoch_s is not None:
             points[run.but_devices][run.total_devices].append(run.epoch_s)
             first.setdefault(run.but_devices, run)
+            if run.disturbance:
+                disturbed.add((run.but_devices, run.total_devices))
     settings = sorted(points)
     labels = _labels([first[key] for key in settings], with_seed=False)
     lines = [(sorted(points[key]), [statistics.median(points[key][d]) for d in sorted(points[key])],
-              {"marker": "o", "label": label.replace(f" {first[key].total_devices} dev", ""), "color": colour(index)})
+              {"marker": "o", "color": colour(index), "label": label.replace(f" {first[key].total_devices} dev", "")
+               + (" *" if any(key == marked for marked, _ in disturbed) else "")})
              for index, (key, label) in enumerate(zip(settings, labels))]
+    if disturbed:
+        marked = sorted((devices, statistics.median(points[key][devices])) for key, devices in disturbed)
+        lines.append((*zip(*marked), {"marker": "o", "markersize": 12, "markerfacecolor": "none", "color": "black",
+                                      "linestyle": "none", "label": "* disturbed: other work ran beside"}))
     _plot(path, lines, xlabel="devices (all nodes)", ylabel="median epoch time (s)", title="Epoch time against devices",
           xticks=sorted({d for by_devices in points.values() for d in by_devices}), ylim=(0, None))
 
@@ -469,10 +540,16 @@ def markdown_report(runs: list[Run], root: Path, seeds: list[list[str]], scaling
     if disturbance_note(runs):
         parts.append(disturbance_note(runs))
     if time_to[1]:
-        parts += ["## Time to accuracy", "Which setting gets there first: the training seconds (validation excluded, "
-                  "as epoch times count them) until val/acc first reached each target, at the validation that showed "
-                  "it (`trainer.val_check_interval` makes them finer). The median over the seeds, a seed that never "
-                  "reached the target counting as slowest, then [fastest, slowest] of those that did, and how many did "
+        parts += ["## Time to accuracy", "Which setting gets there first: the training seconds until val/acc first "
+                  "reached each target, at the validation that showed it. Validation is excluded, as epoch times "
+                  "exclude it; warm-up (compiling, capturing CUDA graphs) is included, as it is a cost of getting "
+                  "there, and shown apart (`warm-up s (included)`). A target was reached somewhere in the interval "
+                  "before that validation (`validated every`, training seconds; `trainer.val_check_interval` makes it "
+                  "finer), and the figures are rounded to it. The median over the seeds, a seed that never reached the "
+                  "target counting as slowest, then [fastest, slowest] of those that did, and how many did; a seed "
+                  "stopped before its last epoch is `not reached yet` where it had not, and counts neither way; under "
+                  "3 seeds a median says little. Runs with half their epochs or more disturbed are left out of the "
+                  "first figure and counted in the one after `;`; where all were, the figure is theirs, marked `*` "
                   "(`time_to_accuracy.csv`).", _setting_table(*time_to),
                   "![validation accuracy against training seconds](acc_time.png)"]
     if failed:
@@ -486,12 +563,15 @@ def markdown_report(runs: list[Run], root: Path, seeds: list[list[str]], scaling
     if seeds:
         parts += ["## Seeds", "Runs of one setting that differ only in their seed: mean, sample standard deviation and "
                   "the 95 % confidence interval of the mean (Student t, n - 1 degrees of freedom) over the seeds "
-                  "(`seeds.csv`).", _setting_table(SEED_COLUMNS, seeds)]
+                  "(`seeds.csv`); `*`: some of them had disturbed epochs.", _setting_table(SEED_COLUMNS, seeds)]
     parts.append("![validation accuracy per epoch](val_acc.png)")
     if by_devices:
         parts.append("![median epoch time against devices](epoch_time.png)")
     if scaling:
-        parts += ["# Predicted scaling (scaling.md, `python -m src.scaling`)", scaling]
+        parts.append("# Predicted scaling (scaling.md, `python -m src.scaling`)")
+        if any(run.disturbed_epochs for run in runs):
+            parts.append("\\* It reads the runs above, the disturbed ones (`*`) too.")
+        parts.append(scaling)
     return "\n\n".join(parts) + "\n"
 
 
@@ -501,11 +581,12 @@ def _setting_table(header: Sequence[str], rows: list[list[str]]) -> str:
 
 
 def reached_cell(run: Run, target: str) -> Any:
-    """Seconds; `never` where the run's record says it never reached the target; empty where it did not time it."""
+    """Seconds; `never` where the run's record says it never reached the target, `not reached yet` where it stopped
+    before its last epoch; empty where it did not time it."""
     if target not in run.to_target:
         return ""
     seconds = run.to_target[target]
-    return "never" if seconds is None else seconds
+    return seconds if seconds is not None else "not reached yet" if run.stopped_early else "never"
 
 
 def write_report(root: Path, out: Path | None = None, failed: dict[str, str] | None = None) -> list[Run]:

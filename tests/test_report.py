@@ -12,6 +12,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from torch.utils.tensorboard import SummaryWriter
 from torch.utils.tensorboard.summary import hparams as hparams_summary
 
+from src import report as report_module
 from src.report import COLUMNS, FILES, collect_runs, markdown_table, read_run
 from src.report import main as report_main
 from src.records import Result
@@ -273,3 +274,45 @@ def test_a_crafted_folder_name_and_setting_reach_the_report_and_the_terminal_as_
                                                                       for line in markdown.splitlines())
     [run] = read_csv(tmp_path / "out" / "report.csv")
     assert (run["run"], run["model"], run["test_acc"]) == ("'" + name, "'" + model, "-0.5")  # a number stays one
+
+
+# ---- disturbed runs: shown and marked everywhere, never dropped ----
+
+def test_a_speed_up_from_disturbed_runs_is_shown_marked_and_beside_the_one_without_them(tmp_path):
+    root = tmp_path / "outputs"
+    write_run(root / "one", {**config("ddp", 1), "seed": 1}, {"time/epoch_s": [4.0], "usage/disturbed": [0.0]}, {"seed": 1})
+    write_run(root / "one_busy", {**config("ddp", 1), "seed": 2}, {"time/epoch_s": [12.0], "usage/disturbed": [1.0]},
+              {"seed": 2})
+    write_run(root / "two", config("ddp", 2), {"time/epoch_s": [2.0, 2.0], "usage/disturbed": [0.0, 0.0]})
+    write_run(root / "four", config("ddp", 4), {"time/epoch_s": [1.0, 9.0], "usage/disturbed": [1.0, 1.0]})
+    assert report(str(root)).returncode == 0
+    rows = {row["run"]: row for row in read_csv(root / "report.csv")}
+    assert float(rows["two"]["speedup"]) == pytest.approx(4.0 / 2.0)  # without the mostly disturbed baseline run
+    assert float(rows["two"]["speedup_all"]) == pytest.approx(8.0 / 2.0)  # with it
+    assert float(rows["four"]["speedup"]) == pytest.approx(4.0 / 5.0)  # mostly disturbed itself: shown, marked
+    markdown = (root / "report.md").read_text()
+    [two] = [line for line in markdown.splitlines() if line.startswith("| two |")]
+    [four] = [line for line in markdown.splitlines() if line.startswith("| four |")]
+    assert "| 2.00 | 4.00* |" in two and "| 0.80* |" in four and "left out" not in markdown
+    assert "two (1 run); four (1 run)" in markdown and "`speed-up, disturbed runs too`" in markdown
+
+
+def test_the_epoch_time_plot_marks_disturbed_points(tmp_path, monkeypatch):
+    plotted = []
+    monkeypatch.setattr(report_module, "_plot", lambda path, lines, **settings: plotted.append(lines))
+    write_run(tmp_path / "one", config("ddp", 1), {"time/epoch_s": [4.0], "usage/disturbed": [0.0]})
+    write_run(tmp_path / "two", config("ddp", 2), {"time/epoch_s": [3.0], "usage/disturbed": [1.0]})
+    report_module.plot_epoch_time(collect_runs(tmp_path), tmp_path / "epoch_time.png")
+    [[line, marked]] = plotted
+    assert line[2]["label"].endswith(" *")
+    assert (list(marked[0]), list(marked[1])) == ([2], [3.0]) and marked[2]["label"].startswith("* disturbed")
+
+
+def test_seed_statistics_of_disturbed_epoch_times_are_marked(tmp_path):
+    for seed, disturbed in ((1, 0.0), (2, 1.0), (3, 0.0)):
+        write_run(tmp_path / f"s{seed}", {**config("ddp", 1), "seed": seed},
+                  {"time/epoch_s": [2.0 + seed], "test/acc": [0.8], "usage/disturbed": [disturbed]}, {"seed": seed})
+    assert report(str(tmp_path)).returncode == 0
+    with (tmp_path / "seeds.csv").open(newline="") as file:
+        [row] = list(csv.DictReader(file))
+    assert (row["epoch s mean"], row["epoch s sd"]) == ("4.000*", "1.000*") and row["test acc mean"] == "0.8000"
