@@ -224,17 +224,12 @@ def log_settings(loggers: list[Logger], params: dict[str, Any]) -> None:
 
 @held()  # see RunLogger
 def log_hparams(loggers: list[Logger], params: dict[str, Any], run_dir: Path, step: int = 0,
-                targets: Iterable[str] = (), reached: Mapping[str, float] = {}) -> None:
-    """At the last step, so no event goes back; a sweep job writes only its session (the sweep adds the experiment).
-    `reached`: the seconds to each target the run reached, by name; HParams' column of every other is
-    `records.NOT_REACHED`."""
+                targets: Iterable[str] = ()) -> None:
+    """At the last step, so no event goes back; a sweep job writes only its session (the sweep adds the experiment)."""
     for logger in loggers:
         if not isinstance(logger, RunLogger):
             logger.log_hyperparams(params)
-            continue
-        logger.log_metrics({f"{records.HPARAMS_TO_TARGET}{name}": reached.get(name, records.NOT_REACHED)
-                            for name in targets}, step)
-        if not has_hparams(run_dir):  # a resumed run keeps the record it began with
+        elif not has_hparams(run_dir):  # a resumed run keeps the record it began with
             sweep_job = str(records.select(hydra_record(run_dir), "mode")) == "MULTIRUN"
             saved = run_dir / ".hydra" / "overrides.yaml"
             overrides = [str(o) for o in records.load(saved) or []] if saved.is_file() and not sweep_job else []

@@ -305,7 +305,7 @@ def has_checkpoints(run_dir: Path) -> bool:
 
 
 TO_TARGET = "time/to_val_acc_"  # and a target's name: the scalar of the seconds it took to reach it
-HPARAMS_TO_TARGET = "hparams/s_to_val_acc_"  # and a target's name: the same, HParams' column, for every run
+HPARAMS_TO_TARGET = "time/s_to_val_acc_"  # and a target's name: the same, HParams' column, for every run
 NOT_REACHED = -1.0  # that column where the run did not reach the target: HParams' parallel coordinates draw numbers
 
 

@@ -212,8 +212,7 @@ def record(cfg: DictConfig, objects: dict[str, Any], result: Result, tested: Pat
     if training:
         params = objects["settings"] | {"tested_weights": tested_weights(tested)}
         targets = [target_name(t) for c in objects["callbacks"].values() if isinstance(c, TimeToAccuracy) for t in c.targets]
-        reached = {target_name(e["target"]): e["seconds"] for e in result.time_to_accuracy if e["seconds"] is not None}
-        log_hparams(objects["loggers"], params, Path(cfg.output_dir), trainer.global_step, targets, reached)
+        log_hparams(objects["loggers"], params, Path(cfg.output_dir), trainer.global_step, targets)
     close_loggers(objects["loggers"])
     result.save(Path(cfg.output_dir))
     logging.getLogger("src.train" if training else "src.eval").info(result.line)

@@ -112,3 +112,58 @@ def test_a_command_on_a_folder_whose_records_were_rewritten_stays_inside_it(tmp_
     assert box.outside == [] and box.processes == []
     assert box.imports == []  # each entry ran on the folder as it was first (`warmed`): a record adds no module
     assert CANARY not in result.stdout + result.stderr
+
+
+SWEEPS = {"sweep": ["seed=1"], "search": ["hydra/sweeper=optuna", "hydra.sweeper.n_trials=1", "optim.lr=interval(0.01, 0.1)"]}
+
+
+def resume_sweep(folder: Path) -> subprocess.CompletedProcess:
+    """The sweep's resume as its line says it (`-m hydra.sweep.dir=<sweep> ckpt_path=auto`), in this process: what it
+    sweeps and how come from its `multirun.yaml`."""
+    return train_here("-m", *QUICK, f"hydra.sweep.dir={folder}", "ckpt_path=auto")
+
+
+@pytest.fixture(scope="module")
+def finished_sweeps(tmp_path_factory, data_root) -> dict[str, Path]:
+    """A finished sequential sweep of one job and a finished search of one trial, each resumed once as it is."""
+    found = {}
+    for kind, args in SWEEPS.items():
+        folder = tmp_path_factory.mktemp(kind) / "sweep"
+        result = train_here("-m", *QUICK, *args, f"hydra.sweep.dir={folder}")
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert resume_sweep(folder).returncode == 0
+        found[kind] = folder
+    return found
+
+
+@seed(76)
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+@given(kind=st.sampled_from(sorted(SWEEPS)), added=st.booleans(), index=st.integers(0, 400), value=NASTY)
+def test_a_sweep_or_search_whose_record_was_rewritten_resumes_inside_it(tmp_path_factory, finished_sweeps, monkeypatch,
+                                                                         kind, added, index, value):
+    """A line of a finished sweep's or search's `multirun.yaml` rewritten, or a swept value added: its resume finishes
+    or is refused in one line, writes only in the sweep's folder, starts no process, imports nothing new and prints
+    no variable's value."""
+    import shutil
+
+    folder = Path(shutil.copytree(finished_sweeps[kind], tmp_path_factory.mktemp("case") / "sweep"))
+    path = folder / "multirun.yaml"
+    if added:
+        data = yaml.safe_load(path.read_text())
+        task = data["hydra"]["overrides"]["task"]
+        task.append(f"{task[index % len(task)].partition('=')[0]}={value}")
+        path.write_text(yaml.safe_dump(data))
+    else:
+        text = path.read_text().splitlines()
+        at = index % len(text)
+        key, colon, _ = text[at].partition(":")
+        text[at] = f"{key}: {yaml.safe_dump(value).strip()}" if colon else text[at]
+        path.write_text("\n".join(text) + "\n")
+    monkeypatch.setenv("SANDBOX_CANARY", CANARY)
+    with sandbox(folder) as box:
+        result = resume_sweep(folder)
+    assert result.returncode in (0, 1, 2), result.stderr[-2000:]  # 1: a job failed alone, its line said
+    errors = [line for line in result.stderr.strip().splitlines() if line.startswith("error: ")]
+    assert result.returncode == 0 or errors and result.stderr.strip().endswith(errors[-1]), result.stderr[-2000:]
+    assert box.outside == [] and box.processes == [] and box.imports == []
+    assert CANARY not in result.stdout + result.stderr

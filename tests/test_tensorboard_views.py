@@ -23,8 +23,8 @@ from tests.helpers import QUICK, cpu_precision, free_port, scalars, train_here
 PRECISION = cpu_precision()  # what precision=auto uses here
 LABEL = f"lenet_auto_1dev_{PRECISION}"
 TARGETS = "callbacks.time_to_accuracy.targets=[0.05,0.999]"  # one that chance beats, one that no quick run reaches
-FIRST_METRICS = ["test/acc", "val/acc_best", "time/epoch_s_median", "hparams/s_to_val_acc_0.05",
-                 "hparams/s_to_val_acc_0.999"]
+FIRST_METRICS = ["test/acc", "val/acc_best", "time/epoch_s_median", "time/s_to_val_acc_0.05",
+                 "time/s_to_val_acc_0.999"]
 SHOWN = 5  # hparams and metric columns the HParams tab ticks by default
 
 
@@ -141,9 +141,9 @@ def test_hparams_figures_are_those_of_the_run_and_the_report(served_sweep, sweep
         assert metrics["time/epoch_s_median"] == pytest.approx(statistics.median(logged["time/epoch_s"]))
         assert metrics["time/samples_per_s_median"] == pytest.approx(statistics.median(logged["time/samples_per_s"]))
         assert metrics["test/acc"] == pytest.approx(logged["test/acc"][-1])
-        assert metrics["hparams/s_to_val_acc_0.05"] == pytest.approx(logged["time/to_val_acc_0.05"][0])
-        assert metrics["hparams/s_to_val_acc_0.999"] == -1.0  # never reached: a number, so the run is drawn
-        assert float(report[run]["s_to_val_acc_0.05"]) == pytest.approx(metrics["hparams/s_to_val_acc_0.05"], rel=1e-6)
+        assert metrics["time/s_to_val_acc_0.05"] == pytest.approx(logged["time/to_val_acc_0.05"][0])
+        assert metrics["time/s_to_val_acc_0.999"] == -1.0  # never reached: a number, so the run is drawn
+        assert float(report[run]["s_to_val_acc_0.05"]) == pytest.approx(metrics["time/s_to_val_acc_0.05"], rel=1e-6)
         assert report[run]["s_to_val_acc_0.999"] == "never"
         assert float(report[run]["epoch_s"]) == pytest.approx(metrics["time/epoch_s_median"])  # the report's epoch s (median)
 
@@ -180,7 +180,7 @@ def test_single_run_is_named_by_the_precision_used_and_opens_on_what_was_typed(s
     experiment = Served(single).experiment()
     hparams, metrics = default_columns(experiment)
     assert hparams == ["data.val_size", "lr", "lr_used", "model", "strategy"]  # typed, then what the run is
-    assert metrics == [*FIRST_METRICS[:3], "hparams/s_to_val_acc_0.80", "hparams/s_to_val_acc_0.85"]  # the default targets
+    assert metrics == [*FIRST_METRICS[:3], "time/s_to_val_acc_0.80", "time/s_to_val_acc_0.85"]  # the default targets
     [group] = Served(single).session_groups(experiment)  # what was typed first: the table cuts trial ids short
     assert group["name"].startswith(f"debug=quick optim.lr=0.05 data.val_size=1000 {LABEL} #"), group["name"]
 

@@ -11,7 +11,7 @@ from lightning import LightningModule, Trainer
 from lightning.pytorch.trainer.states import TrainerFn
 
 from src.callbacks import RunFigures, last_trained, log_scalars
-from src.records import TO_TARGET, target_name
+from src.records import HPARAMS_TO_TARGET, NOT_REACHED, TO_TARGET, target_name
 
 log = logging.getLogger(__name__)
 
@@ -151,6 +151,14 @@ class TimeToAccuracy(RunFigures):
                 self.reached[target_name(target)] = (seconds, trainer.global_step, warmup)
                 now[TO_TARGET + target_name(target)] = seconds
         log_scalars(trainer, now)
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Each target's seconds once more, `NOT_REACHED` where the run did not reach it, as `HPARAMS_TO_TARGET`: the
+        column HParams shows for every run, which its parallel coordinates need to draw it."""
+        if self.targets:
+            epoch, step = last_trained(trainer)
+            log_scalars(trainer, {HPARAMS_TO_TARGET + target_name(target): self.reached.get(
+                target_name(target), (NOT_REACHED,))[0] for target in self.targets}, step, epoch)
 
     def summary(self) -> list[dict[str, float | int | None]]:
         """For `result.json`: each target, with its seconds, step and the warm-up seconds in them, or None where the
