@@ -1,5 +1,8 @@
-"""Folders a command creates, taken back when it fails: no empty folder is left to pass for a run or a dataset; and
-files it writes there, never through a link that someone else planted."""
+"""The one layer between the project and the files under a run, sweep or study folder, which anyone may have written:
+each folder below the one a command was given is opened without following a link, a file is read or written only
+where it is a regular file (written in place only where it has no second name), reads are bounded, and writes land
+whole. Also the folders a command creates, taken back when it fails: no empty folder is left to pass for a run or a
+dataset. `tests/test_house.py` holds the rest of `src/` to it."""
 
 import errno
 import io
@@ -150,7 +153,10 @@ def remove(path: Path, root: Path | None = None) -> None:
     """`path` itself, a file or a link (never what a link points to), in the folder reached from `root` without a
     link; nothing where it is gone already."""
     path = Path(path)
-    folder = open_folder(root or path.parent, path.parent)
+    try:
+        folder = open_folder(root or path.parent, path.parent)
+    except FileNotFoundError:
+        return
     try:
         with suppress(FileNotFoundError):
             os.unlink(path.name, dir_fd=folder)

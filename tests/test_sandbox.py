@@ -48,6 +48,20 @@ NASTY = st.one_of(
     st.text(max_size=20))
 
 
+def add_swept(overrides: list[str], index: int, value: str) -> None:
+    """One more override line for a key the record holds, with `value`."""
+    overrides.append(f"{overrides[index % len(overrides)].partition('=')[0]}={value}")
+
+
+def rewrite_line(path: Path, index: int, value: str) -> None:
+    """A YAML file's line `key: ...` (the `index`-th, counting round) given `value` instead, as YAML writes it."""
+    text = path.read_text().splitlines()
+    at = index % len(text)
+    key, colon, _ = text[at].partition(":")
+    text[at] = f"{key}: {yaml.safe_dump(value).strip()}" if colon else text[at]
+    path.write_text("\n".join(text) + "\n")
+
+
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory, data_root):
     """A finished quick run, on which each entry point has run once as it is (`entry`): what a clean run imports is
@@ -92,15 +106,10 @@ def test_a_command_on_a_folder_whose_records_were_rewritten_stays_inside_it(tmp_
     path = run_dir / (".hydra/overrides.yaml" if record == "overrides" else "config.yaml")
     if record == "overrides":
         lines = yaml.safe_load(path.read_text())
-        key = lines[index % len(lines)].partition("=")[0]
-        lines.append(f"{key}={value}")
+        add_swept(lines, index, value)
         path.write_text(yaml.safe_dump(lines))
     else:
-        text = path.read_text().splitlines()
-        at = index % len(text)
-        key, colon, _ = text[at].partition(":")
-        text[at] = f"{key}: {yaml.safe_dump(value).strip()}" if colon else text[at]
-        path.write_text("\n".join(text) + "\n")
+        rewrite_line(path, index, value)
     monkeypatch.setenv("SANDBOX_CANARY", CANARY)
     allowed = run_dir.parent / "eval" if command == "eval" else run_dir.parent if command == "report" else run_dir
     with sandbox(allowed) as box:
@@ -150,15 +159,10 @@ def test_a_sweep_or_search_whose_record_was_rewritten_resumes_inside_it(tmp_path
     path = folder / "multirun.yaml"
     if added:
         data = yaml.safe_load(path.read_text())
-        task = data["hydra"]["overrides"]["task"]
-        task.append(f"{task[index % len(task)].partition('=')[0]}={value}")
+        add_swept(data["hydra"]["overrides"]["task"], index, value)
         path.write_text(yaml.safe_dump(data))
     else:
-        text = path.read_text().splitlines()
-        at = index % len(text)
-        key, colon, _ = text[at].partition(":")
-        text[at] = f"{key}: {yaml.safe_dump(value).strip()}" if colon else text[at]
-        path.write_text("\n".join(text) + "\n")
+        rewrite_line(path, index, value)
     monkeypatch.setenv("SANDBOX_CANARY", CANARY)
     with sandbox(folder) as box:
         result = resume_sweep(folder)
