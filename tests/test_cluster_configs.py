@@ -80,7 +80,10 @@ def test_launcher_writes_an_sbatch_script_with_one_task_per_process(monkeypatch,
         captured["sbatch"] = self._make_submission_file_text("python -m submitit.core._submit", "uid")
         raise Submitted
 
+    import src.launch.slurm_launcher as slurm
+
     monkeypatch.setattr(SlurmExecutor, "affinity", classmethod(lambda cls: 2))  # pretend srun is on PATH
+    monkeypatch.setattr(slurm.shutil, "which", lambda name: f"/usr/bin/{name}")  # and sbatch, for the launcher
     monkeypatch.setattr(SlurmExecutor, "_internal_process_submissions", submit)
     launcher = instantiate(cfg.hydra.launcher)
     composes = SimpleNamespace(config_loader=SimpleNamespace(load_sweep_config=lambda config, overrides: config))
