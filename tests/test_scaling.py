@@ -787,3 +787,13 @@ def test_a_prediction_that_the_run_contradicts_says_which_part_of_the_model_miss
 def test_the_cost_model_prices_the_hooks_ddp_builds():
     """The cost model names its hooks without importing torch; they must be those `strategy.hook` takes."""
     assert costmodel.HOOKS == ddp.HOOKS and costmodel.MIB == ddp.MIB
+
+
+def test_whatif_writes_what_it_printed_where_out_says(tmp_path):
+    """`--out` was ignored by a what-if: it printed and wrote nothing."""
+    result = call_main(main, "--model", "src.models.lenet.LeNet", "--step-ms", "50", "--link", "10gbe", "--processes",
+                       "4", "--out", str(tmp_path / "whatif"))
+    assert result.returncode == 0, result.stderr
+    written = (tmp_path / "whatif" / "whatif.md").read_text()
+    assert written.strip() and written.strip() in result.stdout
+    assert result.stdout.strip().splitlines()[-1] == f"-> {tmp_path / 'whatif' / 'whatif.md'}"

@@ -13,7 +13,8 @@ from src.scaling.costmodel import PRESET_BUS_SHARE
 def parse(argv: list[str] | None) -> Namespace:
     parser = ArgumentParser(prog="python -m src.scaling", description=__doc__.splitlines()[0])
     parser.add_argument("folder", type=Path, nargs="?", help="a run folder, a sweep folder or outputs/")
-    parser.add_argument("--out", type=Path, help="where to write (default: the folder; outputs/ for --probe alone)")
+    parser.add_argument("--out", type=Path, help="where to write (default: the folder; outputs/ for --probe alone; a "
+                                                  "what-if writes whatif.md there only with --out)")
     parser.add_argument("--probe", action="store_true", help="time gloo all-reduces here first and save probe.json")
     parser.add_argument("--probe-file", type=Path, help="a saved probe.json (default: probe.json in the folder, if any)")
     parser.add_argument("--per-process-batch", type=int, help="weak scaling: samples per process and step (default: strong "

@@ -521,7 +521,11 @@ def main(argv: list[str] | None = None) -> None:
 def run(args: Namespace) -> None:
     """What the parsed command line asks for: a what-if, a probe, or the predictions for a folder."""
     if args.model is not None or args.params is not None:
-        print(whatif.report(args))
+        text = whatif.report(args)
+        print(text)
+        if args.out is not None:  # the what-if as printed, where the command says
+            write_file(args.out / "whatif.md", text + "\n", root=args.out)
+            print(f"-> {args.out / 'whatif.md'}")
         return
     out = args.out or args.folder or Path("outputs")
     if args.folder is not None:
