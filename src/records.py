@@ -77,9 +77,13 @@ def targets_for(slot: str) -> frozenset[str]:
 
 def refused(path: Path, key: str, value: Any, why: str) -> UsageError:
     """One line naming the file and the key, quoting at most `SHOWN` characters of each."""
-    value = shown(value)
-    return UsageError(f"{shown(path)}: {shown(key)[:SHOWN]}={value[:SHOWN]}{'...' * (len(value) > SHOWN)} is not "
-                      f"allowed in a run's records; {why}")
+    return UsageError(f"{shown(path)}: {shown(key)[:SHOWN]}={bounded(value)} is not allowed in a run's records; {why}")
+
+
+def bounded(value: Any) -> str:
+    """A value read from a record, quoted in a line: printable, at most `SHOWN` characters, `...` where cut."""
+    text = shown(value)
+    return text[:SHOWN] + "..." * (len(text) > SHOWN)
 
 
 SHOWN = 80  # characters of a refused record's key and of its value quoted

@@ -170,10 +170,8 @@ def refused(name: str, old: Any, new: Any, folder: Path, why: str) -> ResumeRefu
 
 
 def quoted(value: Any) -> str:
-    """A value as the command line types it, on one printable line of at most `records.SHOWN` characters: the run's
-    config.yaml may say anything."""
-    text = records.shown(config.shown(value))
-    return text[:records.SHOWN] + "..." * (len(text) > records.SHOWN)
+    """A value as the command line types it, bounded as a record's (the run's config.yaml may say anything)."""
+    return records.bounded(config.shown(value))
 
 
 def finished(cfg: DictConfig, folder: Path) -> records.Result | None:
