@@ -49,12 +49,14 @@ def as_trained(cfg: DictConfig, overrides: list[str], group: str) -> DictConfig:
                          "as configured here")
     typed = [key.removeprefix(f"{group}.") for key in (override.split("=", 1)[0] for override in overrides)
              if key.startswith(f"{group}.")]  # `<group>.<known key>=` typed here wins
+    if group == "data" and "root" not in typed and trained.get("root") != cfg.data.root:
+        raise UsageError(f"data.root is needed: {resolved_config_file(cfg.ckpt_path)} says the run read its data from "
+                         f"data.root={records.bounded(trained.get('root'))}, and where data is read is typed, never "
+                         "taken from a run's records; type data.root=<a folder holding FashionMNIST/raw>")
     kept = [key for key in config.flatten(OmegaConf.to_container(trained, resolve=False))
             if not records.carried(f"{group}.{key}") and OmegaConf.select(cfg[group], key) is not None]
-    for path in [*typed, *kept]:  # and whether the data is downloaded is this command's
+    for path in [*typed, *kept]:  # and where the data is, and whether it is downloaded, are this command's
         OmegaConf.update(trained, path, OmegaConf.select(cfg[group], path), merge=False)
-    if group == "data" and "root" not in typed:
-        trained.download = False  # the data a record names is read, never downloaded into
     return trained
 
 

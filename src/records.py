@@ -129,8 +129,27 @@ def overrides(lines: Any, path: Path) -> list[str]:
     return list(lines)
 
 
+RESUMES = Path(".hydra") / "resumes.yaml"  # beside overrides.yaml, which keeps what the run was started with
+
+
+def resumes(folder: Path) -> list[dict[str, Any]]:
+    """Each resume of the run in `folder`, oldest first: the overrides its command typed (`overrides`) and when it
+    began (`at`); none before the first."""
+    path = folder / RESUMES
+    if not path.is_file():
+        return []
+    data = load(path, root=folder)
+    if not isinstance(data, list) or not all(isinstance(entry, dict) and set(entry) <= {"at", "overrides"}
+                                             and isinstance(entry.get("at", ""), str) for entry in data):
+        raise UsageError(f"{shown(path)}: holds no list of resumes (each its `overrides` and `at`); move it away to "
+                         "resume the run with the settings it was started with")
+    return [{"at": entry.get("at", ""), "overrides": overrides(entry.get("overrides"), path)} for entry in data]
+
+
 # What a record's override line may hold, read here and never by Hydra's grammar: a key of plain names, and values
-# that are numbers, booleans, null, words or quoted one-line text without `$`, `\`, quotes or control characters.
+# that are numbers, booleans, null, words or quoted one-line text without `$`, `\`, quotes or control characters. A
+# value is read into the typed value Hydra would read (Hydra's own types for quoted text and sweeps), checked, and
+# written out again from that value (`emit`): what reaches Hydra is never the recorded text.
 KEY = re.compile(r"[A-Za-z]\w*(\.[A-Za-z]\w*)*", re.ASCII)
 BARE = r"[A-Za-z0-9_/+.%*@?|:-]+"  # the characters of a bare value in Hydra's lexer, less `$` and `\`
 QUOTED = r"'[^'\"\\$\x00-\x1f\x7f]*'|\"[^'\"\\$\x00-\x1f\x7f]*\""
@@ -141,16 +160,15 @@ _UNSIGNED = r"(0|[1-9](_?\d)*)"
 _POINT = rf"({_UNSIGNED}\.|{_UNSIGNED}?\.\d(_?\d)*)"
 FLOAT = re.compile(rf"[+-]?({_POINT}|({_UNSIGNED}|{_POINT})[eE][+-]?\d(_?\d)*|[Ii][Nn][Ff]|[Nn][Aa][Nn])")
 INT = re.compile(rf"[+-]?{_UNSIGNED}")
-SWEEP_FUNCTIONS = re.compile(r"(interval|range|choice)\((.*)\)|tag\(log,\s*interval\((.*)\)\)")
+CALL = re.compile(r"([a-z]+)\((.*)\)", re.S)  # a sweep's function: interval, range, choice, and int() and tag(log, )
 # Launcher settings a sweep's record never sets: where its jobs write.
 WHERE = re.compile(r"(^|\.)(\w*dir|\w*dirpath|\w*path|\w*folder|\w*_uri|\w*file|filename|root)$")
-# The keys a record carries: those that decide what a run computes, and where its data is read (never downloaded
-# there: src.resume and src.eval set data.download=false with it). Where it writes, whether it downloads, what its
-# loggers are named and where they log, and code to call (strategy.hook_state) come from conf/ and the typed command
-# only; a key not listed here is not taken, however it is named.
+# The keys a record carries: those that decide what a run computes. Where its data is read and whether it is
+# downloaded, where it writes, what its loggers are named and where they log, and code to call (strategy.hook_state)
+# come from conf/ and the typed command only; a key not listed here is not taken, however it is named.
 CARRIED = re.compile(r"""(accelerator|devices|num_nodes|precision|channels_last|compile|cuda_graphs|steps_per_execution
     |sync_batchnorm|max_epochs|seed|tags|test_weights|checkpoint\.every_n_train_steps
-    |model(\.[A-Za-z]\w*)+|optim\.[A-Za-z]\w*|strategy\.(?!hook_state$)[A-Za-z]\w*|data\.(?!download$)[A-Za-z]\w*
+    |model(\.[A-Za-z]\w*)+|optim\.[A-Za-z]\w*|strategy\.(?!hook_state$)[A-Za-z]\w*|data\.(?!download$|root$)[A-Za-z]\w*
     |trainer\.(?P<trainer>\w+)|callbacks\.time_to_accuracy\.targets|callbacks\.best_checkpoint\.(monitor|mode))""",
     re.X | re.ASCII)
 
@@ -161,6 +179,8 @@ def carried(key: str) -> bool:
 
     found = CARRIED.fullmatch(key)
     return bool(found) and (found.group("trainer") is None or key in RULES)
+
+
 LAUNCHERS, SWEEPERS = ("sequential", "parallel", "slurm"), ("optuna",)
 # A config group's option by its name, found where Hydra looks (conf/ and a search path the command types), never a
 # path to another file.
@@ -181,49 +201,129 @@ def scalar(token: str) -> Any:
     return token
 
 
+def parts(text: str) -> list[str] | None:
+    """Comma-separated scalar tokens (a quoted one may hold commas); None where any is not one."""
+    found, at = [], 0
+    while text.strip():
+        token = re.compile(rf"\s*({QUOTED}|{BARE})\s*(,|$)").match(text, at)
+        if token is None:
+            return None
+        found.append(token.group(1))
+        if not token.group(2):
+            return found
+        at = token.end()
+    return found
+
+
 def items(text: str) -> list[Any] | None:
     """Comma-separated scalars; None where any is not one."""
-    parts = [part.strip() for part in text.split(",")] if text.strip() else []
-    return [scalar(p) for p in parts] if all(SCALAR.fullmatch(p) for p in parts) else None
+    tokens = parts(text)
+    return None if tokens is None else [scalar(token) for token in tokens]
+
+
+def number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def value_of(text: str, sweep: bool = False) -> Any:
+    """The typed value Hydra reads from a record's `text`, read by the rules above: a scalar, a list of scalars, and in
+    a sweep scalars to sweep over (`a,b`) and the spaces `choice(...)`, `range(...)`, `interval(a, b)`,
+    `int(interval(a, b))` and `tag(log, ...)` of those intervals, as Hydra's own sweep types. ValueError for anything
+    else."""
+    from hydra.core.override_parser.types import ChoiceSweep, IntervalSweep, Quote, QuotedString, RangeSweep
+
+    if SCALAR.fullmatch(text):
+        return scalar(text)
+    if text.startswith("[") and text.endswith("]") and (listed := items(text[1:-1])) is not None:
+        return listed
+    if not sweep:
+        raise ValueError(text)
+    call = CALL.fullmatch(text)
+    if call is None:  # `a,b,c`: a sweep's simple form keeps quoted text quoted, as Hydra's does
+        tokens = parts(text)
+        if tokens is None or len(tokens) < 2:
+            raise ValueError(text)
+        return ChoiceSweep(list=[QuotedString(token[1:-1], Quote.single if token[0] == "'" else Quote.double)
+                                 if token[:1] in "'\"" else scalar(token) for token in tokens], simple_form=True)
+    name, inner = call.groups()
+    if name == "choice" and (chosen := items(inner)) and None not in chosen:  # Hydra's choice() takes no null
+        return ChoiceSweep(list=chosen)
+    if name == "range" and (args := items(re.sub(r",\s*step=", ",", inner))) and 1 <= len(args) <= 3 \
+            and all(map(number, args)) and (len(args) < 3 or args[2] != 0):
+        start, stop, step = [*([0] if len(args) == 1 else []), *args, 1][:3]
+        return RangeSweep(start=start, stop=stop, step=step)
+    if name == "tag" and (tagged := re.fullmatch(r"log,\s*(.*)", inner, re.S)):
+        spaced = value_of(tagged.group(1), sweep)
+        if isinstance(spaced, IntervalSweep):
+            return IntervalSweep(start=spaced.start, end=spaced.end, tags={"log"})
+    if name == "int" and isinstance(spaced := value_of(inner, sweep), IntervalSweep) and not spaced.tags \
+            and spaced.start.is_integer() and spaced.end.is_integer():
+        return IntervalSweep(start=int(spaced.start), end=int(spaced.end))
+    if name == "interval" and (args := items(inner)) and len(args) == 2 and all(map(number, args)):
+        return IntervalSweep(start=float(args[0]), end=float(args[1]))
+    raise ValueError(text)
+
+
+def emit(value: Any) -> str:
+    """`value` (as `value_of` types it) as override text that Hydra reads back as exactly that value."""
+    from hydra.core.override_parser.types import ChoiceSweep, IntervalSweep, Quote, QuotedString, RangeSweep
+
+    if isinstance(value, IntervalSweep):
+        space = f"interval({emit(value.start)}, {emit(value.end)})"
+        space = f"int({space})" if isinstance(value.start, int) else space
+        return f"tag(log, {space})" if "log" in value.tags else space
+    if isinstance(value, RangeSweep):
+        step = "" if value.step == 1 and isinstance(value.step, int) else f", step={emit(value.step)}"
+        return f"range({emit(value.start)}, {emit(value.stop)}{step})"
+    if isinstance(value, ChoiceSweep):
+        listed = [emit(item) for item in value.list]
+        return ",".join(listed) if value.simple_form else f"choice({', '.join(listed)})"
+    if isinstance(value, list):
+        return "[" + ",".join(emit(item) for item in value) + "]"
+    if isinstance(value, QuotedString):
+        quote = "'" if value.quote == Quote.single else '"'
+        return emit_quoted(value.text, quote)
+    if value is None or isinstance(value, bool):
+        return {None: "null", True: "true", False: "false"}[value]
+    if number(value):
+        return repr(value)  # Hydra's lexer reads Python's repr of an int or a float, inf and nan included
+    if isinstance(value, str):
+        return value if re.fullmatch(BARE, value) and scalar(value) == value else emit_quoted(value, "'")
+    raise ValueError(f"no override text for {type(value).__name__}")
+
+
+def emit_quoted(text: str, quote: str) -> str:
+    if not re.fullmatch(QUOTED, quote + text + quote):
+        raise ValueError("quoted text holds quotes, $, \\ or control characters")
+    return quote + text + quote
 
 
 def plain(text: str, sweep: bool) -> bool:
-    """Whether an override's value is plain: a scalar, a list of scalars, or in a sweep scalars to sweep over and the
-    search spaces `interval`, `range`, `choice` and `tag(log, interval(...))` of numbers."""
-    if SCALAR.fullmatch(text):
-        return True
-    if text.startswith("[") and text.endswith("]"):
-        return items(text[1:-1]) is not None
-    if not sweep:
+    """Whether an override's value is one that `value_of` reads."""
+    try:
+        value_of(text, sweep)
+    except ValueError:
         return False
-    function = SWEEP_FUNCTIONS.fullmatch(text)
-    if not function:
-        return (swept := items(text)) is not None and len(swept) > 1
-    name, args = function.group(1) or "log", items(function.group(2) or function.group(3))
-    if name == "choice":
-        return bool(args)
-    numbers = args is not None and all(isinstance(a, (int, float)) and not isinstance(a, bool) for a in args)
-    return numbers and (len(args) == 2 if name in ("interval", "log") else 2 <= len(args) <= 3)
+    return True
 
 
 SWEPT_LIMIT = 10_000  # values of one key a sweep's record may hold: each is a job, and a range may name millions
 
 
-def swept_count(text: str) -> int:
-    """How many values a plain swept value names: a `range(...)`'s length, a list's items, 1 for anything else."""
-    function = SWEEP_FUNCTIONS.fullmatch(text)
-    if function and function.group(1) == "range":
-        args = items(function.group(2)) or []
-        start, stop, step = [*([0] if len(args) == 1 else []), *args, 1][:3]
-        return max(0, math.ceil((stop - start) / step)) if step else 0
-    return len(items(text) or [None]) if not function and not text.startswith("[") else 1
+def swept_count(value: Any) -> int:
+    """How many jobs a typed value names: a range's length, a sweep's choices, 1 for anything else."""
+    from hydra.core.override_parser.types import ChoiceSweep, RangeSweep
+
+    if isinstance(value, RangeSweep):
+        return max(0, math.ceil((value.stop - value.start) / value.step))
+    return len(value.list) if isinstance(value, ChoiceSweep) else 1
 
 
 def settings(lines: Any, path: Path, sweep: bool = False, typed: set[str] = frozenset()) -> list[str]:
     """A run's (or a sweep's) recorded overrides, taken only as values: a group's option by its name in conf/, a key
-    that `carried` names with a plain value. A key of the config that a record does not carry is left to conf/ and
-    the command; any other line is refused in one line naming the file and the key. A line whose key is `typed` is
-    the command's, and is not read."""
+    that `carried` names with a plain value, written out again from its typed value (the composed config is then
+    checked as a typed command's is). A key of the config that a record does not carry is left to conf/ and the command; any other line is refused in one
+    line naming the file and the key. A line whose key is `typed` is the command's, and is not read."""
     from src.config import DERIVED, GROUPS, TrainConfig, options  # the schema: its keys and groups
 
     top_level = set(TrainConfig.__dataclass_fields__) - set(DERIVED)
@@ -242,7 +342,7 @@ def settings(lines: Any, path: Path, sweep: bool = False, typed: set[str] = froz
             if not all(OPTION.fullmatch(name) for name in names) or len(names) > 1 and not (listed or sweep):
                 raise refused(path, key, text, f"it must name an option of the {key} group (conf/{key}: "
                                                f"{options(key)}), never a path")
-            kept.append(f"{key}={text}")
+            kept.append(f"{key}=" + (f"[{','.join(names)}]" if listed else ",".join(names)))
             continue
         head = key.split(".")[0]
         if head == "hydra" or head not in top_level | set(GROUPS):
@@ -250,23 +350,26 @@ def settings(lines: Any, path: Path, sweep: bool = False, typed: set[str] = froz
                                           "Hydra's or those derived from others")
         if prefix not in ("", "~") and not (prefix == "+" and head == "trainer"):
             raise refused(path, key, text, "a record may add no key but a lightning.Trainer argument")
-        if has_value and not plain(text, sweep):
+        try:
+            value = value_of(text, sweep) if has_value else None
+        except ValueError:
             raise refused(path, key, text, "its value must be a number, true, false, null, a word or quoted text on "
-                                          "one line without $, \\, quotes or control characters")
-        if sweep and swept_count(text) > SWEPT_LIMIT:
+                                          "one line without $, \\, quotes or control characters") from None
+        if swept_count(value) > SWEPT_LIMIT:
             raise refused(path, key, text[:80], f"a sweep's record names at most {SWEPT_LIMIT:,} values of a key "
                                                 "(each is a job); type the sweep again to run more")
-        if key == "strategy.hook" and scalar(text) not in ("none", "fp16", "bf16", "powersgd", "powersgd_fp16"):
+        if key == "strategy.hook" and not {str(getattr(v, "text", v)) for v in getattr(value, "list", [value])} <= {
+                "none", "fp16", "bf16", "powersgd", "powersgd_fp16"}:
             raise refused(path, key, text, "a hook of one's own (an import path) is typed, never taken from a record")
         if not (carried(key) or prefix == "~" and re.fullmatch(r"callbacks\.[A-Za-z]\w*", key)):
             continue  # where it reads, writes or logs, or code: conf/'s or the command's (src.resume compares)
-        kept.append(line)  # every part of it a plain value: Hydra reads it as those values alone
+        kept.append(f"{prefix}{key}={emit(value)}" if has_value else f"{prefix}{key}")
     return kept
 
 
 def launch_settings(lines: Any, path: Path) -> list[str]:
-    """The launcher and sweeper a sweep ran with, by name, and their settings that are numbers, booleans or words:
-    never a `setup` line, a folder, a class or an argument list."""
+    """The launcher and sweeper a sweep ran with, by name, and their settings that are numbers, booleans or words,
+    written out from their values: never a `setup` line, a folder, a class or an argument list."""
     kept = []
     for line in overrides(lines, path):
         key, _, text = line.partition("=")
@@ -276,8 +379,8 @@ def launch_settings(lines: Any, path: Path) -> list[str]:
         if group and text in (LAUNCHERS if group.group(1) == "launcher" else SWEEPERS):
             kept.append(f"{key}={text}")
         elif setting and not WHERE.search(key) and key.rpartition(".")[2] != "setup" and (
-                isinstance(value, (int, float)) or isinstance(value, str) and re.fullmatch(r"[A-Za-z][\w-]*", value)):
-            kept.append(line)
+                number(value) or isinstance(value, str) and re.fullmatch(r"[A-Za-z][\w-]*", value)):
+            kept.append(f"{key}={emit(value)}")
     return kept
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from hydra.core.override_parser.types import Override
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from src import config, records
@@ -25,6 +26,9 @@ MAY_CHANGE = {
     "strategy.gradient_as_bucket_view", "strategy.static_graph", "ckpt_path", "output_dir", "run_name", "precision",
     "threads",  # follows devices and the cores; a folder from before it was recorded has none
 }
+# Of those, where the data is: a record never carries it, so a resume reads the data where the run did unless its own
+# command types another folder (conf/'s default in its place would download afresh).
+TYPED_TO_CHANGE = {"data.root"}
 LENGTH = ("max_epochs", "trainer.max_steps")  # a resume may move these, unless a learning-rate schedule spans them
 
 
@@ -53,15 +57,31 @@ def with_record(args: list[str]) -> list[str]:
         if not path.is_file():
             raise UsageError(f"{path} is missing: a resume takes the run's settings from it; resume a folder that a "
                              "run wrote, or start a new run elsewhere")
-        recorded, launch = records.settings(records.load(path, root=folder), path, typed=set(typed)), []
+        moved = resumed(folder, set(typed))
+        recorded = [line for line in records.settings(records.load(path, root=folder), path, typed=set(typed))
+                    if key_of(line) not in {key_of(later) for later in moved}] + moved
+        launch = []
     else:
         return args
     if multirun:  # the lines typed again as they were are the sweep's too
         check_sweep(config.parse([*recorded, *(line for line in overrides if line in args)]), typed, path.parent)
     taken = [line for line in [*launch, *recorded] if line.partition("=")[0].lstrip("+~") not in typed]
-    if any(line.startswith("data.root=") for line in taken) and "data.download" not in typed:
-        taken.append("data.download=false")  # the data a record names is read, never downloaded into
     return [*taken, *args]
+
+
+def resumed(folder: Path, typed: set[str]) -> list[str]:
+    """The settings the run's earlier resumes typed (`.hydra/resumes.yaml`), each a line of its own key, the latest
+    one's: a key a resume moved (max_epochs) stays where it moved it, as its `config.yaml` says."""
+    path = folder / records.RESUMES
+    lines: dict[str, str] = {}
+    for entry in records.resumes(folder):
+        kept = [line for line in entry["overrides"] if records.carried(key_of(line)) or key_of(line) in config.GROUPS]
+        lines |= {key_of(line): line for line in records.settings(kept, path, typed=typed)}
+    return list(lines.values())
+
+
+def key_of(line: str) -> str:
+    return line.lstrip("+~").partition("=")[0]
 
 
 def check_sweep(recorded: list[Override], typed: dict[str, Override], folder: Path) -> None:
@@ -114,6 +134,7 @@ def check(cfg: DictConfig) -> records.Result | None:
     if not isinstance(recorded, str):
         raise UsageError(f"{path}: output_dir={records.shown(recorded)} is not allowed; it names the run's folder")
     here = moved(before, Path(recorded), folder)
+    typed = {line.split("=", 1)[0] for line in HydraConfig.get().overrides.task} if HydraConfig.initialized() else set()
     strategy_changed = before.get("strategy_name") != after.get("strategy_name")
     if strategy_changed and gradient_math(before) != gradient_math(after):
         raise refused("strategy", before.get("strategy_name"), after["strategy_name"], folder,
@@ -122,7 +143,8 @@ def check(cfg: DictConfig) -> records.Result | None:
     for name in sorted(before.keys() | after.keys(), key=lambda k: (k not in GROUP_NAMES, "." in k, k)):
         old, new = before.get(name, "(none)"), after.get(name, "(none)")
         same = old == new or name in here and here[name] == new  # where the folder is now
-        if same or name in MAY_CHANGE or strategy_changed and name.startswith("strategy"):
+        may_change = name in MAY_CHANGE and (name not in TYPED_TO_CHANGE or name in typed)
+        if same or may_change or strategy_changed and name.startswith("strategy"):
             continue
         if name == "precision_used":
             raise ResumeRefused(f"precision={cfg.precision} is not allowed in a resume of {folder}: on this machine it "
@@ -135,9 +157,9 @@ def check(cfg: DictConfig) -> records.Result | None:
                           f"{before['optim.schedule']}: another length would change every step of it; start a new run "
                           "to train longer")
         if not records.carried(name):
-            raise refused(name, old, new, folder, ", which a record never sets (where a run writes and logs come "
-                          f"from the command); type {name}={quoted(old)} to go on with it, or start a new run "
-                          "(without ckpt_path)")
+            raise refused(name, old, new, folder, ", which a record never sets (where a run reads its data, "
+                          f"writes and logs come from the command); type {name}={quoted(old)} to go on with it, or "
+                          "start a new run (without ckpt_path)")
         raise refused(name, old, new, folder, ", and a resume continues the run as it was; leave it out, or start a "
                                               "new run (without ckpt_path) to change it")
     return finished(cfg, folder)

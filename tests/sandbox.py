@@ -46,6 +46,8 @@ class Sandbox:
                 self.outside.append(f"{event} {path} {mode or flags}")
         elif event in CHANGES:
             dir_fd = args[-1] if event != "os.rename" else None
+            if event == "os.mkdir" and dir_fd in (None, -1, -100) and os.path.lexists(args[0]):
+                return  # a folder that is there: the call fails and changes nothing (`mkdir(parents=True)` tries each)
             for index in CHANGES[event]:
                 if not self.inside(args[index], dir_fd):
                     self.outside.append(f"{event} {args[index]}")

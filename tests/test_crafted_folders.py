@@ -82,14 +82,15 @@ def test_a_recorded_override_that_is_not_a_plain_value_is_refused_in_one_line(tm
 
 
 def test_a_runs_plain_settings_are_taken_as_recorded_and_the_typed_ones_win(tmp_path):
-    folder = run_folder(tmp_path, "tags=[a,b]", "precision=bf16-mixed", "data.root='/data/a b'",
+    """Each value taken is written out again from the value it was read as (`0.10` is the number 0.1, `'x'` is text
+    that needs no quotes); where the run read its data is the command's, never the record's."""
+    folder = run_folder(tmp_path, "tags=['a',b]", "precision=bf16-mixed", "data.root='/data/a b'",
                         "+trainer.overfit_batches=2", "~callbacks.step_checkpoint", "strategy.hook=powersgd",
-                        "trainer.max_time=00:01:00:00", "ckpt_path=/elsewhere/x.ckpt")
+                        "trainer.max_time=00:01:00:00", "optim.momentum=0.90", "ckpt_path=/elsewhere/x.ckpt")
     args = resume_run(folder, "optim.lr=0.1")
-    assert args == ["model=lenet", "tags=[a,b]", "precision=bf16-mixed", "data.root='/data/a b'",
-                    "+trainer.overfit_batches=2", "~callbacks.step_checkpoint", "strategy.hook=powersgd",
-                    "trainer.max_time=00:01:00:00", "data.download=false", "ckpt_path=last", f"hydra.run.dir={folder}",
-                    "optim.lr=0.1"]
+    assert args == ["model=lenet", "tags=[a,b]", "precision=bf16-mixed", "+trainer.overfit_batches=2",
+                    "~callbacks.step_checkpoint", "strategy.hook=powersgd", "trainer.max_time=00:01:00:00",
+                    "optim.momentum=0.9", "ckpt_path=last", f"hydra.run.dir={folder}", "optim.lr=0.1"]
 
 
 WHERE_AND_WHO = ["data.download=true", "logger.tensorboard.version=../../x",
@@ -103,13 +104,13 @@ WHERE_AND_WHO = ["data.download=true", "logger.tensorboard.version=../../x",
 def test_where_a_run_reads_writes_and_logs_is_never_taken_from_its_record(tmp_path, word):
     """A logger's `version` in a record moved the resumed run's events two folders up; `data.download=true` beside
     a recorded `data.root` downloaded into it; `offline=false` would upload: a record carries only what the run
-    computes and where its data is read, and these come from conf/ and the command."""
-    folder = run_folder(tmp_path, *WHERE_AND_WHO)
+    computes, and where it reads, writes and logs come from conf/ and the command."""
+    folder = run_folder(tmp_path, "data.root=/elsewhere", *WHERE_AND_WHO)
     assert resume_run(folder, word=word) == ["model=lenet", "optim.lr=0.05", f"ckpt_path={word}",
                                              f"hydra.run.dir={folder}"]
     sweep = sweep_folder(tmp_path, ["seed=1,2", "data.root=/elsewhere", *WHERE_AND_WHO])
     assert resume.with_record(["-m", f"hydra.sweep.dir={sweep}", "ckpt_path=auto"]) == [
-        "seed=1,2", "data.root=/elsewhere", "data.download=false", "-m", f"hydra.sweep.dir={sweep}", "ckpt_path=auto"]
+        "seed=1,2", "-m", f"hydra.sweep.dir={sweep}", "ckpt_path=auto"]
 
 
 KEYS = st.one_of(st.sampled_from(sorted({*config.RULES, *(line.partition("=")[0].lstrip("+") for line in WHERE_AND_WHO)})),
@@ -170,7 +171,7 @@ def test_a_sweeps_launcher_and_sweeper_come_back_by_name_with_their_plain_settin
     sweep = sweep_folder(tmp_path, ["seed=1,2", "optim.lr=tag(log, interval(0.001, 1))"], hydra)
     args = resume.with_record(["-m", f"hydra.sweep.dir={sweep}", "ckpt_path=auto"])
     assert args == ["hydra/launcher=slurm", "hydra.launcher.timeout_min=30", "hydra.launcher.partition=gpu",
-                    "hydra/sweeper=optuna", "seed=1,2", "optim.lr=tag(log, interval(0.001, 1))", "-m",
+                    "hydra/sweeper=optuna", "seed=1,2", "optim.lr=tag(log, interval(0.001, 1.0))", "-m",
                     f"hydra.sweep.dir={sweep}", "ckpt_path=auto"]
 
 
@@ -210,8 +211,9 @@ def test_a_study_point_outside_the_space_typed_is_never_run(tmp_path):
 @pytest.mark.parametrize("contents", [b"", os.urandom(4096), b"SQLite format 3\x00" + b"\x00" * 200],
                          ids=["empty", "random bytes", "half written"])
 def test_a_damaged_study_is_one_line_naming_the_file_and_how_to_start_over(tmp_path, contents):
+    from tests.test_optuna_sweeper import SETTINGS
     (tmp_path / DB).write_bytes(contents)
-    sweeper = OptunaSweeper(n_trials=2, n_jobs=None, sampler="tpe", seed=0, direction="maximize", pruner="median")
+    sweeper = OptunaSweeper(**SETTINGS)
     sweeper.config = OmegaConf.create({"ckpt_path": "auto"})
     with pytest.raises(UsageError, match=re.escape(f"{tmp_path / DB}: cannot be read as an Optuna study (")):
         sweeper.open_study(tmp_path)
@@ -457,8 +459,8 @@ def test_a_loggers_version_in_a_record_never_moves_where_a_resume_writes(tmp_pat
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         f"error: logger.tensorboard.version= is not allowed in a resume of {run_dir}: the run used "
-        "logger.tensorboard.version=../../x, which a record never sets (where a run writes and logs come from the "
-        "command); type logger.tensorboard.version=../../x to go on with it, or start a new run (without ckpt_path)"]
+        "logger.tensorboard.version=../../x, which a record never sets (where a run reads its data, writes and logs "
+        "come from the command); type logger.tensorboard.version=../../x to go on with it, or start a new run (without ckpt_path)"]
     assert sorted(p for p in tmp_path.rglob("*") if p.name != ".lock") == before
 
 
@@ -471,7 +473,7 @@ def test_a_sweep_record_naming_millions_of_jobs_is_one_line(tmp_path):
     assert "at most 10,000 values of a key" in str(refused.value) and "\n" not in str(refused.value)
     (tmp_path / "small").mkdir()
     small = sweep_folder(tmp_path / "small", ["seed=range(0,3)"])
-    assert resume.with_record(["-m", f"hydra.sweep.dir={small}", "ckpt_path=auto"])[0] == "seed=range(0,3)"
+    assert resume.with_record(["-m", f"hydra.sweep.dir={small}", "ckpt_path=auto"])[0] == "seed=range(0, 3)"
 
 
 # ------------------------------------------------------------------ what used to end in a traceback
@@ -587,6 +589,9 @@ def test_a_sweeps_recorded_values_read_back_as_the_values_they_were_checked_as(t
     if line is None or line.partition("=")[0] in config.GROUPS:
         return
     [override] = OverridesParser.create().parse_overrides([line])
+    if not override.is_sweep_override():  # `','`: one quoted text, to Hydra as to the records' reader
+        assert repr(override.value()) == repr(records.value_of(line.partition("=")[2], sweep=True))
+        return
     typed = records.items(line.partition("=")[2])
     read = [getattr(v, "text", v) for v in override.sweep_iterator()]  # a QuotedString is its text in a job
     assert [repr(v) for v in read] == [repr(v) for v in typed]

@@ -8,6 +8,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from src.eval import as_trained, with_checkpoint_model
+from src.records import bounded
 from tests.helpers import DATA_ROOT, QUICK, command_here, hparams, scalars
 
 SCORE = [f"data.root={DATA_ROOT}", "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false"]
@@ -90,17 +91,19 @@ def test_eval_builds_the_model_the_run_built_with_this_commands_model_overrides_
     assert as_trained(cfg, [], "model") is cfg.model
 
 
-def test_eval_as_the_readme_writes_it_scores_offline_with_the_runs_data(tmp_path, trained):
-    """No data.root given, in a folder without data: the run's own data settings, not the default `data/`."""
-    result = command_here("src.eval", f"ckpt_path={trained}", "trainer.enable_progress_bar=false", cwd=tmp_path)
+def test_eval_reads_the_data_where_its_command_says_and_scores_as_the_run_did(tmp_path, trained):
+    """Given where the data is, in a folder without data: the training's test accuracy again, nothing downloaded."""
+    result = command_here("src.eval", f"ckpt_path={trained}", f"data.root={DATA_ROOT}",
+                          "trainer.enable_progress_bar=false", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert scalars(next((tmp_path / "outputs" / "eval").iterdir()))["test/acc"] == scalars(trained)["test/acc"]
     assert not (tmp_path / "data").exists()
 
 
-def test_eval_never_downloads_into_the_folder_a_runs_record_names(tmp_path, trained):
+def test_eval_never_reads_or_downloads_where_a_runs_record_says(tmp_path, trained):
     """A run's config.yaml naming `data.root=<elsewhere>` with `data.download=true` made src.eval download into it:
-    the data a record names is read there, never downloaded into it."""
+    where the data is read is typed. Left out where the run read elsewhere than conf/'s default, it is one line that
+    says so, and nothing is read, downloaded or written."""
     run_dir = Path(shutil.copytree(trained, tmp_path / "run"))
     elsewhere = tmp_path / "elsewhere"
     recorded = run_dir / "config.yaml"
@@ -108,9 +111,13 @@ def test_eval_never_downloads_into_the_folder_a_runs_record_names(tmp_path, trai
     assert f"  root: {DATA_ROOT}\n" in text and "  download: true\n" in text
     recorded.write_text(text.replace(f"  root: {DATA_ROOT}\n", f"  root: {elsewhere}\n", 1))
     result = command_here("src.eval", f"ckpt_path={run_dir}", "trainer.enable_progress_bar=false", cwd=tmp_path)
-    assert result.returncode == 2 and not elsewhere.exists()
-    assert result.stderr.strip().splitlines()[-1].startswith(f"error: data.root={elsewhere}: Fashion-MNIST not found")
-    assert "(data.download=false)" in result.stderr.strip().splitlines()[-1]
+    assert result.returncode == 2 and not elsewhere.exists() and not (tmp_path / "outputs").exists()
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"error: data.root is needed: {recorded} says the run read its data from data.root={bounded(elsewhere)}, and where "
+        "data is read is typed, never taken from a run's records; type data.root=<a folder holding FashionMNIST/raw>")
+    typed = command_here("src.eval", f"ckpt_path={run_dir}", f"data.root={DATA_ROOT}",
+                         "trainer.enable_progress_bar=false", cwd=tmp_path)
+    assert typed.returncode == 0 and not elsewhere.exists(), typed.stderr[-3000:]
 
 
 def test_a_failed_eval_leaves_no_folder_behind(tmp_path, trained):
@@ -131,3 +138,19 @@ def test_eval_help_lists_the_groups_a_test_uses_only():
     choices = result.stdout.split("Choices (group=option):")[1].split("Every key")[0]
     assert [line.split(":")[0] for line in choices.split("\n") if line.strip()] == ["model", "strategy", "logger"]
     assert "strategy: auto, ddp, ddp_bf16, ddp_fp16, ddp_powersgd, ddp_powersgd_fp16, dp" in choices
+
+
+def test_eval_logs_its_score_at_the_step_its_checkpoint_was_trained_to(tmp_path, trained):
+    """TensorBoard over outputs/ shows an evaluation's test/acc beside its run's: at the step the run logged its own
+    test/acc, the last before its checkpoint, not at step 0."""
+    import torch
+
+    from tests.helpers import scalar_steps
+
+    checkpoint = trained / "checkpoints" / "last.ckpt"
+    global_step = torch.load(checkpoint, map_location="cpu", weights_only=True)["global_step"]
+    result, run_dir = evaluate(tmp_path, f"ckpt_path={checkpoint}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    steps = scalar_steps(run_dir)
+    assert global_step > 1 and steps["test/acc"] == steps["test/loss"] == [global_step - 1]
+    assert steps["test/acc"] == scalar_steps(trained)["test/acc"], "beside the training run's own score"

@@ -133,12 +133,13 @@ def test_a_lock_or_log_with_a_second_name_is_refused_and_left_as_it_was(tmp_path
 
 def test_a_linked_study_is_refused_before_it_is_opened(tmp_path):
     """`optuna.db` linked to another study: a new trial went into that study."""
+    from tests.test_optuna_sweeper import SETTINGS
     other = tmp_path / "other.db"
     other.write_bytes(b"")
     sweep = tmp_path / "sweep"
     sweep.mkdir()
     (sweep / DB).symlink_to(other)
-    sweeper = OptunaSweeper(n_trials=2, n_jobs=None, sampler="tpe", seed=0, direction="maximize", pruner="median")
+    sweeper = OptunaSweeper(**SETTINGS)
     sweeper.config = OmegaConf.create({"ckpt_path": "auto"})
     with pytest.raises(UsageError, match=rf"{DB} is a symbolic link"):
         sweeper.open_study(sweep)

@@ -58,9 +58,12 @@ def test_a_number_stays_a_number_in_a_csv_cell(number):
 
 def crafted_study(text: str) -> SimpleNamespace:
     """An Optuna study whose file says `text` wherever a trial's attributes and settings hold text."""
-    trial = SimpleNamespace(number=0, value=0.5, params={text: text}, state=SimpleNamespace(name="PRUNED"),
+    trial = SimpleNamespace(number=0, value=0.5, values=[0.5], params={text: text},
+                            state=SimpleNamespace(name="PRUNED"),
                             user_attrs={"folder": text, "val/acc_best": 0.5, PRUNED_AFTER: text})
-    return SimpleNamespace(best_trials=[trial], trials=[trial], direction=SimpleNamespace(name="MAXIMIZE"))
+    return SimpleNamespace(best_trials=[trial], trials=[trial], direction=SimpleNamespace(name="MAXIMIZE"),
+                           directions=[SimpleNamespace(name="MAXIMIZE")], user_attrs={},
+                           get_trials=lambda deepcopy=True, states=None: [trial])
 
 
 @given(TEXT)

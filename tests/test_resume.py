@@ -225,6 +225,19 @@ def test_a_resume_named_by_its_folder_alone_trains_on_with_the_runs_settings(tmp
     assert saved.data.root == str(data_link) and saved.threads == torch.get_num_threads()
 
 
+def test_a_resume_reads_the_data_where_its_command_says_never_where_the_record_does(tmp_path, small_run):
+    """A record never carries where the data is: a resume that types no data.root, of a run that read its data
+    elsewhere than conf/'s default, is one line saying what to type, and writes nothing."""
+    run_dir = Path(shutil.copytree(small_run, tmp_path / "run"))
+    before = records(run_dir)
+    result = train_here("ckpt_path=last", "max_epochs=3", f"hydra.run.dir={run_dir}")
+    assert result.returncode == 2 and records(run_dir) == before
+    assert result.stderr.strip().splitlines() == [
+        f"error: data.root=data is not allowed in a resume of {run_dir}: the run used {QUICK[0]}, which a record never "
+        "sets (where a run reads its data, writes and logs come from the command); type "
+        f"{QUICK[0]} to go on with it, or start a new run (without ckpt_path)"]
+
+
 @pytest.mark.parametrize(("change", "message"), [
     ("data.batch_size=128", "data.batch_size=128 is not allowed in a resume of {run}: the run used data.batch_size=64, "
                             "and a resume continues the run as it was"),
@@ -238,7 +251,7 @@ def test_a_resume_named_by_its_folder_alone_trains_on_with_the_runs_settings(tmp
 def test_a_resume_that_would_change_what_the_run_computes_is_refused_and_touches_nothing(tmp_path, small_run, change, message):
     run_dir = Path(shutil.copytree(small_run, tmp_path / "run"))
     before = records(run_dir)
-    result = train_here("ckpt_path=last", change, f"hydra.run.dir={run_dir}")
+    result = train_here("ckpt_path=last", change, QUICK[0], f"hydra.run.dir={run_dir}")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1].startswith("error: " + message.format(run=run_dir)), result.stderr
     assert records(run_dir) == before
@@ -334,3 +347,48 @@ def test_a_moved_folder_moves_the_recorded_paths_under_what_moved_and_no_others(
     assert moved({"run": "/job/x", "etc": "/etc/x"}, Path("/job"), Path("/a/job")) == {"run": "/a/job/x",
                                                                                      "etc": "/etc/x"}
     assert moved(before, Path("/old/sweep/job"), Path("/old/sweep/job")) == {}
+
+
+def test_overrides_yaml_keeps_the_start_and_each_resume_is_recorded_beside_it(tmp_path, quick_run: Run):
+    """Two resumes in a row, each longer: `.hydra/overrides.yaml` stays as the run's start wrote it, `resumes.yaml`
+    lists each resume's own command line, and a third resume that types no length goes on from where the last one
+    moved it (its max_epochs), not from the start's."""
+    run_dir = quick_run.copy(tmp_path)
+    started = (run_dir / ".hydra" / "overrides.yaml").read_text()
+    for epochs in (2, 3):
+        typed = [QUICK[0], f"max_epochs={epochs}", "ckpt_path=last", f"hydra.run.dir={run_dir}"]
+        result = train_here(*typed)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert load(run_dir / "checkpoints" / "last.ckpt")["epoch"] == epochs - 1
+        assert (run_dir / ".hydra" / "overrides.yaml").read_text() == started
+        *_, last = OmegaConf.to_container(OmegaConf.load(run_dir / ".hydra" / "resumes.yaml"))
+        assert last["overrides"] == typed and re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d[+-]\d\d:\d\d", last["at"])
+    assert len(OmegaConf.load(run_dir / ".hydra" / "resumes.yaml")) == 2
+    again = train_here(QUICK[0], "ckpt_path=last", f"hydra.run.dir={run_dir}")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "finished before, not run again" in again.stdout, again.stdout[-3000:]
+    assert len(OmegaConf.load(run_dir / ".hydra" / "resumes.yaml")) == 2, "a resume that ran nothing is no resume"
+
+
+def test_a_resumed_runs_hparams_name_comes_from_what_its_start_typed(tmp_path, quick_run: Run):
+    """A run stopped before its HParams record (written at its end) gets it from a resume: its trial's name shows
+    the start's typed keys, never the resume's (ckpt_path, max_epochs) nor a key nobody typed (data.download)."""
+    run_dir = quick_run.copy(tmp_path)
+    for events in run_dir.glob("events.out.tfevents.*"):
+        events.unlink()  # as a run stopped before its end left it: no HParams record
+    result = train_here(QUICK[0], "max_epochs=2", "ckpt_path=last", f"hydra.run.dir={run_dir}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    from tests.helpers import hparams_plugin_data
+
+    [name] = [data.session_start_info.group_name for data in hparams_plugin_data(run_dir)
+              if data.HasField("session_start_info")]
+    assert name.startswith("debug=quick ") and not re.search(r"data\.download|max_epochs|ckpt_path", name), name
+
+
+def test_a_damaged_resumes_record_is_refused_in_one_line(tmp_path, quick_run: Run):
+    run_dir = quick_run.copy(tmp_path)
+    (run_dir / ".hydra" / "resumes.yaml").write_text("- overrides: max_epochs=2\n")
+    result = train_here(QUICK[0], "max_epochs=2", "ckpt_path=last", f"hydra.run.dir={run_dir}")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [f"error: {run_dir / '.hydra' / 'resumes.yaml'}: holds no list of "
+                                                  "overrides"]

@@ -4,6 +4,7 @@ which sees every write, removal, rename, folder, link and process, on folders wh
 
 import os
 import subprocess
+from unittest import mock
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
 from tests.helpers import QUICK, train_here
-from tests.sandbox import sandbox
+from tests.sandbox import Sandbox, sandbox
 
 EXAMPLES = int(os.environ.get("SANDBOX_EXAMPLES", "6"))
 CANARY = "SANDBOX_CANARY_VALUE"
@@ -71,35 +72,62 @@ def finished_run(tmp_path_factory, data_root):
     run_dir = tmp_path_factory.mktemp("sandboxed") / "run"
     result = train_here(*QUICK, f"hydra.run.dir={run_dir}")
     assert result.returncode == 0, result.stderr[-2000:]
-    for command in ("last", "auto", "eval", "report"):
+    for command in COMMANDS:
         warm = Path(shutil.copytree(run_dir, tmp_path_factory.mktemp("warm") / "run"))
         assert entry(command, warm)[0].returncode == 0
     return run_dir
 
 
+COMMANDS = ("last", "auto", "eval", "report", "scaling")
+
+
 def entry(command: str, run_dir: Path) -> tuple[subprocess.CompletedProcess, Path]:
-    """One entry point on the folder, in this process, and the folder it may write in."""
+    """One entry point on the folder, in this process, and the folder it may write in. Temporary files go to a
+    folder beside the run's (`tempfile`'s, which src.scaling's timing uses), inside what the sandbox allows."""
+    import tempfile
+
     from src.report import main as report_main
+    from src.scaling.predict import main as scaling_main
     from tests.helpers import DATA_ROOT, call_main, command_here
 
-    if command == "eval":
-        scored = run_dir.parent / "eval"
-        return command_here("src.eval", f"data.root={DATA_ROOT}", f"ckpt_path={run_dir}", f"hydra.run.dir={scored}",
-                            "trainer.enable_progress_bar=false"), scored
-    if command == "report":
-        return call_main(report_main, str(run_dir.parent)), run_dir.parent
-    return train_here(*QUICK, f"ckpt_path={command}", f"hydra.run.dir={run_dir}"), run_dir
+    (run_dir.parent / "tmp").mkdir(exist_ok=True)
+    tempfile.tempdir = str(run_dir.parent / "tmp")
+    try:
+        if command == "eval":
+            scored = run_dir.parent / "eval"
+            return command_here("src.eval", f"data.root={DATA_ROOT}", f"ckpt_path={run_dir}", f"hydra.run.dir={scored}",
+                                "trainer.enable_progress_bar=false"), scored
+        if command == "report":
+            return call_main(report_main, str(run_dir.parent)), run_dir.parent
+        if command == "scaling":  # its DDP timing's processes are the slow tier's: here the figures it estimates
+            with mock.patch("src.scaling.stepclock.start_ranks", side_effect=RuntimeError("timed in the slow tier")):
+                return call_main(scaling_main, str(run_dir)), run_dir
+        return train_here(*QUICK, f"ckpt_path={command}", f"hydra.run.dir={run_dir}"), run_dir
+    finally:
+        tempfile.tempdir = None
+
+
+def sandboxed(command: str, run_dir: Path) -> tuple[subprocess.CompletedProcess, Sandbox]:
+    """`entry` under the sandbox, allowed its own folder and temporary files; it finished or said one line."""
+    allowed = run_dir.parent / "eval" if command == "eval" else run_dir.parent if command == "report" else run_dir
+    with sandbox(allowed, run_dir.parent / "tmp") as box:
+        result, _ = entry(command, run_dir)
+    assert result.returncode in (0, 2), result.stderr[-2000:]
+    if result.returncode == 2:
+        errors = [line for line in result.stderr.strip().splitlines() if line.startswith("error: ")]
+        assert len(errors) == 1 and result.stderr.strip().endswith(errors[0]), result.stderr[-2000:]
+    return result, box
 
 
 @seed(74)
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
 @given(record=st.sampled_from(["overrides", "config"]), index=st.integers(0, 400), value=NASTY,
-       command=st.sampled_from(["last", "auto", "eval", "report"]))
+       command=st.sampled_from(COMMANDS))
 def test_a_command_on_a_folder_whose_records_were_rewritten_stays_inside_it(tmp_path_factory, finished_run,
                                                                              monkeypatch, record, index, value, command):
     """Each value of a finished run's overrides.yaml or config.yaml rewritten: a resume (`ckpt_path=last|auto`),
-    `src.eval` of the folder and `src.report` of the folder above it finish or are refused in one line, write only
-    in their own folder, start no process, and print no variable's value."""
+    `src.eval` and `src.scaling` of the folder and `src.report` of the folder above it finish or are refused in one
+    line, write only in their own folder, start no process, and print no variable's value."""
     import shutil
 
     run_dir = Path(shutil.copytree(finished_run, tmp_path_factory.mktemp("case") / "run"))
@@ -111,16 +139,50 @@ def test_a_command_on_a_folder_whose_records_were_rewritten_stays_inside_it(tmp_
     else:
         rewrite_line(path, index, value)
     monkeypatch.setenv("SANDBOX_CANARY", CANARY)
-    allowed = run_dir.parent / "eval" if command == "eval" else run_dir.parent if command == "report" else run_dir
-    with sandbox(allowed) as box:
-        result, _ = entry(command, run_dir)
-    assert result.returncode in (0, 2), result.stderr[-2000:]
-    if result.returncode == 2:
-        errors = [line for line in result.stderr.strip().splitlines() if line.startswith("error: ")]
-        assert len(errors) == 1 and result.stderr.strip().endswith(errors[0]), result.stderr[-2000:]
+    result, box = sandboxed(command, run_dir)
     assert box.outside == [] and box.processes == []
     assert box.imports == []  # each entry ran on the folder as it was first (`warmed`): a record adds no module
     assert CANARY not in result.stdout + result.stderr
+
+
+def changed_kind(path: Path, kind: str, outside: Path) -> None:
+    """`path` (a file or a folder of the run) made into something else: a link to a file outside, a second name of
+    that file (a hard link), a FIFO, a folder, or (a folder) a file."""
+    import shutil
+
+    shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+    if kind == "link out":
+        path.symlink_to(outside)
+    elif kind == "hard link":
+        os.link(outside, path)
+    elif kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "folder":
+        path.mkdir()
+    else:
+        path.write_text("not what was here\n")
+
+
+@seed(75)
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+@given(index=st.integers(0, 400), kind=st.sampled_from(["link out", "hard link", "fifo", "folder", "file"]),
+       command=st.sampled_from(COMMANDS))
+def test_a_command_on_a_folder_whose_files_changed_kind_stays_inside_it(tmp_path_factory, finished_run, monkeypatch,
+                                                                         index, kind, command):
+    """Any file or folder of a finished run (a record, a checkpoint, the log, the lock, an event file, `.hydra/`,
+    `checkpoints/`) made a link out, a hard link to a file outside, a FIFO, a folder or a file: each command finishes
+    or is refused in one line, never blocks, writes only in its own folder, and leaves the file outside as it was."""
+    import shutil
+
+    case = tmp_path_factory.mktemp("kind")
+    run_dir = Path(shutil.copytree(finished_run, case / "run"))
+    outside = case / "outside.txt"
+    outside.write_text("the user's own file\n")
+    entries = sorted(run_dir.rglob("*"))
+    changed_kind(entries[index % len(entries)], kind, outside)
+    result, box = sandboxed(command, run_dir)
+    assert box.outside == [] and box.processes == []
+    assert outside.read_text() == "the user's own file\n"
 
 
 SWEEPS = {"sweep": ["seed=1"], "search": ["hydra/sweeper=optuna", "hydra.sweeper.n_trials=1", "optim.lr=interval(0.01, 0.1)"]}
@@ -170,4 +232,50 @@ def test_a_sweep_or_search_whose_record_was_rewritten_resumes_inside_it(tmp_path
     errors = [line for line in result.stderr.strip().splitlines() if line.startswith("error: ")]
     assert result.returncode == 0 or errors and result.stderr.strip().endswith(errors[-1]), result.stderr[-2000:]
     assert box.outside == [] and box.processes == [] and box.imports == []
+    assert CANARY not in result.stdout + result.stderr
+
+
+def tree(folder: Path, leaving: Path) -> dict[str, tuple[int, int]]:
+    """Every file and folder under `folder` but those under `leaving`, by its name, size and change time."""
+    return {str(p): (p.lstat().st_size, p.lstat().st_mtime_ns) for p in folder.rglob("*")
+            if not p.is_relative_to(leaving)}
+
+
+@pytest.fixture(scope="module")
+def finished_parallel_sweep(tmp_path_factory, data_root) -> Path:
+    folder = tmp_path_factory.mktemp("parallel") / "sweep"
+    result = train_here("-m", *QUICK, "hydra/launcher=parallel", "seed=1", f"hydra.sweep.dir={folder}")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert resume_sweep(folder).returncode == 0
+    return folder
+
+
+@pytest.mark.slow  # the parallel launcher's jobs are processes
+@seed(77)
+@settings(max_examples=max(3, EXAMPLES // 2), deadline=None, suppress_health_check=list(HealthCheck))
+@given(added=st.booleans(), index=st.integers(0, 400), value=NASTY)
+def test_a_parallel_sweep_whose_record_was_rewritten_resumes_inside_it(tmp_path_factory, finished_parallel_sweep,
+                                                                        monkeypatch, added, index, value):
+    """The same under the parallel launcher, whose jobs are processes the sandbox does not see into: besides what the
+    sandbox sees of this process, nothing appears or changes outside the sweep's folder in the case's folder."""
+    import shutil
+
+    case = tmp_path_factory.mktemp("case")
+    folder = Path(shutil.copytree(finished_parallel_sweep, case / "sweep"))
+    path = folder / "multirun.yaml"
+    if added:
+        data = yaml.safe_load(path.read_text())
+        add_swept(data["hydra"]["overrides"]["task"], index, value)
+        path.write_text(yaml.safe_dump(data))
+    else:
+        rewrite_line(path, index, value)
+    monkeypatch.setenv("SANDBOX_CANARY", CANARY)
+    before = tree(case, folder)
+    with sandbox(folder) as box:
+        result = resume_sweep(folder)
+    assert result.returncode in (0, 1, 2), result.stderr[-2000:]
+    errors = [line for line in result.stderr.strip().splitlines() if line.startswith("error: ")]
+    assert result.returncode == 0 or errors and result.stderr.strip().endswith(errors[-1]), result.stderr[-2000:]
+    assert box.outside == [] and tree(case, folder) == before
+    assert all("multiprocessing" in line or "Popen" in line for line in box.processes)  # the launcher's own workers
     assert CANARY not in result.stdout + result.stderr

@@ -140,7 +140,7 @@ def assert_said_stop(returncode: int, output: str, status: int, line: str, run_d
 def assert_names_its_resume(error_line: str, run_dir: Path) -> str:
     """The line names `last.ckpt`, which holds a finished epoch, and the command that resumes from it."""
     last = run_dir / "checkpoints" / "last.ckpt"
-    command = f"{INTERPRETER} -m src.train ckpt_path=last hydra.run.dir={run_dir}"
+    command = f"{INTERPRETER} -m src.train ckpt_path=last hydra.run.dir={run_dir} {QUICK[0]}"  # where the data is: typed
     assert error_line.endswith(f"{last} holds the last finished epoch; resume with: {command}"), error_line
     assert checkpointed_epoch(last) >= 1
     return command
@@ -212,7 +212,8 @@ def test_ctrl_c_under_ddp_with_progress_bars_ends_in_one_line_of_its_own(tmp_pat
     said = [line for line in lines if "error:" in line]
     assert len(said) == 1 and said[0] == lines[-1], run.stdout[-3000:]
     assert re.match(r"error: run stopped by SIGINT during epoch \d+ \(step \d+\); ", said[0]), said[0]
-    assert said[0].endswith(f"; resume with: {INTERPRETER} -m src.train ckpt_path=last hydra.run.dir={tmp_path / 'run'}")
+    assert said[0].endswith(f"; resume with: {INTERPRETER} -m src.train ckpt_path=last hydra.run.dir={tmp_path / 'run'} "
+                            f"{QUICK[0]}")
     assert "Epoch 2/50" in run.stdout and "Epoch 0" not in run.stdout  # the bar counts epochs as train.log does
 
 

@@ -96,7 +96,7 @@ def test_a_folder_that_names_its_best_from_epoch_0_is_scored_and_resumed_alike(r
     assert "/best-epoch0.ckpt -> " in json.loads((tmp_path / "eval" / "result.json").read_text())["line"]
     resumed = quick_run.copy(tmp_path)  # one epoch, no schedule: a resume may train a second
     (resumed / "checkpoints" / "best-epoch1.ckpt").rename(resumed / "checkpoints" / "best-epoch0.ckpt")
-    longer = train_here("ckpt_path=last", "max_epochs=2", f"hydra.run.dir={resumed}")
+    longer = train_here("ckpt_path=last", "max_epochs=2", QUICK[0], f"hydra.run.dir={resumed}")
     assert longer.returncode == 0, longer.stderr[-3000:]
     tested = re.search(r"tested (best-epoch\d+\.ckpt)", longer.stdout)[1]  # the old one, or the second epoch's
     assert tested in ("best-epoch0.ckpt", "best-epoch2.ckpt") and (resumed / "checkpoints" / tested).is_file()
