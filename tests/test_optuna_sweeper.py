@@ -4,6 +4,7 @@ killed search continued, a trial pruned, and the line for a machine without Optu
 
 import json
 import re
+import sys
 import shutil
 import signal
 import subprocess
@@ -23,14 +24,15 @@ from src.callbacks.optuna_trial import ReportToTrial
 from src.launch.optuna_sweeper import TrialRecord, TrialResult, TrialTask
 from src.errors import ResumeRefused, UsageError
 from src.launch import progress
-from src.launch.optuna_sweeper import DB, OptunaSweeper, search_space, storage
+from src.launch.optuna_sweeper import DB, OptunaSweeper, place, search_space, storage
 from src.launch.progress import Progress, Tally
 from src.records import Result
 from tests.helpers import INTERPRETER, QUICK, run_cli, scalars, train, train_here, user_env
 
 LR = "optim.lr=tag(log, interval(0.001, 1))"
 OPTUNA = "hydra/sweeper=optuna"
-SETTINGS = dict(n_trials=2, n_jobs=None, sampler="tpe", seed=0, direction="maximize", pruner="median")
+SETTINGS = dict(n_trials=2, n_jobs=None, sampler="tpe", seed=0, direction="maximize", pruner="median",
+                objectives=["val/acc_best"], storage=None, study_name=None)
 
 
 def search(folder: Path, *args: str, here: bool = False) -> subprocess.CompletedProcess:
@@ -52,7 +54,7 @@ def test_the_space_typed_on_the_command_line_becomes_optunas_distributions():
                           "trainer.limit_train_batches=tag(int, interval(2, 8))", "max_epochs=3", "tags=[a,b]"])
     assert space.distributions == {
         "optim.lr": FloatDistribution(0.001, 1.0, log=True), "model": CategoricalDistribution(["lenet", "resnet18"]),
-        "data.batch_size": CategoricalDistribution([64, 128, 256]), "seed": CategoricalDistribution([1, 2, 3]),
+        "data.batch_size": CategoricalDistribution([64, 128, 256]), "seed": IntDistribution(1, 4),  # the plugin's range
         "trainer.limit_train_batches": IntDistribution(2, 8)}
     assert space.fixed == ["max_epochs=3", "tags=[a,b]"]
     params = {"optim.lr": 0.0123, "model": "resnet18", "data.batch_size": 128, "seed": 2, "trainer.limit_train_batches": 5}
@@ -60,7 +62,7 @@ def test_the_space_typed_on_the_command_line_becomes_optunas_distributions():
                                        "data.batch_size=128", "seed=2", "trainer.limit_train_batches=5"]
     corners = space.corners()  # the lowest point, then each other end or choice alone
     assert corners[0] == {"optim.lr": 0.001, "model": "lenet", "data.batch_size": 64, "seed": 1, "trainer.limit_train_batches": 2}
-    assert len(corners) == 1 + 1 + 1 + 2 + 2 + 1 and {**corners[0], "optim.lr": 1.0} in corners
+    assert len(corners) == 1 + 1 + 1 + 2 + 1 + 1 and {**corners[0], "optim.lr": 1.0} in corners
 
 
 @pytest.mark.parametrize("typed, said", [
@@ -76,7 +78,7 @@ def test_a_space_optuna_cannot_search_is_refused_in_one_line(typed, said):
     assert said in str(refused.value) and "\n" not in str(refused.value)
 
 
-@pytest.mark.parametrize("name, value", [("pruner", "hyperband"), ("sampler", "grid"), ("n_trials", 0),
+@pytest.mark.parametrize("name, value", [("pruner", "hyperband"), ("n_trials", 0),
                                          ("direction", "up"), ("n_jobs", 0)])
 def test_a_sweeper_setting_out_of_range_is_one_line(name, value):
     with pytest.raises(UsageError, match=rf"^hydra\.sweeper\.{name}={value} is not allowed; it must be "):
@@ -315,7 +317,8 @@ def test_a_resume_of_a_search_takes_the_same_space_and_refuses_another_in_one_li
     resume = ["-m", OPTUNA, f"hydra.sweep.dir={tmp_path}", "ckpt_path=auto"]
     assert with_record([*resume, LR]) == ["max_epochs=2", *resume, LR]
     other = "optim.lr=tag(log, interval(0.01, 1))"
-    with pytest.raises(UsageError, match=re.escape(f"{other} is not allowed in a resume of the sweep {tmp_path}: it swept {LR}")):
+    swept = "optim.lr=tag(log, interval(0.001, 1.0))"  # the record's value, written out from the value it was read as
+    with pytest.raises(UsageError, match=re.escape(f"{other} is not allowed in a resume of the sweep {tmp_path}: it swept {swept}")):
         with_record([*resume, other])
 
 
@@ -417,3 +420,201 @@ def test_a_project_launcher_is_given_each_trial_only_as_it_takes_it_left_ones_fi
 
     sweeper.launcher = Never()
     sweeper.sweep([LR])
+
+
+# ---------------------------------------------------------------- several objectives, the results file, a shared study
+
+
+TWO = ["hydra.sweeper.direction=[maximize,minimize]", "hydra.sweeper.objectives=[val/acc_best,time/epoch_s]"]
+
+
+def test_a_search_of_two_objectives_writes_its_pareto_front_its_plot_and_its_results(tmp_path, data_root):
+    """Two strategies and two learning rates (their grid: no point twice), accuracy against epoch time: the front in
+    the report, drawn, and in optimization_results.yaml as Hydra's Optuna plugin writes it."""
+    import yaml
+
+    folder = tmp_path / "search"
+    result = train_here("-m", OPTUNA, "hydra/sweeper/sampler=grid", "strategy=choice(auto,dp)", "optim.lr=choice(0.01,0.1)", *QUICK,
+                        f"hydra.sweep.dir={folder}", "hydra.sweeper.n_trials=4", *TWO)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "hydra.sweeper.pruner=median is off: Optuna prunes single-objective searches only" in result.stdout
+    study = study_of(folder)
+    assert [d.name for d in study.directions] == ["MAXIMIZE", "MINIMIZE"]
+    assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 4
+    for trial in study.trials:  # each value the run's own figure
+        recorded = json.loads((folder / trial.user_attrs["folder"] / "result.json").read_text())["metrics"]
+        assert trial.values == [recorded["val/acc_best"], recorded["time/epoch_s"]]
+    front = study.best_trials
+    assert yaml.safe_load((folder / "optimization_results.yaml").read_text()) == {
+        "name": "optuna", "solutions": [{"params": t.params, "values": t.values} for t in front]}
+    assert (folder / "pareto_front.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    report = (folder / "report.md").read_text()
+    assert "## Trials (hydra/sweeper=optuna, val/acc_best maximized, time/epoch_s minimized)" in report
+    assert f"### Pareto front: {len(front)} of 4 trials" in report and "![the front: val/acc_best against time/epoch_s](pareto_front.png)" in report
+    listed = report.split("### Pareto front")[1]
+    assert all(f"| {t.number + 1} | complete | {t.values[0]:.4f} | {t.values[1]:.4f} |" in listed for t in front)
+    assert result.stdout.splitlines()[-2].startswith("Pareto front of 4 trials: trial ")
+
+
+def told_values(study: optuna.Study, values: dict[int, object]):
+    """A project launcher that runs nothing: it tells each trial its value from `values` by number."""
+    from src.launch.sequential_launcher import ProjectLauncher
+
+    class Telling(ProjectLauncher):
+        def launch_each(self, next_job, count, first, at_once, ended):
+            while (job := next_job()) is not None:
+                study.tell(job[0], values[job[0]])
+                ended(job[0], JobReturn(status=JobStatus.COMPLETED, _return_value=Result({}, "")))
+            return []
+
+    return Telling()
+
+
+def sweeper_in(folder: Path, ckpt: str | None = None, **settings) -> OptunaSweeper:
+    """The sweeper as Hydra makes it for a sweep of `folder`, its space's check left out (no config to compose)."""
+    sweeper = OptunaSweeper(**{**SETTINGS, **settings})
+    sweeper.config = OmegaConf.create({"hydra": {"sweep": {"dir": str(folder)}}, "ckpt_path": ckpt})
+    sweeper.check, sweeper.launcher = (lambda space: None), "a launcher never reached"
+    return sweeper
+
+
+def test_a_search_of_one_objective_writes_its_best_in_optimization_results_as_hydras_plugin_does(tmp_path):
+    import yaml
+
+    study = optuna.create_study(storage=storage(tmp_path / DB), study_name="s", direction="maximize")
+    sweeper = sweeper_in(tmp_path, n_trials=3, ckpt="auto")
+    sweeper.launcher = told_values(study, {0: 0.5, 1: 0.9, 2: 0.7})
+    sweeper.sweep([LR])
+    top = study_of(tmp_path).trials[1]
+    assert yaml.safe_load((tmp_path / "optimization_results.yaml").read_text()) == {
+        "name": "optuna", "best_params": top.params, "best_value": 0.9}
+    assert not (tmp_path / "pareto_front.png").exists()
+
+
+def test_a_cost_not_reached_counts_as_the_worst_and_another_apps_return_is_its_value(tmp_path):
+    from src.launch.optuna_sweeper import objective, returned
+
+    run = Result({"val/acc_best": 0.86}, "", time_to_accuracy=[{"target": 0.85, "seconds": 12.5, "step": 40},
+                                                              {"target": 0.9, "seconds": None, "step": None}])
+    assert objective(run, "time/s_to_val_acc_0.85", "minimize") == 12.5
+    assert objective(run, "time/s_to_val_acc_0.90", "minimize") == float("inf")
+    assert objective(run, "time/s_to_val_acc_0.90", "maximize") == float("-inf")
+    assert objective(run, "time/s_to_val_acc_0.95", "minimize") is None  # no such target: the trial fails
+    assert returned(0.5, 1) == [0.5] and returned((1, 2.5), 2) == [1.0, 2.5]
+    assert returned("0.5", 1) is None and returned([1.0], 2) is None and returned(float("nan"), 1) is None
+    assert returned(True, 1) is None
+
+
+@pytest.mark.parametrize("settings, said", [
+    (dict(direction=["maximize", "minimize"]), r"^hydra\.sweeper\.objectives=val/acc_best is not allowed with "
+                                               r"hydra\.sweeper\.direction=\[maximize, minimize\]: it must name one metric"),
+    (dict(objectives=["test/acc"]), r"^hydra\.sweeper\.objectives=\['test/acc'\] is not allowed; it must be a list of metrics"),
+    (dict(direction=["up"]), r"^hydra\.sweeper\.direction=\['up'\] is not allowed; it must be one of: maximize, minimize"),
+    (dict(storage="mysql://u@h/db"), r"^hydra\.sweeper\.storage=mysql://u@h/db is not allowed; it must be a database URL: "
+                                     r"sqlite:///<file> or postgresql://"),
+    (dict(storage="postgresql://u:secret@h/db"), r"^hydra\.sweeper\.storage=postgresql://\.\.\. needs the psycopg\[binary\] "
+                                                 r"package, which is not installed; install it with: .* -m pip install 'psycopg\[binary\]'$"),
+    (dict(storage="postgresql+psycopg2://u:secret@h/db"), r"^hydra\.sweeper\.storage=postgresql\+psycopg2://\.\.\. needs the "
+                                                          r"psycopg2-binary package"),
+])
+def test_objectives_directions_and_a_storage_url_out_of_range_are_one_line(monkeypatch, settings, said):
+    for driver in ("psycopg", "psycopg2"):
+        monkeypatch.setitem(sys.modules, driver, None)  # as where it is not installed
+    with pytest.raises(UsageError, match=said) as refused:
+        OptunaSweeper(**{**SETTINGS, **settings})
+    assert "\n" not in str(refused.value) and "secret" not in str(refused.value)
+
+
+def test_a_resume_with_other_directions_or_objectives_is_refused_in_one_line(tmp_path):
+    study = optuna.create_study(storage=storage(tmp_path / DB), study_name="s", directions=["maximize", "minimize"])
+    study.set_user_attr("objectives", ["val/acc_best", "time/epoch_s"])
+    sweeper = sweeper_in(tmp_path, ckpt="auto")
+    with pytest.raises(UsageError, match=re.escape(f"hydra.sweeper.direction=maximize is not allowed in a resume of "
+                                                   f"{tmp_path}: its study's direction is [maximize, minimize]")):
+        sweeper.sweep([LR])
+    sweeper = sweeper_in(tmp_path, ckpt="auto", direction=["maximize", "minimize"],
+                         objectives=["val/acc_best", "time/s_to_val_acc_0.85"])
+    with pytest.raises(UsageError, match=re.escape(
+            f"hydra.sweeper.objectives=[val/acc_best, time/s_to_val_acc_0.85] is not allowed in a resume of {tmp_path}: "
+            "its study's objectives are [val/acc_best, time/epoch_s]")):
+        sweeper.sweep([LR])
+
+
+def test_the_fastest_setting_to_090_search_of_the_docs_composes_each_corner_of_its_space():
+    import shlex
+
+    from src.config import check
+    from src.launch.optuna_sweeper import search_space
+    from tests.helpers import REPO, composed
+
+    [line, again] = [line for page in (REPO / "docs" / "sweeps.md", REPO / "README.md")
+                     for line in page.read_text().splitlines()
+                     if "time/s_to_val_acc_0.90]" in line and line.startswith(".venv/bin/python")]
+    assert again == line  # the README's is the same search
+    args = shlex.split(line)[4:]
+    typed = dict(arg.split("=", 1) for arg in args if arg.startswith("hydra.sweeper."))
+    OptunaSweeper(**{**SETTINGS, "n_trials": int(typed["hydra.sweeper.n_trials"]),
+                     "direction": ["maximize", "minimize"], "objectives": ["val/acc_best", "time/s_to_val_acc_0.90"]})
+    assert typed["hydra.sweeper.objectives"] == "[val/acc_best,time/s_to_val_acc_0.90]"
+    space = search_space([arg for arg in args if not arg.startswith("hydra")])
+    assert set(space.distributions) == {"strategy", "precision", "data.batch_size", "optim.lr"}
+    for point in space.corners():
+        cfg = composed(*space.overrides(point))
+        assert 0.9 in cfg.callbacks.time_to_accuracy.targets  # the target is timed
+
+
+def test_a_resume_never_takes_a_storage_url_from_the_sweeps_record(tmp_path):
+    from src.records import launch_settings
+
+    lines = ["hydra/sweeper=optuna", "hydra.sweeper.storage=postgresql://me@db/search", "hydra.sweeper.study_name=lr",
+             "hydra.sweeper.storage='sqlite:///elsewhere.db'"]
+    assert launch_settings(lines, tmp_path / "multirun.yaml") == ["hydra/sweeper=optuna", "hydra.sweeper.study_name=lr"]
+
+
+def test_two_sweep_folders_share_one_study_and_each_resumes_only_the_trials_it_left(tmp_path):
+    """Sweep a left trial 1 running (stopped); sweep b, beside it, must not take it over: it asks new trials until the
+    study has n_trials, counting a's. Then a's resume runs its own trial 1 and asks nothing more."""
+    url, shared = f"sqlite:///{tmp_path / 'shared.db'}", dict(storage=f"sqlite:///{tmp_path / 'shared.db'}", study_name="lr")
+    first = sweeper_in(tmp_path / "a", n_trials=1, **shared)
+    study = optuna.create_study(storage=storage(url), study_name="lr", direction="maximize")
+    first.launcher = told_values(study, {0: 0.6})
+    first.sweep([LR])
+    left = study.ask({"optim.lr": FloatDistribution(0.001, 1.0, log=True)})  # as a's next command asked, then stopped
+    left.set_user_attr("sweep", OptunaSweeper.tag(tmp_path / "a"))
+    left.set_user_attr("folder", "run1")
+    beside = sweeper_in(tmp_path / "b", n_trials=4, **shared)
+    beside.launcher = told_values(study, {2: 0.7, 3: 0.8})
+    beside.sweep([LR])
+    assert [t.state for t in study.trials] == [TrialState.COMPLETE, TrialState.RUNNING, TrialState.COMPLETE, TrialState.COMPLETE]
+    assert [t.user_attrs["sweep"].rsplit("/", 1)[1] for t in study.trials] == ["a", "a", "b", "b"]
+    with pytest.raises(UsageError, match=f"hydra.sweep.dir={tmp_path / 'a'} ran trials of the study lr before; continue "
+                                         "them with ckpt_path=auto"):
+        sweeper_in(tmp_path / "a", n_trials=4, **shared).sweep([LR])
+    again = sweeper_in(tmp_path / "a", n_trials=4, ckpt="auto", **shared)
+    again.launcher = told_values(study, {1: 0.9})
+    again.sweep([LR])
+    assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 4 and study.best_trial.number == 1
+    assert not (tmp_path / "a" / DB).exists() and not (tmp_path / "b" / DB).exists()
+    assert place(study.trials[1], tmp_path / "a") == str(tmp_path / "a" / "run1")  # b's report names a's folder so
+    assert place(study.trials[1], tmp_path / "b") == f"{OptunaSweeper.tag(tmp_path / 'a')}/run1"
+
+
+def test_a_trial_another_sweep_asked_for_first_past_n_trials_is_never_run(tmp_path, monkeypatch):
+    """Two sweeps of one study ask at the same moment for its last trial: Optuna numbers them in turn, and the one
+    numbered past n_trials is marked not run, failed, and launches nothing."""
+    url = f"sqlite:///{tmp_path / 'shared.db'}"
+    study = optuna.create_study(storage=storage(url), study_name="lr", direction="maximize")
+    ask = optuna.Study.ask
+
+    def raced(self, *args, **kwargs):  # the other sweep's ask lands first
+        monkeypatch.setattr(optuna.Study, "ask", ask)
+        ask(self, *args, **kwargs).set_user_attr("sweep", "elsewhere:/other")
+        return ask(self, *args, **kwargs)
+
+    monkeypatch.setattr(optuna.Study, "ask", raced)
+    sweeper = sweeper_in(tmp_path / "a", n_trials=1, storage=url, study_name="lr")
+    sweeper.launcher = told_values(study, {})
+    sweeper.sweep([LR])
+    mine = study.trials[1]
+    assert mine.state == TrialState.FAIL and mine.user_attrs["not run"] == "asked for after the study had its n_trials=1"
+    assert study.trials[0].state == TrialState.RUNNING  # the other sweep's, running there

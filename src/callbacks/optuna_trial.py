@@ -1,4 +1,5 @@
-"""A trial's side of `hydra/sweeper=optuna` in training: each epoch's val/acc reported, and pruning."""
+"""A trial's side of `hydra/sweeper=optuna` in training: each epoch's val/acc reported, and pruning (a search of one
+objective: Optuna reports and prunes no others)."""
 
 from lightning import Callback, LightningModule, Trainer
 
@@ -9,6 +10,7 @@ class ReportToTrial(Callback):
     """Each epoch's val/acc to the trial; a pruned trial stops after the epoch in every process, then is tested."""
 
     def __init__(self, db: str, study: int, trial: int) -> None:
+        """`db`: the study's storage, the sweep's file or the database URL the command typed."""
         self.where = (db, study, trial)
         self.trial: TrialRecord | None = None
 
