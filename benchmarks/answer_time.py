@@ -1,5 +1,6 @@
 """Wall time of the answers that need no training: `--help`, `--cfg job` and a refused config of `src.train` and
-`src.eval`, none of which imports torch or Lightning.
+`src.eval` (a key's value, a checkpoint file or data folder that is not there, a global batch the processes do not
+divide), none of which imports torch or Lightning.
 
     .venv/bin/python benchmarks/answer_time.py              # 5 rounds
     .venv/bin/python benchmarks/answer_time.py --rounds 9
@@ -38,6 +39,11 @@ COMMANDS = [
     ("src.eval --help", ["-m", "src.eval", "--help"], 0),
     ("src.eval --cfg job", ["-m", "src.eval", "--cfg", "job"], 0),
     ("src.eval ckpt_path=x devices=0", ["-m", "src.eval", "ckpt_path=x.ckpt", "devices=0"], 2),
+    # What the file system and the processes decide: also before torch (these once took ~50 s on a busy machine)
+    ("src.train ckpt_path=<missing file>", ["-m", "src.train", "ckpt_path=/nonexistent/missing.ckpt"], 2),
+    ("src.train data.root=<missing folder>",
+     ["-m", "src.train", "data.root=/nonexistent/data", "data.download=false"], 2),
+    ("src.train batch 10 over 4 processes", ["-m", "src.train", "data.batch_size=10", "strategy=ddp", "devices=4"], 2),
 ]
 
 
@@ -68,7 +74,7 @@ def main() -> None:
             walls[name].append(timed(arguments, status))
     print(f"load average after: {load()}; median wall seconds of {args.rounds} runs (min-max)")
     for name, times in walls.items():
-        print(f"  {name:<34} {statistics.median(times):6.2f} s  ({min(times):.2f}-{max(times):.2f})")
+        print(f"  {name:<38} {statistics.median(times):6.2f} s  ({min(times):.2f}-{max(times):.2f})")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Screenshots of TensorBoard's Time Series, HParams and Custom Scalars views of a small sweep, taken in headless
-# Chromium (Debian: apt-get install chromium), for the README.
+# Chromium (Debian: apt-get install chromium), for docs/outputs.md.
 #
 #   bash benchmarks/tensorboard_screenshots.sh <data root> [<out folder, default docs/img>] [<sweep folder>]
 #

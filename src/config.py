@@ -165,7 +165,8 @@ RULES: dict[str, Rule] = {
     "steps_per_execution": one_of("auto") | whole(1),
     "max_epochs": whole(1),
     "seed": whole(0, SEED_MAX),
-    "ckpt_path": NULL | TEXT,  # a file, `last` or `auto`; src/checkpoints.py says whether it exists
+    "ckpt_path": NULL | TEXT,  # a file, `last` or `auto`: `check_the_files` says whether it is there, src/checkpoints.py
+                               # whether it is a checkpoint
     "test_weights": one_of("best", "last"),
     "checkpoint.every_n_train_steps": whole(0),
     "tags": Rule(lambda v: isinstance(v, list) and all(isinstance(t, str) and t for t in v),
@@ -321,6 +322,8 @@ def check(cfg: DictConfig, named: bool = True) -> None:
         if not rule.test(value):
             raise not_allowed(key, value, must_be(key, value, rule))
     check_across_keys(cfg, flat)
+    check_the_files(flat)
+    check_the_global_batch(flat)
 
 
 def check_across_keys(cfg: DictConfig, flat: dict[str, Any]) -> None:
@@ -370,6 +373,51 @@ def check_across_keys(cfg: DictConfig, flat: dict[str, Any]) -> None:
     if flat.get("trainer.enable_checkpointing") is False and checkpoints:
         raise not_allowed("trainer.enable_checkpointing", False, "it must be null or true while checkpoint callbacks are "
                           "set; remove them with " + " ".join(f"~callbacks.{name}" for name in checkpoints))
+
+
+# Strategies that run one process per device, known without importing them (torch); another is checked at launch.
+DDP_TARGETS = ("src.strategies.ddp.CommHookDDPStrategy", "lightning.pytorch.strategies.DDPStrategy",
+               "lightning.pytorch.strategies.ddp.DDPStrategy")
+FASHION_MNIST = "src.data.fashion_mnist.FashionMNISTDataModule"
+CKPT_WORDS = ("last", "auto")  # as src.records.CKPT_WORDS: a run folder's newest checkpoint
+
+
+def entry_name() -> str:
+    """`train` or `eval`: the command whose config this is (Hydra's job name), `train` outside a command."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return str(HydraConfig.get().job.name) if HydraConfig.initialized() else "train"
+
+
+def check_the_files(flat: dict[str, Any]) -> None:
+    """What the file system decides before torch loads: a checkpoint that is not there, and data that is not there
+    and may not be downloaded (src/checkpoints.py and the data module meet the rest: a file that is not a
+    checkpoint, a folder that holds part of the data)."""
+    ckpt_path = flat.get("ckpt_path")
+    if isinstance(ckpt_path, str) and ckpt_path not in CKPT_WORDS and not Path(ckpt_path).exists():
+        given = "a .ckpt file or a run folder" if entry_name() == "eval" else "a .ckpt file, `last` or `auto`"
+        raise UsageError(f"ckpt_path={ckpt_path}: no checkpoint at {ckpt_path}; give {given}")
+    if flat.get("data._target_") == FASHION_MNIST and flat.get("data.download") is False:
+        raw = Path(str(flat.get("data.root"))) / "FashionMNIST" / "raw"
+        if not raw.is_dir():
+            raise UsageError(f"data.root={flat.get('data.root')}: Fashion-MNIST not found in {raw} "
+                             "(data.download=false); point data.root=<folder holding FashionMNIST/raw> at a copy, "
+                             "or download it with data.download=true")
+
+
+def per_process_batch(batch_size: int, world_size: int) -> int:
+    """Each process's share of the global batch (also the data module's, in a rank that torchrun started)."""
+    if batch_size < 1 or batch_size % world_size:
+        raise UsageError(f"data.batch_size={batch_size} is the global batch and must be a positive multiple of the "
+                         f"{world_size} processes (devices x num_nodes); try "
+                         f"{max(world_size, batch_size // world_size * world_size)}")
+    return batch_size // world_size
+
+
+def check_the_global_batch(flat: dict[str, Any]) -> None:
+    """The global batch splits evenly over a DDP run's processes, one per device (dp and `auto` run one)."""
+    if flat.get("strategy._target_") in DDP_TARGETS and isinstance(batch := flat.get("data.batch_size"), int):
+        per_process_batch(batch, int(flat["devices"]) * int(flat["num_nodes"]))
 
 
 # Hydra's flags (`python -m src.train --help` lists them).

@@ -4,6 +4,7 @@ import csv
 import fcntl
 import io
 import json
+import logging
 import os
 import re
 import secrets
@@ -23,7 +24,7 @@ from torch.utils.tensorboard.summary import custom_scalars
 
 from src import records
 from src.checkpoints import Saved
-from src.errors import UsageError
+from src.errors import UsageError, interpreter
 from src.folders import read_bytes, write_file
 from src.launch.stops import RunStopped, held
 from src.records import TO_TARGET
@@ -192,6 +193,30 @@ class CSVRunLogger(CSVLogger):
         return writer
 
 
+log = logging.getLogger(__name__)
+# The date and time that start a run folder's name, or a sweep folder's (`run_stamp`, conf/hydra/default.yaml).
+STAMP = re.compile(r"\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d")
+
+
+def folder_run_name(run_dir: str) -> str:
+    """An MLflow run's name: its run folder's, which starts with the date and time; a sweep job's after its sweep
+    folder's, which holds them (`2026-12-07_15-20-03/lenet_auto_1dev_32-true_seed=2`)."""
+    folder = Path(run_dir)
+    if STAMP.match(folder.parent.name) and not STAMP.match(folder.name):
+        return f"{folder.parent.name}/{folder.name}"
+    return folder.name
+
+
+def where_to_see(tracking_uri: str, experiment_id: str, run_id: str) -> str:
+    """The run's own page in MLflow's UI, by its route: the UI's start page opens on its GenAI view, the run some
+    clicks away."""
+    page = f"#/experiments/{experiment_id}/runs/{run_id}"
+    if tracking_uri.startswith(("http://", "https://")):
+        return f"{tracking_uri.rstrip('/')}/{page}"
+    ui = Path(interpreter()).parent / "mlflow"
+    return f"{ui} ui --backend-store-uri {tracking_uri}, then http://127.0.0.1:5000/{page}"
+
+
 class MLflowRunLogger(MLFlowLogger):
     """Lightning's MLflow logger, whose run is made as it is built, one process at a time on a SQLite store (processes
     each creating a new store's tables would all but one fail); MLflow's telemetry off unless the environment says. A
@@ -200,8 +225,10 @@ class MLflowRunLogger(MLFlowLogger):
     logs on into that run where the store holds it, else into a new one."""
 
     def __init__(self, *args: Any, tracking_uri: str, run_id: str | None = None, artifact_location: str | None = None,
-                 **kwargs: Any) -> None:
+                 run_name: str | None = None, **kwargs: Any) -> None:
         os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # read as mlflow is first imported, just below
+        run_dir = (kwargs.get("tags") or {}).get("run_dir")
+        run_name = run_name or (folder_run_name(run_dir) if run_dir else None)
         store = Path(tracking_uri.removeprefix("sqlite:///")) if tracking_uri.startswith("sqlite:///") else None
         if store is not None and artifact_location is None:
             artifact_location = (store.parent / "mlartifacts").absolute().as_uri()
@@ -211,30 +238,34 @@ class MLflowRunLogger(MLFlowLogger):
         with lock.open("a") if lock else nullcontext() as held:
             if held:
                 fcntl.flock(held, fcntl.LOCK_EX)
-            super().__init__(*args, tracking_uri=tracking_uri, run_id=run_id, artifact_location=artifact_location,
-                             **kwargs)
             if rank_zero_only.rank == 0 and run_id is not None:
-                self._take_up(run_id)
+                run_id = self.taken_up(run_id, tracking_uri, kwargs.get("tags") or {})
+            super().__init__(*args, tracking_uri=tracking_uri, run_id=run_id, artifact_location=artifact_location,
+                             run_name=run_name, **kwargs)
             _ = self.experiment  # on rank 0: the store, its experiment and this run (the other ranks log nothing)
+        if rank_zero_only.rank == 0:
+            log.info(f"MLflow run: {where_to_see(tracking_uri, self.experiment_id, self.run_id)}")
 
-    def _take_up(self, run_id: str) -> None:
-        """The earlier run running again, its tags as now (`run_dir`, where the folder moved); where this store has no
-        such run (another tracking_uri), or the run is another folder's (tagged with a folder that is there and is
-        not this one: the id is read from the folder, which anyone may have written), a new run."""
+    @staticmethod
+    def taken_up(run_id: str, tracking_uri: str, tags: Any) -> str | None:
+        """The earlier run running again, where this store holds it tagged with this very folder (`run_dir`); else
+        None, a new run: the id is read from the folder, which anyone may have written, and only the tag ties the
+        two (a folder moved since, or copied, logs its resume into a new run)."""
+        from mlflow import MlflowClient
         from mlflow.exceptions import MlflowException
 
+        client = MlflowClient(tracking_uri)
         try:
-            found = self._mlflow_client.get_run(run_id)
+            found = client.get_run(run_id)
         except MlflowException:
             found = None
-        here, tagged = (self.tags or {}).get("run_dir"), found and found.data.tags.get("run_dir")
-        others = tagged != here and (tagged is None or here is None or os.path.lexists(tagged))
-        if found is None or found.info.lifecycle_stage == "deleted" or others:
-            self._run_id = None
-            return
-        self._mlflow_client.update_run(run_id, status="RUNNING")
-        for name, value in (self.tags or {}).items():
-            self._mlflow_client.set_tag(run_id, name, value)
+        here = tags.get("run_dir")
+        if found is None or found.info.lifecycle_stage == "deleted" or here is None or found.data.tags.get("run_dir") != here:
+            return None
+        client.update_run(run_id, status="RUNNING")
+        for name, value in tags.items():
+            client.set_tag(run_id, name, value)
+        return run_id
 
     @rank_zero_only
     def log_hyperparams(self, params: Any) -> None:
@@ -254,17 +285,25 @@ class WandbRunLogger(WandbLogger):
     or as a stage fails. Its id is chosen as it is built, so that the run folder can keep it for a resume (`id`)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if kwargs.get("version") is None and kwargs.get("id") is None:  # as W&B makes one: 8 lower-case letters, digits
+            kwargs["id"] = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
+        self.started = False  # whether this process began (or took up) its W&B run
         super().__init__(*args, **kwargs)
+        # Private: Lightning passes W&B `anonymous=None`, which W&B warns of; no public argument leaves it out
         self._wandb_init.pop("anonymous", None)
-        if self._id is None:  # as W&B makes one: eight lower-case letters and digits
-            self._id = self._wandb_init["id"] = "".join(secrets.choice(string.ascii_lowercase + string.digits)
-                                                        for _ in range(8))
+
+    @property
+    @rank_zero_experiment
+    def experiment(self) -> Any:
+        run = super().experiment
+        self.started = True
+        return run
 
     @rank_zero_only
     def finalize(self, status: str) -> None:
         super().finalize(status)
-        if status != "success" and self._experiment is not None:
-            self._experiment.finish(exit_code=1)  # not left open for the next run in this process (a sweep's job)
+        if status != "success" and self.started:
+            self.experiment.finish(exit_code=1)  # not left open for the next run in this process (a sweep's job)
 
     @rank_zero_only
     def close(self) -> None:

@@ -18,7 +18,7 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from omegaconf import DictConfig, OmegaConf
 
-from src.callbacks import logged_at_last_step
+from src.callbacks import log_at_step, logged_at_last_step
 from src.callbacks.disturbance import Disturbance
 from src.callbacks.hardware import HardwareUse
 from src.callbacks.learning import LossFalls
@@ -241,12 +241,19 @@ def fit_and_test(cfg: DictConfig) -> Result:
     return train(cfg)[0]
 
 
+def scored_step(global_step: object) -> int:
+    """The step an evaluation logs its test points at: where its checkpoint's run logged the last points before the
+    checkpoint (`logged_at_last_step`), so that TensorBoard shows the score beside that run's, not at step 0."""
+    return max(global_step - 1, 0) if isinstance(global_step, int) and not isinstance(global_step, bool) else 0
+
+
 def evaluate(cfg: DictConfig) -> Result:
     """`src.eval`'s task: the checkpoint's weights in the model its run built, tested under this command's settings."""
     checkpoint = checkpoint_to_evaluate(cfg.ckpt_path, cfg.test_weights)
     objects = build_run(cfg, checkpoint, fit=False)
     trainer, model = objects["trainer"], objects["model"]
     model.load_state_dict(checkpoint.contents["state_dict"])  # the weights alone: nothing of the training run's loops
+    log_at_step(trainer, scored_step(checkpoint.contents.get("global_step")))
     with trainer_input_errors():
         trainer.test(model, datamodule=objects["datamodule"], verbose=False, weights_only=True)
     metrics = scalar_metrics(trainer)

@@ -201,7 +201,7 @@ UNKNOWN_KEYS = {  # refused by Hydra while it composes, said in one line
     "trainer.epochs=3": "trainer.epochs is not a known key; did you mean trainer.min_epochs?",
     "+optim.lr=0.1": "+optim.lr: optim.lr is already in the config; set it with optim.lr=...",
     "optim=rmsprop": "optim=rmsprop is not an option; choose one of: adam, sgd",
-    "debug=slow": "debug=slow is not an option; choose one of: quick",
+    "debug=slow": "debug=slow is not an option; choose one of: fdr, limit, overfit, profiler, quick",
     "model=resnet19": "model=resnet19 is not an option; did you mean model=resnet18? choose one of: lenet, resnet18",
     # a key below one that is not there: its parent's keys, never a key that does not exist either
     "model.optimizer.lr=0.1": "model.optimizer.lr is not a known key: model has no optimizer (model's keys: _recursive_, "
@@ -231,7 +231,8 @@ TYPED = {  # refused as typed, before Hydra composes anything
                  "(logger=tensorboard is TensorBoard alone); choose logger=<option> (csv, mlflow, tensorboard, wandb)",
     "logger=null": "logger=null is not allowed; every run logs to TensorBoard",
     "callbacks=null": "callbacks=null is not allowed; its callbacks write the run's checkpoints and figures",
-    "debug=null": "debug=null is not allowed; it is the default: leave it out, or choose debug=<option> (quick)",
+    "debug=null": "debug=null is not allowed; it is the default: leave it out, or choose debug=<option> (fdr, limit, "
+                  "overfit, profiler, quick)",
     "optim.lr=[": "optim.lr=[ is not allowed; it must follow Hydra's override grammar",
 }
 
@@ -510,3 +511,22 @@ def test_the_keys_an_unknown_key_is_told_are_those_a_user_can_set():
     listed = hydra_refusal("foo=1").split("top-level keys: ", 1)[1]
     assert "max_epochs" in listed and not {"model_name", "strategy_name", "run_name", "output_dir", "precision_used",
                                              "threads", "hydra"} & set(listed.rstrip(")").split(", "))
+
+
+def test_a_missing_checkpoint_or_data_folder_and_an_uneven_global_batch_are_refused_by_the_checks(tmp_path):
+    """What the config and the file system decide is refused by the checks (src/config.py), before torch loads
+    (tests/test_cli.py runs them as commands, src.eval's too): the data module and the launch meet these only in a
+    rank that torchrun started, or under a strategy the checks do not know."""
+    missing, nodata = tmp_path / "missing.ckpt", tmp_path / "nodata"
+    assert refused(config.check, composed(f"ckpt_path={missing}")) == (
+        f"ckpt_path={missing}: no checkpoint at {missing}; give a .ckpt file, `last` or `auto`")
+    assert refused(config.check, composed(f"data.root={nodata}", "data.download=false")).startswith(
+        f"data.root={nodata}: Fashion-MNIST not found in {nodata / 'FashionMNIST' / 'raw'} (data.download=false); ")
+    assert refused(config.check, composed("data.batch_size=10", "strategy=ddp", "devices=4")) == (
+        "data.batch_size=10 is the global batch and must be a positive multiple of the 4 processes "
+        "(devices x num_nodes); try 8")
+    config.check(composed(f"data.root={nodata}"))  # downloaded where it is missing: the data module tries
+    config.check(composed("data.batch_size=10", "strategy=ddp", "devices=2"))
+    config.check(composed("data.batch_size=10", "strategy=dp", "devices=4"))  # one process: dp splits by itself
+    config.check(composed("ckpt_path=last"))  # the run folder's: src/checkpoints.py looks
+    assert not nodata.exists()

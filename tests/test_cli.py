@@ -230,7 +230,8 @@ def test_help_is_hydras_text_with_each_groups_options(name, overrides):
     ours = command_here(f"src.{name}", "--help", *overrides)
     hydras = command_here(f"src.{name}", "--help", "-cn", name, *overrides)
     assert ours.returncode == hydras.returncode == 0, ours.stderr + hydras.stderr
-    assert ours.stdout == hydras.stdout
+    # Hydra lists the app's groups alone; ours adds the launchers and sweepers a sweep picks from
+    assert [line for line in ours.stdout.splitlines() if not line.startswith("hydra/")] == hydras.stdout.splitlines()
     assert "model: lenet, resnet18\n" in ours.stdout and "logger: csv, mlflow, tensorboard, wandb\n" in ours.stdout
 
 
@@ -291,3 +292,59 @@ def test_the_printed_resume_command_gives_the_folder_back_through_the_shell_and_
     assert command[1:4] == ["-m", "src.train", "ckpt_path=last"]
     override = OverridesParser.create().parse_override(command[4])
     assert (override.key_or_group, override.value()) == ("hydra.run.dir", str(folder))
+
+
+@pytest.mark.slow
+def test_a_missing_checkpoint_or_data_folder_and_an_uneven_global_batch_are_refused_without_torch(tmp_path):
+    """What the config and the file system decide comes before torch loads, in a fresh interpreter: one line, exit 2,
+    no folder (benchmarks/answer_time.py times them)."""
+    missing, nodata = tmp_path / "missing.ckpt", tmp_path / "nodata"
+    cases = [["src.train", f"ckpt_path={missing}"], ["src.eval", f"ckpt_path={missing}"],
+             ["src.train", f"data.root={nodata}", "data.download=false"],
+             ["src.train", "data.batch_size=10", "strategy=ddp", "devices=4"]]
+    result = subprocess.run([sys.executable, "-c", ANSWERED_WITHOUT_TORCH, json.dumps(cases), str(tmp_path)], cwd=REPO,
+                            env=user_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    answers = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [(status, loaded) for status, _, _, loaded in answers] == [(2, [])] * len(cases)
+    lines = [stderr for _, _, stderr, _ in answers]
+    assert lines == [f"error: ckpt_path={missing}: no checkpoint at {missing}; give a .ckpt file, `last` or `auto`\n",
+                     f"error: ckpt_path={missing}: no checkpoint at {missing}; give a .ckpt file or a run folder\n",
+                     lines[2], "error: data.batch_size=10 is the global batch and must be a positive multiple of the 4 "
+                     "processes (devices x num_nodes); try 8\n"]
+    assert lines[2].startswith(f"error: data.root={nodata}: Fashion-MNIST not found") and lines[2].count("\n") == 1
+    assert sorted(path.name for path in tmp_path.iterdir()) == []
+
+
+def test_help_lists_the_launchers_and_sweepers_a_sweep_picks_from():
+    """The project's launchers (conf/hydra/launcher and hydra_plugins/project_launchers) and sweepers (Hydra's
+    default and the ConfigStore's `optuna`), not every entry of Hydra's plugins."""
+    result = command_here("src.train", "--help")
+    assert result.returncode == 0, result.stderr
+    assert "hydra/launcher: parallel, sequential, slurm\n" in result.stdout
+    assert "hydra/sweeper: basic, optuna\n" in result.stdout
+
+
+@pytest.mark.parametrize("typed, said", [
+    ("model=resnet19", "model=resnet19 is not an option; did you mean model=resnet18? choose one of: lenet, resnet18"),
+    ("hydra/launcher=paralel", "hydra/launcher=paralel is not an option; did you mean hydra/launcher=parallel?"),
+])
+def test_a_misspelt_option_is_one_line_with_the_option_meant(tmp_path, typed, said):
+    result = command_here("src.train", typed, f"hydra.run.dir={tmp_path / 'run'}")
+    assert result.returncode == 2
+    [line] = result.stderr.splitlines()
+    assert line.startswith(f"error: {said}"), line
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_keys_a_sweep_sweeps_are_those_hydras_grammar_reads_as_sweeps():
+    """A job folder is named by the swept keys' values: Hydra's parser says which keys sweep, so that a dict or an
+    escaped comma is one value, as Hydra runs it; an override the grammar refuses is one line naming it."""
+    from src.launch.naming import swept_keys
+
+    assert swept_keys(["a={x:1,y:2}", "b=x\\,y", "c='1,2'", "d=[1,2]", "seed=1,2", "+optim.lr=interval(0.1,1)",
+                       "~e", "-m", "model=glob(*)"]) == ["seed", "optim.lr", "model"]
+    with pytest.raises(UsageError) as refused:
+        swept_keys(["seed=1,2", "a=[1,2"])
+    assert str(refused.value).startswith("a=[1,2 is not allowed; it must follow Hydra's override grammar")
+    assert "\n" not in str(refused.value)

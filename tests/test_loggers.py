@@ -143,7 +143,7 @@ def test_every_logger_gets_the_run_settings(every_logger):
 def test_every_logger_is_closed_at_the_end(every_logger):
     run_dir, tracking_uri = every_logger
     _, run = mlflow_run(tracking_uri, run_dir)
-    assert run.info.status == "FINISHED" and run.info.run_name == OmegaConf.load(run_dir / "config.yaml").run_name
+    assert run.info.status == "FINISHED" and run.info.run_name == run_dir.name  # the folder the command named
     assert any(record.HasField("exit") for record in wandb_records(run_dir))  # written by the W&B run's finish
     assert "test/acc" in csv_points(run_dir / "csv" / "metrics.csv")  # the rows of the test, written when closed
 
@@ -338,9 +338,10 @@ def test_a_logger_run_ids_record_is_read_as_plain_ids_and_taken_by_mlflow_and_wa
             kept_run_ids(tmp_path)
 
 
-def test_a_run_moved_with_its_checkout_resumes_there_into_the_same_mlflow_run(tmp_path, data_root, monkeypatch):
+def test_a_run_moved_with_its_checkout_resumes_there_into_a_new_mlflow_run(tmp_path, data_root, monkeypatch):
     """The default store is named by the folder the command runs in: a resume from the moved checkout was refused, as
-    its logger.mlflow.tracking_uri named the old one."""
+    its logger.mlflow.tracking_uri named the old one. It resumes, into a new MLflow run tagged with the folder where it
+    is now: only that tag ties a folder to a tracking run, and the old run is left as it was."""
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     checkout, moved = tmp_path / "checkout", tmp_path / "moved"
     checkout.mkdir()
@@ -349,7 +350,9 @@ def test_a_run_moved_with_its_checkout_resumes_there_into_the_same_mlflow_run(tm
     resumed = command_here("src.train", *QUICK, "ckpt_path=last", *again, "hydra.run.dir=outputs/runs/run", cwd=moved)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     client, run = mlflow_run(f"sqlite:///{moved / 'outputs' / 'mlflow.db'}", moved / "outputs" / "runs" / "run")
-    assert run.info.status == "FINISHED" and len(mlflow_points(client, run)["val/acc"]) == 2
+    assert run.info.status == "FINISHED" and len(mlflow_points(client, run)["val/acc"]) == 1  # the second epoch
+    _, before = mlflow_run(f"sqlite:///{moved / 'outputs' / 'mlflow.db'}", checkout / "outputs" / "runs" / "run")
+    assert before.info.run_id != run.info.run_id and len(mlflow_points(client, before)["val/acc"]) == 1
 
 
 def test_a_resume_never_logs_into_another_folders_mlflow_run(tmp_path, data_root):
@@ -369,3 +372,51 @@ def test_a_resume_never_logs_into_another_folders_mlflow_run(tmp_path, data_root
     assert (after.data.tags, after.data.metrics, after.info.end_time, after.info.status) == (
         before.data.tags, before.data.metrics, before.info.end_time, before.info.status)
     assert json.loads((run_dir / RUN_IDS).read_text())["mlflow"] not in (other.info.run_id, stopped.info.run_id)
+
+
+def test_an_mlflow_run_is_named_by_its_folder_with_its_date_and_time_and_says_where_its_page_is(
+        tmp_path, data_root, monkeypatch):
+    """MLflow's UI opens on its GenAI view: the run prints, and keeps in train.log, the command that serves its store
+    and the address of its own page, by the store's experiment and run ids."""
+    import re
+
+    from src.loggers import STAMP
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    result = command_here("src.train", *QUICK, "logger=mlflow", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    [run_dir] = (tmp_path / "outputs" / "runs").iterdir()
+    store = f"sqlite:///{tmp_path / 'outputs' / 'mlflow.db'}"
+    _, run = mlflow_run(store, run_dir)
+    assert run.info.run_name == run_dir.name and STAMP.match(run.info.run_name)
+    said = re.findall(r"MLflow run: (\S+) ui --backend-store-uri (\S+), then http://127\.0\.0\.1:5000/#/experiments/"
+                      r"(\w+)/runs/(\w+)$", result.stdout + result.stderr, flags=re.M)
+    mlflow_ui = Path(sys.executable).parent / "mlflow"  # the command ran outside the checkout: by its full path
+    assert said == [(str(mlflow_ui), store, run.info.experiment_id, run.info.run_id)]
+    assert f"#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}" in (run_dir / "train.log").read_text()
+
+
+
+def test_a_sweep_jobs_mlflow_run_takes_the_date_and_time_of_its_sweep_folder_and_a_server_its_own_address():
+    from src.loggers import folder_run_name, where_to_see
+
+    assert folder_run_name("outputs/multirun/2026-12-07_15-20-03/lenet_auto_1dev_32-true_seed=2") == \
+        "2026-12-07_15-20-03/lenet_auto_1dev_32-true_seed=2"
+    assert folder_run_name("outputs/runs/2026-12-07_15-20-03_lenet_auto_1dev_32-true-2") == \
+        "2026-12-07_15-20-03_lenet_auto_1dev_32-true-2"
+    assert folder_run_name("/tmp/my_run") == "my_run"  # a folder the command named: its name as it is
+    assert where_to_see("http://tracker:5000/", "3", "ab12") == "http://tracker:5000/#/experiments/3/runs/ab12"
+
+
+def test_a_run_name_given_to_the_mlflow_logger_is_kept(tmp_path, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    from src.loggers import MLflowRunLogger
+
+    monkeypatch.setattr(sys, "argv", ["src/train.py"])  # as command_here sets it: with pytest's, MLflow starts git
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    named = MLflowRunLogger(tracking_uri=store, run_name="mine", tags={"run_dir": str(tmp_path / "2026-12-07_15-20-03_x")})
+    unnamed = MLflowRunLogger(tracking_uri=store, tags={"run_dir": str(tmp_path / "2026-12-07_15-20-03_x")})
+    client = MlflowClient(store)
+    assert client.get_run(named.run_id).info.run_name == "mine"
+    assert client.get_run(unnamed.run_id).info.run_name == "2026-12-07_15-20-03_x"

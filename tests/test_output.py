@@ -13,15 +13,17 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from lightning import LightningModule, Trainer
-from lightning.pytorch.callbacks import ModelSummary
+from lightning.pytorch.callbacks import Callback, ModelSummary
 from lightning.pytorch.utilities.model_summary import summarize
+from torch.utils.data import DataLoader, TensorDataset
 from tqdm import tqdm
 
 from src import sysinfo
 from src.callbacks.model_summary import SummaryWithoutZeroFlops, without_zero_flops
+from src.callbacks.progress import EpochBar
 from src.config import CONF_DIR
 from src.checkpoints import unreadable as unreadable_checkpoint
-from src.launch.console import ConsoleHandler, counted, open_progress_bars, print_error, processes
+from src.launch.console import ConsoleHandler, counted, open_progress_bars, print_error, processes, register
 from tests.helpers import INTERPRETER, QUICK, REPO, run_cli, train_here, user_env
 
 
@@ -57,7 +59,8 @@ def to_terminal(monkeypatch) -> io.StringIO:
 
 
 def a_bar(stream: io.StringIO, **kwargs) -> tqdm:
-    bar = tqdm(total=10, desc="Epoch 0", file=stream, ncols=60, mininterval=0, **kwargs)
+    """A bar registered with the console, as the project's EpochBar registers each bar Lightning opens."""
+    bar = register(tqdm(total=10, desc="Epoch 0", file=stream, ncols=60, mininterval=0, **kwargs))
     bar.update(3)
     return bar
 
@@ -157,6 +160,51 @@ def test_lightnings_model_summary_is_replaced_and_none_is_added(enabled):
     trainer = Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=enabled)
     callbacks = without_zero_flops(trainer.callbacks)
     assert [type(c) for c in callbacks if isinstance(c, ModelSummary)] == ([SummaryWithoutZeroFlops] if enabled else [])
+
+
+class Stepping(Tiny):
+    """Tiny, with a step of each stage on two batches."""
+
+    def __init__(self) -> None:
+        super().__init__(example=False)
+
+    def training_step(self, batch: list[torch.Tensor], _: int) -> torch.Tensor:
+        return self(batch[0]).sum()
+
+    validation_step = test_step = predict_step = training_step
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(TensorDataset(torch.zeros(4, 4)), batch_size=2)
+
+    val_dataloader = test_dataloader = predict_dataloader = train_dataloader
+
+
+class BarsSeen(Callback):
+    """The first word of each bar the console lists at each batch's end, innermost first."""
+
+    def __init__(self) -> None:
+        self.seen: list[list[str]] = []
+
+    def on_train_batch_end(self, *_) -> None:
+        self.seen.append([bar.desc.split()[0] for bar in open_progress_bars()])
+
+    on_validation_batch_end = on_test_batch_end = on_predict_batch_end = on_train_batch_end
+
+
+def test_each_bar_lightning_opens_through_the_epoch_bar_is_one_the_console_lists():
+    seen = BarsSeen()
+    trainer = Trainer(accelerator="cpu", max_epochs=1, num_sanity_val_steps=1, callbacks=[EpochBar(), seen],
+                      logger=False, enable_checkpointing=False, enable_model_summary=False)
+    model = Stepping()
+    trainer.fit(model)
+    trainer.test(model)
+    trainer.predict(model)
+    assert seen.seen == [["Sanity"], *[["Epoch"]] * 2, *[["Validation", "Epoch"]] * 2, *[["Testing"]] * 2,
+                         *[["Predicting"]] * 2], seen.seen
+    assert not open_progress_bars(), "each closed at its stage's end"
 
 
 def test_counts_are_said_in_words():

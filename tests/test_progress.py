@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from src.errors import UsageError
 from src.launch import progress
-from src.launch.console import open_progress_bars, print_line
+from src.launch.console import open_progress_bars, print_line, register
 from src.launch.parallel_launcher import Job, Places, checked_setting, packed, slots_that_fit, unpacked
 from src.launch.progress import Progress, Tally, clock_time
 from src.launch.stops import RankFailed
@@ -199,12 +199,18 @@ def screen(text: str) -> list[str]:
     return [raw.rsplit("\r", 1)[-1].rstrip() for raw in text.split("\n")]
 
 
+def a_bar(terminal: io.StringIO) -> tqdm:
+    """A bar registered with the console, as the project's EpochBar registers each bar Lightning opens."""
+    bar = register(tqdm(total=10, desc="Epoch 0", file=terminal, ncols=60, mininterval=0, leave=True))
+    bar.update(3)
+    return bar
+
+
 def test_a_progress_line_goes_above_a_progress_bar_not_on_its_end(monkeypatch):
     terminal = io.StringIO()  # stdout and stderr on one terminal, where the bar is drawn
     monkeypatch.setattr(sys, "stdout", terminal)
     monkeypatch.setattr(sys, "stderr", terminal)
-    bar = tqdm(total=10, desc="Epoch 0", file=terminal, ncols=60, mininterval=0, leave=True)
-    bar.update(3)
+    bar = a_bar(terminal)
     print_line("job 1/2 started: lenet_seed=1")
     lines = screen(terminal.getvalue())
     assert "job 1/2 started: lenet_seed=1" in lines, lines
@@ -215,8 +221,7 @@ def test_a_progress_line_goes_above_a_progress_bar_not_on_its_end(monkeypatch):
 def test_a_progress_line_from_another_thread_starts_with_a_newline(monkeypatch):
     terminal = io.StringIO()
     monkeypatch.setattr(sys, "stdout", terminal)
-    bar = tqdm(total=10, desc="Epoch 0", file=terminal, ncols=60, mininterval=0, leave=True)
-    bar.update(3)
+    bar = a_bar(terminal)
     thread = threading.Thread(target=print_line, args=("job 2/2 done: x",))
     thread.start()
     thread.join()
@@ -418,3 +423,19 @@ def test_a_job_a_resumed_sweep_runs_again_is_named_by_its_folder_though_its_comm
     assert job_folder_name(tmp_path, ["seed=2"], 1) == "lenet_auto_1dev_32-true_seed=2"
     assert job_folder_name(tmp_path, ["seed=2", "ckpt_path=auto"], 1) == "lenet_auto_1dev_32-true_seed=2"
     assert job_folder_name(tmp_path, ["seed=3", "ckpt_path=auto"], 2) == "seed=3", "a job with no folder yet"
+
+
+def test_a_parallel_sweep_held_to_one_job_at_a_time_says_why_in_one_line(monkeypatch):
+    """`-m hydra/launcher=parallel strategy=ddp devices=1,2` on 2 cores: the 2-process job takes both, so the jobs run
+    one after another, and the launcher's line says so (a sweep that fits two at once says nothing more)."""
+    from src.launch import parallel_launcher
+
+    monkeypatch.setattr(parallel_launcher, "usable_cores", lambda: [0, 1])
+    places = parallel_launcher.ParallelLauncher().places([job(1), job(2)])
+    assert len(places.cores) == 1
+    assert places.why_one == "a job of devices=2 takes 2 of the 2 cores, one for each of its DDP processes"
+    assert parallel_launcher.ParallelLauncher().places([job(1), job(1)]).why_one is None
+    assert parallel_launcher.ParallelLauncher().places([job(2)]).why_one is None, "one job alone needs no reason"
+    assert parallel_launcher.ParallelLauncher(jobs=1).places([job(1), job(1)]).why_one == "hydra.launcher.jobs=1"
+    assert parallel_launcher.one_at_a_time(None, 16, 2, 1, [job(2, gpu=True)] * 3) == (
+        "a job of devices=2 takes 2 of the 2 GPUs, each shared by at most hydra.launcher.jobs_per_gpu=1 jobs")

@@ -15,13 +15,21 @@ line, the sweep's report). A command of four processes also gets one batch of ea
 images a process (`SMALLEST`): ResNet-18 with bf16 emulated on 2 cores would take minutes. Each
 command runs once; the tests below read what it left. The setup and test commands are not run
 (the setup installs, the test command is this suite); they must be the very lines `.ci/run` runs.
+The train commands are those of the sections Train, DDP and Sweep, and View's run that logs to MLflow too, whose
+line naming its run's page is checked against the store; the eval commands, those of "Evaluate a checkpoint".
 """
 
 import hashlib
 import json
+import os
 import re
 import shlex
+import shutil
+import signal
 import subprocess
+import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +38,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from src.config import CONF_DIR
-from tests.helpers import DATA_ROOT, REPO, assert_finished_run, cpu_precision, hparams, once, scalars, user_env
+from tests.helpers import (DATA_ROOT, REPO, assert_finished_run, cpu_precision, free_port, hparams, once, scalars,
+                           user_env)
 
 README = REPO / "README.md"
 CHECKOUT_PARTS = ("src", "conf", "pyproject.toml", ".venv")
@@ -40,7 +49,7 @@ EVAL_RESULT = r"test/acc=\d\.\d{4} test/loss=\d+\.\d{4} \(.+\) of .+ -> \S*/outp
 
 
 def section_commands(title: str) -> list[str]:
-    """The lines of the ```bash blocks under the README's `## <title>` heading."""
+    """The lines of the ```bash blocks under the README's `## <title>` heading, up to the next one."""
     text = README.read_text()
     start = text.index(f"\n## {title}\n")
     end = text.find("\n## ", start + 1)
@@ -128,9 +137,13 @@ def fresh_shell(command: str, cwd: Path, timeout: float = 1800) -> subprocess.Co
 
     The timeout only bounds a hang: ResNet-18 on 4 CPU processes with bf16 emulated took 530 s on
     the 2-core machine under load, before `SMALLEST`."""
+    return subprocess.run(["bash", "-c", command], cwd=cwd, env=stock_env(), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def stock_env() -> dict[str, str]:
     env = {k: v for k, v in user_env().items() if k not in ("VIRTUAL_ENV", "FASHION_MNIST_ROOT", "PYTHONHOME", "PYTHONPATH")}
-    env["PATH"] = STOCK_PATH
-    return subprocess.run(["bash", "-c", command], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    return env | {"PATH": STOCK_PATH}
 
 
 def test_the_setup_and_test_commands_are_what_ci_runs():
@@ -157,7 +170,9 @@ def test_the_commands_run_in_a_shell_without_the_virtualenv(checkout):
     assert commands and not bare, f"README commands that need a `python` on PATH: {bare}"
 
 
-TRAIN = section_commands("Train")
+# The commands that train: the first run, DDP, the sweep, and the run that logs to MLflow too (View).
+TRAIN = [*section_commands("Train"), *section_commands("DDP"), *section_commands("Sweep"),
+         *(c for c in section_commands("View") if "src.train" in c)]
 SWEEPS = [c for c in TRAIN if is_sweep(c)]
 
 
@@ -237,11 +252,11 @@ def test_a_readme_sweep_runs_as_written_each_job_in_its_own_folder(ran, command)
     assert run.result.returncode == 0, f"{as_run(command)}\n{run.result.stderr[-3000:]}"
     [sweep] = run.new
     jobs = sweep_jobs(command)
-    # One result line per job, then its report; the progress lines (`job n/N done: <job>: <result line> ...`) repeat
-    # the jobs' result lines.
-    lines = [line for line in run.result.stdout.splitlines() if re.search(RESULT, line) and not line.startswith("job ")]
-    assert len(lines) == len(jobs) > 1
-    assert len([line for line in run.result.stdout.splitlines() if re.match(rf"job \d+/{len(jobs)} done: ", line)]) == len(jobs)
+    # Each job's result line once, in its progress line (`job n/N done: <job>: <result line> ...`); a job's own lines
+    # go to its train.log, not to the terminal.
+    done = [line for line in run.result.stdout.splitlines() if re.match(rf"job \d+/{len(jobs)} done: ", line)]
+    assert len(done) == len(jobs) > 1 and all(re.search(RESULT, line) for line in done)
+    assert not [line for line in run.result.stdout.splitlines() if re.search(RESULT, line) and not line.startswith("job ")]
     assert {p.name for p in sweep.iterdir() if p.is_dir() and p.name != "report"} == set(jobs)
     for name, values in jobs.items():
         job = sweep / name
@@ -260,14 +275,13 @@ def test_a_readme_sweep_runs_as_written_each_job_in_its_own_folder(ran, command)
     # Workers ran their own job only: no stray sweep or run folders anywhere else.
     assert run.ours_after == run.ours_before
     assert not (run.checkout / "lightning_logs").exists() and not (REPO / "lightning_logs").exists()
-    assert sum(line.count("test/acc=") for line in run.result.stdout.splitlines() if not line.startswith("job ")) == len(jobs)
+    assert sum(line.count("test/acc=") for line in done) == len(jobs)
     # The sweep writes its report when it ends: one row per job.
     assert (sweep / "report.md").is_file() and len((sweep / "report.csv").read_text().splitlines()) == len(jobs) + 1
     # A README command of one run that is one of these jobs: the job's result line, folder and world size, as the
     # command's own run has them.
     for one_run, name in [(c, job[1]) for c in TRAIN if (job := sweep_job(c)) and job[0] == command]:
-        lines = [line for line in run.result.stdout.splitlines()
-                 if re.search(RESULT, line) and not line.startswith("job ") and line.rstrip().endswith(f"/{name}")]
+        lines = [line for line in done if f" done: {name}: " in line and re.search(rf"-> \S*/{re.escape(name)}\b", line)]
         assert len(lines) == 1, run.result.stdout[-3000:]
         assert_finished_run(run.result, sweep / name)
         assert hparams(sweep / name)["world_size"] == processes(one_run)
@@ -284,3 +298,66 @@ def test_the_readme_eval_commands_score_the_newest_run(ran):
     assert result.returncode == 0, f"{script}\n{result.stderr[-3000:]}"
     lines = [line for line in result.stdout.splitlines() if re.search(EVAL_RESULT, line)]
     assert len(lines) == len([c for c in section_commands("Evaluate a checkpoint") if "src.eval" in c]) >= 1
+
+
+MLFLOW_PAGE = r"MLflow run: \S+ ui --backend-store-uri (\S+), then (http://127\.0\.0\.1:5000/#/experiments/(\w+)/runs/(\w+))$"
+
+
+@pytest.mark.slow
+def test_the_readme_mlflow_run_names_its_page_in_the_store_the_readme_serves(ran):
+    """The View section's run with MLflow prints its run's page by the store's own experiment and run ids, in the
+    store that the section's `mlflow ui` command serves from the checkout; the run is named as its folder."""
+    from mlflow.tracking import MlflowClient
+
+    [command] = [c for c in TRAIN if "logger=mlflow" in c]
+    run = ran(command)
+    assert run.result.returncode == 0, run.result.stderr[-3000:]
+    [(store, _, experiment, run_id)] = re.findall(MLFLOW_PAGE, run.result.stdout + run.result.stderr, flags=re.M)
+    [ui] = [c for c in section_commands("View") if re.match(r"\.venv/bin/mlflow ui ", c)]
+    served = shlex.split(without_comment(ui))[shlex.split(ui).index("--backend-store-uri") + 1]
+    assert Path(store.removeprefix("sqlite:///")) == run.checkout / served.removeprefix("sqlite:///")
+    found = MlflowClient(store).get_run(run_id)
+    [run_dir] = run.new
+    assert found.info.experiment_id == experiment and found.info.run_name == run_dir.name
+
+
+BROWSER = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+READY_S = 180  # the MLflow server's start: tens of seconds on a loaded 2-core machine
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(BROWSER is None, reason="no headless Chromium (Debian: apt-get install chromium)")
+def test_the_page_the_readme_mlflow_run_names_shows_the_run_in_a_browser(ran, tmp_path):
+    """The View section's `mlflow ui` command, on a free port, serves the address the run printed: in headless
+    Chromium it is the run's own page, headed by the run's name (not MLflow's start page, which opens on GenAI)."""
+    [command] = [c for c in TRAIN if "logger=mlflow" in c]
+    run = ran(command)
+    assert run.result.returncode == 0, run.result.stderr[-3000:]
+    [(_, address, _, run_id)] = re.findall(MLFLOW_PAGE, run.result.stdout + run.result.stderr, flags=re.M)
+    [ui] = [c for c in section_commands("View") if re.match(r"\.venv/bin/mlflow ui ", c)]
+    port = free_port()
+    server = subprocess.Popen(["bash", "-c", f"exec {without_comment(ui)} --port {port}"], cwd=run.checkout,
+                              env=stock_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                              start_new_session=True)
+    try:
+        deadline = time.monotonic() + READY_S
+        while True:
+            assert server.poll() is None, f"mlflow ui exited: {server.stderr.read()[-2000:]}"
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10) as response:
+                    if response.status == 200:
+                        break
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            assert time.monotonic() < deadline, f"mlflow ui not serving after {READY_S} s"
+            time.sleep(0.5)
+        page = subprocess.run([BROWSER, "--headless", "--no-sandbox", "--disable-gpu", f"--user-data-dir={tmp_path}",
+                               "--virtual-time-budget=30000", "--dump-dom",
+                               address.replace("127.0.0.1:5000", f"127.0.0.1:{port}")],
+                              capture_output=True, text=True, timeout=600).stdout
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)  # its own session: the server and its workers
+        server.wait(timeout=60)
+    [run_dir] = run.new
+    assert f"<title>Run {run_id} - MLflow</title>" in page
+    assert re.search(rf">\s*{re.escape(run_dir.name)}\s*<", page), page[-2000:]

@@ -23,13 +23,14 @@ from torch.utils.tensorboard.summary import hparams as hparams_summary
 
 from src.scaling import costmodel
 from src.scaling.costmodel import (
-    DDP_GPU_MULTI_SHARE, DDP_GPU_SHARE, INTERCONNECTS, PRESETS, Interconnect, Terms, bucketed, collectives, ddp_buckets, expected_max_normal,
+    DDP_GPU_MULTI_SHARE, DDP_GPU_SHARE, INTERCONNECTS, NEEDS_GPU_STEP, PRESETS, Interconnect, Terms, bucketed, collectives, ddp_buckets, expected_max_normal,
     between_timed, powersgd_sizes, predict_step, ring_allreduce_s,
 )
 from src.models.lenet import LeNet
 from src.scaling.probe import Probe, fit_ring, lag_share, load, measure, save
 from src.scaling.predict import (
-    COLUMNS, PROCESS_COUNTS, Baseline, Options, RunFigures, link_for, main, merge_repeats, predictions, time_baseline,
+    COLUMNS, CPU_LINKS, PROCESS_COUNTS, Baseline, Options, RunFigures, link_for, main, merge_repeats, predictions,
+    time_baseline,
 )
 from src.scaling.timed import Timed, encode_s
 from src.report import main as report_main
@@ -443,6 +444,7 @@ def test_whatif_reproduces_the_ddp_table_and_its_errors():
     (["--params", "1e6", "--step-ms", "10", "--link", "10gbe", "--bandwidth", "1"], ["--link"]),
     (["--params", "1e6", "--step-ms", "10", "--bandwidth", "-1", "--latency", "1"], ["--bandwidth"]),
     (["--model", "src.models.lenet.LeNet", "--link", "10gbe", "--input", "28"], ["--input", "CxHxW"]),
+    (["--model", "src.models.lenet.LeNet", "--link", "nvlink4"], ["--link nvlink4", "GPU's step time", "--step-ms"]),
     (["outputs", "--step-ms", "10"], ["--step-ms", "--model"]),
     (["--params", "1e6", "--step-ms", "10", "--link", "10gbe", "--bucket-mb", "0"], ["--bucket-mb"]),
     (["--params", "1e6", "--step-ms", "10", "--link", "10gbe", "--ddp-share", "2"], ["--ddp-share", "from 0 to 1"]),
@@ -550,7 +552,7 @@ def test_a_report_of_cpu_runs_times_nothing_and_without_a_probe_predicts_nothing
     section = (tmp_path / "report.md").read_text().split("# Predicted scaling")[1]
     assert "No predictions here: the run ran on CPU" in section and f"python -m src.scaling {tmp_path} --probe" in section
     assert "| none | 516,272 | 516,272 |" in section  # the bytes, which the byte model counts exactly
-    assert "NVLink" not in section and "GbE" not in section and "How these are predicted" not in section
+    assert "| NVLink" not in section and "| 10 GbE" not in section and "How these are predicted" not in section
     assert read_rows_or_header(tmp_path / "scaling.csv") == []
 
 
@@ -559,7 +561,7 @@ def test_a_report_with_a_saved_probe_predicts_this_machine_alone_and_says_what_i
     write_probe(tmp_path / "probe.json")
     write_report(tmp_path)
     section = (tmp_path / "report.md").read_text().split("# Predicted scaling")[1]
-    assert "| gloo here, 2 proc. | none |" in section and "NVLink" not in section
+    assert "| gloo here, 2 proc. | none |" in section and "| NVLink" not in section
     assert section.count("assumed 0: not timed (`python -m src.scaling <folder>` times it here)") >= 4
     # Table first, formula after.
     assert section.index("| interconnect | hook |") < section.index("Terms of the model") < section.index("## How these are predicted")
@@ -677,24 +679,23 @@ def test_cli_writes_table_plot_and_checks_for_real_runs(runs, tmp_path):
     result = run_cli("src.scaling", str(runs), "--out", str(out), "--probe-file", str(write_probe(tmp_path / "probe.json")))
     assert result.returncode == 0, result.stderr
     rows = read_rows(out / "scaling.csv")
-    links = {link.name for link in INTERCONNECTS} | {"gloo here, 2 proc."}
     counts = [n for n in PROCESS_COUNTS if 256 % n == 0]  # QUICK keeps the global batch of 256
+    # CPU runs: the measured interconnect alone (a GPU link needs a GPU run's step time)
     assert {(r["interconnect"], r["hook"], int(r["processes"])) for r in rows} == {
-        (link, hook, n) for link in links for hook in HOOKS for n in counts}
-    assert len(rows) == len(links) * len(HOOKS) * len(counts)
+        ("gloo here, 2 proc.", hook, n) for hook in HOOKS for n in counts}
+    assert len(rows) == len(HOOKS) * len(counts)
 
     by_key = {(r["interconnect"], r["hook"], int(r["processes"])): r for r in rows}
-    one_step_ms = float(by_key["10 GbE", "none", 1]["compute_ms"])
-    for link in links - {"gloo here, 2 proc."}:
-        assert float(by_key[link, "none", 1]["speedup"]) == 1.0
-        assert float(by_key[link, "fp16", 8]["compute_ms"]) == pytest.approx(one_step_ms / 8)
+    one_step_ms = float(by_key["gloo here, 2 proc.", "none", 1]["compute_ms"])
+    assert float(by_key["gloo here, 2 proc.", "none", 1]["speedup"]) == 1.0
     # The measured interconnect shares 2 cores: 4 processes compute no faster than 2.
+    assert float(by_key["gloo here, 2 proc.", "fp16", 2]["compute_ms"]) == pytest.approx(one_step_ms / 2)
     assert float(by_key["gloo here, 2 proc.", "none", 4]["compute_ms"]) == pytest.approx(one_step_ms / 2)
-    assert int(by_key["NVLink 4", "none", 2]["bytes_per_step"]) == 4 * sum(math.prod(s) for s in LENET_SHAPES)
-    assert int(by_key["NVLink 4", "bf16", 2]["bytes_per_step"]) == 2 * sum(math.prod(s) for s in LENET_SHAPES)
+    assert int(by_key["gloo here, 2 proc.", "none", 2]["bytes_per_step"]) == 4 * sum(math.prod(s) for s in LENET_SHAPES)
+    assert int(by_key["gloo here, 2 proc.", "bf16", 2]["bytes_per_step"]) == 2 * sum(math.prod(s) for s in LENET_SHAPES)
     # The one-process run is the baseline; the DDP run is checked against its prediction.
     logged = scalars(runs / "one")["time/epoch_s"]
-    assert float(by_key["NVLink 4", "none", 1]["epoch_s"]) == pytest.approx(logged[0], rel=1e-6)
+    assert float(by_key["gloo here, 2 proc.", "none", 1]["epoch_s"]) == pytest.approx(logged[0], rel=1e-6)
     markdown = (out / "scaling.md").read_text()
     assert "From `one` (1 process," in markdown
     assert "at 2 processes; the model's step timed on N processes at once" in markdown  # its own lag, not the probe's
@@ -713,12 +714,15 @@ def test_cli_weak_scaling_from_real_runs(runs, tmp_path, monkeypatch):
     # The hooks' timing in a process of its own is the command line's test's; here they are estimated, as where it fails.
     monkeypatch.setattr(stepclock, "ddp_times", lambda *args, **kwargs: None)
     out = tmp_path / "weak"
-    result = call_main(main, str(runs), "--out", str(out), "--per-process-batch", "64", "--overhead-ms", "0", "--skew", "0")
+    result = call_main(main, str(runs), "--out", str(out), "--per-process-batch", "64", "--overhead-ms", "0",
+                       "--skew", "0", "--probe-file", str(write_probe(tmp_path / "probe.json")))
     assert result.returncode == 0, result.stderr
-    rows = [r for r in read_rows(out / "scaling.csv") if r["interconnect"] == "NVLink 4" and r["hook"] == "none"]
+    rows = [r for r in read_rows(out / "scaling.csv")
+            if r["interconnect"] == "gloo here, 2 proc." and r["hook"] == "none"]
     assert {r["mode"] for r in rows} == {"weak"} and [int(r["processes"]) for r in rows] == list(PROCESS_COUNTS)
     assert [int(r["global_batch"]) for r in rows] == [64 * n for n in PROCESS_COUNTS]
-    assert len({round(float(r["compute_ms"]), 6) for r in rows}) == 1  # each process computes 64 samples, whatever N
+    one = float(rows[0]["compute_ms"])  # each process computes 64 samples, whatever N; beyond 2 cores, by turns
+    assert [float(r["compute_ms"]) for r in rows] == pytest.approx([one * max(1, n / 2) for n in PROCESS_COUNTS])
     assert "Weak scaling (`--per-process-batch 64`)" in (out / "scaling.md").read_text()
 
 
@@ -729,7 +733,7 @@ def test_report_includes_the_scaling_table(runs, tmp_path):
     assert result.returncode == 0, result.stderr
     report = (tmp_path / "report" / "report.md").read_text()
     assert "# Predicted scaling" in report and "No predictions here" in report  # CPU runs, no probe saved
-    assert "| powersgd | 832, 832, 5,748 | 7,412 |" in report and "NVLink" not in report
+    assert "| powersgd | 832, 832, 5,748 | 7,412 |" in report and "| NVLink" not in report
     with_probe = Path(shutil.copytree(runs, tmp_path / "runs"))
     write_probe(with_probe / "probe.json")
     result = call_main(report_main, str(with_probe))
@@ -797,3 +801,34 @@ def test_whatif_writes_what_it_printed_where_out_says(tmp_path):
     written = (tmp_path / "whatif" / "whatif.md").read_text()
     assert written.strip() and written.strip() in result.stdout
     assert result.stdout.strip().splitlines()[-1] == f"-> {tmp_path / 'whatif' / 'whatif.md'}"
+
+
+def test_a_cpu_run_is_predicted_on_the_measured_interconnect_alone_by_the_command_as_by_the_report(tmp_path,
+                                                                                                  monkeypatch):
+    """`src.scaling <a CPU run>` predicted NVLink, PCIe and InfiniBand from the CPU's step, where the report said those
+    need a GPU run's step time: one rule now, in both, and the command writes only under `--out`."""
+    write_ddp_run(tmp_path / "ddp2")
+    timed = Timed("cpu", overhead_share=0.25, skew=0.01, hooks=dict.fromkeys(HOOKS, 0.002),
+                  reducer=dict.fromkeys(HOOKS, 0.003), lags={2: 0.07})
+    monkeypatch.setattr(timing, "time_run", lambda *args, **kwargs: timed)
+    out = tmp_path / "out"
+    assert call_main(main, str(tmp_path), "--out", str(out)).returncode == 0  # no probe: nothing it can stand behind
+    assert read_rows_or_header(out / "scaling.csv") == []
+    markdown = (out / "scaling.md").read_text()
+    assert "No predictions here: the run ran on CPU" in markdown and f"{NEEDS_GPU_STEP}, not this CPU's" in markdown
+    write_probe(tmp_path / "probe.json")
+    assert call_main(main, str(tmp_path), "--out", str(out)).returncode == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ddp2", "out", "probe.json"]  # all it wrote is in --out
+    write_report(tmp_path)
+    report = (tmp_path / "report.md").read_text().split("# Predicted scaling")[1]
+    for markdown in ((out / "scaling.md").read_text(), report):
+        assert CPU_LINKS in markdown and "| gloo here, 2 proc. | none |" in markdown
+        assert not any(f"| {link.name} |" in markdown for link in INTERCONNECTS)
+    assert {r["interconnect"] for r in read_rows(out / "scaling.csv")} == {"gloo here, 2 proc."}
+    assert {r["interconnect"] for r in read_rows(tmp_path / "scaling.csv")} == {"gloo here, 2 proc."}
+    # A GPU run's step prices the GPU links, and no measured interconnect of this machine's cores.
+    gpu = tmp_path / "gpu"
+    write_ddp_run(gpu / "ddp2", accelerator="cuda")
+    assert call_main(main, str(gpu), "--probe-file", str(tmp_path / "probe.json")).returncode == 0
+    assert {r["interconnect"] for r in read_rows(gpu / "scaling.csv")} == {link.name for link in INTERCONNECTS}
+    assert CPU_LINKS not in (gpu / "scaling.md").read_text()

@@ -26,6 +26,17 @@ def last_trained(trainer: Trainer) -> tuple[int, int]:
     return max(trainer.current_epoch - 1, 0), max(trainer.global_step - 1, 0)
 
 
+def logged_step(trainer: Trainer) -> int:
+    """The step Lightning logs a point at (not `global_step` where a batch takes several optimizer steps)."""
+    # Private: the step Lightning logs at; no public API sets it (Lightning moves it back itself at an epoch's end)
+    return trainer.fit_loop.epoch_loop._batches_that_stepped
+
+
+def log_at_step(trainer: Trainer, step: int) -> None:
+    """Lightning logs the points that follow at `step`: the one place its private counter is set."""
+    trainer.fit_loop.epoch_loop._batches_that_stepped = step  # private, as in `logged_step`
+
+
 @contextmanager
 def logged_at_last_step(trainer: Trainer) -> Iterator[None]:
     """The test's points at the last training epoch and step, where the run's medians are; Lightning would log them
@@ -35,16 +46,15 @@ def logged_at_last_step(trainer: Trainer) -> Iterator[None]:
     if trainer.global_step == 0:
         yield
         return
-    # Private: the step Lightning logs at; no public API sets it (Lightning moves it back itself at an epoch's end)
-    saved = loop.epoch_loop._batches_that_stepped, loop.epoch_progress.current.completed
+    saved = logged_step(trainer), loop.epoch_progress.current.completed
     epoch, step = last_trained(trainer)
-    # Private, as above: the counters the test's points are logged at, put back below
-    loop.epoch_loop._batches_that_stepped, loop.epoch_progress.current.completed = step, epoch
+    log_at_step(trainer, step)
+    loop.epoch_progress.current.completed = epoch
     try:
         yield
     finally:
-        # Private, as above: Lightning's counters as they were after training
-        loop.epoch_loop._batches_that_stepped, loop.epoch_progress.current.completed = saved
+        log_at_step(trainer, saved[0])
+        loop.epoch_progress.current.completed = saved[1]
 
 
 class RunFigures(Callback):

@@ -14,6 +14,7 @@ from torchvision.datasets import FashionMNIST
 from torchvision.datasets.mnist import read_sn3_pascalvincent_tensor
 
 from src import folders
+from src.config import per_process_batch  # the check before torch loads, again here
 from src.errors import UsageError
 
 # Mean and standard deviation of the official training images' pixels (in [0, 1]).
@@ -86,14 +87,6 @@ def augment(images: torch.Tensor, pad: int, hflip: bool) -> torch.Tensor:
         cols = torch.where(flip, cols.flip(1), cols)
     picked = images[torch.arange(n, device=images.device)[:, None, None], :, rows[:, :, None], cols[:, None, :]]
     return picked.permute(0, 3, 1, 2)  # the indexed dimensions come first: N x H x W x C
-
-
-def per_process_batch(batch_size: int, world_size: int) -> int:
-    if batch_size < 1 or batch_size % world_size:
-        raise UsageError(f"data.batch_size={batch_size} is the global batch and must be a positive multiple of the "
-                         f"{world_size} processes (devices x num_nodes); try "
-                         f"{max(world_size, batch_size // world_size * world_size)}")
-    return batch_size // world_size
 
 
 class FashionMNISTDataModule(LightningDataModule):

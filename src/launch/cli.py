@@ -9,6 +9,7 @@ import re
 import shlex
 import sys
 from collections.abc import Callable
+from datetime import datetime
 from contextlib import nullcontext, suppress
 from pathlib import Path
 from typing import Any, NoReturn
@@ -45,11 +46,21 @@ def kept(output_dir: Path) -> str:
     python = shlex.quote(interpreter())
     again = (f"{python} -m src.train -m {folder_argument('hydra.sweep.dir', HydraConfig.get().sweep.dir)} ckpt_path=auto"
              if sweep else f"{python} -m src.train ckpt_path=last {folder_argument('hydra.run.dir', output_dir)}")
+    again += "".join(f" {folder_argument(key, value)}" for key, value in typed_again())
     if not any((output_dir / "checkpoints").glob("*.ckpt")) and not sweep:
         return "no epoch finished, so there is no checkpoint" + ("" if output_dir.exists() else " (nor its folder)")
     last = output_dir / "checkpoints" / "last.ckpt"
     held = f"{last} holds the last finished epoch" if last.is_file() else "no epoch finished yet"
     return f"{held}; resume with: {again}"
+
+
+def typed_again() -> list[tuple[str, str]]:
+    """The keys a resume must be typed again with, as this run's command typed them: where its data is, which a
+    record never carries (`src.resume.TYPED_TO_CHANGE`)."""
+    from src.resume import TYPED_TO_CHANGE
+
+    typed = [line.split("=", 1) for line in HydraConfig.get().overrides.task] if HydraConfig.initialized() else []
+    return [(key, value) for key, value in (pair for pair in typed if len(pair) == 2) if key in TYPED_TO_CHANGE]
 
 
 def end_run(line: str, status: int, ended: bool = False) -> NoReturn:
@@ -74,12 +85,34 @@ def log_ending(line: str) -> None:
 
 def save_records(cfg: DictConfig) -> None:
     """`.hydra/` as Hydra writes it, and `config.yaml` resolved, once the checks pass (Hydra's own writing is off,
-    `hydra.output_subdir: null`, so that a refused resume rewrites nothing)."""
+    `hydra.output_subdir: null`, so that a refused resume rewrites nothing). A resume keeps `overrides.yaml` as the
+    run's start wrote it, and adds its own command line to `resumes.yaml` beside it."""
     folder = Path(cfg.output_dir)
+    overrides = folder / ".hydra" / "overrides.yaml"
+    goes_on = str(cfg.get("ckpt_path")) in records.CKPT_WORDS and has_checkpoints(folder) and overrides.is_file()
     write_file(folder / ".hydra" / "config.yaml", OmegaConf.to_yaml(cfg), root=folder)
     write_file(folder / ".hydra" / "hydra.yaml", OmegaConf.to_yaml(HydraConfig.instance().cfg), root=folder)
-    write_file(folder / ".hydra" / "overrides.yaml", OmegaConf.to_yaml(HydraConfig.get().overrides.task), root=folder)
+    if goes_on:
+        first = records.overrides(records.load(overrides, root=folder), overrides)
+        resumes = [*records.resumes(folder), {"at": datetime.now().astimezone().isoformat(timespec="seconds"),
+                                              "overrides": resume_overrides(first)}]
+        write_file(folder / records.RESUMES, OmegaConf.to_yaml(resumes), root=folder)
+    else:
+        write_file(overrides, OmegaConf.to_yaml(HydraConfig.get().overrides.task), root=folder)
     write_file(folder / "config.yaml", OmegaConf.to_yaml(OmegaConf.to_container(cfg, resolve=True)), root=folder)
+
+
+# The overrides this command typed (`-m` aside), set by `main`; None in a process that did not start at `main` (a
+# parallel sweep's job).
+_typed: list[str] | None = None
+
+
+def resume_overrides(first: list[str]) -> list[str]:
+    """What a resume's command typed; where this process did not read its command line, the overrides of this job
+    that its run did not start with."""
+    if _typed is not None:
+        return list(_typed)
+    return [line for line in HydraConfig.get().overrides.task if line not in first]
 
 
 # The running entry's step before its config is checked (src.eval takes the scored run's model), set by `main`.
@@ -97,20 +130,17 @@ class CheckFirst(Callback):
 
 def check_first(cfg: DictConfig) -> None:
     """`config.check` on a composed run's config, `prepare`d as its job will be; a refusal ends the command."""
-    before = HydraConfig.instance().cfg
-    HydraConfig.instance().set_config(cfg)  # as Hydra's run_job does first: `${hydra:...}` values resolve
     try:
-        if _prepare is not None:
-            cfg = copy.deepcopy(cfg)
-            _prepare(cfg)
-        config.check(cfg, named=False)
+        with naming.hydra_config_of(cfg):  # as Hydra's run_job does first: `${hydra:...}` values resolve
+            if _prepare is not None:
+                cfg = copy.deepcopy(cfg)
+                _prepare(cfg)
+            config.check(cfg, named=False)
     except Exception as error:
         line = said(error)
         if line is None:
             raise  # Hydra warns of it, and the job's own checks meet it again
         end_run(str(line), 2 if isinstance(line, UsageError) else 1)  # raised, Hydra would make it a warning
-    finally:
-        HydraConfig.instance().cfg = before
 
 
 def run_job(cfg: DictConfig, task: Callable[[DictConfig], Result],
@@ -173,13 +203,14 @@ def main(hydra_main: Callable[[], object], config_name: str, report: bool = Fals
     """Run the Hydra entry of `conf/<config_name>.yaml` and exit with the status it earned; with `report` (training), a
     resume takes the run's recorded settings first (`src.resume`), and a sweep writes its report. `prepare`: as
     `run_job`'s, for `CheckFirst`."""
-    global _prepare
+    global _prepare, _typed
     _prepare = prepare
     progress.tally = None  # the command's own sweep: none yet, whatever ran before it in this process
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises its refusals here, where they become one line
     stops.handle_stop_signals()
     args = sys.argv[1:]
     naming.note_given(args)
+    _typed = [arg for arg in args if arg not in ("-m", "--multirun")]
     status = 0
     try:
         config.check_args(args)

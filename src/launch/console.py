@@ -4,18 +4,28 @@ leaves the cursor after its last character), and counts said in words."""
 import logging
 import sys
 import threading
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
-from typing import TextIO
+from typing import TextIO, TypeVar
 
 from tqdm import tqdm
 
+Bar = TypeVar("Bar", bound=tqdm)
+
+# The bars the project opened (src/callbacks/progress.py registers each): weak, so that a bar Lightning drops is gone.
+shown_bars: weakref.WeakSet[tqdm] = weakref.WeakSet()
+
+
+def register(bar: Bar) -> Bar:
+    """`bar`, listed from now on among the bars on screen while it is open; tqdm keeps no public list of them."""
+    shown_bars.add(bar)
+    return bar
+
 
 def open_progress_bars() -> list[tqdm]:
-    """The progress bars on screen, the innermost first; never a disabled one."""
-    # tqdm lists its open bars (Lightning's too) only in this private set, which its own `write` reads; without it
-    # no bar is listed, and lines are still printed, maybe after a bar.
-    bars = [bar for bar in list(getattr(tqdm, "_instances", ())) if not getattr(bar, "disable", True)]
+    """The registered progress bars on screen, the innermost first; never a closed or disabled one."""
+    bars = [bar for bar in list(shown_bars) if not bar.disable]
     return sorted(bars, key=lambda bar: -abs(getattr(bar, "pos", 0)))
 
 
@@ -63,6 +73,43 @@ class ConsoleHandler(logging.StreamHandler):
             raise
         except Exception:
             self.handleError(record)
+
+
+class KeptWarnings(logging.Handler):
+    """In place of the console while a sweep's job runs in this process: its warnings and errors, one line each, for
+    the line that ends the job."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(f"{record.levelname.lower()}: {' '.join(record.getMessage().split())}")
+
+
+# Set while a sweep's job runs in this process: its lines go to its log files alone (`lines_to_files`).
+in_files: KeptWarnings | None = None
+
+
+@contextmanager
+def lines_to_files() -> Iterator[KeptWarnings]:
+    """The log lines logged inside go to the root logger's files alone (a job's `train.log`), its warnings kept: a
+    sweep's terminal says each job in two lines, however much the job logs. The console's handlers are back after."""
+    global in_files
+    root = logging.getLogger()
+    consoles = [handler for handler in root.handlers if not isinstance(handler, logging.FileHandler)]
+    kept, before = KeptWarnings(), in_files
+    for handler in consoles:
+        root.removeHandler(handler)
+    root.addHandler(kept)
+    in_files = kept
+    try:
+        yield kept
+    finally:
+        in_files = before
+        root.removeHandler(kept)
+        for handler in consoles:
+            root.addHandler(handler)
 
 
 def counted(count: int, noun: str, nouns: str | None = None) -> str:

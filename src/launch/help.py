@@ -27,21 +27,34 @@ def _folder_options(folder: Path, group: str) -> Iterator[tuple[str, str]]:
             yield group, path.stem
 
 
-def _store_options(tree: dict, group: str = "") -> Iterator[tuple[str, str]]:
+def _store_options(tree: dict, group: str = "") -> Iterator[tuple[str, str, str | None]]:
     for name, entry in tree.items():
         if isinstance(entry, dict):
             yield from _store_options(entry, f"{group}/{name}" if group else name)
         elif group:
-            yield group, name.removesuffix(".yaml")
+            yield group, name.removesuffix(".yaml"), getattr(entry, "provider", None)
 
 
-def app_groups(config_dir: Path) -> str:
+# Hydra's own groups that a user of this project picks from: how a sweep's jobs run, and how it chooses them; and
+# Hydra's option among them that the project keeps as its default (every combination of the values typed).
+HYDRA_GROUPS = ("hydra/launcher", "hydra/sweeper")
+HYDRA_DEFAULTS = {"hydra/sweeper": "basic"}
+
+
+def app_groups(config_dir: Path, chosen: dict[str, str] | None = None) -> str:
     """Each config group outside `hydra/` with its options, one line each as Hydra lists them: the config folder's
-    and the ConfigStore's."""
+    and the ConfigStore's; then the launchers and sweepers: the project's (conf/hydra/ and the ConfigStore's of
+    provider `project`), Hydra's `basic` sweeper and the ones `chosen`, not each plugin's every entry."""
     groups: dict[str, set[str]] = {}
-    for group, option in [*_folder_options(config_dir, ""), *_store_options(ConfigStore.instance().repo)]:
-        if group != "hydra" and not group.startswith("hydra/"):
+    for group, option in _folder_options(config_dir, ""):
+        if group != "hydra" and not group.startswith("hydra/") or group in HYDRA_GROUPS:
             groups.setdefault(group, set()).add(option)
+    for group, option, provider in _store_options(ConfigStore.instance().repo):
+        if group != "hydra" and not group.startswith("hydra/") or group in HYDRA_GROUPS and provider == "project":
+            groups.setdefault(group, set()).add(option)
+    for group, option in [*HYDRA_DEFAULTS.items(), *(chosen or {}).items()]:
+        if option:
+            groups.setdefault(group, set()).add(str(option))
     return "".join(f"{group}: {', '.join(sorted(options))}\n" for group, options in sorted(groups.items()))
 
 
@@ -55,4 +68,5 @@ def help_text(config_name: str, overrides: list[str], config_dir: Path = CONFIG_
     if not asked - {None} <= ANSWERED:
         return None
     app = OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"])
-    return template.substitute(APP_CONFIG_GROUPS=app_groups(config_dir), CONFIG=OmegaConf.to_yaml(app))
+    chosen = {group: cfg.hydra.runtime.choices.get(group) for group in HYDRA_GROUPS}
+    return template.substitute(APP_CONFIG_GROUPS=app_groups(config_dir, chosen), CONFIG=OmegaConf.to_yaml(app))

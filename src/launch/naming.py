@@ -4,14 +4,15 @@ import hashlib
 import logging
 import os
 import re
-from contextlib import suppress
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from src.config import options
+from src.config import options, parse
 from src.errors import UsageError, interpreter
 from src.folders import linked, missing, own_file, remove_empty, remove_tree
 from src.records import load, overrides, select
@@ -35,34 +36,22 @@ def note_given(args: list[str]) -> None:
 
 
 def swept_keys(args: list[str]) -> list[str]:
-    """The keys that overrides sweep (`seed=1,2`, `optim.lr=interval(...)`), read as text: no grammar runs on them."""
-    return [arg.partition("=")[0].lstrip("+~") for arg in args if "=" in arg and not arg.startswith("-")
-            and is_sweep(arg.partition("=")[2])]
-
-
-def is_sweep(value: str) -> bool:
-    """A comma outside brackets, parentheses and quotes, or one of Hydra's sweep functions."""
-    if re.match(r"(choice|range|interval|glob|tag)\(", value):
-        return True
-    depth, quote = 0, ""
-    for char in value:
-        if quote:
-            quote = "" if char == quote else quote
-        elif char in "'\"":
-            quote = char
-        elif char in "[(":
-            depth += 1
-        elif char in "])":
-            depth -= 1
-        elif char == "," and depth == 0:
-            return True
-    return False
+    """The keys, as typed, that overrides sweep (`seed=1,2`, `optim.lr=interval(...)`) as Hydra's grammar reads them
+    (`a={x:1,y:2}` and `a=x\\,y` sweep nothing); an override it refuses is one line naming it."""
+    return [o.input_line.partition("=")[0].lstrip("+~") for o in parse(args) if o.is_sweep_override()]
 
 
 def sweep_args(sweep_dir: str) -> list[str]:
-    """The sweep's overrides from its `multirun.yaml`, written before any job starts (a SLURM job's argv is its own)."""
+    """The sweep's overrides from its `multirun.yaml`, written before any job starts (a SLURM job's argv is its own),
+    then a search's space as its config typed it (`hydra.sweeper.params`), so that its trials' folders differ too."""
     saved = Path(sweep_dir) / "multirun.yaml"
-    return overrides(select(load(saved), "hydra.overrides.task"), saved) if saved.is_file() else []
+    if not saved.is_file():
+        return []
+    recorded = load(saved)
+    typed, params = overrides(select(recorded, "hydra.overrides.task"), saved), select(recorded, "hydra.sweeper.params")
+    keys = {line.partition("=")[0].lstrip("+~") for line in typed}  # the command line's win, as in the search
+    return [*typed, *(f"{key}={value}" for key, value in (params.items() if isinstance(params, dict) else ())
+                      if str(key).lstrip("+~") not in keys)]
 
 
 def precision_used(precision: object, accelerator: str) -> str:
@@ -109,14 +98,21 @@ def folder_name(text: str, fallback: str) -> str:
     return f"{name.encode()[:NAME_BYTES - 13].decode(errors='ignore')}-{digest}"
 
 
-def job_dirname(config: DictConfig) -> str:
-    """A sweep job's folder name before it runs, resolved under its own Hydra config as Hydra's `run_job` does."""
+@contextmanager
+def hydra_config_of(config: DictConfig) -> Iterator[None]:
+    """`${hydra:...}` resolved under `config`'s Hydra settings, as Hydra's `run_job` sets them, then as they were."""
     saved = HydraConfig.instance().cfg
     HydraConfig.instance().set_config(config)
     try:
-        return str(OmegaConf.select(config, "hydra.sweep.subdir"))
+        yield
     finally:
-        HydraConfig.instance().cfg = saved
+        HydraConfig.instance().cfg = saved  # as `run_job` puts it back: `set_config` takes no unset one
+
+
+def job_dirname(config: DictConfig) -> str:
+    """A sweep job's folder name before it runs, resolved under its own Hydra config as Hydra's `run_job` does."""
+    with hydra_config_of(config):
+        return str(OmegaConf.select(config, "hydra.sweep.subdir"))
 
 
 def job_folder_name(sweep_dir: Path, job_overrides: list[str], job_num: int) -> str:

@@ -14,6 +14,7 @@ import sys
 import threading
 from collections.abc import Iterable, Sequence
 from contextlib import suppress
+from copy import copy
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
@@ -45,14 +46,16 @@ class Placement:
 
 
 class Places:
-    """The machine's cores cut into `slots` slots, and its GPUs with `jobs_per_gpu` places each."""
+    """The machine's cores cut into `slots` slots, and its GPUs with `jobs_per_gpu` places each; `why_one`: why one
+    slot, where the sweep's jobs are held to one at a time (`one_at_a_time`)."""
 
-    def __init__(self, cores: Sequence[int], slots: int, gpus: Sequence[str] | None, jobs_per_gpu: int) -> None:
+    def __init__(self, cores: Sequence[int], slots: int, gpus: Sequence[str] | None, jobs_per_gpu: int,
+                 why_one: str | None = None) -> None:
         cores = sorted(cores)
         self.cores = [tuple(cores[k * len(cores) // slots:(k + 1) * len(cores) // slots]) for k in range(slots)]
         self.free = list(range(slots))
         self.load = {gpu: 0 for gpu in gpus or ()}
-        self.jobs_per_gpu = jobs_per_gpu
+        self.jobs_per_gpu, self.why_one = jobs_per_gpu, why_one
 
     def take(self, gpus: int) -> Placement | None:
         """A slot and `gpus` GPUs, the least shared first; None until free. A job asking for more than there are gets
@@ -109,6 +112,22 @@ def slots_that_fit(jobs: int | None, cores: int, gpus: int, jobs_per_gpu: int, n
     return min(jobs, cores, len(needs))
 
 
+def one_at_a_time(jobs: int | None, cores: int, gpus: int, jobs_per_gpu: int, needs: list["Job"]) -> str | None:
+    """Why `slots_that_fit` runs these jobs one at a time, where more than one waits; None where it does not."""
+    if len(needs) < 2 or slots_that_fit(jobs, cores, gpus, jobs_per_gpu, needs) > 1:
+        return None
+    if jobs is not None:
+        return f"hydra.launcher.jobs={jobs}"
+    if cores == 1:
+        return "this machine lets the sweep use 1 core, and each running job has cores of its own"
+    on_gpu = [job.devices for job in needs if job.gpu]
+    if gpus and on_gpu:
+        return (f"a job of devices={min(on_gpu)} takes {min(on_gpu)} of the {gpus} GPUs, each shared by at most "
+                f"hydra.launcher.jobs_per_gpu={jobs_per_gpu} jobs")
+    most = max(job.devices for job in needs)
+    return f"a job of devices={most} takes {most} of the {cores} cores, one for each of its DDP processes"
+
+
 def checked_setting(name: str, value: Any, allow_null: bool, most: int | None = None) -> int | None:
     """A whole number from 1 to `most` (or null where allowed), else one line naming the key and what it allows."""
     if value is None and allow_null:
@@ -142,14 +161,16 @@ class ParallelLauncher(ProjectLauncher):
         cores = usable_cores()
         gpus = machine_gpus() if any(job.gpu for job in jobs) else None
         slots = slots_that_fit(self.jobs, len(cores), len(gpus or ()), self.jobs_per_gpu, jobs)
-        return Places(cores, slots, gpus, self.jobs_per_gpu)
+        why_one = one_at_a_time(self.jobs, len(cores), len(gpus or ()), self.jobs_per_gpu, jobs)
+        return Places(cores, slots, gpus, self.jobs_per_gpu, why_one)
 
     def run(self, jobs: Iterable[Job], progress: Progress, sweep_dir: Path, alike: list[Job]) -> dict[int, JobReturn]:
         places = self.places([with_needs(job) for job in alike])
         say_if_busy(len(places.cores), "sweep")  # its jobs, each on a slot of cores, do not ask: the others are theirs
         os.close(open_folder(sweep_dir, sweep_dir / ".parallel", create=True))
-        log.info(f"{counted(progress.count, 'job')}, {len(places.cores)} at a time, in {sweep_dir}; each job's output "
-                 f"in {sweep_dir / '.parallel'}")
+        log.info(f"{counted(progress.count, 'job')}, {len(places.cores)} at a time"
+                 + (f" ({places.why_one})" if places.why_one else "")
+                 + f", in {sweep_dir}; each job's output in {sweep_dir / '.parallel'}")
         waiting, running, returns, started, stopped = iter(jobs), {}, {}, 0, 0
         head: Job | None = None  # taken from `waiting`, and waiting for GPUs
         with Stops() as stops:
@@ -267,7 +288,7 @@ def packed(job: JobReturn) -> bytes:
         carried: bytes | LeftBehind = cloudpickle.dumps(returned)
     except Exception as error:
         carried = LeftBehind(f"its {type(returned).__name__} could not be pickled: {why(error)}")
-    return cloudpickle.dumps((replace(job, _return_value=None), carried))
+    return cloudpickle.dumps((holding(job, None), carried))
 
 
 def unpacked(data: bytes, name: str, out: Path) -> JobReturn:
@@ -276,13 +297,20 @@ def unpacked(data: bytes, name: str, out: Path) -> JobReturn:
     job, carried = pickle.loads(data)
     if isinstance(carried, bytes):
         try:
-            return replace(job, _return_value=pickle.loads(carried))
+            return holding(job, pickle.loads(carried))
         except Exception as error:  # a class this process cannot find or build
             carried = LeftBehind(f"it could not be unpickled here: {why(error)}")
     if job.status == JobStatus.FAILED:
-        return replace(job, _return_value=RankFailed(f"its exception stayed in its process ({carried.why}); see {out}"))
+        return holding(job, RankFailed(f"its exception stayed in its process ({carried.why}); see {out}"))
     log.warning(f"job {name}: its return value stayed in its process ({carried.why}); the run ended and its folder "
                 "is complete")
+    return job
+
+
+def holding(job: JobReturn, returned: object) -> JobReturn:
+    """A copy of the job's record holding `returned`, set as Hydra's `run_job` sets it (a failed job's exception)."""
+    job = copy(job)
+    job.return_value = returned
     return job
 
 

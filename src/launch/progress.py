@@ -6,11 +6,13 @@ at once."""
 import contextlib
 import io
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from hydra.core.utils import JobReturn, JobStatus
+from omegaconf import OmegaConf
 
 from src.errors import RunFailed, UsageError
 from src.launch.console import print_line
@@ -39,6 +41,31 @@ def value(job: JobReturn) -> object:
             return error
 
 
+class QuietReturn(JobReturn):
+    """Hydra's JobReturn, whose failed value a sweeper reads (to raise it) without Hydra's `Error executing job with
+    overrides: [...]` on stderr: the job's end line has said how it failed."""
+
+    kept: Any = None  # what the job returned, or the exception it failed with
+
+    @property
+    def return_value(self) -> Any:
+        if self.status == JobStatus.FAILED:
+            raise self.kept
+        return self.kept
+
+    @return_value.setter
+    def return_value(self, value: Any) -> None:
+        self.kept = value
+
+
+def quiet(job: JobReturn) -> JobReturn:
+    """`job` as a launcher hands it back to its sweeper (`QuietReturn`)."""
+    back = QuietReturn(overrides=job.overrides, cfg=job.cfg, hydra_cfg=job.hydra_cfg, working_dir=job.working_dir,
+                       task_name=job.task_name, status=job.status)
+    back.return_value = value(job)
+    return back
+
+
 def failure(job: JobReturn, name: str) -> Failure | None:
     """How a job failed; None for a job that ended well."""
     if job.status != JobStatus.FAILED:
@@ -48,6 +75,14 @@ def failure(job: JobReturn, name: str) -> Failure | None:
     line = shown(" ".join((str(error) if own else f"{type(error).__name__}: {error}").split()))
     status = 2 if isinstance(error, UsageError) else 1
     return Failure(shown(name), line, status, error if isinstance(error, BaseException) else None)
+
+
+def log_file(job: JobReturn) -> Path | None:
+    """The log file a job wrote (`<its folder>/<its entry>.log`, Hydra's default), where there is one."""
+    folder = OmegaConf.select(job.hydra_cfg, "hydra.runtime.output_dir") if job.hydra_cfg is not None else None
+    entry = OmegaConf.select(job.hydra_cfg, "hydra.job.name") if job.hydra_cfg is not None else None
+    log = Path(str(folder)) / f"{entry}.log" if folder and entry else None
+    return log if log is not None and log.is_file() else None
 
 
 def last_error_line(text: str) -> str | None:
@@ -127,7 +162,9 @@ class Progress:
         said = "resumed" if resumes else "started"
         self.say(f"{self.tally.noun} {number + 1}/{self.tally.total} {said}: {shown(name)} ({self.times()})")
 
-    def ended(self, number: int, name: str, job: JobReturn) -> None:
+    def ended(self, number: int, name: str, job: JobReturn, warned: Sequence[str] = ()) -> None:
+        """`warned`: the warnings the job logged (`warning: ...`), said at the end of its line: its other lines are in
+        its log alone."""
         if self.on_end is not None:
             self.on_end(number, job)
         now = self.clock()
@@ -135,7 +172,8 @@ class Progress:
         failed = failure(job, name)
         if failed is not None:
             self.tally.failures.append(failed)
-            said = f"failed: {failed.name}: {failed.line}"
+            log = log_file(job)
+            said = f"failed: {failed.name}: {failed.line}" + (f"; its log: {shown(str(log))}" if log else "")
         else:
             result = job.return_value
             counted = next((word for word in ("skipped", "pruned", "resumed") if getattr(result, word, False)), "done")
@@ -143,6 +181,7 @@ class Progress:
             line = getattr(result, "line", "")
             said = f"{'done after resuming' if counted == 'resumed' else counted}: {shown(name)}" + (
                 f": {shown(line)}" if line else "")
+        said += "".join(f"; {shown(warning)}" for warning in dict.fromkeys(warned))
         self.say(f"{self.tally.noun} {number + 1}/{self.tally.total} {said} ({self.times()})")
 
     def stopped(self, number: int, name: str, line: str) -> None:

@@ -1,9 +1,10 @@
 """`hydra/launcher=sequential`, the default: Hydra's basic launcher, one job after another in this process, with a
-line as each job starts and ends (`src.launch.progress`)."""
+line as each job starts and ends (`src.launch.progress`); each job's own log lines go to its log file alone."""
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from hydra.core.utils import JobReturn, configure_log, run_job, setup_globals
 from hydra.plugins.launcher import Launcher
@@ -13,7 +14,8 @@ from omegaconf import DictConfig, open_dict
 from src.folders import check_below
 from src.launch import lock
 from src.launch.naming import job_dirname
-from src.launch.progress import Progress
+from src.launch.console import lines_to_files
+from src.launch.progress import Progress, quiet
 from src.records import CKPT_WORDS, has_checkpoints
 
 
@@ -50,7 +52,7 @@ class ProjectLauncher(Launcher):
             # every job composed before the first runs: a bad value in a sweep is refused before any job has run
             jobs = [self.job(number, list(overrides)) for number, overrides in enumerate(job_overrides, initial_job_idx)]
             returns = self.run(jobs, Progress(len(jobs), initial_job_idx, sweep_dir), sweep_dir, jobs)
-        return [returns[job.number] for job in jobs]
+        return [quiet(returns[job.number]) for job in jobs]
 
     def launch_each(self, next_job: Callable[[], tuple[int, list[str]] | None], count: int, first: int,
                     at_once: int | None, ended: Callable[[int, JobReturn], None]) -> list[JobReturn]:
@@ -67,7 +69,7 @@ class ProjectLauncher(Launcher):
         alike = [Job(first, [], self.config, "")] * min(count, at_once or count)  # how many fit, as the command asks
         with lock.held(sweep_dir, "sweep"):
             returns = self.run(jobs(), Progress(count, first, sweep_dir, on_end=ended), sweep_dir, alike)
-        return list(returns.values())
+        return [quiet(job) for job in returns.values()]
 
     def begin(self) -> Path:
         """Hydra's logging and the sweep's folder, as Hydra's basic launcher sets them up."""
@@ -94,15 +96,31 @@ class ProjectLauncher(Launcher):
         raise NotImplementedError
 
 
+class InFiles:
+    """A sweep job's task whose log lines go to the job's log files alone (`lines_to_files`, once Hydra's `run_job`
+    has set the job's logging up), its warnings kept for its end line."""
+
+    def __init__(self, task: TaskFunction) -> None:
+        self.task = task
+        self.warned: list[str] = []
+
+    def __call__(self, cfg: DictConfig) -> Any:
+        with lines_to_files() as kept:
+            try:
+                return self.task(cfg)
+            finally:
+                self.warned = kept.lines
+
+
 class SequentialLauncher(ProjectLauncher):
     def run(self, jobs: Iterable[Job], progress: Progress, sweep_dir: Path, alike: list[Job]) -> dict[int, JobReturn]:
         assert self.config is not None and self.hydra_context is not None and self.task_function is not None
         returns = {}
         for job in jobs:
             progress.started(job.number, job.name, job.resumes)
-            returns[job.number] = run_job(hydra_context=self.hydra_context, task_function=self.task_function,
-                                          config=job.config, job_dir_key="hydra.sweep.dir",
-                                          job_subdir_key="hydra.sweep.subdir")
+            task = InFiles(self.task_function)
+            returns[job.number] = run_job(hydra_context=self.hydra_context, task_function=task, config=job.config,
+                                          job_dir_key="hydra.sweep.dir", job_subdir_key="hydra.sweep.subdir")
             configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)  # the job set its own
-            progress.ended(job.number, job.name, returns[job.number])
+            progress.ended(job.number, job.name, returns[job.number], task.warned)
         return returns

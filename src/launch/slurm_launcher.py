@@ -23,7 +23,7 @@ from submitit.core.utils import UncompletedJobError, cloudpickle_dump, temporary
 
 from src.errors import RunFailed, UsageError
 from src.launch.naming import job_folder_name
-from src.launch.progress import Progress, failure, last_error_line, value
+from src.launch.progress import Progress, failure, last_error_line, quiet, value
 from src.launch.sequential_launcher import resumes
 from src.launch.stops import RankFailed, RunStopped, handle_stop_signals, ignore_stop_signals
 from src.slurm import slurm_output
@@ -135,7 +135,7 @@ def wait(jobs: list[submitit.Job], overrides: list[list[str]], numbers: list[int
                 returns[index] = result(job, overrides[index])
                 progress.ended(numbers[index], name, returns[index])
         if len(returns) == len(jobs):
-            return [returns[index] for index in range(len(jobs))]
+            return [quiet(returns[index]) for index in range(len(jobs))]  # each job's line said how it failed
         impossible = never_starts(listed or [])
         if impossible:
             cancel(jobs)

@@ -38,7 +38,7 @@ from tqdm import tqdm
 from src.data.fashion_mnist import per_process_batch
 from src.errors import RunFailed, UsageError, build, said
 from src.fast_path import resolve_accelerator
-from src.launch import stops
+from src.launch import console, stops
 from src.launch.console import close_progress_bars, counted
 from src.launch.ranks import external_rank, usable_cores
 from src.launch.stops import (STOP_SIGNALS, RankFailed, RunStopped, die_with_launcher, handle_stop_signals,
@@ -193,6 +193,10 @@ def start(task: Callable[[DictConfig], Result], cfg: DictConfig, nprocs: int) ->
         # the agent hands its workers this process's mode, else 1, which first aborts the communicators: that can hang.
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
         logging_config = OmegaConf.to_container(HydraConfig.get().job_logging, resolve=True) if HydraConfig.initialized() else None
+        if logging_config is not None and console.in_files is not None:  # a sweep's job: the workers' lines in its logs
+            for handler in logging_config.get("handlers", {}).values():
+                if "filename" not in handler:
+                    handler["level"] = "WARNING"
         try:
             results = elastic_launch(config, _worker)(task, resolved, logging_config, str(position))
         except (SignalException, ChildFailedError) as error:

@@ -18,6 +18,7 @@ from torchmetrics import MaxMetric, MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 from src import records
+from src.callbacks import log_at_step, logged_step
 from src.checkpoints import read_checkpoint
 from src.fast_path import FastSteps, GraphedStep
 from src.optim import Schedule, fused_under_a_scaler
@@ -117,8 +118,8 @@ class Classifier(LightningModule):
         x, y = batch
         size = self.step_batch_size or len(y)
         losses = [self.optimizer_step_on(xs, ys) for xs, ys in zip(x.split(size), y.split(size))]
-        # Lightning logs at batches taken; count optimizer steps. Private: no public API sets the step it logs at.
-        self.trainer.fit_loop.epoch_loop._batches_that_stepped += len(losses) - 1
+        # Lightning logs at batches taken; count optimizer steps.
+        log_at_step(self.trainer, logged_step(self.trainer) + len(losses) - 1)
         return torch.stack(losses)
 
     def optimizer_step_on(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -225,10 +226,12 @@ class Classifier(LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """The figures logged so far, and mid-epoch (`step.ckpt`) the training metrics' state: a resumed run's figures
         are the unbroken run's, also one resumed after its last epoch."""
-        if self._trainer is None:
+        try:
+            trainer = self.trainer
+        except RuntimeError:  # no trainer attached: a checkpoint saved by hand, nothing logged
             return
-        checkpoint["logged"] = {name: float(value) for name, value in self.trainer.callback_metrics.items() if value.numel() == 1}
-        if self.trainer.training and not self.trainer.is_last_batch:
+        checkpoint["logged"] = {name: float(value) for name, value in trainer.callback_metrics.items() if value.numel() == 1}
+        if trainer.training and not trainer.is_last_batch:
             checkpoint["epoch_metrics"] = {name: {key: value.detach().cpu() for key, value in metric.metric_state.items()}
                                            for name, metric in (("train_acc", self.train_acc), ("train_loss", self.train_loss))}
 

@@ -56,6 +56,9 @@ PRESETS = {
     "10gbe": _preset("10 GbE", 1.25e9, 20e-6, "IEEE 802.3 10GBASE: 10 Gb/s; ~20 us per TCP hop through the kernel"),
 }
 INTERCONNECTS = tuple(link for key, link in PRESETS.items() if key not in ("nvlink3", "nvlink2"))  # what a run's predictions show
+# Links that join GPUs: a prediction on them prices a GPU's step, which a CPU run's or a step timed here is not.
+GPU_LINKS = ("nvlink4", "nvlink3", "nvlink2", "pcie4", "ib400", "ib100")
+NEEDS_GPU_STEP = "NVLink, PCIe and InfiniBand predictions need a GPU run's step time"
 
 # DDP's own work on a GPU as a share of one process's step, where not measured: fitted to PyTorch's DDP benchmark
 # (V100s, NCCL, four torchvision models at 32 images a GPU; docs/scaling.md, "DDP on GPUs"). DDP_GPU_SHARE: one GPU

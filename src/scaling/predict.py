@@ -26,8 +26,8 @@ from src.scaling import timed as timing
 from src.scaling import whatif
 from src.scaling.cli import parse
 from src.scaling.costmodel import (
-    BACKWARD_SHARE, DDP_GPU_MULTI_SHARE, DDP_GPU_SHARE, HOOKS, INTERCONNECTS, MIB, Interconnect, Step, Terms, bucketed,
-    predict_step,
+    BACKWARD_SHARE, DDP_GPU_MULTI_SHARE, DDP_GPU_SHARE, HOOKS, INTERCONNECTS, MIB, NEEDS_GPU_STEP, Interconnect, Step,
+    Terms, bucketed, predict_step,
 )
 from src.scaling.timed import Timed
 
@@ -359,6 +359,8 @@ def section(base: Baseline, rows: list[dict], links: list[Interconnect], measure
         f"From `{run.run}` ({processes(run.processes)}{' on GPUs' if base.on_gpu else ''}, {run.steps_per_epoch} steps per "
         f"epoch, median {run.step_s * 1e3:.1f} ms per step): {device} takes {base.compute_1 * 1e3:.1f} ms a step. Mode: {mode}.", "",
     ]
+    if links and not base.on_gpu:
+        lines += [CPU_LINKS, ""]
     if links:
         speedup = {(r["interconnect"], r["hook"], r["processes"]): r["speedup"] for r in rows}
         epoch = {(r["interconnect"], r["hook"], r["processes"]): r["epoch_s"] for r in rows}
@@ -432,7 +434,7 @@ def assumptions(links: list[Interconnect], has_probe: bool, weak: int | None = N
         "bucket but the last, backward compute); skew = (the step's spread x the expected lag of the slowest of N "
         "ranks + the lag of processes meeting on shared cores, the model's own where timed, else the probe's below) "
         "x (compute + overhead); step = compute + overhead + comm - hidden + skew. A CPU run's compute, DDP's own "
-        "work and hook are this machine's for every interconnect, sharing cores alike; a GPU run's are its GPU's. "
+        "work and hook are this machine's, predicted on its measured interconnect alone; a GPU run's are its GPU's. "
         "Speed-up = one process's epoch / N processes'; efficiency = speed-up / N.",
     ]
     if links:
@@ -449,7 +451,10 @@ def assumptions(links: list[Interconnect], has_probe: bool, weak: int | None = N
 NO_PROBE = ("No predictions here: the run ran on CPU, and the one interconnect this report can stand behind for "
             "it, this machine's own, has no probe saved in the folder (`probe.json`). `python -m src.scaling {root} "
             "--probe` times it and the model's terms (a minute or two on 2 cores) and saves both there for the report "
-            "to predict from. GPU links need a GPU run's step time, not this CPU's.")
+            f"to predict from. {NEEDS_GPU_STEP}, not this CPU's, and the Ethernet links one timed on the "
+            "machines they join.")
+CPU_LINKS = (f"A CPU run is predicted on this machine's measured interconnect alone: {NEEDS_GPU_STEP}, not this "
+             "CPU's, and the Ethernet links one timed on the machines they join.")
 
 
 def write_scaling(root: Path, out: Path | None = None, probe: gloo_probe.Probe | None = None,
@@ -480,7 +485,7 @@ def write_scaling(root: Path, out: Path | None = None, probe: gloo_probe.Probe |
         if not report:
             saved[name] = time_baseline(run, cores, options, tuple(measured))
         base = Baseline.from_run(run, cores, options, saved.get(name))
-        links = named if base.on_gpu else [*measured.values(), *([] if report else named)]
+        links = named if base.on_gpu else list(measured.values())  # a CPU's step prices no other link (CPU_LINKS)
         rows = predictions(base, links, options.per_process_batch)
         image = None
         if links:

@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING
 
 from src.errors import UsageError
 from src.scaling.costmodel import (
-    BACKWARD_SHARE, DDP_GPU_MULTI_SHARE, DDP_GPU_SHARE, HOOKS, MIB, PRESET_BUS_SHARE, PRESETS, Interconnect, Step,
-    Terms, bucketed, epoch_steps, expected_max_normal, predict_step,
+    BACKWARD_SHARE, DDP_GPU_MULTI_SHARE, DDP_GPU_SHARE, GPU_LINKS, HOOKS, MIB, PRESET_BUS_SHARE, PRESETS, Interconnect,
+    Step, Terms, bucketed, epoch_steps, expected_max_normal, predict_step,
 )
 
 if TYPE_CHECKING:  # torch is imported where a model is built or timed: the command line is checked without it
@@ -67,6 +67,9 @@ def check(args: Namespace) -> None:
         raise UsageError(f"give a link: --link (one of {', '.join(sorted(PRESETS))}) or both --bandwidth and --latency")
     if args.link is not None and (args.bandwidth is not None or args.latency is not None):
         raise UsageError("--link names a preset: give it alone, or --bandwidth and --latency instead")
+    if args.link in GPU_LINKS and args.step_ms is None:
+        raise UsageError(f"--link {args.link} joins GPUs, and its prediction needs a GPU's step time: give --step-ms, "
+                         "a GPU's step at --batch (a step timed here is this CPU's)")
     if args.bandwidth is not None and not (args.bandwidth > 0 and args.latency >= 0):
         raise UsageError(f"--bandwidth {args.bandwidth:g} --latency {args.latency:g} is not allowed; bandwidth above 0 GB/s, latency 0 us or more")
     if args.processes is not None and min(args.processes) < 1:
