@@ -353,7 +353,8 @@ def test_a_cancelled_launcher_sweep_resumes_with_the_command_its_line_names(chec
     released.touch()
     assert status == 1, err[-3000:]
     sweep = checkout / "sweep"
-    command = f"{sys.executable} -m src.train -m hydra.sweep.dir=sweep ckpt_path=auto"  # the interpreter that ran
+    # the interpreter that ran, and where the data is, which a resume types again (a record never carries it)
+    command = f"{sys.executable} -m src.train -m hydra.sweep.dir=sweep ckpt_path=auto data.root={DATA_ROOT}"
     assert f"; resume with: {command} (SLURM job {array_id}" in err, err[-3000:]
     # A job that had checkpointed was held there: its first epoch logged and checkpointed, nothing after it.
     interrupted = [p.parent.parent for p in sweep.glob("*/checkpoints/last.ckpt")]
