@@ -376,3 +376,47 @@ def test_a_cancelled_launcher_sweep_resumes_with_the_command_its_line_names(chec
         assert logged_epochs(job) == list(range(1, epochs + 1)), job
         assert re.search(rf"^job [12]/2 resumed: {re.escape(job.name)} \(", resumed.stdout, re.M), resumed.stdout[-3000:]
         assert re.search(rf"^job [12]/2 done after resuming: {re.escape(job.name)}: ", resumed.stdout, re.M)
+
+
+CANARY = "SLURM_CANARY_VALUE"
+# A sweep's record rewritten as tests/test_sandbox.py's corpus rewrites it, one kind of value each: a traversal in a
+# swept value, a resolver, a range of millions of jobs, a control character, a class to build.
+REWRITTEN = ["seed=1,/../../elsewhere", "tags=[${oc.env:SLURM_CANARY}]", "seed=range(0,300000000)",
+             "optim.lr=0.1\x1b[2J", "+callbacks.x._target_=os.system"]
+
+
+def untouched(checkout: Path, sweep: Path) -> dict[str, tuple[int, int]]:
+    """Every file and folder the checkout holds outside the sweep's folder (not through its links to the code)."""
+    found = {}
+    for top in checkout.iterdir():
+        if top.is_symlink() or top == sweep:
+            continue
+        for path in [top, *(top.rglob("*") if top.is_dir() else [])]:
+            found[str(path)] = (path.lstat().st_size, path.lstat().st_mtime_ns)
+    return found
+
+
+def test_a_launcher_sweep_whose_record_was_rewritten_resumes_inside_it(checkout):
+    """The record of a finished SLURM sweep rewritten: its resume under the launcher finishes or is refused in one
+    line, writes nothing outside the sweep's folder, and prints no variable's value (a record is read by src.resume
+    before the launcher submits anything: it gets typed values alone)."""
+    import yaml
+
+    result = launcher_sweep(checkout, "debug=quick", "seed=1")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    sweep = checkout / "sweep"
+    record = (sweep / "multirun.yaml").read_text()
+    for line in REWRITTEN:
+        data = yaml.safe_load(record)
+        data["hydra"]["overrides"]["task"].append(line)
+        (sweep / "multirun.yaml").write_text(yaml.safe_dump(data))
+        before = untouched(checkout, sweep)
+        command = f"exec {sys.executable} -m src.train -m hydra.sweep.dir=sweep ckpt_path=auto data.root={DATA_ROOT}"
+        resumed = subprocess.run(["bash", "-c", command], cwd=checkout, env={**job_env(), "SLURM_CANARY": CANARY},
+                                 capture_output=True, text=True, timeout=WAIT_S)
+        said = resumed.stdout + resumed.stderr
+        assert resumed.returncode in (0, 1, 2), said[-3000:]
+        errors = [text for text in resumed.stderr.strip().splitlines() if text.startswith("error: ")]
+        assert resumed.returncode == 0 or errors and resumed.stderr.strip().endswith(errors[-1]), said[-3000:]
+        assert untouched(checkout, sweep) == before and not (checkout.parent / "elsewhere").exists(), line
+        assert CANARY not in said and "\x1b[2J" not in said, line
