@@ -62,28 +62,6 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def private_names(path: Path, modules: set[str]) -> list[str]:
-    """`x._name` where `x` is not the class's own object nor a project module, and `getattr(x, "_name")`."""
-    tree = ast.parse(path.read_text())
-    project_aliases = {alias.asname or alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
-                       and (node.module or "").split(".")[0] in PROJECT for alias in node.names}
-    found = []
-    for node in ast.walk(tree):
-        name, owner = None, None
-        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.endswith("__"):
-            name, owner = node.attr, node.value
-        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr")
-              and len(node.args) > 1 and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)
-              and node.args[1].value.startswith("_") and not node.args[1].value.endswith("__")):
-            name, owner = node.args[1].value, node.args[0]
-        if name is None or name in PUBLIC:
-            continue
-        if isinstance(owner, ast.Name) and (owner.id in ("self", "cls") or owner.id in project_aliases):
-            continue
-        found.append(f"{path.relative_to(REPO)}:{node.lineno} {ast.unparse(owner)}.{name}")
-    return found
-
-
 def test_no_import_cycle_among_the_project_modules():
     modules = {module_name(path) for path in SOURCES}
     graph = {module_name(path): project_imports(path, modules) - {module_name(path)} for path in SOURCES}
@@ -92,18 +70,6 @@ def test_no_import_cycle_among_the_project_modules():
 
 def test_the_cycle_finder_finds_a_cycle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
-
-
-def test_at_most_five_private_names_of_other_libraries_each_with_a_reason():
-    modules = {module_name(path) for path in SOURCES}
-    found = [use for path in SOURCES for use in private_names(path, modules)]
-    names = {use.rpartition(".")[2] for use in found}
-    assert len(names) <= 5, "\n".join(found)
-    for use in found:
-        path, line = use.split(" ")[0].split(":")
-        lines = (REPO / path).read_text().splitlines()
-        nearby = "\n".join(lines[max(0, int(line) - 4):int(line)])
-        assert "#" in nearby, f"{use}: no comment says why no public way exists"
 
 
 def compositions(monkeypatch: pytest.MonkeyPatch, *args: str) -> int:
