@@ -18,8 +18,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, seed, settings
+from hypothesis import strategies as st
 
 from tests.helpers import DATA_ROOT, REPO, cpu_precision, epoch_lines, scalar_steps, steps_going_back, user_env
+from tests.test_sandbox import NASTY, add_swept, rewrite_line
 
 # A job's folder: what it runs (the one-node cluster is this machine, so precision=auto uses what it does here).
 LABEL = f"lenet_auto_1dev_{cpu_precision()}"
@@ -378,11 +381,8 @@ def test_a_cancelled_launcher_sweep_resumes_with_the_command_its_line_names(chec
         assert re.search(rf"^job [12]/2 done after resuming: {re.escape(job.name)}: ", resumed.stdout, re.M)
 
 
+
 CANARY = "SLURM_CANARY_VALUE"
-# A sweep's record rewritten as tests/test_sandbox.py's corpus rewrites it, one kind of value each: a traversal in a
-# swept value, a resolver, a range of millions of jobs, a control character, a class to build.
-REWRITTEN = ["seed=1,/../../elsewhere", "tags=[${oc.env:SLURM_CANARY}]", "seed=range(0,300000000)",
-             "optim.lr=0.1\x1b[2J", "+callbacks.x._target_=os.system"]
 
 
 def untouched(checkout: Path, sweep: Path) -> dict[str, tuple[int, int]]:
@@ -396,27 +396,43 @@ def untouched(checkout: Path, sweep: Path) -> dict[str, tuple[int, int]]:
     return found
 
 
-def test_a_launcher_sweep_whose_record_was_rewritten_resumes_inside_it(checkout):
-    """The record of a finished SLURM sweep rewritten: its resume under the launcher finishes or is refused in one
-    line, writes nothing outside the sweep's folder, and prints no variable's value (a record is read by src.resume
-    before the launcher submits anything: it gets typed values alone)."""
-    import yaml
-
+@pytest.fixture(scope="module")
+def launcher_sweep_done(tmp_path_factory) -> tuple[Path, str]:
+    """A finished SLURM launcher sweep of one job in a checkout of its own, and its record as written."""
+    checkout = tmp_path_factory.mktemp("checkout")
+    for part in ("src", "conf", "hydra_plugins", "pyproject.toml", "tests"):
+        (checkout / part).symlink_to(REPO / part)
     result = launcher_sweep(checkout, "debug=quick", "seed=1")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return checkout, (checkout / "sweep" / "multirun.yaml").read_text()
+
+
+@seed(78)
+@settings(max_examples=int(os.environ.get("SANDBOX_EXAMPLES", "4")), deadline=None, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(added=st.booleans(), index=st.integers(0, 400), value=NASTY)
+def test_a_launcher_sweep_whose_record_was_rewritten_resumes_inside_it(launcher_sweep_done, added, index, value):
+    """tests/test_sandbox.py's corpus on a SLURM sweep: a line of its record rewritten, or a swept value added, and the
+    resume under the launcher finishes or is refused in one line, writes nothing outside the sweep's folder and prints
+    no variable's value (a record is read by src.resume before the launcher submits anything: it gets typed values)."""
+    import yaml
+
+    checkout, record = launcher_sweep_done
     sweep = checkout / "sweep"
-    record = (sweep / "multirun.yaml").read_text()
-    for line in REWRITTEN:
+    (sweep / "multirun.yaml").write_text(record)
+    if added:
         data = yaml.safe_load(record)
-        data["hydra"]["overrides"]["task"].append(line)
+        add_swept(data["hydra"]["overrides"]["task"], index, value)
         (sweep / "multirun.yaml").write_text(yaml.safe_dump(data))
-        before = untouched(checkout, sweep)
-        command = f"exec {sys.executable} -m src.train -m hydra.sweep.dir=sweep ckpt_path=auto data.root={DATA_ROOT}"
-        resumed = subprocess.run(["bash", "-c", command], cwd=checkout, env={**job_env(), "SLURM_CANARY": CANARY},
-                                 capture_output=True, text=True, timeout=WAIT_S)
-        said = resumed.stdout + resumed.stderr
-        assert resumed.returncode in (0, 1, 2), said[-3000:]
-        errors = [text for text in resumed.stderr.strip().splitlines() if text.startswith("error: ")]
-        assert resumed.returncode == 0 or errors and resumed.stderr.strip().endswith(errors[-1]), said[-3000:]
-        assert untouched(checkout, sweep) == before and not (checkout.parent / "elsewhere").exists(), line
-        assert CANARY not in said and "\x1b[2J" not in said, line
+    else:
+        rewrite_line(sweep / "multirun.yaml", index, value)
+    before = untouched(checkout, sweep)
+    command = f"exec {sys.executable} -m src.train -m hydra.sweep.dir=sweep ckpt_path=auto data.root={DATA_ROOT}"
+    resumed = subprocess.run(["bash", "-c", command], cwd=checkout, env={**job_env(), "SANDBOX_CANARY": CANARY},
+                             capture_output=True, text=True, timeout=WAIT_S)
+    said = resumed.stdout + resumed.stderr
+    assert resumed.returncode in (0, 1, 2), said[-3000:]
+    errors = [text for text in resumed.stderr.strip().splitlines() if text.startswith("error: ")]
+    assert resumed.returncode == 0 or errors and resumed.stderr.strip().endswith(errors[-1]), said[-3000:]
+    assert untouched(checkout, sweep) == before and not (checkout.parent / "x").exists()
+    assert CANARY not in said
