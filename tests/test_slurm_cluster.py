@@ -341,7 +341,8 @@ def test_a_launcher_job_cancelled_by_hand_fails_the_sweep(checkout):
     last = err.strip().splitlines()[-1]
     assert re.fullmatch(rf"error: 1 sweep job failed: {LABEL}: run stopped by SIGTERM during epoch \d+ \(step \d+\); "
                         rf".*last\.ckpt holds the last finished epoch; resume with: {re.escape(sys.executable)} -m src\.train -m "
-                        rf"hydra\.sweep\.dir=sweep ckpt_path=auto \(SLURM job {array_id}(_0)?\)", last), last
+                        rf"hydra\.sweep\.dir=sweep ckpt_path=auto {re.escape(f'data.root={DATA_ROOT}')} "
+                        rf"\(SLURM job {array_id}(_0)?\)", last), last
     assert "Traceback" not in err
 
 
