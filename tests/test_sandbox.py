@@ -63,6 +63,16 @@ def rewrite_line(path: Path, index: int, value: str) -> None:
     path.write_text("\n".join(text) + "\n")
 
 
+def rewrite_record(path: Path, added: bool, index: int, value: str) -> None:
+    """A sweep's `multirun.yaml` with a swept value `added` to a key it holds, or a line of it rewritten."""
+    if added:
+        data = yaml.safe_load(path.read_text())
+        add_swept(data["hydra"]["overrides"]["task"], index, value)
+        path.write_text(yaml.safe_dump(data))
+    else:
+        rewrite_line(path, index, value)
+
+
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory, data_root):
     """A finished quick run, on which each entry point has run once as it is (`entry`): what a clean run imports is
@@ -218,13 +228,7 @@ def test_a_sweep_or_search_whose_record_was_rewritten_resumes_inside_it(tmp_path
     import shutil
 
     folder = Path(shutil.copytree(finished_sweeps[kind], tmp_path_factory.mktemp("case") / "sweep"))
-    path = folder / "multirun.yaml"
-    if added:
-        data = yaml.safe_load(path.read_text())
-        add_swept(data["hydra"]["overrides"]["task"], index, value)
-        path.write_text(yaml.safe_dump(data))
-    else:
-        rewrite_line(path, index, value)
+    rewrite_record(folder / "multirun.yaml", added, index, value)
     monkeypatch.setenv("SANDBOX_CANARY", CANARY)
     with sandbox(folder) as box:
         result = resume_sweep(folder)
@@ -262,13 +266,7 @@ def test_a_parallel_sweep_whose_record_was_rewritten_resumes_inside_it(tmp_path_
 
     case = tmp_path_factory.mktemp("case")
     folder = Path(shutil.copytree(finished_parallel_sweep, case / "sweep"))
-    path = folder / "multirun.yaml"
-    if added:
-        data = yaml.safe_load(path.read_text())
-        add_swept(data["hydra"]["overrides"]["task"], index, value)
-        path.write_text(yaml.safe_dump(data))
-    else:
-        rewrite_line(path, index, value)
+    rewrite_record(folder / "multirun.yaml", added, index, value)
     monkeypatch.setenv("SANDBOX_CANARY", CANARY)
     before = tree(case, folder)
     with sandbox(folder) as box:

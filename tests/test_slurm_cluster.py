@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
 from tests.helpers import DATA_ROOT, REPO, cpu_precision, epoch_lines, scalar_steps, steps_going_back, user_env
-from tests.test_sandbox import NASTY, add_swept, rewrite_line
+from tests.test_sandbox import NASTY, rewrite_record
 
 # A job's folder: what it runs (the one-node cluster is this machine, so precision=auto uses what it does here).
 LABEL = f"lenet_auto_1dev_{cpu_precision()}"
@@ -416,17 +416,10 @@ def test_a_launcher_sweep_whose_record_was_rewritten_resumes_inside_it(launcher_
     """tests/test_sandbox.py's corpus on a SLURM sweep: a line of its record rewritten, or a swept value added, and the
     resume under the launcher finishes or is refused in one line, writes nothing outside the sweep's folder and prints
     no variable's value (a record is read by src.resume before the launcher submits anything: it gets typed values)."""
-    import yaml
-
     checkout, record = launcher_sweep_done
     sweep = checkout / "sweep"
     (sweep / "multirun.yaml").write_text(record)
-    if added:
-        data = yaml.safe_load(record)
-        add_swept(data["hydra"]["overrides"]["task"], index, value)
-        (sweep / "multirun.yaml").write_text(yaml.safe_dump(data))
-    else:
-        rewrite_line(sweep / "multirun.yaml", index, value)
+    rewrite_record(sweep / "multirun.yaml", added, index, value)
     before = untouched(checkout, sweep)
     command = f"exec {sys.executable} -m src.train -m hydra.sweep.dir=sweep ckpt_path=auto data.root={DATA_ROOT}"
     resumed = subprocess.run(["bash", "-c", command], cwd=checkout, env={**job_env(), "SANDBOX_CANARY": CANARY},
