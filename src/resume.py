@@ -29,7 +29,13 @@ MAY_CHANGE = {
 # Of those, where the data is: a record never carries it, so a resume reads the data where the run did unless its own
 # command types another folder (conf/'s default in its place would download afresh).
 TYPED_TO_CHANGE = {"data.root"}
-LENGTH = ("max_epochs", "trainer.max_steps")  # a resume may move these, unless a learning-rate schedule spans them
+LENGTH = ("max_epochs", "trainer.max_steps")
+
+
+def typed_values() -> dict[str, str]:
+    """The running command's `key=value` overrides, as it typed them (none outside a Hydra job)."""
+    lines = HydraConfig.get().overrides.task if HydraConfig.initialized() else []
+    return dict(line.split("=", 1) for line in lines if "=" in line)  # a resume may move these, unless a learning-rate schedule spans them
 
 
 def with_record(args: list[str]) -> list[str]:
@@ -134,7 +140,7 @@ def check(cfg: DictConfig) -> records.Result | None:
     if not isinstance(recorded, str):
         raise UsageError(f"{path}: output_dir={records.shown(recorded)} is not allowed; it names the run's folder")
     here = moved(before, Path(recorded), folder)
-    typed = {line.split("=", 1)[0] for line in HydraConfig.get().overrides.task} if HydraConfig.initialized() else set()
+    typed = typed_values()
     strategy_changed = before.get("strategy_name") != after.get("strategy_name")
     if strategy_changed and gradient_math(before) != gradient_math(after):
         raise refused("strategy", before.get("strategy_name"), after["strategy_name"], folder,

@@ -57,10 +57,9 @@ def kept(output_dir: Path) -> str:
 def typed_again() -> list[tuple[str, str]]:
     """The keys a resume must be typed again with, as this run's command typed them: where its data is, which a
     record never carries (`src.resume.TYPED_TO_CHANGE`)."""
-    from src.resume import TYPED_TO_CHANGE
+    from src.resume import TYPED_TO_CHANGE, typed_values
 
-    typed = [line.split("=", 1) for line in HydraConfig.get().overrides.task] if HydraConfig.initialized() else []
-    return [(key, value) for key, value in (pair for pair in typed if len(pair) == 2) if key in TYPED_TO_CHANGE]
+    return [(key, value) for key, value in typed_values().items() if key in TYPED_TO_CHANGE]
 
 
 def end_run(line: str, status: int, ended: bool = False) -> NoReturn:
