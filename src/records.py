@@ -5,7 +5,7 @@ import functools
 import json
 import math
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -227,9 +227,9 @@ def number(value: Any) -> bool:
 
 def value_of(text: str, sweep: bool = False) -> Any:
     """The typed value Hydra reads from a record's `text`, read by the rules above: a scalar, a list of scalars, and in
-    a sweep scalars to sweep over (`a,b`) and the spaces `choice(...)`, `range(...)`, `interval(a, b)`,
-    `int(interval(a, b))` and `tag(log, ...)` of those intervals, as Hydra's own sweep types. ValueError for anything
-    else."""
+    a sweep scalars to sweep over (`a,b`) and the spaces `choice(...)`, `range(...)`, `shuffle(...)` of those,
+    `interval(a, b)`, `int(interval(a, b))` and `tag(log, ...)` of those intervals, as Hydra's own sweep types.
+    ValueError for anything else."""
     from hydra.core.override_parser.types import ChoiceSweep, IntervalSweep, Quote, QuotedString, RangeSweep
 
     if SCALAR.fullmatch(text):
@@ -246,12 +246,21 @@ def value_of(text: str, sweep: bool = False) -> Any:
         return ChoiceSweep(list=[QuotedString(token[1:-1], Quote.single if token[0] == "'" else Quote.double)
                                  if token[:1] in "'\"" else scalar(token) for token in tokens], simple_form=True)
     name, inner = call.groups()
+    if name == "shuffle":  # the same jobs, in an order drawn anew by each command that reads it
+        inner_call = CALL.fullmatch(inner.strip())
+        if inner_call and inner_call.group(1) in ("choice", "range"):
+            spaced = value_of(inner.strip(), sweep)
+        elif (listed := items(inner)) and len(listed) >= 2 and None not in listed:
+            spaced = ChoiceSweep(list=listed, simple_form=True)
+        else:
+            raise ValueError(text)
+        return replace(spaced, shuffle=True)
     if name == "choice" and (chosen := items(inner)) and None not in chosen:  # Hydra's choice() takes no null
         return ChoiceSweep(list=chosen)
-    if name == "range" and (args := items(re.sub(r",\s*step=", ",", inner))) and 1 <= len(args) <= 3 \
-            and all(map(number, args)) and (len(args) < 3 or args[2] != 0):
-        start, stop, step = [*([0] if len(args) == 1 else []), *args, 1][:3]
-        return RangeSweep(start=start, stop=stop, step=step)
+    if name == "range" and (args := bound(inner, ("start", "stop", "step"))) and "start" in args \
+            and args.get("step") != 0:
+        start, stop = (0, args["start"]) if args.get("stop") is None else (args["start"], args["stop"])
+        return RangeSweep(start=start, stop=stop, step=args.get("step", 1))
     if name == "tag" and (tagged := re.fullmatch(r"log,\s*(.*)", inner, re.S)):
         spaced = value_of(tagged.group(1), sweep)
         if isinstance(spaced, IntervalSweep):
@@ -264,10 +273,30 @@ def value_of(text: str, sweep: bool = False) -> Any:
     raise ValueError(text)
 
 
+def bound(inner: str, names: tuple[str, ...]) -> dict[str, Any] | None:
+    """A call's numbers bound to `names` as Python binds them (positional first, then `name=`); None where they do
+    not bind or one is not a number."""
+    args: dict[str, Any] = {}
+    named_before = False
+    for index, piece in enumerate(inner.split(",") if inner.strip() else []):
+        named = re.fullmatch(r"\s*(\w+)\s*=(.*)", piece)
+        name, token = (named.group(1), named.group(2).strip()) if named else (None, piece.strip())
+        if name is None and (named_before or index >= len(names)):
+            return None  # a positional argument after a named one, or one too many
+        named_before = named_before or name is not None
+        name = name or names[index]
+        if name not in names or name in args or not SCALAR.fullmatch(token) or not number(value := scalar(token)):
+            return None
+        args[name] = value
+    return args
+
+
 def emit(value: Any) -> str:
     """`value` (as `value_of` types it) as override text that Hydra reads back as exactly that value."""
     from hydra.core.override_parser.types import ChoiceSweep, IntervalSweep, Quote, QuotedString, RangeSweep
 
+    if isinstance(value, (ChoiceSweep, RangeSweep)) and value.shuffle:
+        return f"shuffle({emit(replace(value, shuffle=False))})"
     if isinstance(value, IntervalSweep):
         space = f"interval({emit(value.start)}, {emit(value.end)})"
         space = f"int({space})" if isinstance(value.start, int) else space

@@ -110,8 +110,9 @@ def check_sweep(recorded: list[Override], typed: dict[str, Override], folder: Pa
 
 
 def swept(override: Override) -> Any:
-    """Its values, or the space of an `interval()` (a search: hydra/sweeper=optuna)."""
-    return override.value() if override.is_interval_sweep() else list(override.sweep_string_iterator())
+    """Its values in any order (a job's folder is found by its values, and `shuffle()` draws a new order), or the
+    space of an `interval()` (a search: hydra/sweeper=optuna)."""
+    return override.value() if override.is_interval_sweep() else sorted(override.sweep_string_iterator())
 
 
 def gradient_math(flat: dict[str, Any]) -> tuple[Any, ...]:

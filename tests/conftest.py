@@ -13,6 +13,7 @@ import subprocess
 import pytest
 import torch
 from hydra.core.hydra_config import HydraConfig
+from hypothesis import settings as hypothesis_settings
 
 # The launchers' configs, registered in Hydra's ConfigStore as Hydra scans its plugins; imported here, before any test
 # saves Hydra's singletons to put them back after it (`hydra_restore_singletons`, the launcher kit's fixture).
@@ -25,6 +26,12 @@ import src.tasks  # noqa: F401  the run's own modules, torch's and Lightning's, 
 from tests.helpers import DATA_ROOT, LINEAR_LR, QUICK, REPO, Run, note_import_filters, trained_once
 
 note_import_filters(_filters_before_imports)
+
+# The property tests draw the same examples at every run, so that a run of the suite fails only where the code
+# changed; `HYPOTHESIS_PROFILE=search` draws new ones each run, to look further.
+hypothesis_settings.register_profile("suite", derandomize=True)
+hypothesis_settings.register_profile("search", derandomize=False)
+hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "suite"))
 
 OUTPUTS = REPO / "outputs"
 

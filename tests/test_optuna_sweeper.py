@@ -27,7 +27,7 @@ from src.launch import progress
 from src.launch.optuna_sweeper import DB, OptunaSweeper, place, search_space, storage
 from src.launch.progress import Progress, Tally
 from src.records import Result
-from tests.helpers import INTERPRETER, QUICK, run_cli, scalars, train, train_here, user_env
+from tests.helpers import INTERPRETER, QUICK, cpu_precision, run_cli, scalars, train, train_here, user_env
 
 LR = "optim.lr=tag(log, interval(0.001, 1))"
 OPTUNA = "hydra/sweeper=optuna"
@@ -217,7 +217,19 @@ def dashboard_studies(db: Path) -> list[str]:
 
 
 @pytest.mark.slow  # a search of two trials; the parallel one's trials are processes
-@pytest.mark.parametrize("launcher", ["sequential", "parallel"])
+def test_two_trials_that_draw_the_same_settings_run_in_folders_of_their_own(tmp_path):
+    """A sampler may draw settings it drew before (TPE over a few choices does): a trial's folder is named by its
+    number too, so the second is a run of its own, not a refused resume of the first's folder."""
+    folder = tmp_path / "search"
+    result = train_here("-m", OPTUNA, "seed=choice(1)", *QUICK, f"hydra.sweep.dir={folder}", "hydra.sweeper.n_trials=2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    study = study_of(folder)
+    assert [(t.state, t.params) for t in study.trials] == [(TrialState.COMPLETE, {"seed": 1})] * 2
+    assert [t.user_attrs["folder"] for t in study.trials] == [
+        f"lenet_auto_1dev_{cpu_precision()}_trial{number}_seed=1" for number in (1, 2)]
+
+
+@pytest.mark.parametrize("launcher", ["sequential", pytest.param("parallel", marks=pytest.mark.slow)])  # jobs: processes
 def test_a_search_judges_each_trial_by_its_best_validation_accuracy_and_names_the_best(request, launcher):
     result, folder = request.getfixturevalue(f"{launcher}_search")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -228,7 +240,7 @@ def test_a_search_judges_each_trial_by_its_best_validation_accuracy_and_names_th
         recorded = json.loads((run / "result.json").read_text())["metrics"]
         assert trial.value == recorded["val/acc_best"] and trial.user_attrs["test/acc"] == recorded["test/acc"]
         assert list(trial.intermediate_values.values()) == scalars(run)["val/acc"]  # each epoch's, told as it ended
-        assert 0.001 <= trial.params["optim.lr"] <= 1 and f"optim.lr={trial.params['optim.lr']}" in run.name
+        assert 0.001 <= trial.params["optim.lr"] <= 1 and f"_trial{trial.number + 1}_optim.lr={trial.params['optim.lr']}" in run.name
     lines = [line for line in result.stdout.splitlines() if line.startswith(("trial ", "best of", "sweep of"))]
     said = [line.split(":")[0] for line in lines if line.startswith("trial ")]
     if launcher == "sequential":

@@ -410,9 +410,9 @@ def test_a_parallel_launch_takes_the_next_job_only_when_a_place_frees_and_tells_
 
 
 def test_a_job_a_resumed_sweep_runs_again_is_named_by_its_folder_though_its_command_adds_overrides(tmp_path):
-    """The SLURM launcher names a job by the folder that recorded its overrides; a resume's job adds `ckpt_path=auto`
-    (and the record's settings), so its folder is found by the job number it recorded. Its lines said `started: seed=1`
-    where it resumed in `lenet_..._seed=1`."""
+    """The SLURM launcher names a job by the folder that recorded its swept values; a resume's job adds `ckpt_path=auto`
+    (and the record's settings), and may have another number (`shuffle()`, values typed in another order), so its
+    folder is found by those values alone. Its lines said `started: seed=1` where it resumed in `lenet_..._seed=1`."""
     from src.launch.naming import job_folder_name
 
     OmegaConf.save({"hydra": {"overrides": {"task": ["seed=1,2"]}}}, tmp_path / "multirun.yaml")
@@ -423,6 +423,7 @@ def test_a_job_a_resumed_sweep_runs_again_is_named_by_its_folder_though_its_comm
     assert job_folder_name(tmp_path, ["seed=2"], 1) == "lenet_auto_1dev_32-true_seed=2"
     assert job_folder_name(tmp_path, ["seed=2", "ckpt_path=auto"], 1) == "lenet_auto_1dev_32-true_seed=2"
     assert job_folder_name(tmp_path, ["seed=3", "ckpt_path=auto"], 2) == "seed=3", "a job with no folder yet"
+    assert job_folder_name(tmp_path, ["seed=1", "ckpt_path=auto", "max_epochs=3"], 1) == "lenet_auto_1dev_32-true_seed=1"
 
 
 def test_a_parallel_sweep_held_to_one_job_at_a_time_says_why_in_one_line(monkeypatch):

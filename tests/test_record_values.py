@@ -2,6 +2,7 @@
 generated values and generated record text."""
 
 import math
+from dataclasses import replace
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import ChoiceSweep, IntervalSweep, Quote, QuotedString, RangeSweep
@@ -38,7 +39,13 @@ SWEEPS = st.one_of(
     st.builds(lambda a, b, log: IntervalSweep(start=a, end=b, tags={"log"} if log else set()), WHOLE, WHOLE,
               st.booleans()),
 )
-VALUES = st.one_of(SCALARS, st.lists(SCALARS, max_size=4), SWEEPS)
+SHUFFLED = st.one_of(
+    st.builds(lambda items, simple: ChoiceSweep(list=items, simple_form=simple, shuffle=True),
+              st.lists(SCALARS.filter(lambda v: v is not None), min_size=2, max_size=4), st.booleans()),
+    st.builds(lambda a, b, step: RangeSweep(start=a, stop=b, step=step, shuffle=True), WHOLE, WHOLE,
+              st.integers(1, 5)),
+)
+VALUES = st.one_of(SCALARS, st.lists(SCALARS, max_size=4), SWEEPS, SHUFFLED)
 
 
 def same(a, b) -> bool:
@@ -60,7 +67,7 @@ def hydra_reads(text: str):
 def unquoted(value):
     """Hydra's reading of a choice() or a list: their quoted items are plain text."""
     if isinstance(value, ChoiceSweep) and not value.simple_form:
-        return ChoiceSweep(list=[getattr(v, "text", v) for v in value.list])
+        return replace(value, list=[getattr(v, "text", v) for v in value.list])
     return value
 
 
@@ -80,8 +87,9 @@ RECORD_TEXT = st.one_of(
     st.lists(st.sampled_from(["1", "0.10", "1_000", "True", "null", "x", "'a b'", '"w"', "00", "-2", ".5", "1e-3"]),
              min_size=1, max_size=4).map(",".join),
     st.tuples(st.sampled_from(["interval", "int(interval", "tag(log, interval", "tag(log, int(interval", "range",
-                               "choice"]),
-              st.lists(st.sampled_from(["1", "5", "0.5", "1e-3", "x", "step=2", "-3", "10"]), min_size=1, max_size=3))
+                               "choice", "shuffle", "shuffle(choice", "shuffle(range"]),
+              st.lists(st.sampled_from(["1", "5", "0.5", "1e-3", "x", "step=2", "start=2", "stop=4", "-3", "10",
+                                        "'a,b'"]), min_size=1, max_size=3))
     .map(lambda call: f"{call[0]}({', '.join(call[1])})" + ")" * call[0].count("(")),
 )
 
@@ -99,5 +107,34 @@ def test_a_swept_record_value_taken_names_the_same_jobs_as_the_text_it_was_read_
         return
     emitted, original = PARSER.parse_override(f"key={records.emit(value)}"), PARSER.parse_override(f"key={text}")
     assert same(emitted.value(), original.value()), text
-    if original.is_sweep_override() and not original.is_interval_sweep():
-        assert list(emitted.sweep_string_iterator()) == list(original.sweep_string_iterator())
+    if original.is_sweep_override() and not original.is_interval_sweep():  # shuffle() draws its order each time
+        ordered = sorted if getattr(original.value(), "shuffle", False) else list
+        assert ordered(emitted.sweep_string_iterator()) == ordered(original.sweep_string_iterator())
+
+
+FUNCTIONS = ["shuffle", "sort", "choice", "range", "interval", "int", "float", "str", "tag", "glob"]
+OVERRIDE_TEXT = st.one_of(
+    RECORD_TEXT,
+    st.recursive(st.sampled_from(["1", "x", "'a,b'", "[1,2]", "{a:1}", "x\\,y", "reverse=true", "log", " 2 ", "*"]),
+                 lambda inner: st.one_of(st.lists(inner, min_size=1, max_size=3).map(",".join),
+                                         st.tuples(st.sampled_from(FUNCTIONS), st.lists(inner, max_size=3))
+                                         .map(lambda call: f"{call[0]}({','.join(call[1])})")),
+                 max_leaves=6),
+)
+
+
+@settings(max_examples=600, deadline=None)
+@given(text=OVERRIDE_TEXT)
+def test_a_key_hydra_would_sweep_names_the_job_folders(text):
+    """Job folders are named by the keys `naming.swept_keys` reads as swept from the sweep's record, never parsed by
+    Hydra's grammar: every key Hydra's grammar reads as a sweep is among them (else two jobs would share a folder),
+    and a key left out is one Hydra reads as one value too."""
+    from src.launch.naming import swept_keys
+
+    named = swept_keys([f"key={text}"]) == ["key"]
+    try:
+        hydra = PARSER.parse_override(f"key={text}")
+        sweeps = hydra.is_sweep_override()
+    except Exception:  # a text Hydra refuses (or glob() without a config) is never run as typed; naming still holds
+        return
+    assert named or not sweeps, text

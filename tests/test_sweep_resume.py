@@ -10,7 +10,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from src.config import CONF_DIR
-from tests.helpers import epoch_lines, train_here
+from tests.helpers import QUICK, cpu_precision, epoch_lines, train_here
 from tests.test_resume import AUGMENTED, LONGER, assert_matches_unbroken, assert_same_draws, unbroken  # noqa: F401
 from tests.test_stopping import Run
 
@@ -87,3 +87,22 @@ def test_a_sweep_resume_with_another_sweep_is_refused_in_one_line(tmp_path, data
         assert result.returncode == 2
         assert result.stderr.strip().splitlines()[-1].startswith("error: " + said.format(sweep=sweep)), result.stderr
         assert sorted(p.name for p in sweep.iterdir()) == ["multirun.yaml"]
+
+
+def test_a_shuffled_sweep_resumes_each_job_in_its_own_folder_whatever_order_it_draws(tmp_path, data_root):
+    """`shuffle()` numbers a sweep's jobs anew at each command: a job's folder is named and found by its values, so a
+    resume, as recorded or with the values typed in another order, finds each job's folder; other values are refused."""
+    sweep = tmp_path / "sweep"
+    first = train_here("-m", *QUICK, "seed=shuffle(1,2,3)", f"hydra.sweep.dir={sweep}")
+    assert first.returncode == 0, first.stderr[-3000:]
+    jobs = [f"lenet_auto_1dev_{cpu_precision()}_seed={seed}" for seed in (1, 2, 3)]
+    assert sorted(p.parent.name for p in sweep.glob("*/result.json")) == jobs
+    for typed in ([], ["seed=3,1,2"]):
+        again = train_here("-m", QUICK[0], *typed, f"hydra.sweep.dir={sweep}", "ckpt_path=auto")
+        assert again.returncode == 0, again.stderr[-3000:]
+        assert f"sweep of 3 jobs: 0 done, 0 resumed, 3 skipped, 0 failed; report: {sweep / 'report.md'}" in again.stdout
+        assert sorted(p.parent.name for p in sweep.glob("*/result.json")) == jobs
+    other = train_here("-m", QUICK[0], "seed=1,2", f"hydra.sweep.dir={sweep}", "ckpt_path=auto")
+    assert other.returncode == 2
+    assert other.stderr.strip().splitlines()[-1].startswith(
+        f"error: seed=1,2 is not allowed in a resume of the sweep {sweep}: it swept seed=3,1,2"), other.stderr  # as last typed

@@ -12,10 +12,10 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from src.config import options, parse
+from src.config import options
 from src.errors import UsageError, interpreter
 from src.folders import linked, missing, own_file, remove_empty, remove_tree
-from src.records import load, overrides, select
+from src.records import load, overrides, select, value_of
 from src.launch.lock import LOCK
 from src.launch.ranks import external_rank, run_stamp
 
@@ -35,10 +35,23 @@ def note_given(args: list[str]) -> None:
             _given.add(os.path.abspath(arg.partition("=")[2]))
 
 
-def swept_keys(args: list[str]) -> list[str]:
-    """The keys, as typed, that overrides sweep (`seed=1,2`, `optim.lr=interval(...)`) as Hydra's grammar reads them
-    (`a={x:1,y:2}` and `a=x\\,y` sweep nothing); an override it refuses is one line naming it."""
-    return [o.input_line.partition("=")[0].lstrip("+~") for o in parse(args) if o.is_sweep_override()]
+def swept_keys(lines: list[str]) -> list[str]:
+    """The keys of a sweep's recorded overrides that its jobs may differ in: every key but those whose value
+    `records.value_of` reads as one value (a number, text, a list). The record is read, never parsed by Hydra's
+    grammar; a value it does not read (a dict, `glob(*)`, `sort(...)`) counts as swept, so that at worst a folder's
+    name is longer, and two jobs never share one."""
+    from hydra.core.override_parser.types import Sweep
+
+    keys = []
+    for line in lines:
+        key, has_value, text = line.partition("=")
+        try:
+            one = not has_value or not isinstance(value_of(text, sweep=True), Sweep)
+        except ValueError:
+            one = False
+        if not one:
+            keys.append(key.lstrip("+~"))
+    return keys
 
 
 def sweep_args(sweep_dir: str) -> list[str]:
@@ -69,18 +82,28 @@ def run_label(model: str, strategy: str, devices: int, num_nodes: int, precision
 
 
 LABELLED = ("model", "strategy", "devices", "num_nodes", "experiment")  # swept keys the run label shows by value
+TRIAL = "callbacks.optuna_trial.trial"  # a search's trial number: a sampler may draw the same settings twice
 
 
 def sweep_job_dirname(job_overrides: list[str], job_num: int, sweep_dir: str, label: str = "") -> str:
-    """The run label, then the swept values it does not show: `lenet_auto_1dev_32-true_seed=2` for `seed=1,2`; a swept
-    precision as typed unless the label shows it so (`32` is `32-true`): two jobs never share a folder."""
-    values = {key.lstrip("+"): value for key, value in (item.split("=", 1) for item in job_overrides if "=" in item)}
-    swept = [key for key in swept_keys(sweep_args(sweep_dir)) if key in values]
+    """The run label, then a search's trial (as its lines count it), then the swept values it does not show:
+    `lenet_auto_1dev_32-true_seed=2` for `seed=1,2`, `..._trial3_optim.lr=0.01` in a search; a swept precision as typed
+    unless the label shows it so (`32` is `32-true`): two jobs never share a folder."""
+    values = swept_values(job_overrides, swept_keys(sweep_args(sweep_dir)))
+    trial = [f"trial{int(values[TRIAL]) + 1}"] if values.get(TRIAL, "").isdigit() else []
     if not label:  # a job that never started: by every swept value
-        return folder_name(",".join(f"{key}={values[key]}" for key in swept), f"job{job_num}")
-    parts = [f"{key}={values[key]}" for key in swept
-             if key not in LABELLED and not (key == "precision" and label.endswith("_" + values[key]))]
-    return folder_name("_".join([label, ",".join(parts)]) if parts else label, f"job{job_num}")
+        return folder_name("_".join([*trial, ",".join(f"{key}={value}" for key, value in values.items()
+                                                      if key != TRIAL)]).strip("_"), f"job{job_num}")
+    parts = [f"{key}={value}" for key, value in values.items()
+             if key not in (*LABELLED, TRIAL) and not (key == "precision" and label.endswith("_" + value))]
+    return folder_name("_".join([label, *trial, *([",".join(parts)] if parts else [])]), f"job{job_num}")
+
+
+def swept_values(job_overrides: list[str], swept: list[str]) -> dict[str, str]:
+    """A job's values of the swept keys (and a search's trial number), as its overrides give them, in the sweep's
+    order."""
+    values = {key.lstrip("+~"): value for key, _, value in (item.partition("=") for item in job_overrides)}
+    return {key: values[key] for key in [TRIAL, *swept] if key in values}
 
 
 NAME_BYTES = 200  # a job folder's name at most (file systems take 255)
@@ -116,16 +139,17 @@ def job_dirname(config: DictConfig) -> str:
 
 
 def job_folder_name(sweep_dir: Path, job_overrides: list[str], job_num: int) -> str:
-    """The folder a job of this sweep ran in, found by the overrides it recorded there; else, for a job a resumed
-    sweep runs again (its command adds overrides of its own), by the job number it recorded; else its swept values."""
-    numbered = None
+    """The folder a job of this sweep ran in, found by the swept values its recorded overrides hold (a resumed sweep's
+    command adds overrides of its own, and numbers its jobs anew: `shuffle()`, values typed in another order); else its
+    swept values."""
+    swept = swept_keys(sweep_args(str(sweep_dir)))
+    wanted = swept_values(job_overrides, swept)
     for saved in sorted(sweep_dir.glob("*/.hydra/overrides.yaml")):
-        if load(saved, root=sweep_dir) == list(job_overrides):
+        recorded = load(saved, root=sweep_dir)
+        if isinstance(recorded, list) and all(isinstance(line, str) for line in recorded) \
+                and swept_values(recorded, swept) == wanted:
             return saved.parent.parent.name
-        hydra_yaml = saved.parent / "hydra.yaml"
-        if numbered is None and hydra_yaml.is_file() and select(load(hydra_yaml, root=sweep_dir), "hydra.job.num") == job_num:
-            numbered = saved.parent.parent.name
-    return numbered or sweep_job_dirname(job_overrides, job_num, str(sweep_dir))
+    return sweep_job_dirname(job_overrides, job_num, str(sweep_dir))
 
 
 def claim_dir(path: str, kind: str = "run") -> str:
