@@ -25,7 +25,7 @@ from torch.utils.tensorboard.summary import custom_scalars
 from src import records
 from src.checkpoints import Saved
 from src.errors import UsageError, interpreter
-from src.folders import read_bytes, write_file
+from src.folders import open_file, read_bytes, write_file
 from src.launch.stops import RunStopped, held
 from src.records import TO_TARGET
 
@@ -235,7 +235,7 @@ class MLflowRunLogger(MLFlowLogger):
         lock = Path(f"{store}.lock") if store is not None else None
         if lock is not None:
             lock.parent.mkdir(parents=True, exist_ok=True)
-        with lock.open("a") if lock else nullcontext() as held:
+        with os.fdopen(open_file(lock, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a") if lock else nullcontext() as held:
             if held:
                 fcntl.flock(held, fcntl.LOCK_EX)
             if rank_zero_only.rank == 0 and run_id is not None:

@@ -105,7 +105,6 @@ OS_FUNCTIONS = {"open", "remove", "unlink", "rmdir", "replace", "rename", "trunc
 # The calls outside the layer, by module and what they touch: none of them a run, sweep or study folder's contents.
 OUTSIDE_FOLDERS = {
     "src/records.py": {"read_text"},  # conf/ of the checkout
-    "src/loggers.py": {"open"},  # the MLflow store's lock, beside the store
     "src/callbacks/disturbance.py": {"read_text"},  # /proc
     "src/callbacks/hardware.py": {"write_text", "read_text"},  # /proc/self
     "src/sysinfo.py": {"read_text"},  # /proc/cpuinfo
