@@ -8,7 +8,9 @@ import errno
 import io
 import os
 import stat
-from contextlib import suppress
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from src.errors import UsageError
@@ -120,10 +122,24 @@ def open_file(path: Path, flags: int, root: Path | None = None, mode: int = 0o64
 def read_bytes(path: Path, limit: int, root: Path | None = None) -> bytes:
     """A file's bytes, at most `limit` (more is one line), never through a link below `root`."""
     with os.fdopen(open_file(path, os.O_RDONLY, root), "rb") as file:
-        data = file.read(limit + 1)
-    if len(data) > limit:
+        size = os.fstat(file.fileno()).st_size  # a file larger already is not read at all
+        data = file.read(limit + 1) if size <= limit else b""
+    if size > limit or len(data) > limit:
         raise OSError(errno.EFBIG, f"larger than {limit // 2**20} MiB", str(path))
     return data
+
+
+@contextmanager
+def copied(folder: Path, pattern: str, limit: int) -> Iterator[Path]:
+    """A temporary folder holding the files of `folder` that match `pattern`, each read as `read_bytes` reads (no link,
+    no FIFO), at most `limit` bytes in all: for a library that reads files by their path (TensorBoard's readers)."""
+    with tempfile.TemporaryDirectory(prefix="copied-") as copy:
+        left = limit
+        for path in sorted(Path(folder).glob(pattern)):
+            data = read_bytes(path, left, root=folder)
+            left -= len(data)
+            write_file(Path(copy) / path.name, data)
+        yield Path(copy)
 
 
 def write_file(path: Path, data: str | bytes | memoryview, root: Path | None = None, durable: bool = False) -> None:

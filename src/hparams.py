@@ -19,6 +19,7 @@ from tensorboard.plugins.hparams import api_pb2, metadata, plugin_data_pb2, summ
 from torch.utils.tensorboard.writer import FileWriter
 
 from src import records
+from src.errors import UsageError
 from src.config import TrainConfig
 from src.launch.stops import held
 from src.loggers import RunLogger
@@ -249,5 +250,11 @@ def write_experiment(runs: list[Mapping[str, Any]], log_dir: Path, typed: Iterab
 
 
 def has_hparams(run_dir: Path) -> bool:
-    return any(value.metadata.plugin_data.plugin_name == "hparams" for events in run_dir.glob("events.out.tfevents.*")
-               for event in EventFileLoader(str(events)).Load() for value in event.summary.value)
+    from src.runs import EVENT_FILES, event_files
+
+    try:
+        with event_files(run_dir) as copy:
+            return any(value.metadata.plugin_data.plugin_name == "hparams" for events in copy.glob(EVENT_FILES)
+                       for event in EventFileLoader(str(events)).Load() for value in event.summary.value)
+    except UsageError as error:
+        raise UsageError(f"{records.shown(run_dir)}: {error}") from None

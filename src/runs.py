@@ -3,13 +3,14 @@ shell those commands share."""
 
 import argparse
 import csv
+import errno
 import io
 import logging
 import re
 import statistics
 import sys
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from functools import cached_property
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
@@ -18,15 +19,35 @@ from omegaconf import DictConfig, OmegaConf
 
 from src import records
 from src.errors import UsageError
-from src.folders import read_bytes
+from src.folders import copied, read_bytes
 from src.launch.console import print_error
 
 RESOLVED_CONFIG = "config.yaml"
 EVENT_FILES = "events.out.tfevents.*"
 EVENTS_LIMIT = 64 * 2**20  # bytes of a run's event files the readers read; a long ResNet-18 run's are under 1 MiB
+
 CSV_METRICS, CSV_HPARAMS = Path("csv", "metrics.csv"), Path("csv", "hparams.yaml")  # conf/logger/csv.yaml
 
 T = TypeVar("T")
+
+
+@contextmanager
+def event_files(folder: Path) -> Iterator[Path]:
+    """A copy of the run's event files, read through the folders layer (never a link or a FIFO, at most
+    `EVENTS_LIMIT`), where TensorBoard's readers, which open files by their path, read them."""
+    held = ExitStack()
+    try:
+        copy = held.enter_context(copied(folder, EVENT_FILES, EVENTS_LIMIT))
+    except UsageError:
+        raise UsageError(f"one of its event files ({EVENT_FILES}) is a link or not a regular file; the readers "
+                         "read only files of the run's own") from None
+    except OSError as error:
+        if error.errno != errno.EFBIG:
+            raise
+        raise UsageError(f"its event files hold more than {EVENTS_LIMIT // 2**20} MiB, far more than a run's "
+                         "scalars take; move them away, or read them in TensorBoard") from None
+    with held:
+        yield copy
 
 
 def median(values: Iterable[float]) -> float | None:
@@ -59,17 +80,10 @@ class RunFolder:
     def _events(self) -> Any:
         from tensorboard.backend.event_processing import event_accumulator
 
-        files = sorted(self.path.glob(EVENT_FILES))
-        if any(file.is_symlink() or not file.is_file() for file in files):
-            raise UsageError(f"one of its event files ({EVENT_FILES}) is a link or not a regular file; the readers "
-                             "read only files of the run's own")
-        if sum(file.stat().st_size for file in files) > EVENTS_LIMIT:
-            raise UsageError(f"its event files hold more than {EVENTS_LIMIT // 2**20} MiB, far more than a run's "
-                             "scalars take; move them away, or read them in TensorBoard")
-
-        events = event_accumulator.EventAccumulator(str(self.path), size_guidance={event_accumulator.SCALARS: 0,
-                                                                                   event_accumulator.TENSORS: 0})
-        events.Reload()
+        with event_files(self.path) as copy:
+            events = event_accumulator.EventAccumulator(str(copy), size_guidance={event_accumulator.SCALARS: 0,
+                                                                                 event_accumulator.TENSORS: 0})
+            events.Reload()
         return events
 
     @cached_property

@@ -67,12 +67,17 @@ class HoldAfterEpoch(Callback):
     (a job cancelled before its first checkpoint, run again by the sweep's resume).
     """
 
-    def __init__(self, until: str, epoch: int = 0) -> None:
+    def __init__(self, until: str, epoch: int = 0, holding: str | None = None) -> None:
         self.until = Path(until)
         self.epoch = epoch
+        self.holding = Path(holding) if holding else None  # made once the hold began, the loggers' events written
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.current_epoch == self.epoch + 1 and trainer.ckpt_path is None:
+            if self.holding is not None:  # TensorBoard's writer thread writes nothing more while the run holds
+                for logger in trainer.loggers:
+                    getattr(logger.experiment, "flush", lambda: None)()
+                self.holding.touch()
             while not self.until.exists():
                 time.sleep(0.2)
 

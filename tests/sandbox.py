@@ -5,7 +5,9 @@ or process outside them is a finding. A hook cannot be taken back, so one is add
 only while a `Sandbox` is open."""
 
 import os
+import shutil
 import sys
+import tempfile
 from contextlib import contextmanager
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -70,10 +72,15 @@ sys.addaudithook(_hook)
 
 @contextmanager
 def sandbox(*allowed: Path) -> Iterator[Sandbox]:
-    """Records what the code in the block changes outside `allowed` (resolved: a link to elsewhere is elsewhere)."""
-    box = Sandbox([Path(os.path.realpath(folder)) for folder in allowed])
+    """Records what the code in the block changes outside `allowed` (resolved: a link to elsewhere is elsewhere) and
+    a temporary folder of its own, which is `tempfile`'s in the block."""
+    temporary = tempfile.mkdtemp(prefix="sandbox-")
+    box = Sandbox([Path(os.path.realpath(folder)) for folder in (*allowed, temporary)])
+    saved, tempfile.tempdir = tempfile.tempdir, temporary
     _open.append(box)
     try:
         yield box
     finally:
         _open.remove(box)
+        tempfile.tempdir = saved
+        shutil.rmtree(temporary, ignore_errors=True)

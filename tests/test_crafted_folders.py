@@ -25,7 +25,7 @@ from src.launch.optuna_sweeper import DB, OptunaSweeper, search_space
 from src.launch.slurm_launcher import check_private
 from src.models.module import Classifier
 from src.report import main as report_main
-from tests.helpers import call_main
+from tests.helpers import QUICK, call_main, train_here
 from tests.test_scaling import write_ddp_run
 
 SECRET = "CRAFTED_FOLDER_SECRET"
@@ -447,8 +447,6 @@ def test_a_study_named_like_a_resolver_reaches_no_job_as_text(tmp_path, monkeypa
 def test_a_loggers_version_in_a_record_never_moves_where_a_resume_writes(tmp_path, quick_run):
     """`logger.tensorboard.version=../../x` in overrides.yaml and config.yaml: the resume wrote its events two folders
     above the run. The record does not carry it, and the run's config holds it: one line that says to type it."""
-    from tests.helpers import QUICK, train_here
-
     run_dir = quick_run.copy(tmp_path)
     overrides = run_dir / ".hydra" / "overrides.yaml"
     overrides.write_text(yaml.safe_dump([*yaml.safe_load(overrides.read_text()), "logger.tensorboard.version=../../x"]))
@@ -548,6 +546,22 @@ def test_a_run_whose_event_files_would_flood_or_block_a_reader_is_left_out_in_on
     why = "its event files hold more than 64 MiB" if kind == "flood" else "one of its event files"
     assert result.stderr.strip().splitlines() == [line for line in result.stderr.strip().splitlines()
                                                   if line.startswith(f"error: {run}: left out ({why}")] != []
+
+
+def test_a_resume_that_trains_on_of_a_run_whose_event_file_is_a_fifo_is_refused_without_waiting(tmp_path, data_root):
+    """A run's end reads its event files (a resumed run keeps the HParams record it began with): a FIFO in one's
+    place kept the resume waiting for ever, deaf to SIGTERM. It is one line, and the checkpoints stay."""
+    run = tmp_path / "run"
+    assert train_here(*QUICK, f"hydra.run.dir={run}").returncode == 0
+    [events] = run.glob("events.out.tfevents.*")
+    events.unlink()
+    os.mkfifo(events)
+    result = train_here(QUICK[0], "ckpt_path=last", "max_epochs=2", f"hydra.run.dir={run}")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"error: {run}: one of its event files (events.out.tfevents.*) is a link or not a regular file; the readers "
+        "read only files of the run's own")
+    assert (run / "checkpoints" / "last.ckpt").is_file()
 
 
 @settings(max_examples=400, deadline=None)

@@ -33,12 +33,12 @@ def test_a_second_writer_of_a_sweep_or_of_its_running_job_is_refused_naming_the_
     of the job's folder alone, are turned away naming the sweep's process; neither touches what the first wrote.
     They run in this process; the first stays a process of its own, so that the pid named is not the refused
     command's own, and a real run is seen to hold its folders, finish and let them go."""
-    sweep, released = tmp_path / "sweep", tmp_path / "released"
-    held = [*HOLD, "+callbacks.hold.epoch=0", f"+callbacks.hold.until={released}"]
+    sweep, released, holding = tmp_path / "sweep", tmp_path / "released", tmp_path / "holding"
+    held = [*HOLD, "+callbacks.hold.epoch=0", f"+callbacks.hold.until={released}", f"+callbacks.hold.holding={holding}"]
     args = [*QUICK, "-m", "seed=1,2", *held, f"hydra.sweep.dir={sweep}"]
     first = start_cli("src.train", *args)
     try:
-        wait_for(lambda: any(sweep.glob("*/checkpoints/last.ckpt")), "the first sweep's first job trains")
+        wait_for(holding.exists, "the first sweep's first job trains an epoch and holds, all it wrote written")
         [job] = [path.parent.parent for path in sweep.glob("*/checkpoints/last.ckpt")]
         holder = f"pid {first.pid} on {socket.gethostname()}"
         assert (job / ".lock").read_text() == (sweep / ".lock").read_text() == f"{holder}\n"

@@ -88,39 +88,34 @@ def finished_run(tmp_path_factory, data_root):
     return run_dir
 
 
-COMMANDS = ("last", "auto", "eval", "report", "scaling")
+COMMANDS = ("last", "auto", "longer", "eval", "report", "scaling")  # longer: a resume that trains on
 
 
 def entry(command: str, run_dir: Path) -> tuple[subprocess.CompletedProcess, Path]:
-    """One entry point on the folder, in this process, and the folder it may write in. Temporary files go to a
-    folder beside the run's (`tempfile`'s, which src.scaling's timing uses), inside what the sandbox allows."""
-    import tempfile
-
+    """One entry point on the folder, in this process, and the folder it may write in (and, under the sandbox, its
+    temporary folder)."""
     from src.report import main as report_main
     from src.scaling.predict import main as scaling_main
     from tests.helpers import DATA_ROOT, call_main, command_here
 
-    (run_dir.parent / "tmp").mkdir(exist_ok=True)
-    tempfile.tempdir = str(run_dir.parent / "tmp")
-    try:
-        if command == "eval":
-            scored = run_dir.parent / "eval"
-            return command_here("src.eval", f"data.root={DATA_ROOT}", f"ckpt_path={run_dir}", f"hydra.run.dir={scored}",
-                                "trainer.enable_progress_bar=false"), scored
-        if command == "report":
-            return call_main(report_main, str(run_dir.parent)), run_dir.parent
-        if command == "scaling":  # its DDP timing's processes are the slow tier's: here the figures it estimates
-            with mock.patch("src.scaling.stepclock.start_ranks", side_effect=RuntimeError("timed in the slow tier")):
-                return call_main(scaling_main, str(run_dir)), run_dir
-        return train_here(*QUICK, f"ckpt_path={command}", f"hydra.run.dir={run_dir}"), run_dir
-    finally:
-        tempfile.tempdir = None
+    if command == "eval":
+        scored = run_dir.parent / "eval"
+        return command_here("src.eval", f"data.root={DATA_ROOT}", f"ckpt_path={run_dir}", f"hydra.run.dir={scored}",
+                            "trainer.enable_progress_bar=false"), scored
+    if command == "report":
+        return call_main(report_main, str(run_dir.parent)), run_dir.parent
+    if command == "scaling":  # its DDP timing's processes are the slow tier's: here the figures it estimates
+        with mock.patch("src.scaling.stepclock.start_ranks", side_effect=RuntimeError("timed in the slow tier")):
+            return call_main(scaling_main, str(run_dir)), run_dir
+    if command == "longer":
+        return train_here(*QUICK, "ckpt_path=last", "max_epochs=2", f"hydra.run.dir={run_dir}"), run_dir
+    return train_here(*QUICK, f"ckpt_path={command}", f"hydra.run.dir={run_dir}"), run_dir
 
 
 def sandboxed(command: str, run_dir: Path) -> tuple[subprocess.CompletedProcess, Sandbox]:
     """`entry` under the sandbox, allowed its own folder and temporary files; it finished or said one line."""
     allowed = run_dir.parent / "eval" if command == "eval" else run_dir.parent if command == "report" else run_dir
-    with sandbox(allowed, run_dir.parent / "tmp") as box:
+    with sandbox(allowed) as box:
         result, _ = entry(command, run_dir)
     assert result.returncode in (0, 2), result.stderr[-2000:]
     if result.returncode == 2:
@@ -135,9 +130,9 @@ def sandboxed(command: str, run_dir: Path) -> tuple[subprocess.CompletedProcess,
        command=st.sampled_from(COMMANDS))
 def test_a_command_on_a_folder_whose_records_were_rewritten_stays_inside_it(tmp_path_factory, finished_run,
                                                                              monkeypatch, record, index, value, command):
-    """Each value of a finished run's overrides.yaml or config.yaml rewritten: a resume (`ckpt_path=last|auto`),
-    `src.eval` and `src.scaling` of the folder and `src.report` of the folder above it finish or are refused in one
-    line, write only in their own folder, start no process, and print no variable's value."""
+    """Each value of a finished run's overrides.yaml or config.yaml rewritten: a resume (`ckpt_path=last|auto`, and one
+    that trains on), `src.eval` and `src.scaling` of the folder and `src.report` of the folder above it finish or are
+    refused in one line, write only in their own folder, start no process, and print no variable's value."""
     import shutil
 
     run_dir = Path(shutil.copytree(finished_run, tmp_path_factory.mktemp("case") / "run"))
