@@ -38,10 +38,13 @@ def missing_package(what: str, package: str) -> UsageError:
 
 
 def build(group: str, node: Any, **kwargs: Any) -> Any:
-    """`instantiate(node)`, with Hydra's refusal (a target that cannot be located) as the line of the group's."""
+    """`instantiate(node)`, with Hydra's refusal (a target that cannot be located) as the line of the group's, and a
+    refusal the built class made itself (a link in the run's folder) as its own line."""
     try:
         return instantiate(node, **kwargs)
     except InstantiationException as error:
+        if isinstance(error.__cause__, UsageError):
+            raise error.__cause__ from None
         raise UsageError(f"{group}: {' '.join(str(error).split())}") from None
 
 

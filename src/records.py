@@ -383,7 +383,10 @@ def settings(lines: Any, path: Path, sweep: bool = False, typed: set[str] = froz
             value = value_of(text, sweep) if has_value else None
         except ValueError:
             raise refused(path, key, text, "its value must be a number, true, false, null, a word or quoted text on "
-                                          "one line without $, \\, quotes or control characters") from None
+                                          "one line without $, \\, quotes or control characters, or a list of them"
+                                          + ("; in a sweep also a,b, choice(), range() and shuffle() of these, and "
+                                             f"interval(), int(interval()), tag(log, ...): type {shown(key)[:SHOWN]}="
+                                             "... as the sweep had it again to resume it" if sweep else "")) from None
         if swept_count(value) > SWEPT_LIMIT:
             raise refused(path, key, text[:80], f"a sweep's record names at most {SWEPT_LIMIT:,} values of a key "
                                                 "(each is a job); type the sweep again to run more")

@@ -530,3 +530,15 @@ def test_a_missing_checkpoint_or_data_folder_and_an_uneven_global_batch_are_refu
     config.check(composed("data.batch_size=10", "strategy=dp", "devices=4"))  # one process: dp splits by itself
     config.check(composed("ckpt_path=last"))  # the run folder's: src/checkpoints.py looks
     assert not nodata.exists()
+
+
+def test_a_refusal_a_built_class_makes_itself_is_its_own_line_not_hydras_wrapping(tmp_path):
+    """A logger that finds a link in the run's folder refuses in its own words; Hydra's instantiate wraps that in
+    `Error in call to target ...`, which `build` takes off. Hydra's own refusals keep the group's name."""
+    (tmp_path / "metrics.csv").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(UsageError) as refused:
+        build("logger.csv", {"_target_": "src.folders.read_bytes", "path": str(tmp_path / "metrics.csv"), "limit": 1})
+    assert str(refused.value).startswith(f"{tmp_path / 'metrics.csv'} is a symbolic link; a run reads and writes only")
+    with pytest.raises(UsageError) as refused:
+        build("logger.csv", {"_target_": "src.no_such_module.Logger"})
+    assert str(refused.value).startswith("logger.csv: Error locating target 'src.no_such_module.Logger'")

@@ -3,15 +3,18 @@ report.csv cell starts no spreadsheet formula, and a terminal line holds no cont
 (Hypothesis); a crafted sweep folder end to end: tests/test_report.py."""
 
 import html
+import io
 import re
 from pathlib import Path
 from types import SimpleNamespace
+from unittest import mock
 
 from hydra.core.utils import JobReturn, JobStatus
 from hypothesis import given
 from hypothesis import strategies as st
 
 from src.launch import progress
+from src.launch.console import print_error
 from src.launch.optuna_sweeper import PRUNED_AFTER, best, trials_table
 from src.records import shown
 from src.report import csv_cell, markdown_cell
@@ -77,6 +80,17 @@ def test_a_terminal_line_holds_no_control_character(text):
     lines.stopped(1, text, text)
     said.append(best(crafted_study(text), Path("sweep") / text))
     assert all(char.isprintable() for line in said for char in line), said
+
+
+@given(TEXT)
+def test_an_error_line_is_one_line_of_printable_characters_whatever_it_quotes(text):
+    """Every `error:` line passes `print_error`: a refusal that quotes a record's value (a resume's, say, of
+    `optim.schedule` holding \x1e, which Python and terminals take for a line's end) prints it escaped."""
+    stream = io.StringIO()
+    with mock.patch("sys.stderr", stream):
+        print_error(f"optim.schedule={text} is not allowed")
+    [line] = stream.getvalue().splitlines()
+    assert line.startswith("error: optim.schedule=") and line.isprintable(), line
 
 
 @given(TEXT)

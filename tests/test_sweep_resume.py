@@ -106,3 +106,19 @@ def test_a_shuffled_sweep_resumes_each_job_in_its_own_folder_whatever_order_it_d
     assert other.returncode == 2
     assert other.stderr.strip().splitlines()[-1].startswith(
         f"error: seed=1,2 is not allowed in a resume of the sweep {sweep}: it swept seed=3,1,2"), other.stderr  # as last typed
+
+
+def test_a_sweep_whose_record_holds_a_function_the_reader_does_not_read_resumes_with_it_typed_again(tmp_path):
+    """`sort()` is not read from a record: the resume is one line that says to type it again, and with it typed again
+    the command's line is used and the record's is not read."""
+    from src import resume
+    from src.errors import UsageError
+
+    (tmp_path / "multirun.yaml").write_text("hydra:\n  overrides:\n    hydra: []\n    task:\n    - seed=sort(3,1,2)\n")
+    with pytest.raises(UsageError) as refused:
+        resume.with_record(["-m", f"hydra.sweep.dir={tmp_path}", "ckpt_path=auto"])
+    assert str(refused.value).startswith(f"{tmp_path / 'multirun.yaml'}: seed=sort(3,1,2) is not allowed in a run's "
+                                         "records; its value must be")
+    assert str(refused.value).endswith("type seed=... as the sweep had it again to resume it")
+    typed = ["-m", "seed=sort(3,1,2)", f"hydra.sweep.dir={tmp_path}", "ckpt_path=auto"]
+    assert resume.with_record(typed) == typed

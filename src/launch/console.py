@@ -11,6 +11,8 @@ from typing import TextIO, TypeVar
 
 from tqdm import tqdm
 
+from src.folders import shown
+
 Bar = TypeVar("Bar", bound=tqdm)
 
 # The bars the project opened (src/callbacks/progress.py registers each): weak, so that a bar Lightning drops is gone.
@@ -53,10 +55,11 @@ def write_line(text: str, stream: TextIO) -> None:
 
 
 def print_error(message: str) -> None:
-    """`error: <message>` on stderr, on a line of its own: the main thread closes the bars first."""
+    """`error: <message>` on stderr, on a line of its own, its control characters escaped (it may quote a record or a
+    folder's name): the main thread closes the bars first."""
     if in_main_thread():
         close_progress_bars()
-    write_line(f"error: {message}", sys.stderr)
+    write_line(f"error: {shown(message)}", sys.stderr)
 
 
 def print_line(message: str) -> None:
