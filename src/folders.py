@@ -87,6 +87,16 @@ def check_below(root: Path, path: Path) -> None:
         os.close(open_folder(root, path))
 
 
+def check_in_place(path: Path, root: Path) -> None:
+    """Where a library will write `path` by its name (Lightning's CSV logger): nothing there, or a regular file of one
+    name, reached from `root` without a link; else one line, before the library opens it (a FIFO would block it, a
+    link or a second name carry its writes elsewhere)."""
+    if os.path.lexists(path):
+        os.close(own_file(open_file(path, os.O_RDONLY, root), path, writing=True))
+    else:
+        check_below(root, Path(path).parent)
+
+
 def users(link: Path) -> bool:
     """A link the user made to a folder the user owns."""
     return os.lstat(link).st_uid == os.getuid() == os.stat(link).st_uid

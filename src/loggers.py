@@ -25,7 +25,7 @@ from torch.utils.tensorboard.summary import custom_scalars
 from src import records
 from src.checkpoints import Saved
 from src.errors import UsageError, interpreter
-from src.folders import open_file, read_bytes, write_file
+from src.folders import check_in_place, open_file, read_bytes, write_file
 from src.launch.stops import RunStopped, held
 from src.records import TO_TARGET
 
@@ -175,6 +175,8 @@ class CSVRunLogger(CSVLogger):
 
     def __init__(self, *args: Any, purge_step: int | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        for name in ("metrics.csv", "hparams.yaml"):  # Lightning's writer opens them by their names
+            check_in_place(Path(self.log_dir, name), Path(self.save_dir))
         saved, self._kept = Path(self.log_dir, "metrics.csv"), []
         if purge_step is not None and saved.is_file():
             with io.StringIO(read_bytes(saved, 64 * records.LIMIT).decode(errors="replace"), newline="") as file:

@@ -548,6 +548,24 @@ def test_a_run_whose_event_files_would_flood_or_block_a_reader_is_left_out_in_on
                                                   if line.startswith(f"error: {run}: left out ({why}")] != []
 
 
+@pytest.mark.parametrize("name", ["metrics.csv", "hparams.yaml"])
+@pytest.mark.parametrize("kind", ["fifo", "link", "hard link"])
+def test_a_csv_loggers_file_that_is_not_its_own_is_refused_before_lightning_opens_it(tmp_path, name, kind):
+    """Lightning's CSV writer opens `csv/metrics.csv` and `csv/hparams.yaml` by their names: a FIFO there kept a resume
+    waiting for ever; a link or a second name would carry its rows elsewhere. The logger refuses them as it is made."""
+    from src.loggers import CSVRunLogger
+
+    outside = tmp_path / "outside.txt"
+    outside.write_text("the user's own file\n")
+    (tmp_path / "run" / "csv").mkdir(parents=True)
+    planted = tmp_path / "run" / "csv" / name
+    os.mkfifo(planted) if kind == "fifo" else planted.symlink_to(outside) if kind == "link" else os.link(outside, planted)
+    with pytest.raises(UsageError) as refused:
+        CSVRunLogger(save_dir=str(tmp_path / "run"), name="csv", version="", purge_step=4)
+    assert str(refused.value).startswith(f"{planted} is ")
+    assert outside.read_text() == "the user's own file\n"
+
+
 def test_a_resume_that_trains_on_of_a_run_whose_event_file_is_a_fifo_is_refused_without_waiting(tmp_path, data_root):
     """A run's end reads its event files (a resumed run keeps the HParams record it began with): a FIFO in one's
     place kept the resume waiting for ever, deaf to SIGTERM. It is one line, and the checkpoints stay."""

@@ -75,12 +75,12 @@ def rewrite_record(path: Path, added: bool, index: int, value: str) -> None:
 
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory, data_root):
-    """A finished quick run, on which each entry point has run once as it is (`entry`): what a clean run imports is
-    imported."""
+    """A finished quick run that logs to TensorBoard and CSV, on which each entry point has run once as it is
+    (`entry`): what a clean run imports is imported."""
     import shutil
 
     run_dir = tmp_path_factory.mktemp("sandboxed") / "run"
-    result = train_here(*QUICK, f"hydra.run.dir={run_dir}")
+    result = train_here(*QUICK, "logger=[tensorboard,csv]", f"hydra.run.dir={run_dir}")  # csv: files of fixed names
     assert result.returncode == 0, result.stderr[-2000:]
     for command in COMMANDS:
         warm = Path(shutil.copytree(run_dir, tmp_path_factory.mktemp("warm") / "run"))
