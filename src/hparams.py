@@ -19,10 +19,11 @@ from tensorboard.plugins.hparams import api_pb2, metadata, plugin_data_pb2, summ
 from torch.utils.tensorboard.writer import FileWriter
 
 from src import records
-from src.errors import UsageError
 from src.config import TrainConfig
+from src.errors import UsageError
 from src.launch.stops import held
 from src.loggers import RunLogger
+from src.runs import EVENT_FILES, event_files
 
 # Metric columns in TensorBoard's order: tag, title, what it is. It shows a tag's last value: medians are logged once.
 METRICS: tuple[tuple[str, str, str], ...] = (
@@ -250,8 +251,6 @@ def write_experiment(runs: list[Mapping[str, Any]], log_dir: Path, typed: Iterab
 
 
 def has_hparams(run_dir: Path) -> bool:
-    from src.runs import EVENT_FILES, event_files
-
     try:
         with event_files(run_dir) as copy:
             return any(value.metadata.plugin_data.plugin_name == "hparams" for events in copy.glob(EVENT_FILES)

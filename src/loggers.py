@@ -235,8 +235,6 @@ class MLflowRunLogger(MLFlowLogger):
         if store is not None and artifact_location is None:
             artifact_location = (store.parent / "mlartifacts").absolute().as_uri()
         lock = Path(f"{store}.lock") if store is not None else None
-        if lock is not None:
-            lock.parent.mkdir(parents=True, exist_ok=True)
         with os.fdopen(open_file(lock, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a") if lock else nullcontext() as held:
             if held:
                 fcntl.flock(held, fcntl.LOCK_EX)

@@ -29,13 +29,13 @@ MAY_CHANGE = {
 # Of those, where the data is: a record never carries it, so a resume reads the data where the run did unless its own
 # command types another folder (conf/'s default in its place would download afresh).
 TYPED_TO_CHANGE = {"data.root"}
-LENGTH = ("max_epochs", "trainer.max_steps")
+LENGTH = ("max_epochs", "trainer.max_steps")  # a resume may move these, unless a learning-rate schedule spans them
 
 
 def typed_values() -> dict[str, str]:
     """The running command's `key=value` overrides, as it typed them (none outside a Hydra job)."""
     lines = HydraConfig.get().overrides.task if HydraConfig.initialized() else []
-    return dict(line.split("=", 1) for line in lines if "=" in line)  # a resume may move these, unless a learning-rate schedule spans them
+    return dict(line.split("=", 1) for line in lines if "=" in line)
 
 
 def with_record(args: list[str]) -> list[str]:

@@ -25,7 +25,6 @@ from src.launch.console import print_error
 RESOLVED_CONFIG = "config.yaml"
 EVENT_FILES = "events.out.tfevents.*"
 EVENTS_LIMIT = 64 * 2**20  # bytes of a run's event files the readers read; a long ResNet-18 run's are under 1 MiB
-
 CSV_METRICS, CSV_HPARAMS = Path("csv", "metrics.csv"), Path("csv", "hparams.yaml")  # conf/logger/csv.yaml
 
 T = TypeVar("T")

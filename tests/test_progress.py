@@ -423,6 +423,7 @@ def test_a_job_a_resumed_sweep_runs_again_is_named_by_its_folder_though_its_comm
     assert job_folder_name(tmp_path, ["seed=2"], 1) == "lenet_auto_1dev_32-true_seed=2"
     assert job_folder_name(tmp_path, ["seed=2", "ckpt_path=auto"], 1) == "lenet_auto_1dev_32-true_seed=2"
     assert job_folder_name(tmp_path, ["seed=3", "ckpt_path=auto"], 2) == "seed=3", "a job with no folder yet"
+    assert job_folder_name(tmp_path, ["seed=3_"], 2) == "seed=3_", "its value as it is, never trimmed"
     assert job_folder_name(tmp_path, ["seed=1", "ckpt_path=auto", "max_epochs=3"], 1) == "lenet_auto_1dev_32-true_seed=1"
 
 

@@ -88,15 +88,14 @@ TRIAL = "callbacks.optuna_trial.trial"  # a search's trial number: a sampler may
 def sweep_job_dirname(job_overrides: list[str], job_num: int, sweep_dir: str, label: str = "") -> str:
     """The run label, then a search's trial (as its lines count it), then the swept values it does not show:
     `lenet_auto_1dev_32-true_seed=2` for `seed=1,2`, `..._trial3_optim.lr=0.01` in a search; a swept precision as typed
-    unless the label shows it so (`32` is `32-true`): two jobs never share a folder."""
+    unless the label shows it so (`32` is `32-true`); without a label (a job that never started), every swept value:
+    two jobs never share a folder."""
     values = swept_values(job_overrides, swept_keys(sweep_args(sweep_dir)))
     trial = [f"trial{int(values[TRIAL]) + 1}"] if values.get(TRIAL, "").isdigit() else []
-    if not label:  # a job that never started: by every swept value
-        return folder_name("_".join([*trial, ",".join(f"{key}={value}" for key, value in values.items()
-                                                      if key != TRIAL)]).strip("_"), f"job{job_num}")
-    parts = [f"{key}={value}" for key, value in values.items()
-             if key not in (*LABELLED, TRIAL) and not (key == "precision" and label.endswith("_" + value))]
-    return folder_name("_".join([label, *trial, *([",".join(parts)] if parts else [])]), f"job{job_num}")
+    parts = [f"{key}={value}" for key, value in values.items() if key != TRIAL and not (label and (
+             key in LABELLED or key == "precision" and label.endswith("_" + value)))]
+    return folder_name("_".join([*([label] if label else []), *trial, *([",".join(parts)] if parts else [])]),
+                       f"job{job_num}")
 
 
 def swept_values(job_overrides: list[str], swept: list[str]) -> dict[str, str]:
